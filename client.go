@@ -1,0 +1,468 @@
+package gpushm
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/gpushm/gpushm/internal/epoch"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// Error is an error reported by the daemon. errors.Is matches it against
+// its errno (syscall.ENOENT, ...) and the fs errors (fs.ErrNotExist, ...).
+type Error = wire.Error
+
+// SegmentInfo describes a segment as the daemon reports it.
+type SegmentInfo = wire.Segment
+
+// Device describes a device the daemon allocates on.
+type Device = wire.Device
+
+// Info is what the daemon reports about itself.
+type Info struct {
+	Server  string
+	Backend string // "cuda" or "host"
+	Devices []Device
+	Usage   Usage
+}
+
+// Usage is what the daemon holds.
+type Usage = wire.Usage
+
+// DefaultSocket is the socket path used when none is given: $GPUSHM_SOCKET,
+// else /run/gpushm/gpushm.sock for root, else
+// $XDG_RUNTIME_DIR/gpushm/gpushm.sock (or /tmp/gpushm-UID/gpushm.sock).
+func DefaultSocket() string {
+	if p := os.Getenv("GPUSHM_SOCKET"); p != "" {
+		return p
+	}
+	if os.Geteuid() == 0 {
+		return "/run/gpushm/gpushm.sock"
+	}
+	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
+		return filepath.Join(d, "gpushm", "gpushm.sock")
+	}
+	return filepath.Join(os.TempDir(), fmt.Sprintf("gpushm-%d", os.Geteuid()), "gpushm.sock")
+}
+
+// Client is a connection to the daemon.
+type Client struct {
+	socket  string
+	server  string
+	backend string
+	epoch   *epoch.Page
+
+	mu     sync.Mutex // serializes round trips
+	conn   *wire.Conn
+	nextID uint64
+	broken error
+
+	cmu    sync.Mutex
+	cache  map[cacheKey]*shared
+	open   map[*shared]struct{}
+	closed bool
+}
+
+// Dial connects to the daemon at socket ("" for DefaultSocket) and says
+// hello.
+func Dial(ctx context.Context, socket string) (*Client, error) {
+	if socket == "" {
+		socket = DefaultSocket()
+	}
+	conn, err := wire.Dial(socket)
+	if err != nil {
+		return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (is 'gpushm daemon' running?): %w", socket, err)
+	}
+	c := &Client{
+		socket: socket,
+		conn:   conn,
+		cache:  make(map[cacheKey]*shared),
+		open:   make(map[*shared]struct{}),
+	}
+	rep, fd, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpHello, Version: wire.Version})
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("gpushm: hello: %w", err)
+	}
+	if fd < 0 || !rep.Epoch {
+		closeFD(fd)
+		conn.Close()
+		return nil, fmt.Errorf("gpushm: hello: daemon sent no epoch page")
+	}
+	c.epoch, err = epoch.Map(fd)
+	closeFD(fd)
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("gpushm: %w", err)
+	}
+	c.server, c.backend = rep.Server, rep.Backend
+	return c, nil
+}
+
+// Backend is "cuda" or "host".
+func (c *Client) Backend() string { return c.backend }
+
+// Socket is the path this client dialed.
+func (c *Client) Socket() string { return c.socket }
+
+// Close closes every Segment opened through c (unmapping its memory) and the
+// connection. The daemon ends the connection's leases.
+func (c *Client) Close() error {
+	c.cmu.Lock()
+	if c.closed {
+		c.cmu.Unlock()
+		return nil
+	}
+	c.closed = true
+	open := make([]*shared, 0, len(c.open))
+	for sh := range c.open {
+		open = append(open, sh)
+	}
+	c.open, c.cache = nil, nil
+	c.cmu.Unlock()
+	var errs []error
+	for _, sh := range open {
+		errs = append(errs, sh.unmap())
+	}
+	c.mu.Lock()
+	errs = append(errs, c.conn.Close())
+	c.broken = errors.New("gpushm: client closed")
+	c.mu.Unlock()
+	c.epoch.Close()
+	return errors.Join(errs...)
+}
+
+// roundTrip sends req and waits for its reply. A reply carrying an error is
+// returned as *Error. The returned fd, if not -1, belongs to the caller.
+func (c *Client) roundTrip(ctx context.Context, req *wire.Request) (*wire.Reply, int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.broken != nil {
+		return nil, -1, c.broken
+	}
+	c.nextID++
+	req.ID = c.nextID
+	b, err := wire.Encode(req)
+	if err != nil {
+		return nil, -1, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, -1, err
+	}
+	uc := c.conn.UnixConn()
+	if d, ok := ctx.Deadline(); ok {
+		uc.SetDeadline(d)
+		defer uc.SetDeadline(time.Time{})
+	}
+	if ctx.Done() != nil {
+		stop := context.AfterFunc(ctx, func() { uc.SetDeadline(time.Unix(1, 0)) })
+		defer stop()
+	}
+	if err := c.conn.Send(b, -1); err != nil {
+		return nil, -1, c.fail(ctx, err)
+	}
+	for {
+		b, fd, err := c.conn.Recv()
+		if err != nil && !errors.Is(err, wire.ErrFDDropped) {
+			return nil, -1, c.fail(ctx, err)
+		}
+		rep, derr := wire.DecodeReply(b)
+		if derr != nil {
+			closeFD(fd)
+			return nil, -1, c.fail(ctx, derr)
+		}
+		if rep.ID != req.ID {
+			// A reply to a request given up on; the protocol never sends
+			// unsolicited messages, so anything else is a stale answer.
+			closeFD(fd)
+			continue
+		}
+		if err != nil { // the descriptor was dropped
+			if rep.FD && rep.Segment != nil {
+				c.sendCloseLocked(rep.Segment.ID)
+			}
+			return nil, -1, err
+		}
+		if rep.Error != nil {
+			closeFD(fd)
+			return nil, -1, rep.Error
+		}
+		if rep.FD && fd < 0 {
+			return nil, -1, c.fail(ctx, fmt.Errorf("%w: reply promised a descriptor and carried none", wire.ErrProto))
+		}
+		return rep, fd, nil
+	}
+}
+
+// fail marks the connection unusable: after a timeout or a protocol error
+// the stream of replies can no longer be trusted.
+func (c *Client) fail(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		err = ctx.Err()
+	}
+	c.broken = fmt.Errorf("gpushm: connection to %s unusable after: %w", c.socket, err)
+	c.conn.Close()
+	return err
+}
+
+// sendCloseLocked ends a lease without waiting for the answer's content.
+func (c *Client) sendCloseLocked(id uint64) {
+	c.nextID++
+	b, _ := wire.Encode(&wire.Request{ID: c.nextID, Op: wire.OpClose, Segment: id})
+	if c.conn.Send(b, -1) == nil {
+		_, fd, _ := c.conn.Recv()
+		closeFD(fd)
+	}
+}
+
+// Info asks the daemon about its backend and devices.
+func (c *Client) Info(ctx context.Context) (*Info, error) {
+	rep, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpInfo})
+	if err != nil {
+		return nil, fmt.Errorf("gpushm: info: %w", err)
+	}
+	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices}
+	if rep.Usage != nil {
+		inf.Usage = *rep.Usage
+	}
+	return inf, nil
+}
+
+// Stat describes a segment.
+func (c *Client) Stat(ctx context.Context, name string) (*SegmentInfo, error) {
+	rep, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpStat, Name: name})
+	if err != nil {
+		return nil, err
+	}
+	return rep.Segment, nil
+}
+
+// List returns every segment, in name order, without metadata.
+func (c *Client) List(ctx context.Context) ([]SegmentInfo, error) {
+	var all []SegmentInfo
+	after := ""
+	for {
+		rep, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpList, After: after})
+		if err != nil {
+			return nil, err
+		}
+		all = append(all, rep.Segments...)
+		if rep.Next == "" {
+			return all, nil
+		}
+		after = rep.Next
+	}
+}
+
+// Unlink removes a name. The memory is freed when the last lease ends.
+func (c *Client) Unlink(ctx context.Context, name string) error {
+	_, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpUnlink, Name: name})
+	return err
+}
+
+// CreateOptions are the optional parts of a create.
+type CreateOptions struct {
+	// Device is the GPU ordinal; nil means the daemon's default device.
+	Device *int
+	// Mode is the permission bits; nil means 0600.
+	Mode *uint32
+	// Meta is user metadata (JSON), for example a tensor's dtype and shape.
+	Meta json.RawMessage
+	// ExistOK opens the segment if the name exists with the same size and
+	// device, so that racing creators share one allocation.
+	ExistOK bool
+}
+
+// Create makes a segment and opens it for reading and writing.
+func (c *Client) Create(ctx context.Context, name string, size int64, o *CreateOptions) (*Segment, error) {
+	if o == nil {
+		o = &CreateOptions{}
+	}
+	req := &wire.Request{Op: wire.OpCreate, Name: name, Size: size, Device: o.Device,
+		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: true}
+	return c.openWith(ctx, req, cacheKey{name: name})
+}
+
+// CreateOnly makes a segment without opening it; created is false when
+// ExistOK found it already there.
+func (c *Client) CreateOnly(ctx context.Context, name string, size int64, o *CreateOptions) (info *SegmentInfo, created bool, err error) {
+	if o == nil {
+		o = &CreateOptions{}
+	}
+	rep, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpCreate, Name: name, Size: size,
+		Device: o.Device, Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK})
+	if err != nil {
+		return nil, false, err
+	}
+	return rep.Segment, rep.Created, nil
+}
+
+// OpenOptions are the optional parts of an open.
+type OpenOptions struct {
+	// ReadOnly asks for read access only; cuda mappings are then made with
+	// CU_MEM_ACCESS_FLAGS_PROT_READ.
+	ReadOnly bool
+}
+
+// Open opens a segment by name. If this client already holds the same name
+// open (with the same access) and the name still names that segment, the
+// lease and mapping are shared and no message is sent.
+func (c *Client) Open(ctx context.Context, name string, o *OpenOptions) (*Segment, error) {
+	if o == nil {
+		o = &OpenOptions{}
+	}
+	key := cacheKey{name: name, readOnly: o.ReadOnly}
+	c.cmu.Lock()
+	if c.closed {
+		c.cmu.Unlock()
+		return nil, errors.New("gpushm: client closed")
+	}
+	if sh := c.cache[key]; sh != nil && sh.epoch == c.epoch.Load() {
+		sh.refs++
+		c.cmu.Unlock()
+		return &Segment{sh: sh}, nil
+	}
+	c.cmu.Unlock()
+	return c.openWith(ctx, &wire.Request{Op: wire.OpOpen, Name: name, ReadOnly: o.ReadOnly}, key)
+}
+
+func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey) (*Segment, error) {
+	// Read the epoch before asking: if the name changes after this, the
+	// entry merely looks stale early, never fresh late.
+	ep := c.epoch.Load()
+	rep, fd, err := c.roundTrip(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	sh := &shared{c: c, info: *rep.Segment, key: key, epoch: ep, fd: fd, readOnly: key.readOnly, refs: 1}
+	c.cmu.Lock()
+	defer c.cmu.Unlock()
+	if c.closed {
+		closeFD(fd)
+		return nil, errors.New("gpushm: client closed")
+	}
+	c.cache[key] = sh
+	c.open[sh] = struct{}{}
+	return &Segment{sh: sh}, nil
+}
+
+type cacheKey struct {
+	name     string
+	readOnly bool
+}
+
+// shared is one daemon lease and its mapping, shared by every Segment this
+// client opened on the same name while it named the same segment.
+type shared struct {
+	c        *Client
+	info     SegmentInfo
+	key      cacheKey
+	epoch    uint64
+	readOnly bool
+	refs     int // guarded by c.cmu
+
+	mu      sync.Mutex
+	fd      int // the leased descriptor, -1 once mapped or closed
+	mapping *Mapping
+}
+
+// unmap undoes the mapping and closes the descriptor; the lease is the
+// caller's business.
+func (sh *shared) unmap() error {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	closeFD(sh.fd)
+	sh.fd = -1
+	if sh.mapping == nil {
+		return nil
+	}
+	err := sh.mapping.unmap()
+	sh.mapping = nil
+	return err
+}
+
+// Segment is an open segment: a lease on it, and its mapping once Map is
+// called. Close it when done.
+type Segment struct {
+	sh     *shared
+	closed bool
+}
+
+// Info is the segment's state when it was opened.
+func (s *Segment) Info() SegmentInfo { return s.sh.info }
+
+// ID is the daemon's unique ID for the segment.
+func (s *Segment) ID() uint64 { return s.sh.info.ID }
+
+// Size is the size asked for at creation.
+func (s *Segment) Size() int64 { return s.sh.info.Size }
+
+// Map maps the segment into this process, once; later calls, and Segments
+// sharing the lease, get the same Mapping.
+func (s *Segment) Map() (*Mapping, error) {
+	if s.closed {
+		return nil, errors.New("gpushm: map of a closed segment")
+	}
+	sh := s.sh
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if sh.mapping != nil {
+		return sh.mapping, nil
+	}
+	if sh.fd < 0 {
+		return nil, fmt.Errorf("gpushm: map %q: client closed", sh.info.Name)
+	}
+	m, err := mapSegment(sh.fd, &sh.info, sh.readOnly)
+	if err != nil {
+		return nil, fmt.Errorf("gpushm: map %q: %w", sh.info.Name, err)
+	}
+	// The mapping holds the memory now; the descriptor would only pin an
+	// fd slot.
+	closeFD(sh.fd)
+	sh.fd = -1
+	sh.mapping = m
+	return m, nil
+}
+
+// Close ends this Segment. When it was the last one sharing its lease, the
+// memory is unmapped and the daemon is told. Using a Mapping after that is a
+// use after free.
+func (s *Segment) Close() error {
+	if s.closed {
+		return nil
+	}
+	s.closed = true
+	sh, c := s.sh, s.sh.c
+	c.cmu.Lock()
+	sh.refs--
+	last := sh.refs == 0
+	if last {
+		if c.cache[sh.key] == sh {
+			delete(c.cache, sh.key)
+		}
+		delete(c.open, sh)
+	}
+	closed := c.closed
+	c.cmu.Unlock()
+	if !last || closed {
+		return nil
+	}
+	err := sh.unmap()
+	if _, _, cerr := c.roundTrip(context.Background(), &wire.Request{Op: wire.OpClose, Segment: sh.info.ID}); cerr != nil {
+		err = errors.Join(err, fmt.Errorf("gpushm: close %q: %w", sh.info.Name, cerr))
+	}
+	return err
+}
+
+func closeFD(fd int) {
+	if fd >= 0 {
+		syscall.Close(fd)
+	}
+}

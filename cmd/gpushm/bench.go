@@ -1,0 +1,183 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+)
+
+func benchCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "bench",
+		Short: "Benchmarks that print tables",
+	}
+	cmd.AddCommand(benchOpenCmd())
+	return cmd
+}
+
+func benchOpenCmd() *cobra.Command {
+	var (
+		backend string
+		sizes   string
+		iters   int
+	)
+	cmd := &cobra.Command{
+		Use:   "open",
+		Short: "Time create, open-to-mapped in a second process, and reopen, against the raw floor",
+		Long: `For each size, on a private daemon:
+
+  floor    a second process imports an exported handle and maps it, with no
+           daemon: cuMemImportFromShareableHandle + cuMemAddressReserve +
+           cuMemMap + cuMemSetAccess on cuda, mmap on host
+  open     a second process opens the segment by name through the daemon and
+           maps it (round trip, SCM_RIGHTS, import, map, set access)
+  reopen   the same, while that process already holds the segment mapped
+  create   create a segment through the daemon (allocate + export)
+
+Each row reports p50 and p99 over --iters samples, and open's p50 as a
+multiple of the floor's p50 measured in the same run.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var list []int64
+			for _, s := range strings.Split(sizes, ",") {
+				n, err := parseSize(s)
+				if err != nil {
+					return err
+				}
+				list = append(list, n)
+			}
+			return runBenchOpen(cmd.Context(), backend, list, iters)
+		},
+	}
+	cmd.Flags().StringVar(&backend, "backend", "auto", "backend: auto, cuda or host")
+	cmd.Flags().StringVar(&sizes, "sizes", "2MiB,64MiB,1GiB", "comma-separated segment sizes")
+	cmd.Flags().IntVar(&iters, "iters", 200, "samples per measurement")
+	return cmd
+}
+
+type dist struct{ p50, p99 time.Duration }
+
+func summarize(ns []int64) dist {
+	s := slices.Clone(ns)
+	slices.Sort(s)
+	if len(s) == 0 {
+		return dist{}
+	}
+	i99 := (len(s)*99+99)/100 - 1
+	return dist{time.Duration(s[len(s)/2]), time.Duration(s[min(i99, len(s)-1)])}
+}
+
+func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int) (err error) {
+	d, err := startDaemon(ctx, backend)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if serr := d.stop(); err == nil {
+			err = serr
+		}
+	}()
+	socketFlag = d.socket
+	c, err := dial(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	inf, err := c.Info(ctx)
+	if err != nil {
+		return err
+	}
+	dev := inf.Devices[0]
+	type row struct {
+		size                        int64
+		floor, open, reopen, create dist
+	}
+	var rows []row
+	for _, size := range sizes {
+		r := row{size: size}
+		var createNS []int64
+		for i := range iters {
+			name := fmt.Sprintf("bench-create-%d", i)
+			t := time.Now()
+			if _, _, err := c.CreateOnly(ctx, name, size, nil); err != nil {
+				return err
+			}
+			createNS = append(createNS, time.Since(t).Nanoseconds())
+			if err := c.Unlink(ctx, name); err != nil {
+				return err
+			}
+		}
+		r.create = summarize(createNS)
+
+		floor, err := floorSamples(ctx, c.Backend(), dev, size, iters)
+		if err != nil {
+			return fmt.Errorf("floor: %w", err)
+		}
+		r.floor = summarize(floor)
+
+		seg, err := c.Create(ctx, "bench", size, nil)
+		if err != nil {
+			return err
+		}
+		open, err := childSamples(ctx, d.socket, "--name", "bench", "--iters", fmt.Sprint(iters))
+		if err == nil {
+			r.open = summarize(open)
+			var reopen []int64
+			reopen, err = childSamples(ctx, d.socket, "--name", "bench", "--iters", fmt.Sprint(iters), "--reopen")
+			r.reopen = summarize(reopen)
+		}
+		seg.Close()
+		if uerr := c.Unlink(ctx, "bench"); err == nil {
+			err = uerr
+		}
+		if err != nil {
+			return err
+		}
+		rows = append(rows, r)
+	}
+
+	fmt.Printf("gpushm bench open: backend %s, device %d %q, %d samples each, %s\n\n",
+		c.Backend(), dev.Index, dev.Name, iters, time.Now().UTC().Format("2006-01-02"))
+	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "size\tfloor p50\tfloor p99\topen p50\topen p99\topen/floor\treopen p50\treopen p99\tcreate p50\tcreate p99\t")
+	for _, r := range rows {
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%.3fx\t%s\t%s\t%s\t%s\t\n", formatSize(r.size),
+			fmtDur(r.floor.p50), fmtDur(r.floor.p99), fmtDur(r.open.p50), fmtDur(r.open.p99),
+			float64(r.open.p50)/float64(r.floor.p50),
+			fmtDur(r.reopen.p50), fmtDur(r.reopen.p99), fmtDur(r.create.p50), fmtDur(r.create.p99))
+	}
+	return w.Flush()
+}
+
+// childSamples runs '__child open' in a fresh process and collects its
+// samples.
+func childSamples(ctx context.Context, socket string, args ...string) ([]int64, error) {
+	return runChild(ctx, nil, append([]string{"open", "--socket", socket}, args...)...)
+}
+
+func runChild(ctx context.Context, extra []*os.File, args ...string) ([]int64, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, self, append([]string{"__child"}, args...)...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr, cmd.ExtraFiles = &out, os.Stderr, extra
+	if err := cmd.Run(); err != nil {
+		return nil, fmt.Errorf("second process %v: %w", args, err)
+	}
+	var s samples
+	if err := json.Unmarshal(out.Bytes(), &s); err != nil {
+		return nil, fmt.Errorf("second process said %q: %w", out.String(), err)
+	}
+	return s.NS, nil
+}

@@ -1,0 +1,146 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
+)
+
+// childCmd holds the second-process halves of demo and bench. They run in a
+// freshly exec'd process: a process that has initialised CUDA must never
+// fork, and a second process is the point of the measurement.
+func childCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:    "__child",
+		Hidden: true,
+		Args:   cobra.NoArgs,
+	}
+	cmd.AddCommand(verifyChildCmd(), openChildCmd(), floorChildCmd())
+	return cmd
+}
+
+// emit writes one JSON result line for the parent.
+func emit(v any) error {
+	return json.NewEncoder(os.Stdout).Encode(v)
+}
+
+type verifyResult struct {
+	OpenNS, MapNS, VerifyNS, WriteNS int64
+	Device                           int
+}
+
+func verifyChildCmd() *cobra.Command {
+	var name string
+	var seed, writeSeed uint64
+	cmd := &cobra.Command{
+		Use: "verify",
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			c, err := dial(ctx)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			var r verifyResult
+			t := time.Now()
+			seg, err := c.Open(ctx, name, nil)
+			if err != nil {
+				return err
+			}
+			defer seg.Close()
+			r.OpenNS = time.Since(t).Nanoseconds()
+			t = time.Now()
+			m, err := seg.Map()
+			if err != nil {
+				return err
+			}
+			r.MapNS, r.Device = time.Since(t).Nanoseconds(), m.Device()
+			t = time.Now()
+			chk := newPatternChecker(seed, m.Size())
+			if _, err := m.WriteTo(chk); err != nil {
+				return fmt.Errorf("verify %s: %w", name, err)
+			}
+			if err := chk.done(); err != nil {
+				return fmt.Errorf("verify %s: %w", name, err)
+			}
+			r.VerifyNS = time.Since(t).Nanoseconds()
+			t = time.Now()
+			if _, err := m.ReadFrom(newPatternReader(writeSeed, m.Size())); err != nil {
+				return fmt.Errorf("write %s: %w", name, err)
+			}
+			r.WriteNS = time.Since(t).Nanoseconds()
+			return emit(r)
+		},
+	}
+	cmd.Flags().StringVar(&name, "name", "", "segment")
+	cmd.Flags().Uint64Var(&seed, "seed", 0, "pattern to expect")
+	cmd.Flags().Uint64Var(&writeSeed, "write-seed", 0, "pattern to write back")
+	return cmd
+}
+
+// samples is a child's list of per-iteration durations.
+type samples struct {
+	NS []int64
+}
+
+func openChildCmd() *cobra.Command {
+	var (
+		name     string
+		iters    int
+		reopen   bool
+		readOnly bool
+	)
+	cmd := &cobra.Command{
+		Use: "open",
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			c, err := dial(ctx)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			o := &gpushm.OpenOptions{ReadOnly: readOnly}
+			if reopen {
+				// Hold one open so every timed open finds it mapped.
+				held, err := c.Open(ctx, name, o)
+				if err != nil {
+					return err
+				}
+				defer held.Close()
+				if _, err := held.Map(); err != nil {
+					return err
+				}
+			}
+			var s samples
+			// The first round warms up the driver and the connection.
+			for i := -1; i < iters; i++ {
+				t := time.Now()
+				seg, err := c.Open(ctx, name, o)
+				if err != nil {
+					return err
+				}
+				if _, err := seg.Map(); err != nil {
+					return err
+				}
+				d := time.Since(t)
+				if err := seg.Close(); err != nil {
+					return err
+				}
+				if i >= 0 {
+					s.NS = append(s.NS, d.Nanoseconds())
+				}
+			}
+			return emit(s)
+		},
+	}
+	cmd.Flags().StringVar(&name, "name", "", "segment")
+	cmd.Flags().IntVar(&iters, "iters", 100, "iterations")
+	cmd.Flags().BoolVar(&reopen, "reopen", false, "time opens of a segment this process already has mapped")
+	cmd.Flags().BoolVar(&readOnly, "readonly", false, "open read-only")
+	return cmd
+}

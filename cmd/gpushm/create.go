@@ -1,0 +1,74 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+
+	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
+)
+
+func createCmd() *cobra.Command {
+	var (
+		device  int
+		mode    string
+		meta    string
+		existOK bool
+	)
+	cmd := &cobra.Command{
+		Use:   "create NAME SIZE",
+		Short: "Create a segment (SIZE like 4096, 64MiB, 1G)",
+		Long: `Create a named segment of SIZE bytes. SIZE takes K, M, G, T (powers of 1024,
+also written KiB, MiB, ...) or KB, MB, GB, TB (powers of 1000). The segment
+lives until 'gpushm rm'; its memory is rounded up to the device's allocation
+granularity.`,
+		Args: cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			size, err := parseSize(args[1])
+			if err != nil {
+				return err
+			}
+			o := &gpushm.CreateOptions{ExistOK: existOK}
+			if cmd.Flags().Changed("device") {
+				o.Device = &device
+			}
+			if mode != "" {
+				m, err := strconv.ParseUint(mode, 8, 32)
+				if err != nil {
+					return fmt.Errorf("--mode %q: want octal permission bits such as 0640", mode)
+				}
+				m32 := uint32(m)
+				o.Mode = &m32
+			}
+			if meta != "" {
+				if !json.Valid([]byte(meta)) {
+					return fmt.Errorf("--meta: not valid JSON")
+				}
+				o.Meta = json.RawMessage(meta)
+			}
+			c, err := dial(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			inf, created, err := c.CreateOnly(cmd.Context(), args[0], size, o)
+			if err != nil {
+				return err
+			}
+			verb := "created"
+			if !created {
+				verb = "exists:"
+			}
+			fmt.Printf("%s %s: %s on device %d (allocated %s)\n", verb, inf.Name, formatSize(inf.Size), inf.Device, formatSize(inf.AllocSize))
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.IntVar(&device, "device", 0, "GPU ordinal (default: the daemon's first device)")
+	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
+	f.StringVar(&meta, "meta", "", "user metadata, a JSON value")
+	f.BoolVar(&existOK, "exist-ok", false, "succeed if the segment exists with the same size and device")
+	return cmd
+}

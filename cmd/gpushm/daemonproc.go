@@ -1,0 +1,78 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/gpushm/gpushm"
+)
+
+// privateDaemon is a daemon this process started on a socket of its own,
+// for demo and bench: they must not disturb a daemon already serving users.
+type privateDaemon struct {
+	socket string
+	dir    string
+	cmd    *exec.Cmd
+	done   chan error
+}
+
+func startDaemon(ctx context.Context, backend string) (*privateDaemon, error) {
+	dir, err := os.MkdirTemp("", "gpushm-")
+	if err != nil {
+		return nil, err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	d := &privateDaemon{socket: filepath.Join(dir, "gpushm.sock"), dir: dir, done: make(chan error, 1)}
+	d.cmd = exec.Command(self, "daemon", "--socket", d.socket, "--backend", backend, "--log-level", "warn")
+	d.cmd.Stderr = os.Stderr
+	if err := d.cmd.Start(); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("start daemon: %w", err)
+	}
+	go func() { d.done <- d.cmd.Wait() }()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		c, err := gpushm.Dial(ctx, d.socket)
+		if err == nil {
+			c.Close()
+			return d, nil
+		}
+		select {
+		case err := <-d.done:
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("daemon exited before serving: %v", err)
+		case <-time.After(5 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			d.cmd.Process.Kill()
+			<-d.done
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("daemon did not answer on %s within 30s", d.socket)
+		}
+	}
+}
+
+// stop sends SIGTERM and waits for a clean exit.
+func (d *privateDaemon) stop() error {
+	defer os.RemoveAll(d.dir)
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-d.done:
+		if err != nil {
+			return fmt.Errorf("daemon exit: %w", err)
+		}
+		return nil
+	case <-time.After(30 * time.Second):
+		d.cmd.Process.Kill()
+		<-d.done
+		return fmt.Errorf("daemon ignored SIGTERM for 30s; killed")
+	}
+}

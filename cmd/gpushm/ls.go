@@ -1,0 +1,70 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"os/user"
+	"strconv"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+)
+
+func lsCmd() *cobra.Command {
+	var bytes bool
+	cmd := &cobra.Command{
+		Use:     "ls",
+		Aliases: []string{"list"},
+		Short:   "List segments",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := dial(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			segs, err := c.List(cmd.Context())
+			if err != nil {
+				return err
+			}
+			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tAGE")
+			for _, s := range segs {
+				size := formatSize(s.Size)
+				if bytes {
+					size = strconv.FormatInt(s.Size, 10)
+				}
+				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\n", s.Name, size, s.Device,
+					owner(s.UID, s.GID), s.Mode, s.Opens, age(time.Since(time.Unix(0, s.Created))))
+			}
+			return w.Flush()
+		},
+	}
+	cmd.Flags().BoolVar(&bytes, "bytes", false, "print sizes in bytes")
+	return cmd
+}
+
+func owner(uid, gid uint32) string {
+	u := strconv.FormatUint(uint64(uid), 10)
+	if pw, err := user.LookupId(u); err == nil {
+		u = pw.Username
+	}
+	g := strconv.FormatUint(uint64(gid), 10)
+	if gr, err := user.LookupGroupId(g); err == nil {
+		g = gr.Name
+	}
+	return u + ":" + g
+}
+
+func age(d time.Duration) string {
+	switch {
+	case d < time.Minute:
+		return fmt.Sprintf("%ds", int(d.Seconds()))
+	case d < time.Hour:
+		return fmt.Sprintf("%dm", int(d.Minutes()))
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh", int(d.Hours()))
+	}
+	return fmt.Sprintf("%dd", int(d.Hours()/24))
+}

@@ -1,0 +1,248 @@
+package main
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// The test binary doubles as the gpushm binary: with GPUSHM_TEST_MAIN set it
+// runs main, so the CLI is tested as users run it, in separate processes.
+func TestMain(m *testing.M) {
+	if os.Getenv("GPUSHM_TEST_MAIN") != "" {
+		main()
+		os.Exit(0)
+	}
+	os.Setenv("GPUSHM_TEST_MAIN", "1")
+	os.Exit(m.Run())
+}
+
+type result struct {
+	stdout, stderr string
+	code           int
+}
+
+func cli(t *testing.T, stdin []byte, args ...string) result {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], args...)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if stdin != nil {
+		cmd.Stdin = bytes.NewReader(stdin)
+	}
+	err := cmd.Run()
+	code := 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	return result{out.String(), errb.String(), code}
+}
+
+func mustRun(t *testing.T, stdin []byte, args ...string) string {
+	t.Helper()
+	r := cli(t, stdin, args...)
+	if r.code != 0 {
+		t.Fatalf("gpushm %v: exit %d: %s", args, r.code, r.stderr)
+	}
+	return r.stdout
+}
+
+func mustFail(t *testing.T, want string, args ...string) {
+	t.Helper()
+	r := cli(t, nil, args...)
+	if r.code == 0 || !strings.Contains(r.stderr, want) || !strings.HasPrefix(r.stderr, "gpushm: ") {
+		t.Fatalf("gpushm %v: exit %d, stderr %q; want failure mentioning %q", args, r.code, r.stderr, want)
+	}
+}
+
+// startDaemonProc runs 'gpushm daemon' as a separate process.
+func startDaemonProc(t *testing.T, socket string, args ...string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], append([]string{"daemon", "--socket", socket, "--backend", "host"}, args...)...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", stderr.String())
+		}
+	})
+	for i := 0; ; i++ {
+		if cli(t, nil, "--socket", socket, "info").code == 0 {
+			return cmd
+		}
+		if i > 500 {
+			t.Fatalf("daemon never answered on %s: %s", socket, stderr.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func socketDir(t *testing.T) string {
+	dir, err := os.MkdirTemp("", "gpushm-cli-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+func TestCLI(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "run", "gpushm.sock")
+	daemon := startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock) // every command below finds it this way
+
+	mustFail(t, "already running", "daemon", "--socket", sock, "--backend", "host")
+
+	if out := mustRun(t, nil, "create", "a", "64MiB", "--meta", `{"dtype":"f32"}`, "--mode", "0640"); !strings.Contains(out, "created a: 64 MiB") {
+		t.Fatalf("create said %q", out)
+	}
+	mustFail(t, "exists", "create", "a", "1")
+	if out := mustRun(t, nil, "create", "a", "64M", "--exist-ok"); !strings.Contains(out, "exists: a") {
+		t.Fatalf("create --exist-ok said %q", out)
+	}
+	mustFail(t, "invalid size", "create", "b", "12XB")
+	mustFail(t, "invalid name", "create", "x/y", "1")
+	mustFail(t, "must be positive", "create", "z", "0")
+	mustFail(t, "exceeds device", "create", "z", "1000T")
+
+	out := mustRun(t, nil, "ls")
+	if !strings.Contains(out, "NAME") || !strings.Contains(out, "a     64 MiB") || !strings.Contains(out, "0640") {
+		t.Fatalf("ls:\n%s", out)
+	}
+	out = mustRun(t, nil, "stat", "a")
+	for _, want := range []string{"size:        67108864", "mode:        0640", `meta:        {"dtype":"f32"}`, "handle:      memfd"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("stat lacks %q:\n%s", want, out)
+		}
+	}
+	mustFail(t, "no such segment", "stat", "nope")
+
+	// put/get through files and pipes, odd sizes.
+	for _, size := range []int{1, 4095, 5<<20 + 3} {
+		data := make([]byte, size)
+		rand.NewChaCha8([32]byte{byte(size)}).Read(data)
+		in := filepath.Join(dir, "in")
+		os.WriteFile(in, data, 0o644)
+		mustRun(t, nil, "put", "f", in)
+		outPath := filepath.Join(dir, "out")
+		mustRun(t, nil, "get", "f", outPath)
+		got, _ := os.ReadFile(outPath)
+		if sha256.Sum256(got) != sha256.Sum256(data) {
+			t.Fatalf("put/get of %d bytes through files changed the data", size)
+		}
+		mustRun(t, data, "put", "p", "-")
+		if got := mustRun(t, nil, "get", "p", "-"); got != string(data) {
+			t.Fatalf("put/get of %d bytes through pipes changed the data (%d bytes back)", size, len(got))
+		}
+		mustRun(t, nil, "rm", "f", "p")
+	}
+	empty := filepath.Join(dir, "empty")
+	os.WriteFile(empty, nil, 0o644)
+	mustFail(t, "is empty", "put", "e", empty)
+	mustFail(t, "exists", "put", "a", filepath.Join(dir, "in"))
+	mustFail(t, "no such file", "put", "e", filepath.Join(dir, "missing"))
+
+	if out := mustRun(t, nil, "info"); !strings.Contains(out, "backend:  host") || !strings.Contains(out, "1 named") {
+		t.Fatalf("info:\n%s", out)
+	}
+	mustRun(t, nil, "rm", "a")
+	mustFail(t, "no such segment", "rm", "a")
+	mustRun(t, nil, "rm", "-f", "a")
+	if out := mustRun(t, nil, "info"); !strings.Contains(out, "0 named, 0 holding memory") {
+		t.Fatalf("info after rm:\n%s", out)
+	}
+
+	// SIGTERM: clean exit, socket removed.
+	daemon.Process.Signal(syscall.SIGTERM)
+	if err := daemon.Wait(); err != nil {
+		t.Fatalf("daemon exit after SIGTERM: %v", err)
+	}
+	if _, err := os.Stat(sock); !os.IsNotExist(err) {
+		t.Fatalf("socket still there after SIGTERM: %v", err)
+	}
+	mustFail(t, "is 'gpushm daemon' running?", "ls")
+}
+
+func TestDaemonReplacesStaleSocket(t *testing.T) {
+	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	fd, _ := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET, 0)
+	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: sock}); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(fd)
+	startDaemonProc(t, sock)
+	mustRun(t, nil, "--socket", sock, "create", "x", "1K")
+}
+
+func TestDemo(t *testing.T) {
+	out := mustRun(t, nil, "demo", "--backend", "host", "--size", "8MiB")
+	for _, want := range []string{"2nd process: open by name", "verified: both processes", "daemon holds 0 segments"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("demo output lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestBenchOpen(t *testing.T) {
+	out := mustRun(t, nil, "bench", "open", "--backend", "host", "--sizes", "64KiB,1MiB", "--iters", "5")
+	if !strings.Contains(out, "open/floor") || !strings.Contains(out, "64 KiB") || !strings.Contains(out, "1 MiB") {
+		t.Fatalf("bench output:\n%s", out)
+	}
+}
+
+func TestHelp(t *testing.T) {
+	out := mustRun(t, nil, "--help")
+	for _, cmd := range []string{"daemon", "create", "ls", "stat", "rm", "put", "get", "info", "bench", "demo"} {
+		if !strings.Contains(out, "  "+cmd) {
+			t.Errorf("--help does not list %s", cmd)
+		}
+	}
+	if strings.Contains(out, "__child") {
+		t.Error("--help lists the hidden __child command")
+	}
+}
+
+func TestParseSize(t *testing.T) {
+	tests := []struct {
+		in   string
+		want int64
+		ok   bool
+	}{
+		{"4096", 4096, true},
+		{"64MiB", 64 << 20, true},
+		{"64M", 64 << 20, true},
+		{"1G", 1 << 30, true},
+		{"1g", 1 << 30, true},
+		{"1GB", 1e9, true},
+		{"1.5K", 1536, true},
+		{"2 TiB", 2 << 40, true},
+		{"", 0, false},
+		{"MiB", 0, false},
+		{"12XB", 0, false},
+		{"-1", 0, false},
+		{"99999999999T", 0, false},
+	}
+	for _, tc := range tests {
+		got, err := parseSize(tc.in)
+		if (err == nil) != tc.ok || got != tc.want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d, ok=%v", tc.in, got, err, tc.want, tc.ok)
+		}
+	}
+}

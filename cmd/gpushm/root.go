@@ -1,0 +1,53 @@
+package main
+
+import (
+	"context"
+	"os"
+
+	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
+)
+
+// socketFlag is the global --socket; empty means gpushm.DefaultSocket.
+var socketFlag string
+
+func run(args []string) error {
+	root := &cobra.Command{
+		Use:   "gpushm",
+		Short: "Named GPU memory segments shared between processes, zero-copy",
+		Long: `gpushm is /dev/shm for GPUs. A daemon owns named GPU memory segments (CUDA
+VMM allocations, or host memory on machines without a GPU) and hands them to
+any process on the machine; every process maps the same physical memory.
+
+Start the daemon with 'gpushm daemon', then create, list and remove segments
+with the other commands. The socket is $GPUSHM_SOCKET if set, else
+/run/gpushm/gpushm.sock for root and $XDG_RUNTIME_DIR/gpushm/gpushm.sock for
+other users; --socket overrides both.`,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.PersistentFlags().StringVar(&socketFlag, "socket", "", "daemon socket path (default $GPUSHM_SOCKET or "+gpushm.DefaultSocket()+")")
+	root.AddCommand(
+		daemonCmd(), infoCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(),
+		putCmd(), getCmd(), benchCmd(), demoCmd(), childCmd(),
+	)
+	root.SetArgs(args)
+	return root.ExecuteContext(context.Background())
+}
+
+func socketPath() string {
+	if socketFlag != "" {
+		return socketFlag
+	}
+	return gpushm.DefaultSocket()
+}
+
+func dial(ctx context.Context) (*gpushm.Client, error) {
+	return gpushm.Dial(ctx, socketPath())
+}
+
+func isTerminal(f *os.File) bool {
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}

@@ -1,0 +1,42 @@
+package main
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/spf13/cobra"
+)
+
+func statCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "stat NAME",
+		Short: "Show one segment in full",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := dial(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			s, err := c.Stat(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			fmt.Printf("name:        %s\n", s.Name)
+			fmt.Printf("id:          %d\n", s.ID)
+			fmt.Printf("size:        %d (%s)\n", s.Size, formatSize(s.Size))
+			fmt.Printf("allocated:   %d (%s)\n", s.AllocSize, formatSize(s.AllocSize))
+			fmt.Printf("device:      %d\n", s.Device)
+			fmt.Printf("handle:      %s\n", s.HandleType)
+			fmt.Printf("owner:       %s (%d:%d)\n", owner(s.UID, s.GID), s.UID, s.GID)
+			fmt.Printf("mode:        %04o\n", s.Mode)
+			fmt.Printf("opens:       %d\n", s.Opens)
+			created := time.Unix(0, s.Created)
+			fmt.Printf("created:     %s (%s ago)\n", created.Format(time.RFC3339), age(time.Since(created)))
+			if len(s.Meta) > 0 {
+				fmt.Printf("meta:        %s\n", s.Meta)
+			}
+			return nil
+		},
+	}
+}

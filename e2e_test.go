@@ -1,0 +1,423 @@
+package gpushm_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testdaemon"
+)
+
+// Tests that need a second process run this test binary again with
+// GPUSHM_TEST_CHILD naming what to do.
+func TestMain(m *testing.M) {
+	if mode := os.Getenv("GPUSHM_TEST_CHILD"); mode != "" {
+		if err := childMain(mode); err != nil {
+			fmt.Fprintf(os.Stderr, "child %s: %v\n", mode, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+func pattern(seed uint64, n int64) []byte {
+	b := make([]byte, n)
+	rand.NewChaCha8([32]byte{byte(seed), byte(seed >> 8)}).Read(b)
+	return b
+}
+
+func childMain(mode string) error {
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, os.Getenv("GPUSHM_SOCKET"))
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	switch mode {
+	case "verify-and-write":
+		// Open by name, check the creator's bytes, write our own.
+		seg, err := c.Open(ctx, os.Getenv("NAME"), nil)
+		if err != nil {
+			return err
+		}
+		defer seg.Close()
+		m, err := seg.Map()
+		if err != nil {
+			return err
+		}
+		got := make([]byte, m.Size())
+		if _, err := m.ReadAt(got, 0); err != nil {
+			return err
+		}
+		if !bytes.Equal(got, pattern(1, m.Size())) {
+			return errors.New("segment does not hold the creator's bytes")
+		}
+		_, err = m.WriteAt(pattern(2, m.Size()), 0)
+		return err
+	case "hold":
+		// Take leases on every name given, then wait to be killed.
+		for _, name := range strings.Fields(os.Getenv("NAMES")) {
+			seg, err := c.Open(ctx, name, nil)
+			if err != nil {
+				return err
+			}
+			if _, err := seg.Map(); err != nil {
+				return err
+			}
+		}
+		fmt.Println("ready")
+		time.Sleep(time.Hour)
+	case "readonly":
+		seg, err := c.Open(ctx, os.Getenv("NAME"), &gpushm.OpenOptions{ReadOnly: true})
+		if err != nil {
+			return err
+		}
+		defer seg.Close()
+		_, err = seg.Map()
+		return err
+	}
+	return fmt.Errorf("unknown child mode %q", mode)
+}
+
+func child(t *testing.T, socket, mode string, env ...string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "GPUSHM_TEST_CHILD="+mode, "GPUSHM_SOCKET="+socket)
+	cmd.Env = append(cmd.Env, env...)
+	cmd.Stderr = os.Stderr
+	return cmd
+}
+
+func dial(t *testing.T, socket string) *gpushm.Client {
+	t.Helper()
+	c, err := gpushm.Dial(context.Background(), socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+func usage(t *testing.T, c *gpushm.Client) gpushm.Usage {
+	t.Helper()
+	inf, err := c.Info(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return inf.Usage
+}
+
+func TestSecondProcessSharesBytes(t *testing.T) {
+	for _, backend := range testdaemon.Backends() {
+		for _, size := range []int64{1, 4096, 3<<20 + 17} {
+			t.Run(fmt.Sprintf("%s/%d", backend, size), func(t *testing.T) {
+				d := testdaemon.Start(t, backend)
+				ctx := context.Background()
+				c := dial(t, d.Socket)
+				before, _ := c.Info(ctx)
+				seg, err := c.Create(ctx, "shared", size, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				m, err := seg.Map()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := m.WriteAt(pattern(1, size), 0); err != nil {
+					t.Fatal(err)
+				}
+				if err := child(t, d.Socket, "verify-and-write", "NAME=shared").Run(); err != nil {
+					t.Fatalf("second process: %v", err)
+				}
+				got := make([]byte, size)
+				if _, err := m.ReadAt(got, 0); err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(got, pattern(2, size)) {
+					t.Fatal("creator does not see the second process's write")
+				}
+				if err := c.Unlink(ctx, "shared"); err != nil {
+					t.Fatal(err)
+				}
+				if u := usage(t, c); u.Segments != 1 || u.Named != 0 {
+					t.Fatalf("after unlink with a lease held: %+v, want 1 segment, 0 named", u)
+				}
+				if err := seg.Close(); err != nil {
+					t.Fatal(err)
+				}
+				if u := usage(t, c); u.Segments != 0 || u.Bytes != 0 {
+					t.Fatalf("after last close: %+v, want nothing held", u)
+				}
+				if backend == "cuda" {
+					after, _ := c.Info(ctx)
+					if delta := int64(before.Devices[0].FreeBytes) - int64(after.Devices[0].FreeBytes); delta > 64<<20 {
+						t.Fatalf("GPU free memory %d bytes below its level before create", delta)
+					}
+				}
+			})
+		}
+	}
+}
+
+func TestKilledClientReleasesLeases(t *testing.T) {
+	for _, backend := range testdaemon.Backends() {
+		t.Run(backend, func(t *testing.T) {
+			d := testdaemon.Start(t, backend)
+			ctx := context.Background()
+			c := dial(t, d.Socket)
+			names := []string{"k1", "k2", "k3"}
+			for _, n := range names {
+				if _, _, err := c.CreateOnly(ctx, n, 1<<20, nil); err != nil {
+					t.Fatal(err)
+				}
+			}
+			cmd := child(t, d.Socket, "hold", "NAMES="+strings.Join(names, " "))
+			out, _ := cmd.StdoutPipe()
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			defer cmd.Process.Kill()
+			line, err := bufio.NewReader(out).ReadString('\n')
+			if err != nil || line != "ready\n" {
+				t.Fatalf("child said %q, %v", line, err)
+			}
+			for _, n := range names {
+				if err := c.Unlink(ctx, n); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if u := usage(t, c); u.Segments != 3 || u.Opens != 3 {
+				t.Fatalf("with the child holding leases: %+v, want 3 segments, 3 opens", u)
+			}
+			cmd.Process.Signal(syscall.SIGKILL)
+			cmd.Wait()
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				u := usage(t, c)
+				if u.Segments == 0 && u.Opens == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("10s after SIGKILL the daemon still holds %+v", u)
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		})
+	}
+}
+
+func TestConcurrentClients(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	const clients, rounds = 64, 20
+	var wg sync.WaitGroup
+	for i := range clients {
+		wg.Go(func() {
+			c, err := gpushm.Dial(ctx, d.Socket)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer c.Close()
+			for r := range rounds {
+				// A name shared by all: open-or-create must give one
+				// allocation; a name of our own: create, write, check, unlink.
+				shared, err := c.Create(ctx, fmt.Sprint("shared-", r%4), 8192, &gpushm.CreateOptions{ExistOK: true})
+				if err != nil {
+					t.Errorf("client %d: %v", i, err)
+					return
+				}
+				own := fmt.Sprintf("own-%d-%d", i, r)
+				seg, err := c.Create(ctx, own, 4096, nil)
+				if err != nil {
+					t.Errorf("client %d: %v", i, err)
+					return
+				}
+				m, err := seg.Map()
+				if err == nil {
+					m.Bytes()[0] = byte(i)
+					again, err2 := c.Open(ctx, own, nil)
+					if err2 == nil {
+						m2, _ := again.Map()
+						if m2.Bytes()[0] != byte(i) {
+							t.Errorf("client %d: reopen sees %d", i, m2.Bytes()[0])
+						}
+						again.Close()
+					}
+					err = err2
+				}
+				if err == nil {
+					err = c.Unlink(ctx, own)
+				}
+				seg.Close()
+				shared.Close()
+				if err != nil {
+					t.Errorf("client %d: %v", i, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	c := dial(t, d.Socket)
+	list, err := c.List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list) != 4 {
+		t.Fatalf("%d segments left, want the 4 shared ones: %v", len(list), list)
+	}
+	for _, s := range list {
+		if s.Opens != 0 {
+			t.Errorf("%s still has %d opens", s.Name, s.Opens)
+		}
+		c.Unlink(ctx, s.Name)
+	}
+	if u := usage(t, c); u.Segments != 0 {
+		t.Fatalf("daemon holds %+v after everything was closed and unlinked", u)
+	}
+}
+
+func TestReopenReusesMappingUntilNameChanges(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c, other := dial(t, d.Socket), dial(t, d.Socket)
+	a, err := c.Create(ctx, "r", 4096, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m1, _ := a.Map()
+	b, err := c.Open(ctx, "r", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m2, _ := b.Map()
+	if m1 != m2 {
+		t.Fatal("second open of a mapped segment made a new mapping")
+	}
+	if st, _ := c.Stat(ctx, "r"); st.Opens != 1 {
+		t.Fatalf("daemon counts %d opens, want 1 shared lease", st.Opens)
+	}
+	// Another process replaces the name: the cache must not hand back the
+	// old segment.
+	if err := other.Unlink(ctx, "r"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := other.CreateOnly(ctx, "r", 4096, nil); err != nil {
+		t.Fatal(err)
+	}
+	c3, err := c.Open(ctx, "r", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c3.ID() == a.ID() {
+		t.Fatal("open after unlink and re-create returned the old segment")
+	}
+	for _, s := range []*gpushm.Segment{a, b, c3} {
+		if err := s.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if u := usage(t, c); u.Segments != 1 || u.Opens != 0 {
+		t.Fatalf("after closing all: %+v, want only the new segment, unopened", u)
+	}
+}
+
+func TestReadOnly(t *testing.T) {
+	for _, backend := range testdaemon.Backends() {
+		t.Run(backend, func(t *testing.T) {
+			d := testdaemon.Start(t, backend)
+			ctx := context.Background()
+			c := dial(t, d.Socket)
+			mode := uint32(0o644)
+			if _, _, err := c.CreateOnly(ctx, "ro", 4096, &gpushm.CreateOptions{Mode: &mode}); err != nil {
+				t.Fatal(err)
+			}
+			seg, err := c.Open(ctx, "ro", &gpushm.OpenOptions{ReadOnly: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer seg.Close()
+			m, err := seg.Map()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := m.WriteAt([]byte{1}, 0); err == nil {
+				t.Fatal("write to a read-only mapping succeeded")
+			}
+			if err := child(t, d.Socket, "readonly", "NAME=ro").Run(); err != nil {
+				t.Fatalf("read-only open in a second process: %v", err)
+			}
+		})
+	}
+}
+
+func TestErrors(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	if _, err := c.Open(ctx, "missing", nil); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("Open(missing) = %v, want fs.ErrNotExist", err)
+	}
+	if _, _, err := c.CreateOnly(ctx, "x", 1, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := c.CreateOnly(ctx, "x", 1, nil); !errors.Is(err, fs.ErrExist) {
+		t.Fatalf("second Create = %v, want fs.ErrExist", err)
+	}
+	if _, _, err := c.CreateOnly(ctx, "y", 1<<62, nil); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("Create(1<<62) = %v, want EINVAL", err)
+	}
+	dev := 5
+	if _, _, err := c.CreateOnly(ctx, "y", 1, &gpushm.CreateOptions{Device: &dev}); !errors.Is(err, syscall.ENODEV) {
+		t.Fatalf("Create(device 5) = %v, want ENODEV", err)
+	}
+	if err := c.Unlink(ctx, "a/b"); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("Unlink(a/b) = %v, want EINVAL", err)
+	}
+	if _, err := gpushm.Dial(ctx, d.Socket+".nope"); err == nil || !strings.Contains(err.Error(), "is 'gpushm daemon' running?") {
+		t.Fatalf("Dial(nowhere) = %v", err)
+	}
+}
+
+func TestListPages(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	// Long names force pages smaller than the count limit.
+	const n = 700
+	for i := range n {
+		name := fmt.Sprintf("%04d-%s", i, strings.Repeat("n", 240))
+		if _, _, err := c.CreateOnly(ctx, name, 1, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	list, err := c.List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list) != n {
+		t.Fatalf("List returned %d segments, want %d", len(list), n)
+	}
+	for i, s := range list {
+		if !strings.HasPrefix(s.Name, fmt.Sprintf("%04d-", i)) {
+			t.Fatalf("List[%d] = %.8s..., out of order", i, s.Name)
+		}
+	}
+}
+
+var _ = strconv.Itoa

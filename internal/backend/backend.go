@@ -1,0 +1,55 @@
+package backend
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// Backend is an allocator the daemon can serve.
+type Backend interface {
+	segment.Allocator
+	// Name is "cuda" or "host".
+	Name() string
+	Devices() ([]wire.Device, error)
+	DefaultDevice() int
+	Close() error
+}
+
+var (
+	_ Backend = (*Host)(nil)
+	_ Backend = (*CUDA)(nil)
+)
+
+// Open picks a backend by name: "cuda", "host", or "auto" (cuda when a
+// driver and a VMM-capable device are present, else host). device < 0 means
+// every GPU; otherwise only that ordinal is served.
+func Open(name string, device int, log *slog.Logger) (Backend, error) {
+	switch name {
+	case "host":
+		return NewHost()
+	case "cuda":
+		c, err := NewCUDA(device)
+		if err != nil {
+			return nil, fmt.Errorf("cuda backend: %w", err)
+		}
+		return c, nil
+	case "auto":
+		c, err := NewCUDA(device)
+		if err == nil {
+			return c, nil
+		}
+		if device >= 0 && !errors.Is(err, ErrNoGPU) {
+			return nil, fmt.Errorf("cuda backend: %w", err)
+		}
+		log.Info("no usable GPU, serving host memory", "reason", err)
+		return NewHost()
+	}
+	return nil, fmt.Errorf("unknown backend %q (want auto, cuda or host)", name)
+}
+
+// ErrNoGPU means the cuda backend cannot run on this machine at all.
+var ErrNoGPU = errors.New("no usable GPU")

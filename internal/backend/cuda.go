@@ -1,0 +1,180 @@
+package backend
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"syscall"
+
+	"github.com/gpushm/gpushm/internal/cuda"
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// CUDA allocates VMM memory (cuMemCreate) on the GPUs it serves and exports
+// each allocation once as a POSIX file descriptor.
+type CUDA struct {
+	devs  map[int]*cudaDevice
+	order []int
+}
+
+type cudaDevice struct {
+	d     *cuda.Device
+	gran  int64
+	total int64
+}
+
+// NewCUDA opens every GPU (device < 0) or one. It fails with ErrNoGPU when
+// the driver is missing or no device supports VMM with POSIX fd handles.
+func NewCUDA(device int) (*CUDA, error) {
+	if err := cuda.Init(); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrNoGPU, err)
+	}
+	n, err := cuda.DeviceCount()
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrNoGPU, err)
+	}
+	if n == 0 {
+		return nil, fmt.Errorf("%w: the driver sees no device", ErrNoGPU)
+	}
+	var ordinals []int
+	if device >= 0 {
+		if device >= n {
+			return nil, fmt.Errorf("no GPU %d (this machine has %d)", device, n)
+		}
+		ordinals = []int{device}
+	} else {
+		for i := range n {
+			ordinals = append(ordinals, i)
+		}
+	}
+	c := &CUDA{devs: make(map[int]*cudaDevice)}
+	for _, i := range ordinals {
+		d, err := cuda.GetDevice(i)
+		if err != nil {
+			return nil, fmt.Errorf("GPU %d: %w", i, err)
+		}
+		ok, err := d.VMMSupported()
+		if err != nil {
+			return nil, fmt.Errorf("GPU %d: %w", i, err)
+		}
+		if !ok {
+			if device >= 0 {
+				return nil, fmt.Errorf("%w: GPU %d lacks VMM with POSIX fd handles", ErrNoGPU, i)
+			}
+			continue
+		}
+		g, err := d.Granularity()
+		if err != nil {
+			return nil, fmt.Errorf("GPU %d: %w", i, err)
+		}
+		total, err := d.TotalMem()
+		if err != nil {
+			return nil, fmt.Errorf("GPU %d: %w", i, err)
+		}
+		c.devs[i] = &cudaDevice{d: d, gran: g, total: int64(total)}
+		c.order = append(c.order, i)
+	}
+	if len(c.order) == 0 {
+		return nil, fmt.Errorf("%w: no GPU supports VMM with POSIX fd handles", ErrNoGPU)
+	}
+	return c, nil
+}
+
+// Name implements Backend.
+func (c *CUDA) Name() string { return "cuda" }
+
+// HandleType implements segment.Allocator.
+func (c *CUDA) HandleType() string { return wire.HandleCUDA }
+
+// DefaultDevice implements Backend: the lowest ordinal served.
+func (c *CUDA) DefaultDevice() int { return c.order[0] }
+
+// Close implements Backend. Primary contexts stay retained for the life of
+// the process; nothing else is held here.
+func (c *CUDA) Close() error { return nil }
+
+func (c *CUDA) device(i int) (*cudaDevice, error) {
+	d := c.devs[i]
+	if d == nil {
+		return nil, fmt.Errorf("%w: GPU %d (served: %v)", segment.ErrNoDevice, i, c.order)
+	}
+	return d, nil
+}
+
+// Capacity implements segment.Allocator.
+func (c *CUDA) Capacity(device int) (int64, error) {
+	d, err := c.device(device)
+	if err != nil {
+		return 0, err
+	}
+	return d.total, nil
+}
+
+// Allocate implements segment.Allocator: size rounds up to the device's
+// granularity; the handle is exported once and the fd kept until Free.
+func (c *CUDA) Allocate(device int, size int64) (segment.Memory, error) {
+	d, err := c.device(device)
+	if err != nil {
+		return nil, err
+	}
+	alloc := (size + d.gran - 1) / d.gran * d.gran
+	h, err := d.d.Create(alloc)
+	if err != nil {
+		return nil, errnoFor(err)
+	}
+	fd, err := d.d.ExportFD(h)
+	if err != nil {
+		d.d.Release(h)
+		return nil, errnoFor(err)
+	}
+	return &cudaMemory{d: d.d, h: h, fd: fd, size: alloc}, nil
+}
+
+// errnoFor attaches the errno the protocol reports to a driver error.
+func errnoFor(err error) error {
+	switch {
+	case errors.Is(err, cuda.ErrOutOfMemory):
+		return fmt.Errorf("%w (%w)", syscall.ENOMEM, err)
+	case errors.Is(err, syscall.EMFILE):
+		return err
+	}
+	return err
+}
+
+// Devices implements Backend.
+func (c *CUDA) Devices() ([]wire.Device, error) {
+	out := make([]wire.Device, 0, len(c.order))
+	for _, i := range slices.Sorted(slices.Values(c.order)) {
+		d := c.devs[i]
+		name, err := d.d.Name()
+		if err != nil {
+			return nil, err
+		}
+		uuid, err := d.d.UUID()
+		if err != nil {
+			return nil, err
+		}
+		free, total, err := d.d.MemInfo()
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, wire.Device{Index: i, Name: name, UUID: uuid, TotalBytes: total, FreeBytes: free, Granularity: d.gran})
+	}
+	return out, nil
+}
+
+type cudaMemory struct {
+	d    *cuda.Device
+	h    cuda.Handle
+	fd   int
+	size int64
+}
+
+func (m *cudaMemory) FD() int     { return m.fd }
+func (m *cudaMemory) Size() int64 { return m.size }
+
+func (m *cudaMemory) Free() error {
+	err := syscall.Close(m.fd)
+	return errors.Join(err, m.d.Release(m.h))
+}

@@ -1,0 +1,106 @@
+package backend
+
+import (
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// Host allocates sealed memfds: device 0 is the machine's RAM.
+type Host struct {
+	total int64
+}
+
+var _ segment.Allocator = (*Host)(nil)
+
+// NewHost returns the host allocator.
+func NewHost() (*Host, error) {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil {
+		return nil, fmt.Errorf("sysinfo: %w", err)
+	}
+	return &Host{total: int64(si.Totalram) * int64(si.Unit)}, nil
+}
+
+// HandleType implements segment.Allocator.
+func (h *Host) HandleType() string { return wire.HandleMemfd }
+
+// Capacity implements segment.Allocator.
+func (h *Host) Capacity(device int) (int64, error) {
+	if device != 0 {
+		return 0, fmt.Errorf("%w: %d (the host backend has device 0 only)", segment.ErrNoDevice, device)
+	}
+	return h.total, nil
+}
+
+// Granularity is the page size: host sizes round up to it.
+func (h *Host) Granularity() int64 { return int64(os.Getpagesize()) }
+
+// Devices describes the one host device.
+func (h *Host) Devices() ([]wire.Device, error) {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil {
+		return nil, fmt.Errorf("sysinfo: %w", err)
+	}
+	return []wire.Device{{
+		Index:       0,
+		Name:        "host memory",
+		TotalBytes:  uint64(h.total),
+		FreeBytes:   uint64(si.Freeram) * uint64(si.Unit),
+		Granularity: h.Granularity(),
+	}}, nil
+}
+
+// Allocate implements segment.Allocator. The memory is committed with
+// fallocate, so running out shows here as ENOMEM rather than later as a
+// SIGBUS in a client; the size is sealed, so no client can shrink it under
+// another's mapping.
+func (h *Host) Allocate(device int, size int64) (segment.Memory, error) {
+	if _, err := h.Capacity(device); err != nil {
+		return nil, err
+	}
+	g := h.Granularity()
+	alloc := (size + g - 1) / g * g
+	fd, err := unix.MemfdCreate("gpushm", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return nil, fmt.Errorf("memfd_create: %w", err)
+	}
+	if err := unix.Ftruncate(fd, alloc); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("ftruncate: %w", err)
+	}
+	if err := unix.Fallocate(fd, 0, 0, alloc); err != nil {
+		unix.Close(fd)
+		if err == unix.ENOSPC {
+			err = unix.ENOMEM
+		}
+		return nil, fmt.Errorf("fallocate: %w", err)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("seal: %w", err)
+	}
+	return &hostMemory{fd: fd, size: alloc}, nil
+}
+
+type hostMemory struct {
+	fd   int
+	size int64
+}
+
+func (m *hostMemory) FD() int     { return m.fd }
+func (m *hostMemory) Size() int64 { return m.size }
+func (m *hostMemory) Free() error { return unix.Close(m.fd) }
+
+// Name implements server.Backend.
+func (h *Host) Name() string { return "host" }
+
+// DefaultDevice implements server.Backend.
+func (h *Host) DefaultDevice() int { return 0 }
+
+// Close implements Backend.
+func (h *Host) Close() error { return nil }

@@ -1,0 +1,89 @@
+// Package epoch is a counter in a shared memory page that the daemon bumps
+// whenever a name stops meaning the segment it meant (unlink, rename, a change
+// of owner or mode). Clients map the page read-only and compare it with the
+// value they saw at open time: when it has not moved, a name they already hold
+// mapped still names the same segment, so a second open needs no round trip.
+//
+// The page is a sealed memfd; the daemon owns its descriptor and sends a copy
+// with the reply to hello. This package and internal/cuda are the only ones
+// that use unsafe: atomics on shared memory need a *uint64.
+package epoch
+
+import (
+	"fmt"
+	"sync/atomic"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+const pageSize = 4096
+
+// Page is a mapped epoch page.
+type Page struct {
+	mem []byte
+	v   *atomic.Uint64
+	fd  int // owned, -1 for a page mapped by a client
+}
+
+// New makes a writable page for the daemon.
+func New() (*Page, error) {
+	fd, err := unix.MemfdCreate("gpushm-epoch", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return nil, fmt.Errorf("epoch page: memfd_create: %w", err)
+	}
+	if err := unix.Ftruncate(fd, pageSize); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("epoch page: ftruncate: %w", err)
+	}
+	// Clients get a copy of this fd; seals stop one from resizing the page
+	// under the daemon (a SIGBUS) or mapping it writable.
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("epoch page: seal: %w", err)
+	}
+	mem, err := unix.Mmap(fd, 0, pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("epoch page: mmap: %w", err)
+	}
+	p := &Page{mem: mem, fd: fd, v: (*atomic.Uint64)(unsafe.Pointer(&mem[0]))}
+	p.v.Store(1)
+	return p, nil
+}
+
+// Map maps a page received from the daemon, read-only. It does not take
+// ownership of fd.
+func Map(fd int) (*Page, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("epoch page: fstat: %w", err)
+	}
+	if st.Size < 8 {
+		return nil, fmt.Errorf("epoch page: %d bytes, want %d", st.Size, pageSize)
+	}
+	mem, err := unix.Mmap(fd, 0, pageSize, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("epoch page: mmap: %w", err)
+	}
+	return &Page{mem: mem, fd: -1, v: (*atomic.Uint64)(unsafe.Pointer(&mem[0]))}, nil
+}
+
+// FD is the daemon's descriptor of the page (-1 in a client).
+func (p *Page) FD() int { return p.fd }
+
+// Load reads the current epoch.
+func (p *Page) Load() uint64 { return p.v.Load() }
+
+// Bump advances the epoch (daemon only).
+func (p *Page) Bump() { p.v.Add(1) }
+
+// Close unmaps the page and closes the daemon's descriptor.
+func (p *Page) Close() error {
+	err := unix.Munmap(p.mem)
+	if p.fd >= 0 {
+		unix.Close(p.fd)
+		p.fd = -1
+	}
+	return err
+}

@@ -1,0 +1,28 @@
+package segment
+
+import "syscall"
+
+// Sentinel errors. Each unwraps to the errno that the wire protocol reports,
+// so callers can test either.
+var (
+	ErrNotFound   = &Error{"no such segment", syscall.ENOENT}
+	ErrExist      = &Error{"segment exists", syscall.EEXIST}
+	ErrPermission = &Error{"permission denied", syscall.EACCES}
+	ErrNotOwner   = &Error{"operation not permitted: not the owner", syscall.EPERM}
+	ErrBadName    = &Error{"invalid name", syscall.EINVAL}
+	ErrNameLong   = &Error{"name too long", syscall.ENAMETOOLONG}
+	ErrBadSize    = &Error{"invalid size", syscall.EINVAL}
+	ErrBadMode    = &Error{"invalid mode", syscall.EINVAL}
+	ErrBadMeta    = &Error{"invalid metadata", syscall.EINVAL}
+	ErrNoDevice   = &Error{"no such device", syscall.ENODEV}
+	ErrClosed     = &Error{"registry closed", syscall.EIO}
+)
+
+// Error is a registry error with the errno it stands for.
+type Error struct {
+	msg   string
+	errno syscall.Errno
+}
+
+func (e *Error) Error() string { return e.msg }
+func (e *Error) Unwrap() error { return e.errno }

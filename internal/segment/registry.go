@@ -1,0 +1,473 @@
+package segment
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Memory is one allocation: a descriptor another process can map, and the
+// means to free it. Free closes the descriptor.
+type Memory interface {
+	FD() int
+	Size() int64
+	Free() error
+}
+
+// Allocator is what the registry needs of a backend.
+type Allocator interface {
+	// Allocate returns at least size bytes on device. Out of memory must
+	// unwrap to syscall.ENOMEM, out of descriptors to syscall.EMFILE.
+	Allocate(device int, size int64) (Memory, error)
+	// Capacity is the device's total memory; an unknown device is an error
+	// that unwraps to ErrNoDevice.
+	Capacity(device int) (int64, error)
+	// HandleType names what Memory.FD is ("memfd", "cuda_fd").
+	HandleType() string
+}
+
+// Cred identifies the process asking.
+type Cred struct {
+	UID, GID uint32
+}
+
+// Root is the credential of the superuser.
+var Root = Cred{}
+
+// DefaultMode is the mode of a segment created without one.
+const DefaultMode = 0o600
+
+// MaxName is the longest name, in bytes, as for a file name.
+const MaxName = 255
+
+// Permission bits for Acquire.
+const (
+	Read  = 4
+	Write = 2
+)
+
+// CreateOptions describes a new segment.
+type CreateOptions struct {
+	Name   string
+	Size   int64
+	Device int
+	Mode   uint32 // permission bits; DefaultMode when UseMode is false
+	// UseMode says Mode was given; a mode of 0 is legal.
+	UseMode bool
+	Meta    json.RawMessage
+	// ExistOK makes create open-or-create: when the name exists with the
+	// same size and device, that segment is returned.
+	ExistOK bool
+	// Open acquires a lease on the returned segment, atomically with the
+	// create, so no unlink can free it in between. ReadOnly asks for read
+	// access only.
+	Open     bool
+	ReadOnly bool
+}
+
+// Info is a snapshot of a segment's state.
+type Info struct {
+	ID         uint64
+	Name       string
+	Size       int64
+	AllocSize  int64
+	Device     int
+	HandleType string
+	UID, GID   uint32
+	Mode       uint32
+	Opens      int
+	Created    time.Time
+	Meta       json.RawMessage
+	Linked     bool
+}
+
+// Segment is one allocation in the registry.
+type Segment struct {
+	id      uint64
+	size    int64
+	device  int
+	created time.Time
+	ready   chan struct{} // closed when creation finished, either way
+
+	// Guarded by Registry.mu.
+	name     string
+	uid, gid uint32
+	mode     uint32
+	meta     json.RawMessage
+	opens    int
+	linked   bool
+	mem      Memory
+}
+
+// ID is unique for the registry's lifetime; IDs are never reused.
+func (s *Segment) ID() uint64 { return s.id }
+
+// FD is the segment's descriptor, owned by the registry. Valid while the
+// caller holds a lease.
+func (s *Segment) FD() int { return s.mem.FD() }
+
+// Registry maps names to segments.
+type Registry struct {
+	alloc Allocator
+
+	mu     sync.Mutex
+	byName map[string]*Segment
+	byID   map[uint64]*Segment // every segment holding memory, named or not
+	nextID uint64
+	closed bool
+	// changed runs, with mu held, whenever a name stops naming the segment it
+	// named; clients use it to invalidate cached mappings.
+	changed func()
+}
+
+// New returns an empty registry allocating through alloc. changed, if not
+// nil, is called whenever a name's binding is removed.
+func New(alloc Allocator, changed func()) *Registry {
+	if changed == nil {
+		changed = func() {}
+	}
+	return &Registry{
+		alloc:   alloc,
+		byName:  make(map[string]*Segment),
+		byID:    make(map[uint64]*Segment),
+		changed: changed,
+	}
+}
+
+// ValidName reports why name cannot name a segment, or nil.
+func ValidName(name string) error {
+	switch {
+	case name == "":
+		return fmt.Errorf("%w: empty", ErrBadName)
+	case len(name) > MaxName:
+		return fmt.Errorf("%w: %d bytes, limit %d", ErrNameLong, len(name), MaxName)
+	case name == "." || name == "..":
+		return fmt.Errorf("%w: %q", ErrBadName, name)
+	case strings.ContainsAny(name, "/\x00"):
+		return fmt.Errorf("%w: %q contains '/' or NUL", ErrBadName, name)
+	}
+	return nil
+}
+
+// Create makes a new segment, or with ExistOK returns the existing one.
+// created reports which. With Open, the caller holds a lease on the result.
+func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, err error) {
+	if err := ValidName(o.Name); err != nil {
+		return nil, false, err
+	}
+	if o.Size <= 0 {
+		return nil, false, fmt.Errorf("%w: %d (must be positive)", ErrBadSize, o.Size)
+	}
+	mode := uint32(DefaultMode)
+	if o.UseMode {
+		if o.Mode&^0o777 != 0 {
+			return nil, false, fmt.Errorf("%w: %#o (permission bits only)", ErrBadMode, o.Mode)
+		}
+		mode = o.Mode
+	}
+	if len(o.Meta) > 0 && !json.Valid(o.Meta) {
+		return nil, false, fmt.Errorf("%w: not valid JSON", ErrBadMeta)
+	}
+	capacity, err := r.alloc.Capacity(o.Device)
+	if err != nil {
+		return nil, false, err
+	}
+	if o.Size > capacity {
+		return nil, false, fmt.Errorf("%w: %d bytes exceeds device %d's %d bytes", ErrBadSize, o.Size, o.Device, capacity)
+	}
+
+	r.mu.Lock()
+	existing, err := r.lookup(o.Name)
+	if err != nil && !errors.Is(err, ErrNotFound) {
+		r.mu.Unlock()
+		return nil, false, err
+	}
+	if existing != nil {
+		defer r.mu.Unlock()
+		if !o.ExistOK {
+			return nil, false, fmt.Errorf("%w: %q", ErrExist, o.Name)
+		}
+		if existing.size != o.Size || existing.device != o.Device {
+			return nil, false, fmt.Errorf("%w: %q has size %d on device %d, not size %d on device %d",
+				ErrExist, o.Name, existing.size, existing.device, o.Size, o.Device)
+		}
+		if o.Open {
+			if err := r.acquireLocked(c, existing, o.ReadOnly); err != nil {
+				return nil, false, err
+			}
+		}
+		return existing, false, nil
+	}
+	r.nextID++
+	s = &Segment{
+		id:      r.nextID,
+		name:    o.Name,
+		size:    o.Size,
+		device:  o.Device,
+		created: time.Now(),
+		uid:     c.UID,
+		gid:     c.GID,
+		mode:    mode,
+		meta:    append(json.RawMessage(nil), o.Meta...),
+		linked:  true,
+		ready:   make(chan struct{}),
+	}
+	r.byName[o.Name] = s
+	r.mu.Unlock()
+
+	mem, err := r.alloc.Allocate(o.Device, o.Size)
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	defer close(s.ready)
+	if err == nil && r.closed {
+		mem.Free()
+		err = ErrClosed
+	}
+	if err != nil {
+		delete(r.byName, o.Name)
+		s.linked = false
+		return nil, false, fmt.Errorf("allocate %d bytes on device %d: %w", o.Size, o.Device, err)
+	}
+	s.mem = mem
+	r.byID[s.id] = s
+	if o.Open {
+		s.opens = 1
+	}
+	return s, true, nil
+}
+
+// lookup finds a named, ready segment, waiting out a creation in progress.
+// mu must be held; it may be released and retaken while waiting.
+func (r *Registry) lookup(name string) (*Segment, error) {
+	for {
+		if r.closed {
+			return nil, ErrClosed
+		}
+		s := r.byName[name]
+		if s == nil {
+			return nil, fmt.Errorf("%w: %q", ErrNotFound, name)
+		}
+		if s.mem != nil {
+			return s, nil
+		}
+		ch := s.ready
+		r.mu.Unlock()
+		<-ch
+		r.mu.Lock()
+	}
+}
+
+func allowed(c Cred, s *Segment, want uint32) bool {
+	if c.UID == 0 {
+		return true
+	}
+	bits := s.mode
+	switch {
+	case c.UID == s.uid:
+		bits >>= 6
+	case c.GID == s.gid:
+		bits >>= 3
+	}
+	return bits&want == want
+}
+
+func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
+	want, what := uint32(Read|Write), "read-write"
+	if readOnly {
+		want, what = Read, "read"
+	}
+	if !allowed(c, s, want) {
+		return fmt.Errorf("%w: %s access to %q (mode %#o, owner %d:%d)", ErrPermission, what, s.name, s.mode, s.uid, s.gid)
+	}
+	s.opens++
+	return nil
+}
+
+// Acquire opens a segment by name: the caller holds a lease until Release.
+func (r *Registry) Acquire(c Cred, name string, readOnly bool) (*Segment, error) {
+	if err := ValidName(name); err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s, err := r.lookup(name)
+	if err != nil {
+		return nil, err
+	}
+	if err := r.acquireLocked(c, s, readOnly); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Release ends one lease on s; the memory is freed when s is unlinked and
+// this was its last lease.
+func (r *Registry) Release(s *Segment) error {
+	r.mu.Lock()
+	if s.opens <= 0 {
+		r.mu.Unlock()
+		return fmt.Errorf("release %q: no lease held", s.name)
+	}
+	s.opens--
+	mem := r.detachLocked(s)
+	r.mu.Unlock()
+	return free(mem)
+}
+
+// detachLocked removes an unlinked, unopened segment and returns its memory
+// for the caller to free outside the lock.
+func (r *Registry) detachLocked(s *Segment) Memory {
+	if s.linked || s.opens > 0 || s.mem == nil {
+		return nil
+	}
+	delete(r.byID, s.id)
+	mem := s.mem
+	s.mem = nil
+	return mem
+}
+
+func free(mem Memory) error {
+	if mem == nil {
+		return nil
+	}
+	if err := mem.Free(); err != nil {
+		return fmt.Errorf("free: %w", err)
+	}
+	return nil
+}
+
+// Unlink removes name at once. Only the owner or root may unlink.
+func (r *Registry) Unlink(c Cred, name string) error {
+	if err := ValidName(name); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	s, err := r.lookup(name)
+	if err != nil {
+		r.mu.Unlock()
+		return err
+	}
+	if c.UID != 0 && c.UID != s.uid {
+		r.mu.Unlock()
+		return fmt.Errorf("%w: %q belongs to uid %d", ErrNotOwner, name, s.uid)
+	}
+	delete(r.byName, name)
+	s.linked = false
+	r.changed()
+	mem := r.detachLocked(s)
+	r.mu.Unlock()
+	return free(mem)
+}
+
+// Stat describes the named segment.
+func (r *Registry) Stat(name string) (Info, error) {
+	if err := ValidName(name); err != nil {
+		return Info{}, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s, err := r.lookup(name)
+	if err != nil {
+		return Info{}, err
+	}
+	return r.infoLocked(s), nil
+}
+
+// Info describes s, named or not.
+func (r *Registry) Info(s *Segment) Info {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.infoLocked(s)
+}
+
+func (r *Registry) infoLocked(s *Segment) Info {
+	inf := Info{
+		ID:         s.id,
+		Name:       s.name,
+		Size:       s.size,
+		Device:     s.device,
+		HandleType: r.alloc.HandleType(),
+		UID:        s.uid,
+		GID:        s.gid,
+		Mode:       s.mode,
+		Opens:      s.opens,
+		Created:    s.created,
+		Meta:       s.meta,
+		Linked:     s.linked,
+	}
+	if s.mem != nil {
+		inf.AllocSize = s.mem.Size()
+	}
+	return inf
+}
+
+// List returns up to limit named segments whose names sort after after, in
+// name order, without their metadata. limit <= 0 means all.
+func (r *Registry) List(after string, limit int) []Info {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	names := make([]string, 0, len(r.byName))
+	for name, s := range r.byName {
+		if name > after && s.mem != nil {
+			names = append(names, name)
+		}
+	}
+	sort.Strings(names)
+	if limit > 0 && len(names) > limit {
+		names = names[:limit]
+	}
+	out := make([]Info, len(names))
+	for i, name := range names {
+		out[i] = r.infoLocked(r.byName[name])
+		out[i].Meta = nil
+	}
+	return out
+}
+
+// Usage is what the registry holds.
+type Usage struct {
+	Segments int   // holding memory, named or not
+	Named    int   // reachable by name
+	Bytes    int64 // allocated bytes
+	Opens    int
+}
+
+// Usage sums the registry.
+func (r *Registry) Usage() Usage {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	u := Usage{Segments: len(r.byID), Named: len(r.byName)}
+	for _, s := range r.byID {
+		u.Bytes += s.mem.Size()
+		u.Opens += s.opens
+	}
+	return u
+}
+
+// Close frees every segment, leased or not, and refuses further work. The
+// memory of segments that other processes still map stays alive in those
+// processes until they unmap it.
+func (r *Registry) Close() error {
+	r.mu.Lock()
+	r.closed = true
+	mems := make([]Memory, 0, len(r.byID))
+	for _, s := range r.byID {
+		mems = append(mems, s.mem)
+		s.mem = nil
+		s.linked = false
+	}
+	r.byID = make(map[uint64]*Segment)
+	r.byName = make(map[string]*Segment)
+	r.changed()
+	r.mu.Unlock()
+	var errs []error
+	for _, m := range mems {
+		errs = append(errs, free(m))
+	}
+	return errors.Join(errs...)
+}

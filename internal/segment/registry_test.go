@@ -1,0 +1,301 @@
+package segment
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+)
+
+// fakeAlloc hands out numbered fake descriptors and counts what is live.
+type fakeAlloc struct {
+	mu       sync.Mutex
+	live     map[int]int64
+	next     int
+	capacity int64
+	failWith error
+}
+
+func newFake() *fakeAlloc { return &fakeAlloc{live: map[int]int64{}, next: 100, capacity: 1 << 30} }
+
+func (f *fakeAlloc) HandleType() string { return "fake" }
+
+func (f *fakeAlloc) Capacity(device int) (int64, error) {
+	if device != 0 {
+		return 0, fmt.Errorf("%w: %d", ErrNoDevice, device)
+	}
+	return f.capacity, nil
+}
+
+func (f *fakeAlloc) Allocate(device int, size int64) (Memory, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.failWith != nil {
+		return nil, f.failWith
+	}
+	f.next++
+	alloc := (size + 4095) / 4096 * 4096
+	f.live[f.next] = alloc
+	return &fakeMem{f: f, fd: f.next, size: alloc}, nil
+}
+
+func (f *fakeAlloc) liveCount() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.live)
+}
+
+type fakeMem struct {
+	f    *fakeAlloc
+	fd   int
+	size int64
+}
+
+func (m *fakeMem) FD() int     { return m.fd }
+func (m *fakeMem) Size() int64 { return m.size }
+func (m *fakeMem) Free() error {
+	m.f.mu.Lock()
+	defer m.f.mu.Unlock()
+	if _, ok := m.f.live[m.fd]; !ok {
+		panic("double free")
+	}
+	delete(m.f.live, m.fd)
+	return nil
+}
+
+var (
+	alice = Cred{UID: 1000, GID: 1000}
+	bob   = Cred{UID: 1001, GID: 1000}
+	eve   = Cred{UID: 1002, GID: 2000}
+)
+
+func TestCreateValidation(t *testing.T) {
+	tests := []struct {
+		name string
+		o    CreateOptions
+		want error
+		errno syscall.Errno
+	}{
+		{"empty name", CreateOptions{Name: "", Size: 1}, ErrBadName, syscall.EINVAL},
+		{"dot", CreateOptions{Name: ".", Size: 1}, ErrBadName, syscall.EINVAL},
+		{"dotdot", CreateOptions{Name: "..", Size: 1}, ErrBadName, syscall.EINVAL},
+		{"slash", CreateOptions{Name: "a/b", Size: 1}, ErrBadName, syscall.EINVAL},
+		{"nul", CreateOptions{Name: "a\x00b", Size: 1}, ErrBadName, syscall.EINVAL},
+		{"256 bytes", CreateOptions{Name: strings.Repeat("x", 256), Size: 1}, ErrNameLong, syscall.ENAMETOOLONG},
+		{"zero size", CreateOptions{Name: "a", Size: 0}, ErrBadSize, syscall.EINVAL},
+		{"negative size", CreateOptions{Name: "a", Size: -5}, ErrBadSize, syscall.EINVAL},
+		{"larger than device", CreateOptions{Name: "a", Size: 1<<30 + 1}, ErrBadSize, syscall.EINVAL},
+		{"no such device", CreateOptions{Name: "a", Size: 1, Device: 3}, ErrNoDevice, syscall.ENODEV},
+		{"bad mode", CreateOptions{Name: "a", Size: 1, Mode: 0o4755, UseMode: true}, ErrBadMode, syscall.EINVAL},
+		{"bad meta", CreateOptions{Name: "a", Size: 1, Meta: []byte("{")}, ErrBadMeta, syscall.EINVAL},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFake()
+			r := New(f, nil)
+			_, _, err := r.Create(alice, tc.o)
+			if !errors.Is(err, tc.want) || !errors.Is(err, tc.errno) {
+				t.Fatalf("Create(%+v) = %v, want %v (%v)", tc.o, err, tc.want, tc.errno)
+			}
+			if n := f.liveCount(); n != 0 || len(r.List("", 0)) != 0 {
+				t.Fatalf("failed create left %d allocations, %d names", n, len(r.List("", 0)))
+			}
+		})
+	}
+	r := New(newFake(), nil)
+	if _, _, err := r.Create(alice, CreateOptions{Name: strings.Repeat("x", 255), Size: 1}); err != nil {
+		t.Fatalf("255-byte name: %v", err)
+	}
+}
+
+func TestAllocationFailureLeavesNothing(t *testing.T) {
+	f := newFake()
+	f.failWith = fmt.Errorf("cuMemCreate: %w", syscall.ENOMEM)
+	r := New(f, nil)
+	_, _, err := r.Create(alice, CreateOptions{Name: "big", Size: 100})
+	if !errors.Is(err, syscall.ENOMEM) {
+		t.Fatalf("Create = %v, want ENOMEM", err)
+	}
+	if _, err := r.Stat("big"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("Stat after failed create = %v, want ErrNotFound", err)
+	}
+	f.failWith = nil
+	if _, created, err := r.Create(alice, CreateOptions{Name: "big", Size: 100}); err != nil || !created {
+		t.Fatalf("retry Create = %v, %v", created, err)
+	}
+}
+
+func TestLifecycle(t *testing.T) {
+	f := newFake()
+	changes := 0
+	r := New(f, func() { changes++ })
+	s, created, err := r.Create(alice, CreateOptions{Name: "w", Size: 5000, Open: true})
+	if err != nil || !created {
+		t.Fatalf("Create = %v, %v", created, err)
+	}
+	if inf := r.Info(s); inf.AllocSize != 8192 || inf.Size != 5000 || inf.Opens != 1 || inf.Mode != DefaultMode || inf.UID != 1000 {
+		t.Fatalf("Info = %+v", inf)
+	}
+	if _, _, err := r.Create(alice, CreateOptions{Name: "w", Size: 5000}); !errors.Is(err, fs.ErrExist) {
+		t.Fatalf("second Create = %v, want EEXIST", err)
+	}
+	s2, created, err := r.Create(alice, CreateOptions{Name: "w", Size: 5000, ExistOK: true, Open: true})
+	if err != nil || created || s2 != s {
+		t.Fatalf("Create ExistOK = %p %v %v, want the same segment", s2, created, err)
+	}
+	if _, _, err := r.Create(alice, CreateOptions{Name: "w", Size: 4000, ExistOK: true}); !errors.Is(err, ErrExist) {
+		t.Fatalf("Create ExistOK other size = %v, want ErrExist", err)
+	}
+	if err := r.Unlink(alice, "w"); err != nil {
+		t.Fatal(err)
+	}
+	if changes != 1 {
+		t.Fatalf("changed called %d times, want 1", changes)
+	}
+	if _, err := r.Acquire(alice, "w", false); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("Acquire after unlink = %v, want ENOENT", err)
+	}
+	// The name is free again at once, while the old memory lives on.
+	if _, _, err := r.Create(alice, CreateOptions{Name: "w", Size: 10}); err != nil {
+		t.Fatalf("re-create after unlink: %v", err)
+	}
+	if n := f.liveCount(); n != 2 {
+		t.Fatalf("%d live allocations, want 2", n)
+	}
+	r.Release(s)
+	if n := f.liveCount(); n != 2 {
+		t.Fatalf("after first release: %d live, want 2", n)
+	}
+	r.Release(s)
+	if n := f.liveCount(); n != 1 {
+		t.Fatalf("after last release: %d live, want 1", n)
+	}
+	if err := r.Release(s); err == nil {
+		t.Fatal("Release without a lease succeeded")
+	}
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := f.liveCount(); n != 0 {
+		t.Fatalf("after Close: %d live", n)
+	}
+}
+
+func TestPermissions(t *testing.T) {
+	tests := []struct {
+		mode     uint32
+		who      Cred
+		readOnly bool
+		ok       bool
+	}{
+		{0o600, alice, false, true},
+		{0o600, bob, true, false},
+		{0o640, bob, true, true},
+		{0o640, bob, false, false},
+		{0o660, bob, false, true},
+		{0o640, eve, true, false},
+		{0o604, eve, true, true},
+		{0o606, eve, false, true},
+		{0o000, alice, true, false},
+		{0o000, Root, false, true},
+		{0o400, alice, false, false},
+		{0o400, alice, true, true},
+	}
+	for _, tc := range tests {
+		t.Run(fmt.Sprintf("%04o/uid%d/ro=%v", tc.mode, tc.who.UID, tc.readOnly), func(t *testing.T) {
+			r := New(newFake(), nil)
+			if _, _, err := r.Create(alice, CreateOptions{Name: "s", Size: 1, Mode: tc.mode, UseMode: true}); err != nil {
+				t.Fatal(err)
+			}
+			_, err := r.Acquire(tc.who, "s", tc.readOnly)
+			if tc.ok && err != nil || !tc.ok && !errors.Is(err, syscall.EACCES) {
+				t.Fatalf("Acquire = %v, want ok=%v", err, tc.ok)
+			}
+		})
+	}
+	r := New(newFake(), nil)
+	r.Create(alice, CreateOptions{Name: "s", Size: 1, Mode: 0o666, UseMode: true})
+	if err := r.Unlink(bob, "s"); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("Unlink by another user = %v, want EPERM", err)
+	}
+	if err := r.Unlink(Root, "s"); err != nil {
+		t.Fatalf("Unlink by root = %v", err)
+	}
+}
+
+func TestList(t *testing.T) {
+	r := New(newFake(), nil)
+	for _, n := range []string{"c", "a", "b", "d"} {
+		if _, _, err := r.Create(alice, CreateOptions{Name: n, Size: 1, Meta: []byte(`{"k":1}`)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var got []string
+	after := ""
+	for {
+		page := r.List(after, 3)
+		if len(page) == 0 {
+			break
+		}
+		for _, inf := range page {
+			if inf.Meta != nil {
+				t.Errorf("List returned meta for %s", inf.Name)
+			}
+			got = append(got, inf.Name)
+		}
+		after = page[len(page)-1].Name
+	}
+	if strings.Join(got, ",") != "a,b,c,d" {
+		t.Fatalf("paged List = %v", got)
+	}
+	if inf, _ := r.Stat("a"); string(inf.Meta) != `{"k":1}` {
+		t.Fatalf("Stat meta = %s", inf.Meta)
+	}
+}
+
+// TestConcurrentOpenOrCreate has many goroutines race to open-or-create the
+// same names: each name must get exactly one allocation.
+func TestConcurrentOpenOrCreate(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	var wg sync.WaitGroup
+	created := make([]int, 8)
+	var mu sync.Mutex
+	for g := range 64 {
+		wg.Go(func() {
+			for i := range 8 {
+				s, c, err := r.Create(Cred{UID: 7}, CreateOptions{Name: fmt.Sprint("n", i), Size: 4096, ExistOK: true, Open: true})
+				if err != nil {
+					t.Errorf("goroutine %d: %v", g, err)
+					return
+				}
+				if c {
+					mu.Lock()
+					created[i]++
+					mu.Unlock()
+				}
+				r.Release(s)
+			}
+		})
+	}
+	wg.Wait()
+	for i, n := range created {
+		if n != 1 {
+			t.Errorf("name n%d created %d times, want 1", i, n)
+		}
+	}
+	if u := r.Usage(); u.Segments != 8 || u.Opens != 0 {
+		t.Fatalf("Usage = %+v", u)
+	}
+	for i := range 8 {
+		if err := r.Unlink(Cred{UID: 7}, fmt.Sprint("n", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := f.liveCount(); n != 0 {
+		t.Fatalf("%d allocations live after unlinking all", n)
+	}
+}

@@ -1,0 +1,364 @@
+package server
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/gpushm/gpushm/internal/epoch"
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// Backend is the allocator the daemon serves, plus what info reports.
+type Backend interface {
+	segment.Allocator
+	Name() string
+	Devices() ([]wire.Device, error)
+	// DefaultDevice is where a create that names no device allocates.
+	DefaultDevice() int
+}
+
+// Server answers clients on one socket.
+type Server struct {
+	backend Backend
+	reg     *segment.Registry
+	epoch   *epoch.Page
+	log     *slog.Logger
+	version string
+
+	mu    sync.Mutex
+	conns map[*conn]struct{}
+	wg    sync.WaitGroup
+}
+
+// New makes a server for backend. version is reported by hello.
+func New(b Backend, log *slog.Logger, version string) (*Server, error) {
+	ep, err := epoch.New()
+	if err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	return &Server{
+		backend: b,
+		reg:     segment.New(b, ep.Bump),
+		epoch:   ep,
+		log:     log,
+		version: version,
+		conns:   make(map[*conn]struct{}),
+	}, nil
+}
+
+// Registry is the server's registry, for in-process users (the FUSE view).
+func (s *Server) Registry() *segment.Registry { return s.reg }
+
+// Serve accepts connections on ln until ctx is done, then closes every
+// connection, frees every segment, removes the socket file if it is still
+// the one ln made, and returns nil.
+func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
+	path := ln.Addr().String()
+	st, statErr := os.Stat(path)
+	defer func() {
+		if now, err := os.Stat(path); statErr == nil && err == nil && os.SameFile(st, now) {
+			os.Remove(path)
+		}
+	}()
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+
+	var acceptErr error
+	for {
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil {
+				break
+			}
+			if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+				s.log.Warn("out of file descriptors; refusing connections for a moment (raise the limit with 'ulimit -n')", "err", err)
+				time.Sleep(100 * time.Millisecond)
+				continue
+			}
+			acceptErr = fmt.Errorf("accept: %w", err)
+			break
+		}
+		s.start(c)
+	}
+	ln.Close()
+	s.mu.Lock()
+	for c := range s.conns {
+		c.wc.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	err := s.reg.Close()
+	s.epoch.Close()
+	return errors.Join(acceptErr, err)
+}
+
+func (s *Server) start(uc *net.UnixConn) {
+	c := &conn{s: s, wc: wire.NewConn(uc), leases: make(map[uint64]*lease)}
+	cred, err := c.wc.PeerCred()
+	if err != nil {
+		s.log.Warn("refusing connection without credentials", "err", err)
+		uc.Close()
+		return
+	}
+	c.cred = cred
+	s.mu.Lock()
+	s.conns[c] = struct{}{}
+	s.wg.Add(1)
+	s.mu.Unlock()
+	go func() {
+		defer s.wg.Done()
+		c.serve()
+		s.mu.Lock()
+		delete(s.conns, c)
+		s.mu.Unlock()
+	}()
+}
+
+type lease struct {
+	seg *segment.Segment
+	n   int
+}
+
+type conn struct {
+	s      *Server
+	wc     *wire.Conn
+	cred   wire.Cred
+	hello  bool
+	leases map[uint64]*lease // by segment ID; touched only by serve's goroutine
+}
+
+func (c *conn) serve() {
+	log := c.s.log.With("pid", c.cred.PID, "uid", c.cred.UID)
+	log.Debug("connected")
+	defer func() {
+		n := 0
+		for _, l := range c.leases {
+			for ; l.n > 0; l.n-- {
+				if err := c.s.reg.Release(l.seg); err != nil {
+					log.Error("release on disconnect", "err", err)
+				}
+				n++
+			}
+		}
+		c.wc.Close()
+		log.Debug("disconnected", "released", n)
+	}()
+	for {
+		b, fd, err := c.wc.Recv()
+		if fd >= 0 {
+			// Nothing in protocol version 1 sends a descriptor to the daemon.
+			syscall.Close(fd)
+			if err == nil {
+				err = fmt.Errorf("%w: unexpected file descriptor", wire.ErrProto)
+			}
+		}
+		if err != nil {
+			if errors.Is(err, wire.ErrProto) || errors.Is(err, wire.ErrFDDropped) {
+				log.Debug("bad message", "err", err)
+				if c.send(&wire.Reply{Error: errReply(err)}, -1) != nil {
+					return
+				}
+				continue
+			}
+			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+				log.Debug("read", "err", err)
+			}
+			return
+		}
+		req, err := wire.DecodeRequest(b)
+		if err != nil {
+			var id uint64
+			if req != nil {
+				id = req.ID
+			}
+			if c.send(&wire.Reply{ID: id, Error: errReply(err)}, -1) != nil {
+				return
+			}
+			continue
+		}
+		rep, fd := c.dispatch(req)
+		rep.ID = req.ID
+		if rep.Error != nil {
+			log.Debug(req.Op, "name", req.Name, "err", rep.Error.Message)
+		}
+		if err := c.send(rep, fd); err != nil {
+			log.Debug("write", "err", err)
+			if rep.FD && rep.Segment != nil {
+				c.release(rep.Segment.ID)
+			}
+			return
+		}
+	}
+}
+
+func (c *conn) send(rep *wire.Reply, fd int) error {
+	b, err := wire.Encode(rep)
+	if err != nil {
+		b, _ = wire.Encode(&wire.Reply{ID: rep.ID, Error: errReply(err)})
+		fd = -1
+	}
+	return c.wc.Send(b, fd)
+}
+
+func errReply(err error) *wire.Error {
+	return &wire.Error{Code: wire.Code(err), Message: err.Error()}
+}
+
+func fail(err error) (*wire.Reply, int) { return &wire.Reply{Error: errReply(err)}, -1 }
+
+func (c *conn) dispatch(req *wire.Request) (*wire.Reply, int) {
+	if !c.hello && req.Op != wire.OpHello {
+		return fail(fmt.Errorf("%w: the first message must be hello", wire.ErrProto))
+	}
+	cred := segment.Cred{UID: c.cred.UID, GID: c.cred.GID}
+	switch req.Op {
+	case wire.OpHello:
+		if req.Version != wire.Version {
+			return fail(fmt.Errorf("%w: protocol version %d not supported (this daemon speaks %d)", wire.ErrProto, req.Version, wire.Version))
+		}
+		c.hello = true
+		return &wire.Reply{Version: wire.Version, Server: c.s.version, Backend: c.s.backend.Name(), Epoch: true}, c.s.epoch.FD()
+	case wire.OpInfo:
+		devs, err := c.s.backend.Devices()
+		if err != nil {
+			return fail(err)
+		}
+		u := c.s.reg.Usage()
+		return &wire.Reply{Backend: c.s.backend.Name(), Devices: devs,
+			Usage: &wire.Usage{Segments: u.Segments, Named: u.Named, Bytes: u.Bytes, Opens: u.Opens}}, -1
+	case wire.OpCreate:
+		dev := c.s.backend.DefaultDevice()
+		if req.Device != nil {
+			dev = *req.Device
+		}
+		seg, created, err := c.s.reg.Create(cred, segment.CreateOptions{
+			Name: req.Name, Size: req.Size, Device: dev,
+			Mode: deref(req.Mode), UseMode: req.Mode != nil,
+			Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: req.ReadOnly,
+		})
+		if err != nil {
+			return fail(fmt.Errorf("create: %w", err))
+		}
+		rep := &wire.Reply{Created: created, Segment: c.segmentInfo(seg)}
+		if !req.Open {
+			return rep, -1
+		}
+		c.hold(seg)
+		rep.FD = true
+		return rep, seg.FD()
+	case wire.OpOpen:
+		seg, err := c.s.reg.Acquire(cred, req.Name, req.ReadOnly)
+		if err != nil {
+			return fail(fmt.Errorf("open: %w", err))
+		}
+		c.hold(seg)
+		return &wire.Reply{Segment: c.segmentInfo(seg), FD: true}, seg.FD()
+	case wire.OpClose:
+		if !c.release(req.Segment) {
+			return fail(fmt.Errorf("close: this connection holds no open of segment %d: %w", req.Segment, syscall.EINVAL))
+		}
+		return &wire.Reply{}, -1
+	case wire.OpUnlink:
+		if err := c.s.reg.Unlink(cred, req.Name); err != nil {
+			return fail(fmt.Errorf("unlink: %w", err))
+		}
+		return &wire.Reply{}, -1
+	case wire.OpStat:
+		inf, err := c.s.reg.Stat(req.Name)
+		if err != nil {
+			return fail(fmt.Errorf("stat: %w", err))
+		}
+		return &wire.Reply{Segment: toWire(inf)}, -1
+	case wire.OpList:
+		return c.list(req), -1
+	}
+	return fail(fmt.Errorf("unknown operation %q: %w", req.Op, syscall.ENOSYS))
+}
+
+// maxPage bounds a list page; the page shrinks further if it would not fit
+// in one packet.
+const maxPage = 256
+
+func (c *conn) list(req *wire.Request) *wire.Reply {
+	limit := req.Limit
+	if limit <= 0 || limit > maxPage {
+		limit = maxPage
+	}
+	infos := c.s.reg.List(req.After, limit+1)
+	more := len(infos) > limit
+	if more {
+		infos = infos[:limit]
+	}
+	for {
+		rep := &wire.Reply{Segments: make([]wire.Segment, len(infos))}
+		for i, inf := range infos {
+			rep.Segments[i] = *toWire(inf)
+		}
+		if more && len(infos) > 0 {
+			rep.Next = infos[len(infos)-1].Name
+		}
+		b, err := json.Marshal(rep)
+		if err == nil && len(b)+64 <= wire.MaxMessage {
+			return rep
+		}
+		// Names are at most 255 bytes, so a handful always fits.
+		infos, more = infos[:len(infos)/2], true
+	}
+}
+
+func (c *conn) segmentInfo(seg *segment.Segment) *wire.Segment {
+	return toWire(c.s.reg.Info(seg))
+}
+
+func (c *conn) hold(seg *segment.Segment) {
+	l := c.leases[seg.ID()]
+	if l == nil {
+		l = &lease{seg: seg}
+		c.leases[seg.ID()] = l
+	}
+	l.n++
+}
+
+func (c *conn) release(id uint64) bool {
+	l := c.leases[id]
+	if l == nil {
+		return false
+	}
+	l.n--
+	if l.n == 0 {
+		delete(c.leases, id)
+	}
+	if err := c.s.reg.Release(l.seg); err != nil {
+		c.s.log.Error("release", "segment", id, "err", err)
+	}
+	return true
+}
+
+func toWire(inf segment.Info) *wire.Segment {
+	return &wire.Segment{
+		ID: inf.ID, Name: inf.Name, Size: inf.Size, AllocSize: inf.AllocSize,
+		Device: inf.Device, HandleType: inf.HandleType,
+		UID: inf.UID, GID: inf.GID, Mode: inf.Mode, Opens: inf.Opens,
+		Created: inf.Created.UnixNano(), Meta: inf.Meta,
+	}
+}
+
+func deref(p *uint32) uint32 {
+	if p == nil {
+		return 0
+	}
+	return *p
+}

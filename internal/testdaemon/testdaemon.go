@@ -1,0 +1,79 @@
+// Package testdaemon runs a real daemon on a socket in a test's temporary
+// directory, for tests in any package.
+package testdaemon
+
+import (
+	"context"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/cuda"
+	"github.com/gpushm/gpushm/internal/server"
+)
+
+// Backends lists the backends tests should run against: host always, cuda
+// where a GPU is present.
+func Backends() []string {
+	if cuda.Init() == nil {
+		return []string{"host", "cuda"}
+	}
+	return []string{"host"}
+}
+
+// RequireBackend skips the test, with the reason, when the backend cannot
+// run here.
+func RequireBackend(t testing.TB, name string) {
+	t.Helper()
+	if name != "cuda" {
+		return
+	}
+	if err := cuda.Init(); err != nil {
+		t.Skipf("cuda backend needs a GPU: %v", err)
+	}
+}
+
+// Daemon is a running server.
+type Daemon struct {
+	Socket string
+	Server *server.Server
+}
+
+// Start serves backend on a socket in t.TempDir until the test ends.
+func Start(t testing.TB, backendName string) *Daemon {
+	t.Helper()
+	RequireBackend(t, backendName)
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	b, err := backend.Open(backendName, -1, log)
+	if err != nil {
+		t.Fatalf("backend %s: %v", backendName, err)
+	}
+	srv, err := server.New(b, log, "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Socket paths are limited to 108 bytes; t.TempDir can be long.
+	dir, err := os.MkdirTemp("", "gpushm-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "s.sock")
+	ln, err := server.Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx, ln) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+		b.Close()
+		os.RemoveAll(dir)
+	})
+	return &Daemon{Socket: path, Server: srv}
+}

@@ -1,0 +1,183 @@
+package wire
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// Version is the protocol version spoken by this package.
+const Version = 1
+
+// MaxMessage bounds every packet in both directions. It stays well under the
+// default socket buffer (about 208 KiB) so a packet always fits in one send.
+const MaxMessage = 64 << 10
+
+// MaxMeta bounds a segment's user metadata, so that any single-segment reply
+// fits in one packet.
+const MaxMeta = 32 << 10
+
+// Operations.
+const (
+	OpHello  = "hello"
+	OpInfo   = "info"
+	OpCreate = "create"
+	OpOpen   = "open"
+	OpClose  = "close"
+	OpUnlink = "unlink"
+	OpStat   = "stat"
+	OpList   = "list"
+)
+
+// Request is a client's message. Fields an operation does not use must be
+// absent or zero.
+type Request struct {
+	ID       uint64          `json:"id"`
+	Op       string          `json:"op"`
+	Version  int             `json:"version,omitempty"`
+	Name     string          `json:"name,omitempty"`
+	Size     int64           `json:"size,omitempty"`
+	Device   *int            `json:"device,omitempty"`
+	Mode     *uint32         `json:"mode,omitempty"`
+	Meta     json.RawMessage `json:"meta,omitempty"`
+	ExistOK  bool            `json:"exist_ok,omitempty"`
+	Open     bool            `json:"open,omitempty"`
+	ReadOnly bool            `json:"readonly,omitempty"`
+	Segment  uint64          `json:"segment,omitempty"`
+	After    string          `json:"after,omitempty"`
+	Limit    int             `json:"limit,omitempty"`
+}
+
+// Reply answers the Request with the same ID. Exactly one of Error or the
+// operation's result fields is set.
+type Reply struct {
+	ID    uint64 `json:"id"`
+	Error *Error `json:"error,omitempty"`
+
+	// hello
+	Version int    `json:"version,omitempty"`
+	Server  string `json:"server,omitempty"`
+	// Epoch says that the attached fd is the epoch page (hello only).
+	Epoch bool `json:"epoch,omitempty"`
+
+	// info
+	Backend string   `json:"backend,omitempty"`
+	Devices []Device `json:"devices,omitempty"`
+	Usage   *Usage   `json:"usage,omitempty"`
+
+	// create, open, stat
+	Segment *Segment `json:"segment,omitempty"`
+	Created bool     `json:"created,omitempty"`
+	// FD says that a descriptor for Segment is attached (create with open, open).
+	FD bool `json:"fd,omitempty"`
+
+	// list
+	Segments []Segment `json:"segments,omitempty"`
+	Next     string    `json:"next,omitempty"`
+}
+
+// Device describes one device the daemon allocates on.
+type Device struct {
+	Index       int    `json:"index"`
+	Name        string `json:"name"`
+	UUID        string `json:"uuid,omitempty"`
+	TotalBytes  uint64 `json:"total_bytes"`
+	FreeBytes   uint64 `json:"free_bytes"`
+	Granularity int64  `json:"granularity"`
+}
+
+// Usage is what the daemon holds.
+type Usage struct {
+	Segments int   `json:"segments"` // holding memory, named or unlinked-but-open
+	Named    int   `json:"named"`
+	Bytes    int64 `json:"bytes"` // allocated
+	Opens    int   `json:"opens"`
+}
+
+// Handle types of a segment's descriptor.
+const (
+	HandleMemfd = "memfd"   // mmap it
+	HandleCUDA  = "cuda_fd" // cuMemImportFromShareableHandle, POSIX fd
+)
+
+// Segment is the public state of one segment.
+type Segment struct {
+	ID         uint64          `json:"id"`
+	Name       string          `json:"name"`
+	Size       int64           `json:"size"`
+	AllocSize  int64           `json:"alloc_size"`
+	Device     int             `json:"device"`
+	HandleType string          `json:"handle_type"`
+	UID        uint32          `json:"uid"`
+	GID        uint32          `json:"gid"`
+	Mode       uint32          `json:"mode"`
+	Opens      int             `json:"opens"`
+	Created    int64           `json:"created"` // Unix nanoseconds
+	Meta       json.RawMessage `json:"meta,omitempty"`
+}
+
+// Error is a failed operation: Code is an errno name such as "ENOENT".
+type Error struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+func (e *Error) Error() string { return e.Message + " (" + e.Code + ")" }
+
+// ErrProto marks messages that do not follow the protocol.
+var ErrProto = errors.New("protocol error")
+
+// DecodeRequest parses one packet. It is strict: unknown fields, trailing
+// data, a missing op and oversized packets are protocol errors, so that a
+// client's typo fails loudly instead of being ignored.
+func DecodeRequest(b []byte) (*Request, error) {
+	var r Request
+	if err := decodeStrict(b, &r); err != nil {
+		return nil, err
+	}
+	if r.Op == "" {
+		return &r, fmt.Errorf("%w: missing op", ErrProto)
+	}
+	if len(r.Meta) > MaxMeta {
+		return &r, fmt.Errorf("%w: meta is %d bytes, limit %d", ErrProto, len(r.Meta), MaxMeta)
+	}
+	return &r, nil
+}
+
+// DecodeReply parses one reply packet.
+func DecodeReply(b []byte) (*Reply, error) {
+	var r Reply
+	if err := decodeStrict(b, &r); err != nil {
+		return nil, err
+	}
+	return &r, nil
+}
+
+func decodeStrict(b []byte, v any) error {
+	if len(b) > MaxMessage {
+		return fmt.Errorf("%w: message is %d bytes, limit %d", ErrProto, len(b), MaxMessage)
+	}
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.DisallowUnknownFields()
+	if err := d.Decode(v); err != nil {
+		return fmt.Errorf("%w: %v", ErrProto, err)
+	}
+	if _, err := d.Token(); err != io.EOF {
+		return fmt.Errorf("%w: trailing data after the message", ErrProto)
+	}
+	return nil
+}
+
+// Encode marshals a message and checks that it fits in one packet.
+func Encode(v any) ([]byte, error) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > MaxMessage {
+		return nil, fmt.Errorf("%w: message is %d bytes, limit %d", ErrProto, len(b), MaxMessage)
+	}
+	return b, nil
+}

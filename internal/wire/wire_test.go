@@ -1,0 +1,191 @@
+package wire
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"io/fs"
+	"net"
+	"os"
+	"reflect"
+	"strings"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestDecodeRequest(t *testing.T) {
+	tests := []struct {
+		name string
+		in   string
+		ok   bool
+	}{
+		{"hello", `{"id":1,"op":"hello","version":1}`, true},
+		{"create", `{"id":2,"op":"create","name":"w","size":4096,"device":0,"mode":384,"meta":{"dtype":"f32"},"exist_ok":true,"open":true}`, true},
+		{"missing op", `{"id":1}`, false},
+		{"unknown field", `{"id":1,"op":"open","nmae":"x"}`, false},
+		{"trailing data", `{"id":1,"op":"open"} {}`, false},
+		{"not json", `hello`, false},
+		{"empty", ``, false},
+		{"array", `[]`, false},
+		{"wrong type", `{"id":"1","op":"open"}`, false},
+		{"negative id", `{"id":-1,"op":"open"}`, false},
+		{"huge meta", `{"id":1,"op":"create","meta":"` + strings.Repeat("x", MaxMeta) + `"}`, false},
+		{"oversized", `{"id":1,"op":"create","name":"` + strings.Repeat("x", MaxMessage) + `"}`, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := DecodeRequest([]byte(tc.in))
+			if tc.ok != (err == nil) {
+				t.Fatalf("DecodeRequest(%.60q) = %v, want ok=%v", tc.in, err, tc.ok)
+			}
+			if err != nil && !errors.Is(err, ErrProto) {
+				t.Fatalf("error %v does not wrap ErrProto", err)
+			}
+		})
+	}
+}
+
+func TestErrorCodes(t *testing.T) {
+	e := &Error{Code: "ENOENT", Message: `open: no such segment: "x"`}
+	if !errors.Is(e, fs.ErrNotExist) || !errors.Is(e, syscall.ENOENT) {
+		t.Fatalf("%v does not match ENOENT", e)
+	}
+	if got := Code(&os.PathError{Op: "x", Err: syscall.EEXIST}); got != "EEXIST" {
+		t.Fatalf("Code(EEXIST) = %s", got)
+	}
+	if got := Code(errors.New("plain")); got != "EIO" {
+		t.Fatalf("Code(plain) = %s", got)
+	}
+	if Errno("ENOTACODE") != syscall.EIO {
+		t.Fatal("unknown code does not map to EIO")
+	}
+}
+
+// FuzzDecodeRequest checks that no packet makes the decoder panic and that
+// whatever it accepts survives a round trip unchanged.
+func FuzzDecodeRequest(f *testing.F) {
+	for _, s := range []string{
+		`{"id":1,"op":"hello","version":1}`,
+		`{"id":2,"op":"create","name":"w","size":4096,"device":0,"mode":384,"meta":{"dtype":"f32","shape":[2,3]},"exist_ok":true,"open":true}`,
+		`{"id":3,"op":"open","name":"w","readonly":true}`,
+		`{"id":4,"op":"close","segment":7}`,
+		`{"id":5,"op":"list","after":"a","limit":10}`,
+		`{"id":6,"op":"unlink","name":"\u0000"}`,
+		`{"id":1,"op":"create","size":1e99}`,
+		`{"id":1,"op":"create","meta":null}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		r, err := DecodeRequest(b)
+		if err != nil {
+			if !errors.Is(err, ErrProto) {
+				t.Fatalf("error %v does not wrap ErrProto", err)
+			}
+			return
+		}
+		enc, err := Encode(r)
+		if err != nil {
+			return // re-encoding may grow past the limit (escapes)
+		}
+		r2, err := DecodeRequest(enc)
+		if err != nil {
+			t.Fatalf("re-decode of %s: %v", enc, err)
+		}
+		if !reflect.DeepEqual(normalize(r), normalize(r2)) {
+			t.Fatalf("round trip changed %+v into %+v", r, r2)
+		}
+	})
+}
+
+// normalize compacts Meta, which json.Marshal reformats.
+func normalize(r *Request) Request {
+	c := *r
+	if len(c.Meta) > 0 {
+		var buf bytes.Buffer
+		json.Compact(&buf, c.Meta)
+		c.Meta = buf.Bytes()
+	}
+	return c
+}
+
+func FuzzDecodeReply(f *testing.F) {
+	f.Add([]byte(`{"id":2,"segment":{"id":1,"name":"w","size":1,"alloc_size":4096,"device":0,"handle_type":"memfd","uid":0,"gid":0,"mode":384,"opens":1,"created":1},"fd":true}`))
+	f.Add([]byte(`{"id":3,"error":{"code":"ENOENT","message":"no"}}`))
+	f.Add([]byte(`{"id":4,"segments":[],"next":"x"}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if _, err := DecodeReply(b); err != nil && !errors.Is(err, ErrProto) {
+			t.Fatalf("error %v does not wrap ErrProto", err)
+		}
+	})
+}
+
+func socketPair(t *testing.T) (*Conn, *Conn) {
+	t.Helper()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conns := make([]*Conn, 2)
+	for i, fd := range fds {
+		f := os.NewFile(uintptr(fd), "pair")
+		c, err := net.FileConn(f)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns[i] = NewConn(c.(*net.UnixConn))
+		t.Cleanup(func() { conns[i].Close() })
+	}
+	return conns[0], conns[1]
+}
+
+func TestConnPassesDescriptors(t *testing.T) {
+	a, b := socketPair(t)
+	fd, err := unix.MemfdCreate("t", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	unix.Write(fd, []byte("payload"))
+	if err := a.Send([]byte(`{"id":1}`), fd); err != nil {
+		t.Fatal(err)
+	}
+	msg, got, err := b.Recv()
+	if err != nil || string(msg) != `{"id":1}` || got < 0 {
+		t.Fatalf("Recv = %q, %d, %v", msg, got, err)
+	}
+	defer unix.Close(got)
+	buf := make([]byte, 7)
+	if n, err := unix.Pread(got, buf, 0); err != nil || string(buf[:n]) != "payload" {
+		t.Fatalf("received fd reads %q, %v", buf[:n], err)
+	}
+}
+
+func TestConnRejectsOversizedAndExtraFDs(t *testing.T) {
+	a, b := socketPair(t)
+	// Raw writes, since Send would happily send these.
+	raw := func(p []byte, oob []byte) {
+		if _, _, err := a.c.WriteMsgUnix(p, oob, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	raw(bytes.Repeat([]byte("x"), MaxMessage+100), nil)
+	if _, _, err := b.Recv(); !errors.Is(err, ErrProto) {
+		t.Fatalf("oversized Recv = %v, want ErrProto", err)
+	}
+	r1, w1, _ := os.Pipe()
+	defer r1.Close()
+	defer w1.Close()
+	raw([]byte("{}"), unix.UnixRights(int(r1.Fd()), int(w1.Fd())))
+	if _, fd, err := b.Recv(); !errors.Is(err, ErrProto) || fd != -1 {
+		t.Fatalf("two-fd Recv = %d, %v, want ErrProto", fd, err)
+	}
+	// The connection survives both.
+	a.Send([]byte("ok"), -1)
+	if msg, _, err := b.Recv(); err != nil || string(msg) != "ok" {
+		t.Fatalf("Recv after bad packets = %q, %v", msg, err)
+	}
+}

@@ -1,0 +1,146 @@
+package gpushm
+
+import (
+	"errors"
+	"fmt"
+	"io"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/cuda"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// Mapping is a segment mapped into this process: host memory as a []byte,
+// cuda memory as a device pointer in this process's address space.
+type Mapping struct {
+	size     int64 // the segment's size, as asked at creation
+	alloc    int64 // the mapped length
+	readOnly bool
+
+	host []byte // memfd segments
+
+	dev *cuda.Device // cuda segments
+	ptr uint64
+}
+
+// Bytes is a host segment's memory (nil for a cuda segment).
+func (m *Mapping) Bytes() []byte {
+	if m.host == nil {
+		return nil
+	}
+	return m.host[:m.size]
+}
+
+// DevicePtr is a cuda segment's device address in this process (0 for a
+// host segment).
+func (m *Mapping) DevicePtr() uint64 { return m.ptr }
+
+// OnDevice reports whether the memory is GPU memory.
+func (m *Mapping) OnDevice() bool { return m.dev != nil }
+
+// Device is the GPU ordinal of a cuda mapping, -1 for host memory.
+func (m *Mapping) Device() int {
+	if m.dev == nil {
+		return -1
+	}
+	return m.dev.Ordinal()
+}
+
+// Size is the segment's size.
+func (m *Mapping) Size() int64 { return m.size }
+
+// ReadOnly reports whether the mapping refuses writes.
+func (m *Mapping) ReadOnly() bool { return m.readOnly }
+
+// ReadAt copies from the segment into p (a device-to-host copy on cuda).
+func (m *Mapping) ReadAt(p []byte, off int64) (int, error) {
+	if off < 0 || off > m.size {
+		return 0, fmt.Errorf("gpushm: read at %d: %w", off, errOffset)
+	}
+	n := min(int64(len(p)), m.size-off)
+	if m.host != nil {
+		copy(p[:n], m.host[off:])
+	} else if n > 0 {
+		if err := m.dev.CopyDtoH(p[:n], m.ptr+uint64(off)); err != nil {
+			return 0, fmt.Errorf("gpushm: read: %w", err)
+		}
+	}
+	if n < int64(len(p)) {
+		return int(n), io.EOF
+	}
+	return int(n), nil
+}
+
+// WriteAt copies p into the segment (a host-to-device copy on cuda).
+func (m *Mapping) WriteAt(p []byte, off int64) (int, error) {
+	if m.readOnly {
+		return 0, errors.New("gpushm: write to a read-only mapping")
+	}
+	if off < 0 || off+int64(len(p)) > m.size {
+		return 0, fmt.Errorf("gpushm: write of %d bytes at %d: %w", len(p), off, errOffset)
+	}
+	if m.host != nil {
+		copy(m.host[off:], p)
+	} else if len(p) > 0 {
+		if err := m.dev.CopyHtoD(m.ptr+uint64(off), p); err != nil {
+			return 0, fmt.Errorf("gpushm: write: %w", err)
+		}
+	}
+	return len(p), nil
+}
+
+var errOffset = errors.New("outside the segment")
+
+func mapSegment(fd int, info *SegmentInfo, readOnly bool) (*Mapping, error) {
+	m := &Mapping{size: info.Size, alloc: info.AllocSize, readOnly: readOnly}
+	switch info.HandleType {
+	case wire.HandleMemfd:
+		prot := unix.PROT_READ
+		if !readOnly {
+			prot |= unix.PROT_WRITE
+		}
+		b, err := unix.Mmap(fd, 0, int(info.AllocSize), prot, unix.MAP_SHARED)
+		if err != nil {
+			return nil, fmt.Errorf("mmap: %w", err)
+		}
+		m.host = b
+	case wire.HandleCUDA:
+		dev, err := cuda.GetDevice(info.Device)
+		if err != nil {
+			return nil, err
+		}
+		h, err := dev.ImportFD(fd)
+		if err != nil {
+			return nil, err
+		}
+		ptr, err := dev.Map(h, info.AllocSize, readOnly, dev)
+		// The mapping keeps the physical memory referenced; the handle is
+		// not needed past this point.
+		if rerr := dev.Release(h); err == nil && rerr != nil {
+			dev.Unmap(ptr, info.AllocSize)
+			err = rerr
+		}
+		if err != nil {
+			return nil, err
+		}
+		m.dev, m.ptr = dev, ptr
+	default:
+		return nil, fmt.Errorf("unknown handle type %q", info.HandleType)
+	}
+	return m, nil
+}
+
+func (m *Mapping) unmap() error {
+	if m.host != nil {
+		err := unix.Munmap(m.host)
+		m.host = nil
+		return err
+	}
+	if m.dev != nil {
+		err := m.dev.Unmap(m.ptr, m.alloc)
+		m.dev, m.ptr = nil, 0
+		return err
+	}
+	return nil
+}
