@@ -20,8 +20,9 @@ type Mapping struct {
 
 	host []byte // memfd segments
 
-	dev *cuda.Device // cuda segments
-	ptr uint64
+	dev    *cuda.Device // cuda segments
+	ptr    uint64
+	handle cuda.Handle
 }
 
 // Bytes is a host segment's memory (nil for a cuda segment).
@@ -115,16 +116,13 @@ func mapSegment(fd int, info *SegmentInfo, readOnly bool) (*Mapping, error) {
 			return nil, err
 		}
 		ptr, err := dev.Map(h, info.AllocSize, readOnly, dev)
-		// The mapping keeps the physical memory referenced; the handle is
-		// not needed past this point.
-		if rerr := dev.Release(h); err == nil && rerr != nil {
-			dev.Unmap(ptr, info.AllocSize)
-			err = rerr
-		}
 		if err != nil {
+			dev.Release(h)
 			return nil, err
 		}
-		m.dev, m.ptr = dev, ptr
+		// The handle is released with the mapping, not now: one driver
+		// call fewer on the open path.
+		m.dev, m.ptr, m.handle = dev, ptr, h
 	default:
 		return nil, fmt.Errorf("unknown handle type %q", info.HandleType)
 	}
@@ -138,7 +136,7 @@ func (m *Mapping) unmap() error {
 		return err
 	}
 	if m.dev != nil {
-		err := m.dev.Unmap(m.ptr, m.alloc)
+		err := errors.Join(m.dev.Unmap(m.ptr, m.alloc), m.dev.Release(m.handle))
 		m.dev, m.ptr = nil, 0
 		return err
 	}

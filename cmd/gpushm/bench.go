@@ -100,6 +100,7 @@ func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int)
 	type row struct {
 		size                        int64
 		floor, open, reopen, create dist
+		roundTrip                   dist
 	}
 	var rows []row
 	for _, size := range sizes {
@@ -128,11 +129,11 @@ func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int)
 		if err != nil {
 			return err
 		}
-		open, err := childSamples(ctx, d.socket, "--name", "bench", "--iters", fmt.Sprint(iters))
+		open, rt, err := childSamples(ctx, d.socket, "--name", "bench", "--iters", fmt.Sprint(iters))
 		if err == nil {
-			r.open = summarize(open)
+			r.open, r.roundTrip = summarize(open), summarize(rt)
 			var reopen []int64
-			reopen, err = childSamples(ctx, d.socket, "--name", "bench", "--iters", fmt.Sprint(iters), "--reopen")
+			reopen, _, err = childSamples(ctx, d.socket, "--name", "bench", "--iters", fmt.Sprint(iters), "--reopen")
 			r.reopen = summarize(reopen)
 		}
 		seg.Close()
@@ -155,29 +156,40 @@ func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int)
 			float64(r.open.p50)/float64(r.floor.p50),
 			fmtDur(r.reopen.p50), fmtDur(r.reopen.p99), fmtDur(r.create.p50), fmtDur(r.create.p99))
 	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	fmt.Printf("\nopen, split: the daemon round trip (Open) and import + map (Map) in the second process\n\n")
+	w = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "size\topen p50\tround trip p50\tround trip p99\tfloor p50\t")
+	for _, r := range rows {
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t\n", formatSize(r.size), fmtDur(r.open.p50),
+			fmtDur(r.roundTrip.p50), fmtDur(r.roundTrip.p99), fmtDur(r.floor.p50))
+	}
 	return w.Flush()
 }
 
 // childSamples runs '__child open' in a fresh process and collects its
 // samples.
-func childSamples(ctx context.Context, socket string, args ...string) ([]int64, error) {
-	return runChild(ctx, nil, append([]string{"open", "--socket", socket}, args...)...)
+func childSamples(ctx context.Context, socket string, args ...string) (total, roundTrip []int64, err error) {
+	s, err := runChild(ctx, nil, append([]string{"open", "--socket", socket}, args...)...)
+	return s.NS, s.RoundTripNS, err
 }
 
-func runChild(ctx context.Context, extra []*os.File, args ...string) ([]int64, error) {
+func runChild(ctx context.Context, extra []*os.File, args ...string) (samples, error) {
 	self, err := os.Executable()
 	if err != nil {
-		return nil, err
+		return samples{}, err
 	}
 	cmd := exec.CommandContext(ctx, self, append([]string{"__child"}, args...)...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr, cmd.ExtraFiles = &out, os.Stderr, extra
-	if err := cmd.Run(); err != nil {
-		return nil, fmt.Errorf("second process %v: %w", args, err)
-	}
 	var s samples
-	if err := json.Unmarshal(out.Bytes(), &s); err != nil {
-		return nil, fmt.Errorf("second process said %q: %w", out.String(), err)
+	if err := cmd.Run(); err != nil {
+		return s, fmt.Errorf("second process %v: %w", args, err)
 	}
-	return s.NS, nil
+	if err := json.Unmarshal(out.Bytes(), &s); err != nil {
+		return s, fmt.Errorf("second process said %q: %w", out.String(), err)
+	}
+	return s, nil
 }

@@ -86,6 +86,8 @@ func verifyChildCmd() *cobra.Command {
 // samples is a child's list of per-iteration durations.
 type samples struct {
 	NS []int64
+	// RoundTripNS is the Open part of NS: the daemon round trip alone.
+	RoundTripNS []int64 `json:",omitempty"`
 }
 
 func openChildCmd() *cobra.Command {
@@ -124,6 +126,7 @@ func openChildCmd() *cobra.Command {
 				if err != nil {
 					return err
 				}
+				rt := time.Since(t)
 				if _, err := seg.Map(); err != nil {
 					return err
 				}
@@ -133,6 +136,7 @@ func openChildCmd() *cobra.Command {
 				}
 				if i >= 0 {
 					s.NS = append(s.NS, d.Nanoseconds())
+					s.RoundTripNS = append(s.RoundTripNS, rt.Nanoseconds())
 				}
 			}
 			return emit(s)

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -20,6 +21,7 @@ func daemonCmd() *cobra.Command {
 		backendName string
 		device      int
 		logLevel    string
+		spin        time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "daemon",
@@ -38,17 +40,18 @@ socket, and replaces a stale socket file.`,
 				return fmt.Errorf("--log-level: %w", err)
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
-			return runDaemon(cmd.Context(), log, backendName, device)
+			return runDaemon(cmd.Context(), log, backendName, device, spin)
 		},
 	}
 	f := cmd.Flags()
 	f.StringVar(&backendName, "backend", "auto", "memory backend: auto, cuda or host")
 	f.IntVar(&device, "device", -1, "serve only this GPU ordinal (default: every GPU)")
 	f.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables); trades a little CPU for latency")
 	return cmd
 }
 
-func runDaemon(ctx context.Context, log *slog.Logger, backendName string, device int) error {
+func runDaemon(ctx context.Context, log *slog.Logger, backendName string, device int, spin time.Duration) error {
 	b, err := backend.Open(backendName, device, log)
 	if err != nil {
 		return err
@@ -58,6 +61,7 @@ func runDaemon(ctx context.Context, log *slog.Logger, backendName string, device
 	if err != nil {
 		return err
 	}
+	srv.SetSpin(spin)
 	path := socketPath()
 	ln, err := server.Listen(path)
 	if errors.Is(err, server.ErrRunning) {

@@ -31,7 +31,11 @@ func startDaemon(ctx context.Context, backend string) (*privateDaemon, error) {
 		return nil, err
 	}
 	d := &privateDaemon{socket: filepath.Join(dir, "gpushm.sock"), dir: dir, done: make(chan error, 1)}
-	d.cmd = exec.Command(self, "daemon", "--socket", d.socket, "--backend", backend, "--log-level", "warn")
+	args := []string{"daemon", "--socket", d.socket, "--backend", backend, "--log-level", "warn"}
+	if v := os.Getenv("GPUSHM_DAEMON_SPIN"); v != "" {
+		args = append(args, "--spin", v)
+	}
+	d.cmd = exec.Command(self, args...)
 	d.cmd.Stderr = os.Stderr
 	if err := d.cmd.Start(); err != nil {
 		os.RemoveAll(dir)

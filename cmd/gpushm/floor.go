@@ -48,8 +48,9 @@ func floorSamples(ctx context.Context, backend string, dev gpushm.Device, size i
 	}
 	f := os.NewFile(uintptr(fd), "floor")
 	defer f.Close()
-	return runChild(ctx, []*os.File{f}, "floor", "--handle", handle,
+	s, err := runChild(ctx, []*os.File{f}, "floor", "--handle", handle,
 		"--device", fmt.Sprint(dev.Index), "--size", fmt.Sprint(alloc), "--iters", fmt.Sprint(iters))
+	return s.NS, err
 }
 
 func floorChildCmd() *cobra.Command {

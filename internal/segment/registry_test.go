@@ -74,9 +74,9 @@ var (
 
 func TestCreateValidation(t *testing.T) {
 	tests := []struct {
-		name string
-		o    CreateOptions
-		want error
+		name  string
+		o     CreateOptions
+		want  error
 		errno syscall.Errno
 	}{
 		{"empty name", CreateOptions{Name: "", Size: 1}, ErrBadName, syscall.EINVAL},

@@ -34,6 +34,7 @@ type Server struct {
 	epoch   *epoch.Page
 	log     *slog.Logger
 	version string
+	spin    time.Duration
 
 	mu    sync.Mutex
 	conns map[*conn]struct{}
@@ -58,6 +59,10 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		conns:   make(map[*conn]struct{}),
 	}, nil
 }
+
+// SetSpin sets how long a connection polls for its next request before it
+// sleeps (see wire.Conn.SetSpin); call before Serve.
+func (s *Server) SetSpin(d time.Duration) { s.spin = d }
 
 // Registry is the server's registry, for in-process users (the FUSE view).
 func (s *Server) Registry() *segment.Registry { return s.reg }
@@ -96,7 +101,8 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 	ln.Close()
 	s.mu.Lock()
 	for c := range s.conns {
-		c.wc.Close()
+		// Wake the connection's goroutine; it closes the socket itself.
+		c.wc.Shutdown()
 	}
 	s.mu.Unlock()
 	s.wg.Wait()
@@ -106,11 +112,17 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 }
 
 func (s *Server) start(uc *net.UnixConn) {
-	c := &conn{s: s, wc: wire.NewConn(uc), leases: make(map[uint64]*lease)}
+	wc, err := wire.FromUnixConn(uc)
+	if err != nil {
+		s.log.Warn("dropping connection", "err", err)
+		return
+	}
+	wc.SetSpin(s.spin)
+	c := &conn{s: s, wc: wc, leases: make(map[uint64]*lease)}
 	cred, err := c.wc.PeerCred()
 	if err != nil {
 		s.log.Warn("refusing connection without credentials", "err", err)
-		uc.Close()
+		wc.Close()
 		return
 	}
 	c.cred = cred
@@ -173,7 +185,7 @@ func (c *conn) serve() {
 				}
 				continue
 			}
-			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+			if !errors.Is(err, io.EOF) {
 				log.Debug("read", "err", err)
 			}
 			return

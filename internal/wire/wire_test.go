@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"io/fs"
-	"net"
 	"os"
 	"reflect"
 	"strings"
@@ -130,14 +129,12 @@ func socketPair(t *testing.T) (*Conn, *Conn) {
 	}
 	conns := make([]*Conn, 2)
 	for i, fd := range fds {
-		f := os.NewFile(uintptr(fd), "pair")
-		c, err := net.FileConn(f)
-		f.Close()
+		c, err := NewConn(fd)
 		if err != nil {
 			t.Fatal(err)
 		}
-		conns[i] = NewConn(c.(*net.UnixConn))
-		t.Cleanup(func() { conns[i].Close() })
+		conns[i] = c
+		t.Cleanup(func() { c.Close() })
 	}
 	return conns[0], conns[1]
 }
@@ -168,7 +165,7 @@ func TestConnRejectsOversizedAndExtraFDs(t *testing.T) {
 	a, b := socketPair(t)
 	// Raw writes, since Send would happily send these.
 	raw := func(p []byte, oob []byte) {
-		if _, _, err := a.c.WriteMsgUnix(p, oob, nil); err != nil {
+		if err := unix.Sendmsg(a.fd, p, oob, nil, 0); err != nil {
 			t.Fatal(err)
 		}
 	}
