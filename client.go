@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"syscall"
 	"time"
@@ -53,9 +54,10 @@ func DefaultSocket() string {
 }
 
 // DefaultSpin is how long a client polls for a reply before it sleeps:
-// longer than a typical round trip (about 30 us), so that the reply is
-// usually seen without a thread wake-up. GPUSHM_SPIN (a Go duration, "0" to
-// disable) overrides it.
+// longer than a typical round trip (about 20 us), so that the reply is
+// usually seen without a thread wake-up. On machines of fewer than 4 cores
+// the client does not spin, since it would take the core the daemon needs.
+// GPUSHM_SPIN (a Go duration, "0" to disable) overrides both.
 const DefaultSpin = 200 * time.Microsecond
 
 func clientSpin() time.Duration {
@@ -63,6 +65,9 @@ func clientSpin() time.Duration {
 		if d, err := time.ParseDuration(v); err == nil {
 			return d
 		}
+	}
+	if runtime.NumCPU() < 4 {
+		return 0
 	}
 	return DefaultSpin
 }

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"runtime"
 	"syscall"
 	"time"
 
@@ -47,7 +48,7 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&backendName, "backend", "auto", "memory backend: auto, cuda or host")
 	f.IntVar(&device, "device", -1, "serve only this GPU ordinal (default: every GPU)")
 	f.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
-	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables); trades a little CPU for latency")
+	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables; off below 4 cores): a little CPU for latency")
 	return cmd
 }
 
@@ -60,6 +61,11 @@ func runDaemon(ctx context.Context, log *slog.Logger, backendName string, device
 	srv, err := server.New(b, log, version)
 	if err != nil {
 		return err
+	}
+	if spin > 0 && runtime.NumCPU() < 4 {
+		// Polling would take the core the client needs.
+		log.Info("not spinning: fewer than 4 cores", "cores", runtime.NumCPU())
+		spin = 0
 	}
 	srv.SetSpin(spin)
 	path := socketPath()
