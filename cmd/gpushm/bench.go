@@ -35,11 +35,13 @@ func benchOpenCmd() *cobra.Command {
 		Short: "Time create, open-to-mapped in a second process, and reopen, against the raw floor",
 		Long: `For each size, on a private daemon:
 
-  floor    a second process imports an exported handle and maps it, with no
-           daemon: cuMemImportFromShareableHandle + cuMemAddressReserve +
-           cuMemMap + cuMemSetAccess on cuda, mmap on host
-  open     a second process opens the segment by name through the daemon and
-           maps it (round trip, SCM_RIGHTS, import, map, set access)
+  floor    a second process imports an exported handle it inherited and maps
+           it, with no daemon: cuMemImportFromShareableHandle +
+           cuMemAddressReserve + cuMemMap + cuMemSetAccess on cuda, mmap on host
+  open     the same second process opens the segment by name through the
+           daemon and maps it (round trip, SCM_RIGHTS, import, map, set
+           access); floor and open samples alternate, so both see the same
+           machine
   reopen   the same, while that process already holds the segment mapped
   create   create a segment through the daemon (allocate + export)
 
@@ -119,22 +121,24 @@ func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int)
 		}
 		r.create = summarize(createNS)
 
-		floor, err := floorSamples(ctx, c.Backend(), dev, size, iters)
-		if err != nil {
-			return fmt.Errorf("floor: %w", err)
-		}
-		r.floor = summarize(floor)
-
 		seg, err := c.Create(ctx, "bench", size, nil)
 		if err != nil {
 			return err
 		}
-		open, rt, err := childSamples(ctx, d.socket, "--name", "bench", "--iters", fmt.Sprint(iters))
+		f, spec, release, err := exportFloor(c.Backend(), dev, size)
+		if err != nil {
+			seg.Close()
+			return fmt.Errorf("floor: %w", err)
+		}
+		s, err := runChild(ctx, []*os.File{f}, "open", "--socket", d.socket, "--name", "bench",
+			"--iters", fmt.Sprint(iters), "--floor-handle", spec.handle,
+			"--floor-device", fmt.Sprint(spec.device), "--floor-size", fmt.Sprint(spec.size))
+		f.Close()
+		release()
 		if err == nil {
-			r.open, r.roundTrip = summarize(open), summarize(rt)
-			var reopen []int64
-			reopen, _, err = childSamples(ctx, d.socket, "--name", "bench", "--iters", fmt.Sprint(iters), "--reopen")
-			r.reopen = summarize(reopen)
+			r.open, r.roundTrip, r.floor = summarize(s.NS), summarize(s.RoundTripNS), summarize(s.FloorNS)
+			s, err = runChild(ctx, nil, "open", "--socket", d.socket, "--name", "bench", "--iters", fmt.Sprint(iters), "--reopen")
+			r.reopen = summarize(s.NS)
 		}
 		seg.Close()
 		if uerr := c.Unlink(ctx, "bench"); err == nil {
@@ -169,13 +173,7 @@ func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int)
 	return w.Flush()
 }
 
-// childSamples runs '__child open' in a fresh process and collects its
-// samples.
-func childSamples(ctx context.Context, socket string, args ...string) (total, roundTrip []int64, err error) {
-	s, err := runChild(ctx, nil, append([]string{"open", "--socket", socket}, args...)...)
-	return s.NS, s.RoundTripNS, err
-}
-
+// runChild runs '__child ARGS' in a fresh process and collects its samples.
 func runChild(ctx context.Context, extra []*os.File, args ...string) (samples, error) {
 	self, err := os.Executable()
 	if err != nil {

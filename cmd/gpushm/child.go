@@ -9,6 +9,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/cuda"
+	"github.com/gpushm/gpushm/internal/wire"
 )
 
 // childCmd holds the second-process halves of demo and bench. They run in a
@@ -20,7 +22,7 @@ func childCmd() *cobra.Command {
 		Hidden: true,
 		Args:   cobra.NoArgs,
 	}
-	cmd.AddCommand(verifyChildCmd(), openChildCmd(), floorChildCmd())
+	cmd.AddCommand(verifyChildCmd(), openChildCmd())
 	return cmd
 }
 
@@ -88,6 +90,9 @@ type samples struct {
 	NS []int64
 	// RoundTripNS is the Open part of NS: the daemon round trip alone.
 	RoundTripNS []int64 `json:",omitempty"`
+	// FloorNS are import + map samples of an inherited descriptor, taken
+	// alternately with NS so that both see the same machine.
+	FloorNS []int64 `json:",omitempty"`
 }
 
 func openChildCmd() *cobra.Command {
@@ -96,6 +101,7 @@ func openChildCmd() *cobra.Command {
 		iters    int
 		reopen   bool
 		readOnly bool
+		floor    floorSpec
 	)
 	cmd := &cobra.Command{
 		Use: "open",
@@ -119,8 +125,28 @@ func openChildCmd() *cobra.Command {
 				}
 			}
 			var s samples
+			var fdev *cuda.Device
+			if floor.handle == wire.HandleCUDA {
+				if fdev, err = cuda.GetDevice(floor.device); err != nil {
+					return err
+				}
+			}
 			// The first round warms up the driver and the connection.
 			for i := -1; i < iters; i++ {
+				if floor.handle != "" {
+					t := time.Now()
+					undo, err := mapFloor(fdev, floorFD, floor.size)
+					el := time.Since(t)
+					if err != nil {
+						return fmt.Errorf("floor: %w", err)
+					}
+					if err := undo(); err != nil {
+						return fmt.Errorf("floor: %w", err)
+					}
+					if i >= 0 {
+						s.FloorNS = append(s.FloorNS, el.Nanoseconds())
+					}
+				}
 				t := time.Now()
 				seg, err := c.Open(ctx, name, o)
 				if err != nil {
@@ -146,5 +172,8 @@ func openChildCmd() *cobra.Command {
 	cmd.Flags().IntVar(&iters, "iters", 100, "iterations")
 	cmd.Flags().BoolVar(&reopen, "reopen", false, "time opens of a segment this process already has mapped")
 	cmd.Flags().BoolVar(&readOnly, "readonly", false, "open read-only")
+	cmd.Flags().StringVar(&floor.handle, "floor-handle", "", "also time mapping fd 3, of this handle type, alternately")
+	cmd.Flags().IntVar(&floor.device, "floor-device", 0, "GPU ordinal of fd 3")
+	cmd.Flags().Int64Var(&floor.size, "floor-size", 0, "bytes to map of fd 3")
 	return cmd
 }
