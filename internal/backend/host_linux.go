@@ -92,9 +92,9 @@ type hostMemory struct {
 	size int64
 }
 
-func (m *hostMemory) FD() int     { return m.fd }
-func (m *hostMemory) Size() int64 { return m.size }
-func (m *hostMemory) Free() error { return unix.Close(m.fd) }
+func (m *hostMemory) FD() (int, error) { return m.fd, nil }
+func (m *hostMemory) Size() int64      { return m.size }
+func (m *hostMemory) Free() error      { return unix.Close(m.fd) }
 
 // Name implements server.Backend.
 func (h *Host) Name() string { return "host" }

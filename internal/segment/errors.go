@@ -16,6 +16,15 @@ var (
 	ErrBadMeta    = &Error{"invalid metadata", syscall.EINVAL}
 	ErrNoDevice   = &Error{"no such device", syscall.ENODEV}
 	ErrClosed     = &Error{"registry closed", syscall.EIO}
+	// ErrEmpty: a segment created empty (AllowEmpty) has no memory to open
+	// until it is written or resized.
+	ErrEmpty = &Error{"segment is empty", syscall.EINVAL}
+	// ErrBusy: the size of a segment cannot change while a lease holder may
+	// have it mapped.
+	ErrBusy = &Error{"segment is open", syscall.EBUSY}
+	// ErrNoData: the backend's memory cannot be read or written by the
+	// daemon itself.
+	ErrNoData = &Error{"memory not accessible to the daemon", syscall.EOPNOTSUPP}
 )
 
 // Error is a registry error with the errno it stands for.

@@ -11,9 +11,11 @@ import (
 )
 
 // Memory is one allocation: a descriptor another process can map, and the
-// means to free it. Free closes the descriptor.
+// means to free it. FD may block until the descriptor exists (a backend may
+// export it in the background) and may fail; it returns the same descriptor
+// every time it succeeds. Free closes the descriptor.
 type Memory interface {
-	FD() int
+	FD() (int, error)
 	Size() int64
 	Free() error
 }
@@ -67,6 +69,14 @@ type CreateOptions struct {
 	// access only.
 	Open     bool
 	ReadOnly bool
+	// AllowEmpty permits Size 0: the segment is named but holds no memory
+	// until Resize or WriteAt gives it some (a file created empty through
+	// the FUSE view). The socket protocol never sets it.
+	AllowEmpty bool
+	// Pin takes a pin (see Registry.Pin) on the new segment, atomically
+	// with the create. With ExistOK, an existing segment is returned
+	// unpinned and created reports false.
+	Pin bool
 }
 
 // Info is a snapshot of a segment's state.
@@ -83,24 +93,39 @@ type Info struct {
 	Created    time.Time
 	Meta       json.RawMessage
 	Linked     bool
+	// Pins counts in-daemon references (FUSE open files); unlike Opens they
+	// do not mean the memory is mapped elsewhere.
+	Pins int
+	// Modified is the time of the last write, resize or SetTimes.
+	Modified time.Time
 }
 
 // Segment is one allocation in the registry.
 type Segment struct {
 	id      uint64
-	size    int64
 	device  int
 	created time.Time
 	ready   chan struct{} // closed when creation finished, either way
 
-	// Guarded by Registry.mu.
+	// io orders the daemon's own copies against replacing or freeing mem:
+	// ReadAt and WriteAt hold it shared, Resize and freeing exclusively. It
+	// is taken before Registry.mu, never while holding it.
+	io sync.RWMutex
+
+	// Guarded by Registry.mu. mem changes only while io is held
+	// exclusively and opens is 0, so a lease holder may read it unlocked.
+	size     int64 // logical size, at most mem.Size()
+	creating bool  // the first allocation is in progress
 	name     string
 	uid, gid uint32
 	mode     uint32
 	meta     json.RawMessage
-	opens    int
-	linked   bool
+	opens    int  // leases: the descriptor went to a process that may map it
+	pins     int  // in-daemon references: keep the memory, map nothing elsewhere
+	linked   bool // reachable by name
+	gone     bool // retired: unnamed and unreferenced, its memory freed
 	mem      Memory
+	modified time.Time
 }
 
 // ID is unique for the registry's lifetime; IDs are never reused.
@@ -108,7 +133,7 @@ func (s *Segment) ID() uint64 { return s.id }
 
 // FD is the segment's descriptor, owned by the registry. Valid while the
 // caller holds a lease.
-func (s *Segment) FD() int { return s.mem.FD() }
+func (s *Segment) FD() (int, error) { return s.mem.FD() }
 
 // Registry maps names to segments.
 type Registry struct {
@@ -159,7 +184,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	if err := ValidName(o.Name); err != nil {
 		return nil, false, err
 	}
-	if o.Size <= 0 {
+	if o.Size < 0 || o.Size == 0 && !o.AllowEmpty {
 		return nil, false, fmt.Errorf("%w: %d (must be positive)", ErrBadSize, o.Size)
 	}
 	mode := uint32(DefaultMode)
@@ -181,7 +206,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	}
 
 	r.mu.Lock()
-	existing, err := r.lookup(o.Name)
+	existing, err := r.find(o.Name)
 	if err != nil && !errors.Is(err, ErrNotFound) {
 		r.mu.Unlock()
 		return nil, false, err
@@ -203,47 +228,64 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		return existing, false, nil
 	}
 	r.nextID++
+	now := time.Now()
 	s = &Segment{
-		id:      r.nextID,
-		name:    o.Name,
-		size:    o.Size,
-		device:  o.Device,
-		created: time.Now(),
-		uid:     c.UID,
-		gid:     c.GID,
-		mode:    mode,
-		meta:    append(json.RawMessage(nil), o.Meta...),
-		linked:  true,
-		ready:   make(chan struct{}),
+		id:       r.nextID,
+		name:     o.Name,
+		size:     o.Size,
+		device:   o.Device,
+		created:  now,
+		modified: now,
+		uid:      c.UID,
+		gid:      c.GID,
+		mode:     mode,
+		meta:     append(json.RawMessage(nil), o.Meta...),
+		linked:   true,
+		creating: true,
+		ready:    make(chan struct{}),
 	}
 	r.byName[o.Name] = s
 	r.mu.Unlock()
 
-	mem, err := r.alloc.Allocate(o.Device, o.Size)
+	var mem Memory
+	if o.Size > 0 {
+		mem, err = r.alloc.Allocate(o.Device, o.Size)
+	}
 
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	defer close(s.ready)
+	s.creating = false
 	if err == nil && r.closed {
-		mem.Free()
+		free(mem)
 		err = ErrClosed
 	}
+	if err == nil && o.Open && mem == nil {
+		err = ErrEmpty // a lease on nothing: the protocol never asks
+	}
 	if err != nil {
+		free(mem)
 		delete(r.byName, o.Name)
 		s.linked = false
+		s.gone = true
 		return nil, false, fmt.Errorf("allocate %d bytes on device %d: %w", o.Size, o.Device, err)
 	}
-	s.mem = mem
-	r.byID[s.id] = s
+	if mem != nil {
+		s.mem = mem
+		r.byID[s.id] = s
+	}
 	if o.Open {
 		s.opens = 1
+	}
+	if o.Pin {
+		s.pins = 1
 	}
 	return s, true, nil
 }
 
-// lookup finds a named, ready segment, waiting out a creation in progress.
+// find finds a named, ready segment, waiting out a creation in progress.
 // mu must be held; it may be released and retaken while waiting.
-func (r *Registry) lookup(name string) (*Segment, error) {
+func (r *Registry) find(name string) (*Segment, error) {
 	for {
 		if r.closed {
 			return nil, ErrClosed
@@ -252,7 +294,7 @@ func (r *Registry) lookup(name string) (*Segment, error) {
 		if s == nil {
 			return nil, fmt.Errorf("%w: %q", ErrNotFound, name)
 		}
-		if s.mem != nil {
+		if !s.creating {
 			return s, nil
 		}
 		ch := s.ready
@@ -284,6 +326,9 @@ func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
 	if !allowed(c, s, want) {
 		return fmt.Errorf("%w: %s access to %q (mode %#o, owner %d:%d)", ErrPermission, what, s.name, s.mode, s.uid, s.gid)
 	}
+	if s.mem == nil {
+		return fmt.Errorf("%w: %q has 0 bytes and no memory yet (write or truncate it first)", ErrEmpty, s.name)
+	}
 	s.opens++
 	return nil
 }
@@ -295,7 +340,7 @@ func (r *Registry) Acquire(c Cred, name string, readOnly bool) (*Segment, error)
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	s, err := r.lookup(name)
+	s, err := r.find(name)
 	if err != nil {
 		return nil, err
 	}
@@ -316,19 +361,32 @@ func (r *Registry) Release(s *Segment) error {
 	s.opens--
 	mem := r.detachLocked(s)
 	r.mu.Unlock()
-	return free(mem)
+	return s.free(mem)
 }
 
-// detachLocked removes an unlinked, unopened segment and returns its memory
-// for the caller to free outside the lock.
+// detachLocked retires an unlinked segment that nothing references any
+// more and returns its memory, for the caller to free with Segment.free
+// outside the lock.
 func (r *Registry) detachLocked(s *Segment) Memory {
-	if s.linked || s.opens > 0 || s.mem == nil {
+	if s.linked || s.opens > 0 || s.pins > 0 || s.gone || s.creating {
 		return nil
 	}
+	s.gone = true
 	delete(r.byID, s.id)
 	mem := s.mem
 	s.mem = nil
 	return mem
+}
+
+// free frees memory that was s's, once no copy of the daemon's own (ReadAt,
+// WriteAt) still runs on it.
+func (s *Segment) free(mem Memory) error {
+	if mem == nil {
+		return nil
+	}
+	s.io.Lock()
+	defer s.io.Unlock()
+	return free(mem)
 }
 
 func free(mem Memory) error {
@@ -347,7 +405,7 @@ func (r *Registry) Unlink(c Cred, name string) error {
 		return err
 	}
 	r.mu.Lock()
-	s, err := r.lookup(name)
+	s, err := r.find(name)
 	if err != nil {
 		r.mu.Unlock()
 		return err
@@ -357,6 +415,22 @@ func (r *Registry) Unlink(c Cred, name string) error {
 		return fmt.Errorf("%w: %q belongs to uid %d", ErrNotOwner, name, s.uid)
 	}
 	delete(r.byName, name)
+	s.linked = false
+	r.changed()
+	mem := r.detachLocked(s)
+	r.mu.Unlock()
+	return s.free(mem)
+}
+
+// Discard unlinks s if its name still names it: the undo of a Create whose
+// caller could not finish (the descriptor could not be made, say).
+func (r *Registry) Discard(s *Segment) error {
+	r.mu.Lock()
+	if !s.linked || r.byName[s.name] != s {
+		r.mu.Unlock()
+		return nil
+	}
+	delete(r.byName, s.name)
 	s.linked = false
 	r.changed()
 	mem := r.detachLocked(s)
@@ -371,7 +445,7 @@ func (r *Registry) Stat(name string) (Info, error) {
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	s, err := r.lookup(name)
+	s, err := r.find(name)
 	if err != nil {
 		return Info{}, err
 	}
@@ -399,6 +473,8 @@ func (r *Registry) infoLocked(s *Segment) Info {
 		Created:    s.created,
 		Meta:       s.meta,
 		Linked:     s.linked,
+		Pins:       s.pins,
+		Modified:   s.modified,
 	}
 	if s.mem != nil {
 		inf.AllocSize = s.mem.Size()
@@ -413,7 +489,7 @@ func (r *Registry) List(after string, limit int) []Info {
 	defer r.mu.Unlock()
 	names := make([]string, 0, len(r.byName))
 	for name, s := range r.byName {
-		if name > after && s.mem != nil {
+		if name > after && !s.creating {
 			names = append(names, name)
 		}
 	}
@@ -455,19 +531,30 @@ func (r *Registry) Usage() Usage {
 func (r *Registry) Close() error {
 	r.mu.Lock()
 	r.closed = true
-	mems := make([]Memory, 0, len(r.byID))
+	type held struct {
+		s   *Segment
+		mem Memory
+	}
+	mems := make([]held, 0, len(r.byID))
 	for _, s := range r.byID {
-		mems = append(mems, s.mem)
+		mems = append(mems, held{s, s.mem})
 		s.mem = nil
+	}
+	for _, s := range r.byName {
 		s.linked = false
+		s.gone = true
+	}
+	for _, h := range mems {
+		h.s.linked = false
+		h.s.gone = true
 	}
 	r.byID = make(map[uint64]*Segment)
 	r.byName = make(map[string]*Segment)
 	r.changed()
 	r.mu.Unlock()
 	var errs []error
-	for _, m := range mems {
-		errs = append(errs, free(m))
+	for _, h := range mems {
+		errs = append(errs, h.s.free(h.mem))
 	}
 	return errors.Join(errs...)
 }

@@ -54,8 +54,8 @@ type fakeMem struct {
 	size int64
 }
 
-func (m *fakeMem) FD() int     { return m.fd }
-func (m *fakeMem) Size() int64 { return m.size }
+func (m *fakeMem) FD() (int, error) { return m.fd, nil }
+func (m *fakeMem) Size() int64      { return m.size }
 func (m *fakeMem) Free() error {
 	m.f.mu.Lock()
 	defer m.f.mu.Unlock()
@@ -297,5 +297,26 @@ func TestConcurrentOpenOrCreate(t *testing.T) {
 	}
 	if n := f.liveCount(); n != 0 {
 		t.Fatalf("%d allocations live after unlinking all", n)
+	}
+}
+
+func TestDiscard(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	s, _, _ := r.Create(alice, CreateOptions{Name: "d", Size: 1, Open: true})
+	r.Release(s)
+	if err := r.Discard(s); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Stat("d"); !errors.Is(err, ErrNotFound) || f.liveCount() != 0 {
+		t.Fatalf("after Discard: Stat = %v, %d live", err, f.liveCount())
+	}
+	// Discard of a segment whose name was reused leaves the new one alone.
+	s1, _, _ := r.Create(alice, CreateOptions{Name: "d", Size: 1})
+	r.Unlink(alice, "d")
+	r.Create(alice, CreateOptions{Name: "d", Size: 1})
+	r.Discard(s1)
+	if _, err := r.Stat("d"); err != nil {
+		t.Fatalf("Discard of an old segment removed the new one: %v", err)
 	}
 }

@@ -268,16 +268,30 @@ func (c *conn) dispatch(req *wire.Request) (*wire.Reply, int) {
 		if !req.Open {
 			return rep, -1
 		}
+		fd, err := seg.FD()
+		if err != nil {
+			// A create that cannot hand out its descriptor leaves nothing.
+			c.s.reg.Release(seg)
+			if created {
+				c.s.reg.Discard(seg)
+			}
+			return fail(fmt.Errorf("create %q: %w", req.Name, err))
+		}
 		c.hold(seg)
 		rep.FD = true
-		return rep, seg.FD()
+		return rep, fd
 	case wire.OpOpen:
 		seg, err := c.s.reg.Acquire(cred, req.Name, req.ReadOnly)
 		if err != nil {
 			return fail(fmt.Errorf("open: %w", err))
 		}
+		fd, err := seg.FD()
+		if err != nil {
+			c.s.reg.Release(seg)
+			return fail(fmt.Errorf("open %q: %w", req.Name, err))
+		}
 		c.hold(seg)
-		return &wire.Reply{Segment: c.segmentInfo(seg), FD: true}, seg.FD()
+		return &wire.Reply{Segment: c.segmentInfo(seg), FD: true}, fd
 	case wire.OpClose:
 		if !c.release(req.Segment) {
 			return fail(fmt.Errorf("close: this connection holds no open of segment %d: %w", req.Segment, syscall.EINVAL))
