@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -115,8 +116,13 @@ func mapSegment(fd int, info *SegmentInfo, readOnly bool) (*Mapping, error) {
 		if err != nil {
 			return nil, err
 		}
-		ptr, err := dev.Map(h, info.AllocSize, readOnly, dev)
+		ptr, err := reserve(dev, info.AllocSize)
 		if err != nil {
+			dev.Release(h)
+			return nil, err
+		}
+		if err := dev.MapAt(ptr, h, info.AllocSize, readOnly, dev); err != nil {
+			unreserve(dev, ptr, info.AllocSize)
 			dev.Release(h)
 			return nil, err
 		}
@@ -136,9 +142,61 @@ func (m *Mapping) unmap() error {
 		return err
 	}
 	if m.dev != nil {
-		err := errors.Join(m.dev.Unmap(m.ptr, m.alloc), m.dev.Release(m.handle))
+		err := m.dev.UnmapAt(m.ptr, m.alloc)
+		if err == nil {
+			unreserve(m.dev, m.ptr, m.alloc)
+		}
+		err = errors.Join(err, m.dev.Release(m.handle))
 		m.dev, m.ptr = nil, 0
 		return err
 	}
 	return nil
+}
+
+// Address ranges of unmapped cuda segments are kept for the next mapping of
+// the same size on the same device: a process that opens and closes
+// segments of a few sizes again and again (tensors handed over per request)
+// then skips cuMemAddressReserve and cuMemAddressFree. A range holds no
+// memory, only address space, and at most vaCacheMax are kept.
+const vaCacheMax = 64
+
+type vaKey struct {
+	dev  int
+	size int64
+}
+
+var vaCache struct {
+	sync.Mutex
+	free map[vaKey][]uint64
+	n    int
+}
+
+func reserve(dev *cuda.Device, size int64) (uint64, error) {
+	k := vaKey{dev.Ordinal(), size}
+	vaCache.Lock()
+	if l := vaCache.free[k]; len(l) > 0 {
+		ptr := l[len(l)-1]
+		vaCache.free[k] = l[:len(l)-1]
+		vaCache.n--
+		vaCache.Unlock()
+		return ptr, nil
+	}
+	vaCache.Unlock()
+	return dev.Reserve(size)
+}
+
+func unreserve(dev *cuda.Device, ptr uint64, size int64) {
+	k := vaKey{dev.Ordinal(), size}
+	vaCache.Lock()
+	if vaCache.n < vaCacheMax {
+		if vaCache.free == nil {
+			vaCache.free = make(map[vaKey][]uint64)
+		}
+		vaCache.free[k] = append(vaCache.free[k], ptr)
+		vaCache.n++
+		vaCache.Unlock()
+		return
+	}
+	vaCache.Unlock()
+	dev.Free(ptr, size)
 }

@@ -746,47 +746,30 @@ func (d *Device) ImportFD(fd int) (Handle, error) {
 	return Handle(h), nil
 }
 
-// Map reserves a virtual address range of size bytes, maps h at offset 0 into
-// it and grants every device in access read-only or read-write access with a
-// single cuMemSetAccess call. d must itself be listed in access if d is to
-// use the mapping. On failure nothing stays mapped or reserved.
+// Map reserves a virtual address range of size bytes, maps h into it and
+// sets access for every device in access with one cuMemSetAccess call
+// (read-only or read-write). On failure it undoes what it did.
 func (d *Device) Map(h Handle, size int64, readOnly bool, access ...*Device) (uint64, error) {
-	if err := d.check(); err != nil {
-		return 0, err
-	}
-	g, err := d.checkSize("map", size)
+	ptr, err := d.Reserve(size)
 	if err != nil {
 		return 0, err
 	}
-	if len(access) == 0 || len(access) > maxAccessDevices {
-		return 0, fmt.Errorf("cuda: map needs 1 to %d devices to grant access to, got %d: %w", maxAccessDevices, len(access), ErrInvalidValue)
+	if err := d.MapAt(ptr, h, size, readOnly, access...); err != nil {
+		return 0, errors.Join(err, d.Free(ptr, size))
 	}
-	var ords [maxAccessDevices]C.int
-	for i, a := range access {
-		if err := a.check(); err != nil {
-			return 0, fmt.Errorf("cuda: map access list entry %d: %w", i, err)
-		}
-		ords[i] = C.int(a.ordinal)
-	}
-	ro := C.int(0)
-	if readOnly {
-		ro = 1
+	return ptr, nil
+}
+
+// Reserve reserves a virtual address range of size bytes (a positive
+// multiple of Granularity), aligned to the granularity, for MapAt.
+func (d *Device) Reserve(size int64) (uint64, error) {
+	g, err := d.checkSize("reserve", size)
+	if err != nil {
+		return 0, err
 	}
 	var ptr C.CUdeviceptr
-	sz := C.size_t(size)
 	err = d.withCtx(func() error {
-		if err := wrap("cuMemAddressReserve", C.gs_cuMemAddressReserve(&ptr, sz, C.size_t(g))); err != nil {
-			return err
-		}
-		if err := wrap("cuMemMap", C.gs_cuMemMap(ptr, sz, C.CUmemGenericAllocationHandle(h))); err != nil {
-			return errors.Join(err, wrap("cuMemAddressFree", C.gs_cuMemAddressFree(ptr, sz)))
-		}
-		if err := wrap("cuMemSetAccess", C.gs_setAccess(ptr, sz, &ords[0], C.size_t(len(access)), ro)); err != nil {
-			return errors.Join(err,
-				wrap("cuMemUnmap", C.gs_cuMemUnmap(ptr, sz)),
-				wrap("cuMemAddressFree", C.gs_cuMemAddressFree(ptr, sz)))
-		}
-		return nil
+		return wrap("cuMemAddressReserve", C.gs_cuMemAddressReserve(&ptr, C.size_t(size), C.size_t(g)))
 	})
 	if err != nil {
 		return 0, err
@@ -794,18 +777,65 @@ func (d *Device) Map(h Handle, size int64, readOnly bool, access ...*Device) (ui
 	return uint64(ptr), nil
 }
 
-// Unmap undoes Map. If the unmap fails the address range is left reserved
-// rather than freed while possibly still mapped.
-func (d *Device) Unmap(ptr uint64, size int64) error {
-	if size <= 0 {
-		return fmt.Errorf("cuda: unmap size %d: %w", size, ErrInvalidValue)
+// MapAt maps h at ptr, the start of a range from Reserve, and sets access
+// for every device in access with one cuMemSetAccess call. On failure the
+// range is left reserved and unmapped.
+func (d *Device) MapAt(ptr uint64, h Handle, size int64, readOnly bool, access ...*Device) error {
+	if _, err := d.checkSize("map", size); err != nil {
+		return err
+	}
+	if len(access) == 0 || len(access) > maxAccessDevices {
+		return fmt.Errorf("cuda: map needs 1 to %d devices to grant access to, got %d: %w", maxAccessDevices, len(access), ErrInvalidValue)
+	}
+	var ords [maxAccessDevices]C.int
+	for i, a := range access {
+		if err := a.check(); err != nil {
+			return fmt.Errorf("cuda: map access list entry %d: %w", i, err)
+		}
+		ords[i] = C.int(a.ordinal)
+	}
+	ro := C.int(0)
+	if readOnly {
+		ro = 1
 	}
 	p, sz := C.CUdeviceptr(ptr), C.size_t(size)
 	return d.withCtx(func() error {
-		if err := wrap("cuMemUnmap", C.gs_cuMemUnmap(p, sz)); err != nil {
+		if err := wrap("cuMemMap", C.gs_cuMemMap(p, sz, C.CUmemGenericAllocationHandle(h))); err != nil {
 			return err
 		}
-		return wrap("cuMemAddressFree", C.gs_cuMemAddressFree(p, sz))
+		if err := wrap("cuMemSetAccess", C.gs_setAccess(p, sz, &ords[0], C.size_t(len(access)), ro)); err != nil {
+			return errors.Join(err, wrap("cuMemUnmap", C.gs_cuMemUnmap(p, sz)))
+		}
+		return nil
+	})
+}
+
+// Unmap undoes Map. If the unmap fails the address range is left reserved
+// rather than freed while possibly still mapped.
+func (d *Device) Unmap(ptr uint64, size int64) error {
+	if err := d.UnmapAt(ptr, size); err != nil {
+		return err
+	}
+	return d.Free(ptr, size)
+}
+
+// UnmapAt undoes MapAt, leaving the range reserved for another MapAt.
+func (d *Device) UnmapAt(ptr uint64, size int64) error {
+	if size <= 0 {
+		return fmt.Errorf("cuda: unmap size %d: %w", size, ErrInvalidValue)
+	}
+	return d.withCtx(func() error {
+		return wrap("cuMemUnmap", C.gs_cuMemUnmap(C.CUdeviceptr(ptr), C.size_t(size)))
+	})
+}
+
+// Free releases a range from Reserve; nothing may be mapped in it.
+func (d *Device) Free(ptr uint64, size int64) error {
+	if size <= 0 {
+		return fmt.Errorf("cuda: free size %d: %w", size, ErrInvalidValue)
+	}
+	return d.withCtx(func() error {
+		return wrap("cuMemAddressFree", C.gs_cuMemAddressFree(C.CUdeviceptr(ptr), C.size_t(size)))
 	})
 }
 

@@ -55,15 +55,21 @@ func (d *Device) Release(Handle) error                     { return errUnavailab
 func (d *Device) ExportFD(Handle) (int, error)             { return -1, errUnavailable }
 func (d *Device) ImportFD(int) (Handle, error)             { return 0, errUnavailable }
 func (d *Device) Unmap(uint64, int64) error                { return errUnavailable }
-func (d *Device) CopyHtoD(uint64, []byte) error            { return errUnavailable }
-func (d *Device) CopyDtoH([]byte, uint64) error            { return errUnavailable }
-func (d *Device) CopyDtoD(uint64, uint64, int64) error     { return errUnavailable }
-func (d *Device) MemsetD8(uint64, byte, int64) error       { return errUnavailable }
-func (d *Device) Synchronize() error                       { return errUnavailable }
-func (d *Device) AllocHost(int64) ([]byte, error)          { return nil, errUnavailable }
-func (d *Device) FreeHost([]byte) error                    { return errUnavailable }
-func (d *Device) NewStream() (*Stream, error)              { return nil, errUnavailable }
-func (d *Device) NewEvent() (*Event, error)                { return nil, errUnavailable }
+func (d *Device) UnmapAt(uint64, int64) error              { return errUnavailable }
+func (d *Device) Free(uint64, int64) error                 { return errUnavailable }
+func (d *Device) Reserve(int64) (uint64, error)            { return 0, errUnavailable }
+func (d *Device) MapAt(uint64, Handle, int64, bool, ...*Device) error {
+	return errUnavailable
+}
+func (d *Device) CopyHtoD(uint64, []byte) error        { return errUnavailable }
+func (d *Device) CopyDtoH([]byte, uint64) error        { return errUnavailable }
+func (d *Device) CopyDtoD(uint64, uint64, int64) error { return errUnavailable }
+func (d *Device) MemsetD8(uint64, byte, int64) error   { return errUnavailable }
+func (d *Device) Synchronize() error                   { return errUnavailable }
+func (d *Device) AllocHost(int64) ([]byte, error)      { return nil, errUnavailable }
+func (d *Device) FreeHost([]byte) error                { return errUnavailable }
+func (d *Device) NewStream() (*Stream, error)          { return nil, errUnavailable }
+func (d *Device) NewEvent() (*Event, error)            { return nil, errUnavailable }
 
 func (d *Device) Map(Handle, int64, bool, ...*Device) (uint64, error) {
 	return 0, errUnavailable
