@@ -5,15 +5,23 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"runtime"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
 
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
 	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/fusefs"
+	"github.com/gpushm/gpushm/internal/metrics"
+	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
 )
 
@@ -23,6 +31,7 @@ func daemonCmd() *cobra.Command {
 		device      int
 		logLevel    string
 		spin        time.Duration
+		o           daemonOptions
 	)
 	cmd := &cobra.Command{
 		Use:   "daemon",
@@ -41,19 +50,32 @@ socket, and replaces a stale socket file.`,
 				return fmt.Errorf("--log-level: %w", err)
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
-			return runDaemon(cmd.Context(), log, backendName, device, spin)
+			o.backend, o.device, o.spin = backendName, device, spin
+			return runDaemon(cmd.Context(), log, o)
 		},
 	}
 	f := cmd.Flags()
 	f.StringVar(&backendName, "backend", "auto", "memory backend: auto, cuda or host")
 	f.IntVar(&device, "device", -1, "serve only this GPU ordinal (default: every GPU)")
 	f.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	f.StringVar(&o.socketGroup, "socket-group", "", "let only this group connect (socket mode 0660; default: every user, 0666)")
+	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
+	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
 	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables; off below 4 cores): a little CPU for latency")
 	return cmd
 }
 
-func runDaemon(ctx context.Context, log *slog.Logger, backendName string, device int, spin time.Duration) error {
-	b, err := backend.Open(backendName, device, log)
+type daemonOptions struct {
+	backend     string
+	device      int
+	spin        time.Duration
+	socketGroup string
+	metrics     string
+	mount       string
+}
+
+func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
+	b, err := backend.Open(o.backend, o.device, log)
 	if err != nil {
 		return err
 	}
@@ -62,26 +84,67 @@ func runDaemon(ctx context.Context, log *slog.Logger, backendName string, device
 	if err != nil {
 		return err
 	}
+	spin := o.spin
 	if spin > 0 && runtime.NumCPU() < 4 {
 		// Polling would take the core the client needs.
-		log.Info("not spinning: fewer than 4 cores", "cores", runtime.NumCPU())
+		log.Debug("not spinning: fewer than 4 cores", "cores", runtime.NumCPU())
 		spin = 0
 	}
 	srv.SetSpin(spin)
 	path := socketPath()
-	ln, err := server.Listen(path)
+	ln, err := server.Listen(path, o.socketGroup)
 	if errors.Is(err, server.ErrRunning) {
 		return fmt.Errorf("%w (stop it first, or pick another --socket)", err)
 	}
 	if err != nil {
 		return err
 	}
+	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	if o.metrics != "" {
+		m := metrics.New(b.Name(), struct {
+			*segment.Registry
+			backend.Backend
+		}{srv.Registry(), b})
+		srv.SetObserver(m)
+		mln, err := net.Listen("tcp", o.metrics)
+		if err != nil {
+			ln.Close()
+			return fmt.Errorf("--metrics-listen: %w", err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(m.Registry(), promhttp.HandlerOpts{}))
+		hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		wg.Go(func() { hs.Serve(mln) })
+		context.AfterFunc(ctx, func() { hs.Close() })
+		log.Info("metrics", "url", "http://"+mln.Addr().String()+"/metrics")
+	}
+	serveCtx := ctx
+	if o.mount != "" {
+		view, err := fusefs.Mount(o.mount, srv.Registry(), b, log)
+		if err != nil {
+			ln.Close()
+			return err
+		}
+		// Unmount before Serve closes the registry, so that no FUSE request
+		// meets a closed one.
+		unmount := sync.OnceFunc(func() {
+			if err := view.Unmount(); err != nil {
+				log.Error("unmount FUSE view", "err", err)
+			}
+		})
+		defer unmount()
+		var cancel context.CancelFunc
+		serveCtx, cancel = context.WithCancel(context.WithoutCancel(ctx))
+		context.AfterFunc(ctx, func() { unmount(); cancel() })
+		log.Info("FUSE view", "mount", o.mount)
+	}
 	var lim syscall.Rlimit
 	syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim)
 	log.Info("serving", "socket", path, "backend", b.Name(), "version", version, "pid", os.Getpid(), "max_fds", lim.Cur)
-	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
-	if err := srv.Serve(ctx, ln); err != nil {
+	if err := srv.Serve(serveCtx, ln); err != nil {
 		return err
 	}
 	log.Info("stopped")

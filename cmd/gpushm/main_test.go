@@ -3,6 +3,9 @@ package main
 import (
 	"bytes"
 	"crypto/sha256"
+	"io"
+	"net"
+	"net/http"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -243,6 +246,34 @@ func TestParseSize(t *testing.T) {
 		got, err := parseSize(tc.in)
 		if (err == nil) != tc.ok || got != tc.want {
 			t.Errorf("parseSize(%q) = %d, %v; want %d, ok=%v", tc.in, got, err, tc.want, tc.ok)
+		}
+	}
+}
+
+func TestMetricsEndpoint(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	startDaemonProc(t, sock, "--metrics-listen", addr)
+	mustRun(t, nil, "--socket", sock, "create", "m", "1M")
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	for _, want := range []string{
+		`gpushm_segment_bytes{device="0",named="true",uid="0"} 1.048576e+06`,
+		`gpushm_operations_total{code="OK",op="create"} 1`,
+		`gpushm_device_memory_total_bytes{device="0",name="host memory",uuid=""}`,
+		`gpushm_operation_duration_seconds_bucket{op="create"`,
+	} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("/metrics lacks %s", want)
 		}
 	}
 }

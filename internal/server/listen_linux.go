@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/user"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"time"
 )
@@ -13,10 +15,22 @@ import (
 // ErrRunning means a live daemon already answers on the socket.
 var ErrRunning = errors.New("a daemon is already running")
 
-// Listen binds a SOCK_SEQPACKET socket at path, creating its directory. A
-// socket file nobody answers on is stale and replaced; a live one is left
-// alone and reported as ErrRunning.
-func Listen(path string) (*net.UnixListener, error) {
+// Listen binds a SOCK_SEQPACKET socket at path, creating its directory
+// (mode 0755). A socket file nobody answers on is stale and replaced; a live
+// one is left alone and reported as ErrRunning. The socket is open to every
+// local user (0666), or, with group not empty, to that group only (0660):
+// either way each operation is authorized against the caller's credentials.
+func Listen(path, group string) (*net.UnixListener, error) {
+	gid := -1
+	if group != "" {
+		g, err := user.LookupGroup(group)
+		if err != nil {
+			return nil, fmt.Errorf("socket group: %w", err)
+		}
+		if gid, err = strconv.Atoi(g.Gid); err != nil {
+			return nil, fmt.Errorf("socket group %q: gid %q", group, g.Gid)
+		}
+	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, fmt.Errorf("create socket directory: %w", err)
 	}
@@ -40,10 +54,18 @@ func Listen(path string) (*net.UnixListener, error) {
 	// Removing the file on Close would race with a successor daemon that
 	// already replaced it; Serve removes it itself, only if it is still ours.
 	ln.SetUnlinkOnClose(false)
-	// Every local user may connect; each operation is authorized against the
-	// peer's credentials.
-	if err := os.Chmod(path, 0o666); err != nil {
+	mode := os.FileMode(0o666)
+	if gid >= 0 {
+		mode = 0o660
+		if err := os.Chown(path, -1, gid); err != nil {
+			ln.Close()
+			os.Remove(path)
+			return nil, fmt.Errorf("chown socket to group %s: %w", group, err)
+		}
+	}
+	if err := os.Chmod(path, mode); err != nil {
 		ln.Close()
+		os.Remove(path)
 		return nil, fmt.Errorf("chmod socket: %w", err)
 	}
 	return ln, nil

@@ -35,6 +35,7 @@ type Server struct {
 	log     *slog.Logger
 	version string
 	spin    time.Duration
+	obs     Observer
 
 	mu    sync.Mutex
 	conns map[*conn]struct{}
@@ -56,9 +57,27 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		epoch:   ep,
 		log:     log,
 		version: version,
+		obs:     nopObserver{},
 		conns:   make(map[*conn]struct{}),
 	}, nil
 }
+
+// Observer is told of every answered request and every connection, for
+// metrics.
+type Observer interface {
+	// Observe records one request: its op (or "invalid" / "unknown"), its
+	// result code ("" for success) and the time from arrival to reply sent.
+	Observe(op, code string, d time.Duration)
+	Connected(delta int)
+}
+
+type nopObserver struct{}
+
+func (nopObserver) Observe(string, string, time.Duration) {}
+func (nopObserver) Connected(int)                         {}
+
+// SetObserver installs o; call before Serve.
+func (s *Server) SetObserver(o Observer) { s.obs = o }
 
 // SetSpin sets how long a connection polls for its next request before it
 // sleeps (see wire.Conn.SetSpin); call before Serve.
@@ -155,6 +174,8 @@ type conn struct {
 func (c *conn) serve() {
 	log := c.s.log.With("pid", c.cred.PID, "uid", c.cred.UID)
 	log.Debug("connected")
+	c.s.obs.Connected(1)
+	defer c.s.obs.Connected(-1)
 	defer func() {
 		n := 0
 		for _, l := range c.leases {
@@ -180,6 +201,7 @@ func (c *conn) serve() {
 		if err != nil {
 			if errors.Is(err, wire.ErrProto) || errors.Is(err, wire.ErrFDDropped) {
 				log.Debug("bad message", "err", err)
+				c.s.obs.Observe("invalid", wire.Code(err), 0)
 				if c.send(&wire.Reply{Error: errReply(err)}, -1) != nil {
 					return
 				}
@@ -190,23 +212,30 @@ func (c *conn) serve() {
 			}
 			return
 		}
+		start := time.Now()
 		req, err := wire.DecodeRequest(b)
 		if err != nil {
 			var id uint64
 			if req != nil {
 				id = req.ID
 			}
-			if c.send(&wire.Reply{ID: id, Error: errReply(err)}, -1) != nil {
+			err = c.send(&wire.Reply{ID: id, Error: errReply(err)}, -1)
+			c.s.obs.Observe("invalid", "EPROTO", time.Since(start))
+			if err != nil {
 				return
 			}
 			continue
 		}
 		rep, fd := c.dispatch(req)
 		rep.ID = req.ID
+		code := ""
 		if rep.Error != nil {
+			code = rep.Error.Code
 			log.Debug(req.Op, "name", req.Name, "err", rep.Error.Message)
 		}
-		if err := c.send(rep, fd); err != nil {
+		err = c.send(rep, fd)
+		c.s.obs.Observe(opLabel(req.Op), code, time.Since(start))
+		if err != nil {
 			log.Debug("write", "err", err)
 			if rep.FD && rep.Segment != nil {
 				c.release(rep.Segment.ID)
@@ -214,6 +243,16 @@ func (c *conn) serve() {
 			return
 		}
 	}
+}
+
+// opLabel keeps metric labels to the known operations: op comes from the
+// client, and a label per unknown string would grow without bound.
+func opLabel(op string) string {
+	switch op {
+	case wire.OpHello, wire.OpInfo, wire.OpCreate, wire.OpOpen, wire.OpClose, wire.OpUnlink, wire.OpStat, wire.OpList:
+		return op
+	}
+	return "unknown"
 }
 
 func (c *conn) send(rep *wire.Reply, fd int) error {

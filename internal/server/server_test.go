@@ -168,7 +168,7 @@ func TestOpenSendsUsableDescriptor(t *testing.T) {
 
 func TestListenRefusesLiveDaemonAndReplacesStaleSocket(t *testing.T) {
 	d := testdaemon.Start(t, "host")
-	if _, err := server.Listen(d.Socket); !errors.Is(err, server.ErrRunning) {
+	if _, err := server.Listen(d.Socket, ""); !errors.Is(err, server.ErrRunning) {
 		t.Fatalf("Listen on a live daemon's socket = %v, want ErrRunning", err)
 	}
 	dir, _ := os.MkdirTemp("", "gpushm-stale-")
@@ -180,7 +180,7 @@ func TestListenRefusesLiveDaemonAndReplacesStaleSocket(t *testing.T) {
 		t.Fatal(err)
 	}
 	unix.Close(fd)
-	ln, err := server.Listen(path)
+	ln, err := server.Listen(path, "")
 	if err != nil {
 		t.Fatalf("Listen over a stale socket: %v", err)
 	}

@@ -37,12 +37,21 @@ func RequireBackend(t testing.TB, name string) {
 
 // Daemon is a running server.
 type Daemon struct {
-	Socket string
-	Server *server.Server
+	Socket  string
+	Server  *server.Server
+	Backend backend.Backend
 }
 
-// Start serves backend on a socket in t.TempDir until the test ends.
+// Start serves backend on a socket in a temporary directory until the test
+// ends.
 func Start(t testing.TB, backendName string) *Daemon {
+	t.Helper()
+	return StartWith(t, backendName, nil)
+}
+
+// StartWith is Start with a hook that sees the server and its backend
+// before it serves.
+func StartWith(t testing.TB, backendName string, setup func(*server.Server, backend.Backend)) *Daemon {
 	t.Helper()
 	RequireBackend(t, backendName)
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -54,13 +63,18 @@ func Start(t testing.TB, backendName string) *Daemon {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Socket paths are limited to 108 bytes; t.TempDir can be long.
+	if setup != nil {
+		setup(srv, b)
+	}
+	// Socket paths are limited to 108 bytes; t.TempDir can be long. The
+	// directory is open to all, for tests that run clients as other users.
 	dir, err := os.MkdirTemp("", "gpushm-test-")
 	if err != nil {
 		t.Fatal(err)
 	}
+	os.Chmod(dir, 0o755)
 	path := filepath.Join(dir, "s.sock")
-	ln, err := server.Listen(path)
+	ln, err := server.Listen(path, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,5 +89,5 @@ func Start(t testing.TB, backendName string) *Daemon {
 		b.Close()
 		os.RemoveAll(dir)
 	})
-	return &Daemon{Socket: path, Server: srv}
+	return &Daemon{Socket: path, Server: srv, Backend: b}
 }
