@@ -19,7 +19,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/gpushm/gpushm/internal/backend"
-	"github.com/gpushm/gpushm/internal/fusefs"
 	"github.com/gpushm/gpushm/internal/metrics"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
@@ -60,7 +59,6 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	f.StringVar(&o.socketGroup, "socket-group", "", "let only this group connect (socket mode 0660; default: every user, 0666)")
 	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
-	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
 	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables; off below 4 cores): a little CPU for latency")
 	return cmd
 }
@@ -71,7 +69,6 @@ type daemonOptions struct {
 	spin        time.Duration
 	socketGroup string
 	metrics     string
-	mount       string
 }
 
 func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
@@ -121,30 +118,10 @@ func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
 		context.AfterFunc(ctx, func() { hs.Close() })
 		log.Info("metrics", "url", "http://"+mln.Addr().String()+"/metrics")
 	}
-	serveCtx := ctx
-	if o.mount != "" {
-		view, err := fusefs.Mount(o.mount, srv.Registry(), b, log)
-		if err != nil {
-			ln.Close()
-			return err
-		}
-		// Unmount before Serve closes the registry, so that no FUSE request
-		// meets a closed one.
-		unmount := sync.OnceFunc(func() {
-			if err := view.Unmount(); err != nil {
-				log.Error("unmount FUSE view", "err", err)
-			}
-		})
-		defer unmount()
-		var cancel context.CancelFunc
-		serveCtx, cancel = context.WithCancel(context.WithoutCancel(ctx))
-		context.AfterFunc(ctx, func() { unmount(); cancel() })
-		log.Info("FUSE view", "mount", o.mount)
-	}
 	var lim syscall.Rlimit
 	syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim)
 	log.Info("serving", "socket", path, "backend", b.Name(), "version", version, "pid", os.Getpid(), "max_fds", lim.Cur)
-	if err := srv.Serve(serveCtx, ln); err != nil {
+	if err := srv.Serve(ctx, ln); err != nil {
 		return err
 	}
 	log.Info("stopped")
