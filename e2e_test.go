@@ -48,6 +48,8 @@ func childMain(mode string) error {
 	}
 	defer c.Close()
 	switch mode {
+	case "ops":
+		return opsChild(ctx, c)
 	case "verify-and-write":
 		// Open by name, check the creator's bytes, write our own.
 		seg, err := c.Open(ctx, os.Getenv("NAME"), nil)

@@ -1,0 +1,139 @@
+package gpushm_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testdaemon"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// asUser runs ops ("open-rw:NAME", "open-ro:NAME", "unlink:NAME",
+// "create:NAME") in a copy of this test binary running as uid:gid, and
+// returns the result code of each ("OK" or an errno name).
+func asUser(t *testing.T, socket string, uid, gid uint32, ops ...string) []string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("running clients as other users needs root")
+	}
+	// The test binary usually sits in a directory only we can read.
+	dir, err := os.MkdirTemp("", "gpushm-users-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	os.Chmod(dir, 0o755)
+	bin := filepath.Join(dir, "client")
+	src, err := os.Open(os.Args[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	dst, err := os.OpenFile(bin, os.O_CREATE|os.O_WRONLY, 0o755)
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(dst, src)
+	dst.Close()
+
+	cmd := exec.Command(bin, "-test.run=^$")
+	cmd.Env = append(os.Environ(), "GPUSHM_TEST_CHILD=ops", "GPUSHM_SOCKET="+socket, "OPS="+strings.Join(ops, " "))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: gid}}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, os.Stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("client as %d:%d: %v", uid, gid, err)
+	}
+	return strings.Fields(out.String())
+}
+
+// opsChild is the other-user side of asUser.
+func opsChild(ctx context.Context, c *gpushm.Client) error {
+	for _, op := range strings.Fields(os.Getenv("OPS")) {
+		verb, name, _ := strings.Cut(op, ":")
+		var err error
+		switch verb {
+		case "open-rw", "open-ro":
+			var s *gpushm.Segment
+			if s, err = c.Open(ctx, name, &gpushm.OpenOptions{ReadOnly: verb == "open-ro"}); err == nil {
+				_, err = s.Map()
+				s.Close()
+			}
+		case "unlink":
+			err = c.Unlink(ctx, name)
+		case "create":
+			_, _, err = c.CreateOnly(ctx, name, 4096, nil)
+		default:
+			return fmt.Errorf("unknown op %q", op)
+		}
+		code := "OK"
+		var we *wire.Error
+		if errors.As(err, &we) {
+			code = we.Code
+		} else if err != nil {
+			return err
+		}
+		fmt.Println(code)
+	}
+	return nil
+}
+
+func TestOtherUsers(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	mode := func(m uint32) *gpushm.CreateOptions { return &gpushm.CreateOptions{Mode: &m} }
+	// Owned by root:root.
+	for name, m := range map[string]uint32{"private": 0o600, "shared-ro": 0o644, "shared-rw": 0o666, "group-r": 0o640, "none": 0o000} {
+		if _, _, err := c.CreateOnly(ctx, name, 4096, mode(m)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const nobody, other = 65534, 4242
+	tests := []struct {
+		uid, gid uint32
+		op, want string
+	}{
+		{nobody, nobody, "open-rw:private", "EACCES"},
+		{nobody, nobody, "open-ro:private", "EACCES"},
+		{nobody, nobody, "open-ro:shared-ro", "OK"},
+		{nobody, nobody, "open-rw:shared-ro", "EACCES"},
+		{nobody, nobody, "open-rw:shared-rw", "OK"},
+		{nobody, nobody, "open-ro:group-r", "EACCES"},
+		{other, 0, "open-ro:group-r", "OK"}, // in root's group
+		{other, 0, "open-rw:group-r", "EACCES"},
+		{nobody, nobody, "open-ro:none", "EACCES"},
+		{nobody, nobody, "unlink:shared-rw", "EPERM"},
+		{nobody, nobody, "create:nobodys", "OK"},
+		{other, other, "open-ro:nobodys", "EACCES"}, // 0600 by default
+		{other, other, "unlink:nobodys", "EPERM"},
+		{nobody, nobody, "open-rw:nobodys", "OK"},
+		{nobody, nobody, "unlink:nobodys", "OK"},
+	}
+	for _, tc := range tests {
+		got := asUser(t, d.Socket, tc.uid, tc.gid, tc.op)
+		if len(got) != 1 || got[0] != tc.want {
+			t.Errorf("uid %d gid %d %s = %v, want %s", tc.uid, tc.gid, tc.op, got, tc.want)
+		}
+	}
+	// Root may do anything, whatever the mode.
+	s, err := c.Open(ctx, "none", nil)
+	if err != nil {
+		t.Fatalf("root open of a mode-0 segment: %v", err)
+	}
+	s.Close()
+	// What nobody created was owned by nobody.
+	if _, err := c.Stat(ctx, "nobodys"); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("nobody's segment should be gone after nobody unlinked it: %v", err)
+	}
+}
