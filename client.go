@@ -306,7 +306,7 @@ func (c *Client) Create(ctx context.Context, name string, size int64, o *CreateO
 	}
 	req := &wire.Request{Op: wire.OpCreate, Name: name, Size: size, Device: o.Device,
 		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: true}
-	return c.openWith(ctx, req, cacheKey{name: name})
+	return c.openWith(ctx, req, cacheKey{name: name}, nil)
 }
 
 // CreateOnly makes a segment without opening it; created is false when
@@ -328,6 +328,10 @@ type OpenOptions struct {
 	// ReadOnly asks for read access only; cuda mappings are then made with
 	// CU_MEM_ACCESS_FLAGS_PROT_READ.
 	ReadOnly bool
+	// Devices are the GPUs that will touch a cuda mapping; all get access in
+	// one cuMemSetAccess call, reaching the segment's GPU over NVLink or PCIe
+	// peer access. Empty means the segment's own GPU.
+	Devices []int
 }
 
 // Open opens a segment by name. If this client already holds the same name
@@ -337,7 +341,7 @@ func (c *Client) Open(ctx context.Context, name string, o *OpenOptions) (*Segmen
 	if o == nil {
 		o = &OpenOptions{}
 	}
-	key := cacheKey{name: name, readOnly: o.ReadOnly}
+	key := cacheKey{name: name, readOnly: o.ReadOnly, devices: devicesKey(o.Devices)}
 	c.cmu.Lock()
 	if c.closed {
 		c.cmu.Unlock()
@@ -349,10 +353,10 @@ func (c *Client) Open(ctx context.Context, name string, o *OpenOptions) (*Segmen
 		return &Segment{sh: sh}, nil
 	}
 	c.cmu.Unlock()
-	return c.openWith(ctx, &wire.Request{Op: wire.OpOpen, Name: name, ReadOnly: o.ReadOnly}, key)
+	return c.openWith(ctx, &wire.Request{Op: wire.OpOpen, Name: name, ReadOnly: o.ReadOnly}, key, o.Devices)
 }
 
-func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey) (*Segment, error) {
+func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey, devices []int) (*Segment, error) {
 	// Read the epoch before asking: if the name changes after this, the
 	// entry merely looks stale early, never fresh late.
 	ep := c.epoch.Load()
@@ -360,7 +364,7 @@ func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey) 
 	if err != nil {
 		return nil, err
 	}
-	sh := &shared{c: c, info: *rep.Segment, key: key, epoch: ep, fd: fd, readOnly: key.readOnly, refs: 1}
+	sh := &shared{c: c, info: *rep.Segment, key: key, epoch: ep, fd: fd, readOnly: key.readOnly, devices: devices, refs: 1}
 	c.cmu.Lock()
 	defer c.cmu.Unlock()
 	if c.closed {
@@ -375,6 +379,14 @@ func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey) 
 type cacheKey struct {
 	name     string
 	readOnly bool
+	devices  string // the access list, as devicesKey writes it
+}
+
+func devicesKey(devs []int) string {
+	if len(devs) == 0 {
+		return ""
+	}
+	return fmt.Sprint(devs)
 }
 
 // shared is one daemon lease and its mapping, shared by every Segment this
@@ -385,6 +397,7 @@ type shared struct {
 	key      cacheKey
 	epoch    uint64
 	readOnly bool
+	devices  []int
 	refs     int // guarded by c.cmu
 
 	mu      sync.Mutex
@@ -438,7 +451,7 @@ func (s *Segment) Map() (*Mapping, error) {
 	if sh.fd < 0 {
 		return nil, fmt.Errorf("gpushm: map %q: client closed", sh.info.Name)
 	}
-	m, err := mapSegment(sh.fd, &sh.info, sh.readOnly)
+	m, err := mapSegment(sh.fd, &sh.info, sh.readOnly, sh.devices)
 	if err != nil {
 		return nil, fmt.Errorf("gpushm: map %q: %w", sh.info.Name, err)
 	}

@@ -94,7 +94,7 @@ func (m *Mapping) WriteAt(p []byte, off int64) (int, error) {
 
 var errOffset = errors.New("outside the segment")
 
-func mapSegment(fd int, info *SegmentInfo, readOnly bool) (*Mapping, error) {
+func mapSegment(fd int, info *SegmentInfo, readOnly bool, devices []int) (*Mapping, error) {
 	m := &Mapping{size: info.Size, alloc: info.AllocSize, readOnly: readOnly}
 	switch info.HandleType {
 	case wire.HandleMemfd:
@@ -112,6 +112,10 @@ func mapSegment(fd int, info *SegmentInfo, readOnly bool) (*Mapping, error) {
 		if err != nil {
 			return nil, err
 		}
+		access, err := accessList(dev, devices)
+		if err != nil {
+			return nil, err
+		}
 		h, err := dev.ImportFD(fd)
 		if err != nil {
 			return nil, err
@@ -121,7 +125,7 @@ func mapSegment(fd int, info *SegmentInfo, readOnly bool) (*Mapping, error) {
 			dev.Release(h)
 			return nil, err
 		}
-		if err := dev.MapAt(ptr, h, info.AllocSize, readOnly, dev); err != nil {
+		if err := dev.MapAt(ptr, h, info.AllocSize, readOnly, access...); err != nil {
 			unreserve(dev, ptr, info.AllocSize)
 			dev.Release(h)
 			return nil, err
@@ -133,6 +137,32 @@ func mapSegment(fd int, info *SegmentInfo, readOnly bool) (*Mapping, error) {
 		return nil, fmt.Errorf("unknown handle type %q", info.HandleType)
 	}
 	return m, nil
+}
+
+// accessList resolves the GPUs that will touch memory on home, checking
+// that each can reach it.
+func accessList(home *cuda.Device, devices []int) ([]*cuda.Device, error) {
+	if len(devices) == 0 {
+		return []*cuda.Device{home}, nil
+	}
+	out := make([]*cuda.Device, 0, len(devices))
+	for _, i := range devices {
+		d, err := cuda.GetDevice(i)
+		if err != nil {
+			return nil, fmt.Errorf("GPU %d: %w", i, err)
+		}
+		if i != home.Ordinal() {
+			ok, err := d.CanAccessPeer(home)
+			if err != nil {
+				return nil, err
+			}
+			if !ok {
+				return nil, fmt.Errorf("GPU %d cannot reach GPU %d's memory (no peer access between them)", i, home.Ordinal())
+			}
+		}
+		out = append(out, d)
+	}
+	return out, nil
 }
 
 func (m *Mapping) unmap() error {
