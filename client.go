@@ -163,6 +163,11 @@ func (c *Client) Close() error {
 // roundTrip sends req and waits for its reply. A reply carrying an error is
 // returned as *Error. The returned fd, if not -1, belongs to the caller.
 func (c *Client) roundTrip(ctx context.Context, req *wire.Request) (*wire.Reply, int, error) {
+	return c.roundTripFD(ctx, req, -1)
+}
+
+// roundTripFD is roundTrip sending a descriptor (sendFD >= 0) with req.
+func (c *Client) roundTripFD(ctx context.Context, req *wire.Request, sendFD int) (*wire.Reply, int, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.broken != nil {
@@ -184,7 +189,7 @@ func (c *Client) roundTrip(ctx context.Context, req *wire.Request) (*wire.Reply,
 		stop := context.AfterFunc(ctx, func() { c.conn.Shutdown() })
 		defer stop()
 	}
-	if err := c.conn.Send(b, -1); err != nil {
+	if err := c.conn.Send(b, sendFD); err != nil {
 		return nil, -1, c.fail(ctx, err)
 	}
 	for {
@@ -286,6 +291,51 @@ func (c *Client) Unlink(ctx context.Context, name string) error {
 	return err
 }
 
+// Chmod sets a segment's permission bits (owner or root).
+func (c *Client) Chmod(ctx context.Context, name string, mode uint32) error {
+	_, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpChmod, Name: name, Mode: &mode})
+	return err
+}
+
+// Chown sets a segment's owner and group; -1 leaves one as it is. Only root
+// may change the owner; the owner may change the group to its own.
+func (c *Client) Chown(ctx context.Context, name string, uid, gid int64) error {
+	req := &wire.Request{Op: wire.OpChown, Name: name}
+	if uid >= 0 {
+		req.UID = &uid
+	}
+	if gid >= 0 {
+		req.GID = &gid
+	}
+	_, _, err := c.roundTrip(ctx, req)
+	return err
+}
+
+// Rename gives a segment another name, replacing a segment of that name
+// (owner or root, of both).
+func (c *Client) Rename(ctx context.Context, from, to string) error {
+	_, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpRename, Name: from, To: to})
+	return err
+}
+
+// Publish names memory this process allocated: fd is an exported CUDA VMM
+// allocation (or a sealable memfd on a host daemon) of size bytes, which the
+// daemon checks and keeps, so the name outlives this process. fd stays this
+// caller's to close. Describe what lives where in Meta (for a tensor:
+// dtype, shape, strides and the byte offset inside the allocation).
+func (c *Client) Publish(ctx context.Context, name string, fd int, size int64, o *CreateOptions) (*SegmentInfo, error) {
+	if o == nil {
+		o = &CreateOptions{}
+	}
+	req := o.request(name, size, false)
+	req.Op = wire.OpPublish
+	rep, _, err := c.roundTripFD(ctx, req, fd)
+	if err != nil {
+		return nil, err
+	}
+	return rep.Segment, nil
+}
+
 // CreateOptions are the optional parts of a create.
 type CreateOptions struct {
 	// Device is the GPU ordinal; nil means the daemon's default device.
@@ -297,6 +347,20 @@ type CreateOptions struct {
 	// ExistOK opens the segment if the name exists with the same size and
 	// device, so that racing creators share one allocation.
 	ExistOK bool
+	// Temporary ends the segment when this client's connection closes,
+	// whatever the reason (Close, exit, crash).
+	Temporary bool
+	// TTL ends the segment once it has been unopened for this long.
+	TTL time.Duration
+}
+
+func (o *CreateOptions) request(name string, size int64, open bool) *wire.Request {
+	r := &wire.Request{Op: wire.OpCreate, Name: name, Size: size, Device: o.Device,
+		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: open, TTL: o.TTL.Seconds()}
+	if o.Temporary {
+		r.Lifetime = wire.LifetimeConnection
+	}
+	return r
 }
 
 // Create makes a segment and opens it for reading and writing.
@@ -304,9 +368,7 @@ func (c *Client) Create(ctx context.Context, name string, size int64, o *CreateO
 	if o == nil {
 		o = &CreateOptions{}
 	}
-	req := &wire.Request{Op: wire.OpCreate, Name: name, Size: size, Device: o.Device,
-		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: true}
-	return c.openWith(ctx, req, cacheKey{name: name}, nil)
+	return c.openWith(ctx, o.request(name, size, true), cacheKey{name: name}, nil)
 }
 
 // CreateOnly makes a segment without opening it; created is false when
@@ -315,8 +377,7 @@ func (c *Client) CreateOnly(ctx context.Context, name string, size int64, o *Cre
 	if o == nil {
 		o = &CreateOptions{}
 	}
-	rep, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpCreate, Name: name, Size: size,
-		Device: o.Device, Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK})
+	rep, _, err := c.roundTrip(ctx, o.request(name, size, false))
 	if err != nil {
 		return nil, false, err
 	}

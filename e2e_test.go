@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/testdaemon"
 )
@@ -70,6 +72,25 @@ func childMain(mode string) error {
 		}
 		_, err = m.WriteAt(pattern(2, m.Size()), 0)
 		return err
+	case "publish":
+		// Publish a memfd holding pattern 3, then exit.
+		fd, err := unix.MemfdCreate("pub", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		unix.Ftruncate(fd, 8192)
+		unix.Pwrite(fd, pattern(3, 8192), 0)
+		_, err = c.Publish(ctx, os.Getenv("NAME"), fd, 8192, &gpushm.CreateOptions{
+			Meta: []byte(`{"kind":"tensor","dtype":"uint8","shape":[4096],"offset":4096}`)})
+		return err
+	case "temporary":
+		// Create a segment bound to this connection, then wait to be killed.
+		if _, _, err := c.CreateOnly(ctx, os.Getenv("NAME"), 4096, &gpushm.CreateOptions{Temporary: true}); err != nil {
+			return err
+		}
+		fmt.Println("ready")
+		time.Sleep(time.Hour)
 	case "hold":
 		// Take leases on every name given, then wait to be killed.
 		for _, name := range strings.Fields(os.Getenv("NAMES")) {
@@ -423,3 +444,136 @@ func TestListPages(t *testing.T) {
 }
 
 var _ = strconv.Itoa
+
+func waitGone(t *testing.T, c *gpushm.Client, name string, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		_, err := c.Stat(context.Background(), name)
+		if errors.Is(err, fs.ErrNotExist) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s still there after %v (stat: %v)", name, within, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestTemporarySegmentsEndWithTheirCreator(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+
+	// A clean close.
+	creator := dial(t, d.Socket)
+	if _, _, err := creator.CreateOnly(ctx, "tmp", 4096, &gpushm.CreateOptions{Temporary: true}); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := c.Stat(ctx, "tmp"); err != nil || st.Lifetime != "connection" {
+		t.Fatalf("Stat(tmp) = %+v, %v; want lifetime connection", st, err)
+	}
+	creator.Close()
+	waitGone(t, c, "tmp", 5*time.Second)
+
+	// A creator killed with SIGKILL; someone else holding it open keeps
+	// the memory, not the name.
+	cmd := child(t, d.Socket, "temporary", "NAME=tmp2")
+	out, _ := cmd.StdoutPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	if line, err := bufio.NewReader(out).ReadString('\n'); err != nil || line != "ready\n" {
+		t.Fatalf("child said %q, %v", line, err)
+	}
+	held, err := c.Open(ctx, "tmp2", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Process.Signal(syscall.SIGKILL)
+	cmd.Wait()
+	waitGone(t, c, "tmp2", 5*time.Second)
+	if u := usage(t, c); u.Segments != 1 || u.Named != 0 {
+		t.Fatalf("with the segment still open: %+v", u)
+	}
+	held.Close()
+	if u := usage(t, c); u.Segments != 0 {
+		t.Fatalf("after the last close: %+v", u)
+	}
+}
+
+func TestTTLExpiry(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	if _, _, err := c.CreateOnly(ctx, "short", 4096, &gpushm.CreateOptions{TTL: 600 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := c.CreateOnly(ctx, "kept", 4096, nil); err != nil {
+		t.Fatal(err)
+	}
+	// Open, it does not expire, however long it stays open.
+	seg, err := c.Open(ctx, "short", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond)
+	if _, err := c.Stat(ctx, "short"); err != nil {
+		t.Fatalf("an open segment expired: %v", err)
+	}
+	seg.Close()
+	waitGone(t, c, "short", 3*time.Second)
+	if _, err := c.Stat(ctx, "kept"); err != nil {
+		t.Fatalf("a segment without a TTL went: %v", err)
+	}
+}
+
+func TestPublishOutlivesThePublisher(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	if err := child(t, d.Socket, "publish", "NAME=pub").Run(); err != nil {
+		t.Fatalf("publisher: %v", err)
+	}
+	// The publisher is gone; the name and the bytes are not.
+	seg, err := c.Open(ctx, "pub", &gpushm.OpenOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer seg.Close()
+	if st := seg.Info(); st.Size != 8192 || !strings.Contains(string(st.Meta), `"offset":4096`) {
+		t.Fatalf("published segment = %+v", st)
+	}
+	m, err := seg.Map()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(m.Bytes(), pattern(3, 8192)) {
+		t.Fatal("published bytes differ")
+	}
+	// The daemon sealed it: nobody can shrink it under this mapping.
+	if u := usage(t, c); u.Segments != 1 || u.Bytes != 8192 {
+		t.Fatalf("usage = %+v", u)
+	}
+
+	// What is not a valid publish changes nothing.
+	p, w, _ := os.Pipe()
+	defer p.Close()
+	defer w.Close()
+	if _, err := c.Publish(ctx, "pipe", int(p.Fd()), 4096, nil); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("publish of a pipe = %v, want EINVAL", err)
+	}
+	fd, _ := unix.MemfdCreate("small", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	defer unix.Close(fd)
+	unix.Ftruncate(fd, 4096)
+	if _, err := c.Publish(ctx, "small", fd, 8192, nil); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("publish of 8192 bytes of a 4096-byte memfd = %v, want EINVAL", err)
+	}
+	if _, err := c.Publish(ctx, "pub", fd, 4096, nil); !errors.Is(err, fs.ErrExist) {
+		t.Fatalf("publish over an existing name = %v, want EEXIST", err)
+	}
+	if u := usage(t, c); u.Segments != 1 {
+		t.Fatalf("failed publishes left %+v", u)
+	}
+}

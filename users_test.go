@@ -14,6 +14,7 @@ import (
 	"testing"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/testdaemon"
 	"github.com/gpushm/gpushm/internal/wire"
 )
@@ -72,7 +73,12 @@ func opsChild(ctx context.Context, c *gpushm.Client) error {
 		case "unlink":
 			err = c.Unlink(ctx, name)
 		case "create":
-			_, _, err = c.CreateOnly(ctx, name, 4096, nil)
+			size := int64(4096)
+			if n, sz, ok := strings.Cut(name, ":"); ok {
+				name = n
+				fmt.Sscan(sz, &size)
+			}
+			_, _, err = c.CreateOnly(ctx, name, size, nil)
 		default:
 			return fmt.Errorf("unknown op %q", op)
 		}
@@ -136,4 +142,62 @@ func TestOtherUsers(t *testing.T) {
 	if _, err := c.Stat(ctx, "nobodys"); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("nobody's segment should be gone after nobody unlinked it: %v", err)
 	}
+}
+
+func TestQuotasForOtherUsers(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	d.Server.Registry().SetLimits(segment.Limits{UserBytes: 64 << 10, UserSegments: 3, DeviceBytes: map[int]int64{0: 1 << 20}})
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	got := asUser(t, d.Socket, 65534, 65534,
+		"create:q1:32768", "create:q2:32768", "create:q3:1", "create:q4:4096", "create:q5:1")
+	// q1 and q2 fill the 64 KiB quota exactly; anything more, even one byte
+	// (a 4 KiB page), is refused.
+	want := []string{"OK", "OK", "ENOSPC", "ENOSPC", "ENOSPC"}
+	if strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Fatalf("nobody's creates = %v, want %v", got, want)
+	}
+	if u := usage(t, c); u.Segments != 2 || u.Bytes != 64<<10 {
+		t.Fatalf("after refusals: %+v, want exactly the two accepted segments", u)
+	}
+	// Another user has a quota of their own; the count limit bites at 3.
+	got = asUser(t, d.Socket, 4242, 4242, "create:a:1", "create:b:1", "create:c:1", "create:d:1")
+	if strings.Join(got, " ") != "OK OK OK ENOSPC" {
+		t.Fatalf("uid 4242's creates = %v, want the 4th refused", got)
+	}
+	// Root is held to the device limit only: 1 MiB, of which 76 KiB is used.
+	if _, _, err := c.CreateOnly(ctx, "root-big", 900<<10, nil); err != nil {
+		t.Fatalf("root within the device limit: %v", err)
+	}
+	_, _, err := c.CreateOnly(ctx, "root-more", 100<<10, nil)
+	if !errors.Is(err, syscall.ENOSPC) || !strings.Contains(err.Error(), "limit 1048576") {
+		t.Fatalf("root over the device limit = %v, want ENOSPC with the limit", err)
+	}
+}
+
+func TestModeChangesTakeEffect(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	if _, _, err := c.CreateOnly(ctx, "m", 4096, nil); err != nil {
+		t.Fatal(err)
+	}
+	check := func(uid uint32, op, want string) {
+		t.Helper()
+		if got := asUser(t, d.Socket, uid, uid, op); len(got) != 1 || got[0] != want {
+			t.Fatalf("uid %d %s = %v, want %s", uid, op, got, want)
+		}
+	}
+	check(65534, "open-ro:m", "EACCES")
+	if err := c.Chmod(ctx, "m", 0o644); err != nil {
+		t.Fatal(err)
+	}
+	check(65534, "open-ro:m", "OK")
+	check(65534, "open-rw:m", "EACCES")
+	if err := c.Chown(ctx, "m", 65534, 65534); err != nil {
+		t.Fatal(err)
+	}
+	check(65534, "open-rw:m", "OK")
+	check(4242, "unlink:m", "EPERM")
+	check(65534, "unlink:m", "OK")
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -16,6 +17,7 @@ func createCmd() *cobra.Command {
 		mode    string
 		meta    string
 		existOK bool
+		ttl     time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "create NAME SIZE",
@@ -30,7 +32,7 @@ granularity.`,
 			if err != nil {
 				return err
 			}
-			o := &gpushm.CreateOptions{ExistOK: existOK}
+			o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl}
 			if cmd.Flags().Changed("device") {
 				o.Device = &device
 			}
@@ -70,5 +72,6 @@ granularity.`,
 	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
 	f.StringVar(&meta, "meta", "", "user metadata, a JSON value")
 	f.BoolVar(&existOK, "exist-ok", false, "succeed if the segment exists with the same size and device")
+	f.DurationVar(&ttl, "ttl", 0, "remove the segment once nobody has had it open for this long (e.g. 10m)")
 	return cmd
 }

@@ -10,6 +10,8 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -19,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/fusefs"
 	"github.com/gpushm/gpushm/internal/metrics"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
@@ -58,7 +61,11 @@ socket, and replaces a stale socket file.`,
 	f.IntVar(&device, "device", -1, "serve only this GPU ordinal (default: every GPU)")
 	f.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	f.StringVar(&o.socketGroup, "socket-group", "", "let only this group connect (socket mode 0660; default: every user, 0666)")
+	f.StringVar(&o.maxMemory, "max-memory", "", "cap what segments may hold on each device: a size (64G) or a share of the device (90%)")
+	f.StringVar(&o.userQuota, "user-quota", "", "cap the bytes each non-root user's segments may hold (all devices)")
+	f.IntVar(&o.userSegments, "user-segments", 0, "cap how many segments each non-root user may hold (0: no cap)")
 	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
+	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
 	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables; off below 4 cores): a little CPU for latency")
 	return cmd
 }
@@ -69,6 +76,54 @@ type daemonOptions struct {
 	spin        time.Duration
 	socketGroup string
 	metrics     string
+	mount       string
+	maxMemory   string
+	userQuota   string
+	// userSegments caps each non-root user's segment count.
+	userSegments int
+}
+
+// limits turns the quota flags into registry limits for b's devices.
+func (o daemonOptions) limits(b backend.Backend) (segment.Limits, error) {
+	var l segment.Limits
+	if o.userSegments < 0 {
+		return l, fmt.Errorf("--user-segments %d: want 0 or more", o.userSegments)
+	}
+	l.UserSegments = o.userSegments
+	if o.userQuota != "" {
+		n, err := parseSize(o.userQuota)
+		if err != nil {
+			return l, fmt.Errorf("--user-quota: %w", err)
+		}
+		l.UserBytes = n
+	}
+	if o.maxMemory != "" {
+		devs, err := b.Devices()
+		if err != nil {
+			return l, err
+		}
+		l.DeviceBytes = map[int]int64{}
+		for _, d := range devs {
+			n, err := sizeOrShare(o.maxMemory, int64(d.TotalBytes))
+			if err != nil {
+				return l, fmt.Errorf("--max-memory: %w", err)
+			}
+			l.DeviceBytes[d.Index] = n
+		}
+	}
+	return l, nil
+}
+
+// sizeOrShare reads "64G" as bytes and "90%" as that share of total.
+func sizeOrShare(s string, total int64) (int64, error) {
+	if p, ok := strings.CutSuffix(strings.TrimSpace(s), "%"); ok {
+		f, err := strconv.ParseFloat(p, 64)
+		if err != nil || f <= 0 || f > 100 {
+			return 0, fmt.Errorf("%q: want a share between 0%% and 100%%", s)
+		}
+		return int64(f / 100 * float64(total)), nil
+	}
+	return parseSize(s)
 }
 
 func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
@@ -81,6 +136,11 @@ func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
 	if err != nil {
 		return err
 	}
+	lim, err := o.limits(b)
+	if err != nil {
+		return err
+	}
+	srv.Registry().SetLimits(lim)
 	spin := o.spin
 	if spin > 0 && runtime.NumCPU() < 4 {
 		// Polling would take the core the client needs.
@@ -118,10 +178,30 @@ func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
 		context.AfterFunc(ctx, func() { hs.Close() })
 		log.Info("metrics", "url", "http://"+mln.Addr().String()+"/metrics")
 	}
-	var lim syscall.Rlimit
-	syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim)
-	log.Info("serving", "socket", path, "backend", b.Name(), "version", version, "pid", os.Getpid(), "max_fds", lim.Cur)
-	if err := srv.Serve(ctx, ln); err != nil {
+	serveCtx := ctx
+	if o.mount != "" {
+		view, err := fusefs.Mount(o.mount, srv.Registry(), b, log)
+		if err != nil {
+			ln.Close()
+			return err
+		}
+		// Unmount before Serve closes the registry, so that no FUSE request
+		// meets a closed one.
+		unmount := sync.OnceFunc(func() {
+			if err := view.Unmount(); err != nil {
+				log.Error("unmount FUSE view", "err", err)
+			}
+		})
+		defer unmount()
+		var cancel context.CancelFunc
+		serveCtx, cancel = context.WithCancel(context.WithoutCancel(ctx))
+		context.AfterFunc(ctx, func() { unmount(); cancel() })
+		log.Info("FUSE view", "mount", o.mount)
+	}
+	var nofile syscall.Rlimit
+	syscall.Getrlimit(syscall.RLIMIT_NOFILE, &nofile)
+	log.Info("serving", "socket", path, "backend", b.Name(), "version", version, "pid", os.Getpid(), "max_fds", nofile.Cur)
+	if err := srv.Serve(serveCtx, ln); err != nil {
 		return err
 	}
 	log.Info("stopped")

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
 )
 
 func lsCmd() *cobra.Command {
@@ -29,20 +31,37 @@ func lsCmd() *cobra.Command {
 				return err
 			}
 			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tAGE")
+			fmt.Fprintln(w, "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tAGE\tLIFETIME")
 			for _, s := range segs {
 				size := formatSize(s.Size)
 				if bytes {
 					size = strconv.FormatInt(s.Size, 10)
 				}
-				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\n", s.Name, size, s.Device,
-					owner(s.UID, s.GID), s.Mode, s.Opens, age(time.Since(time.Unix(0, s.Created))))
+				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\t%s\n", s.Name, size, s.Device,
+					owner(s.UID, s.GID), s.Mode, s.Opens, age(time.Since(time.Unix(0, s.Created))), lifetime(&s))
 			}
 			return w.Flush()
 		},
 	}
 	cmd.Flags().BoolVar(&bytes, "bytes", false, "print sizes in bytes")
 	return cmd
+}
+
+// lifetime says how a segment ends: "-" (when removed), "creator" (with
+// its creator's connection), or "ttl 10m (4m left)".
+func lifetime(s *gpushm.SegmentInfo) string {
+	switch {
+	case s.Lifetime == "connection":
+		return "creator"
+	case s.TTL > 0:
+		ttl := time.Duration(s.TTL * float64(time.Second))
+		if s.Opens > 0 {
+			return fmt.Sprintf("ttl %s (open)", ttl)
+		}
+		left := max(ttl-time.Since(time.Unix(0, s.Idle)), 0)
+		return fmt.Sprintf("ttl %s (%s left)", ttl, left.Round(time.Second))
+	}
+	return "-"
 }
 
 func owner(uid, gid uint32) string {

@@ -277,3 +277,31 @@ func TestMetricsEndpoint(t *testing.T) {
 		}
 	}
 }
+
+func TestQuotaFlagsAndLifetimes(t *testing.T) {
+	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	startDaemonProc(t, sock, "--max-memory", "1%", "--user-quota", "1M", "--user-segments", "10")
+	t.Setenv("GPUSHM_SOCKET", sock)
+	mustRun(t, nil, "create", "t", "4K", "--ttl", "10m")
+	out := mustRun(t, nil, "ls")
+	if !strings.Contains(out, "LIFETIME") || !strings.Contains(out, "ttl 10m0s (") {
+		t.Fatalf("ls does not show the TTL:\n%s", out)
+	}
+	if out := mustRun(t, nil, "stat", "t"); !strings.Contains(out, "lifetime:    ttl 10m0s") {
+		t.Fatalf("stat does not show the TTL:\n%s", out)
+	}
+	// Root is exempt from user quotas, not from the device share: 1% of
+	// this machine's memory is less than 1 GiB.
+	mustRun(t, nil, "create", "over-user-quota", "2M")
+	mustFail(t, "quota exceeded", "create", "bigger", "1G")
+	mustFail(t, "want a share between", "daemon", "--socket", sock+"2", "--backend", "host", "--max-memory", "150%")
+	mustRun(t, nil, "chmod", "0644", "t")
+	mustRun(t, nil, "chown", "65534:65534", "t")
+	mustRun(t, nil, "mv", "t", "u")
+	out = mustRun(t, nil, "stat", "u")
+	if !strings.Contains(out, "mode:        0644") || !strings.Contains(out, "(65534:65534)") {
+		t.Fatalf("stat after chmod, chown, mv:\n%s", out)
+	}
+	mustFail(t, "mode \"9\"", "chmod", "9", "u")
+	mustFail(t, "no such segment", "chmod", "0600", "t")
+}

@@ -37,6 +37,9 @@ fails, the segment is removed again.`,
 				return fmt.Errorf("put %s: %s is empty, and a segment has at least one byte", name, path)
 			}
 			o := &gpushm.CreateOptions{}
+			if o.Meta, _, err = safetensorsMeta(f, size); err != nil {
+				return fmt.Errorf("put %s: %w", name, err)
+			}
 			if cmd.Flags().Changed("device") {
 				o.Device = &device
 			}

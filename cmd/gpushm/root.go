@@ -30,6 +30,7 @@ other users; --socket overrides both.`,
 	root.PersistentFlags().StringVar(&socketFlag, "socket", "", "daemon socket path (default $GPUSHM_SOCKET or "+gpushm.DefaultSocket()+")")
 	root.AddCommand(
 		daemonCmd(), infoCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(),
+		chmodCmd(), chownCmd(), mvCmd(),
 		putCmd(), getCmd(), benchCmd(), demoCmd(), childCmd(),
 	)
 	root.SetArgs(args)

@@ -33,6 +33,7 @@ func statCmd() *cobra.Command {
 			fmt.Printf("opens:       %d\n", s.Opens)
 			created := time.Unix(0, s.Created)
 			fmt.Printf("created:     %s (%s ago)\n", created.Format(time.RFC3339), age(time.Since(created)))
+			fmt.Printf("lifetime:    %s\n", lifetime(s))
 			if len(s.Meta) > 0 {
 				fmt.Printf("meta:        %s\n", s.Meta)
 			}

@@ -16,6 +16,8 @@ type Backend interface {
 	Name() string
 	Devices() ([]wire.Device, error)
 	DefaultDevice() int
+	// Adopt wraps memory a client allocated and sent (see CUDA.Adopt).
+	Adopt(device int, fd int, size int64) (segment.Memory, error)
 	Close() error
 }
 

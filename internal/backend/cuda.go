@@ -174,6 +174,8 @@ type cudaMemory struct {
 	mu  sync.Mutex
 	fd  int // -1 until exported
 	err error
+
+	view cudaView // the daemon's own mapping, for the FUSE view
 }
 
 // export makes the descriptor; a failure (out of descriptors, say) is kept
@@ -216,5 +218,5 @@ func (m *cudaMemory) Free() error {
 		err = syscall.Close(m.fd)
 		m.fd = -1
 	}
-	return errors.Join(err, m.d.Release(m.h))
+	return errors.Join(err, m.view.unmap(m.d, m.size), m.d.Release(m.h))
 }

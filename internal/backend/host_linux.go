@@ -1,6 +1,7 @@
 package backend
 
 import (
+	"errors"
 	"fmt"
 	"os"
 
@@ -90,11 +91,12 @@ func (h *Host) Allocate(device int, size int64) (segment.Memory, error) {
 type hostMemory struct {
 	fd   int
 	size int64
+	view hostView // the daemon's own mapping, for the FUSE view
 }
 
 func (m *hostMemory) FD() (int, error) { return m.fd, nil }
 func (m *hostMemory) Size() int64      { return m.size }
-func (m *hostMemory) Free() error      { return unix.Close(m.fd) }
+func (m *hostMemory) Free() error      { return errors.Join(m.view.unmap(), unix.Close(m.fd)) }
 
 // Name implements server.Backend.
 func (h *Host) Name() string { return "host" }

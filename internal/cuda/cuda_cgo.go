@@ -133,6 +133,7 @@ struct gpushm_fns {
 	CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
 	CUresult (*cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
 	CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
+	CUresult (*cuMemGetAllocationPropertiesFromHandle)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
 	CUresult (*cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long);
 	CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
 	CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
@@ -184,6 +185,7 @@ static const struct gpushm_sym gpushm_syms[] = {
 	GPUSHM_SYM(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", NULL),
 	GPUSHM_SYM(cuMemCreate, "cuMemCreate", NULL),
 	GPUSHM_SYM(cuMemRelease, "cuMemRelease", NULL),
+	GPUSHM_SYM(cuMemGetAllocationPropertiesFromHandle, "cuMemGetAllocationPropertiesFromHandle", NULL),
 	GPUSHM_SYM(cuMemExportToShareableHandle, "cuMemExportToShareableHandle", NULL),
 	GPUSHM_SYM(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", NULL),
 	GPUSHM_SYM(cuMemAddressReserve, "cuMemAddressReserve", NULL),
@@ -298,6 +300,20 @@ static CUresult gs_cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, int
 }
 
 static CUresult gs_cuMemRelease(CUmemGenericAllocationHandle h) { return gpushm_cu.cuMemRelease(h); }
+
+// gs_handleLocation reports where h's memory lives and which handle types
+// it can be exported as.
+static CUresult gs_handleLocation(CUmemGenericAllocationHandle h, int *locType, int *id, int *handleTypes) {
+	CUmemAllocationProp p;
+	memset(&p, 0, sizeof p);
+	CUresult r = gpushm_cu.cuMemGetAllocationPropertiesFromHandle(&p, h);
+	if (r == 0) {
+		*locType = (int)p.location.type;
+		*id = p.location.id;
+		*handleTypes = (int)p.requestedHandleTypes;
+	}
+	return r;
+}
 
 static CUresult gs_exportFD(int *fd, CUmemGenericAllocationHandle h) {
 	return gpushm_cu.cuMemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
@@ -713,6 +729,23 @@ func (d *Device) Release(h Handle) error {
 	return d.withCtx(func() error {
 		return wrap("cuMemRelease", C.gs_cuMemRelease(C.CUmemGenericAllocationHandle(h)))
 	})
+}
+
+// HandleDevice reports the ordinal of the GPU whose memory h refers to, and
+// whether the memory can be exported as a POSIX file descriptor; an
+// allocation that is not device memory is an ErrInvalidValue error.
+func (d *Device) HandleDevice(h Handle) (ordinal int, posixFD bool, err error) {
+	var locType, id, types C.int
+	err = d.withCtx(func() error {
+		return wrap("cuMemGetAllocationPropertiesFromHandle", C.gs_handleLocation(C.CUmemGenericAllocationHandle(h), &locType, &id, &types))
+	})
+	if err != nil {
+		return 0, false, err
+	}
+	if locType != C.CU_MEM_LOCATION_TYPE_DEVICE {
+		return 0, false, fmt.Errorf("cuda: allocation is not device memory (location type %d): %w", int(locType), ErrInvalidValue)
+	}
+	return int(id), types&C.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR != 0, nil
 }
 
 // ExportFD returns a new file descriptor referring to h's memory, to be

@@ -58,6 +58,7 @@ func (d *Device) Unmap(uint64, int64) error                { return errUnavailab
 func (d *Device) UnmapAt(uint64, int64) error              { return errUnavailable }
 func (d *Device) Free(uint64, int64) error                 { return errUnavailable }
 func (d *Device) Reserve(int64) (uint64, error)            { return 0, errUnavailable }
+func (d *Device) HandleDevice(Handle) (int, bool, error)   { return 0, false, errUnavailable }
 func (d *Device) MapAt(uint64, Handle, int64, bool, ...*Device) error {
 	return errUnavailable
 }

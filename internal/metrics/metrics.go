@@ -19,6 +19,7 @@ import (
 // Source is what the collector reads at scrape time.
 type Source interface {
 	Segments() []segment.Info
+	Quotas() []segment.QuotaUse
 	Devices() ([]wire.Device, error)
 }
 
@@ -35,21 +36,6 @@ type Metrics struct {
 	leases   *prometheus.Desc
 	devTotal *prometheus.Desc
 	devFree  *prometheus.Desc
-	quota    []QuotaSource
-}
-
-// QuotaSource reports quota use for the quota gauges.
-type QuotaSource interface {
-	// Quotas lists every limit in force with its use.
-	Quotas() []Quota
-}
-
-// Quota is one limit and its use.
-type Quota struct {
-	Kind  string // "device_bytes", "user_bytes", "user_segments"
-	Scope string // device index or uid
-	Used  int64
-	Limit int64
 }
 
 // New makes the metric set for a daemon serving backend from src.
@@ -95,9 +81,6 @@ func New(backend string, src Source) *Metrics {
 // Registry is what to serve at /metrics.
 func (m *Metrics) Registry() *prometheus.Registry { return m.reg }
 
-// AddQuotas makes the collector report q's limits.
-func (m *Metrics) AddQuotas(q QuotaSource) { m.quota = append(m.quota, q) }
-
 // Observe records one answered request; code is "" for success.
 func (m *Metrics) Observe(op, code string, d time.Duration) {
 	if code == "" {
@@ -110,8 +93,8 @@ func (m *Metrics) Observe(op, code string, d time.Duration) {
 // Connected counts a connection opening (+1) or closing (-1).
 func (m *Metrics) Connected(delta int) { m.conns.Add(float64(delta)) }
 
-var quotaDesc = prometheus.NewDesc("gpushm_quota_used_bytes",
-	"Use of each quota in force; gpushm_quota_limit has the limit.", []string{"kind", "scope"}, nil)
+var quotaDesc = prometheus.NewDesc("gpushm_quota_used",
+	"Use of each quota in force (bytes or segments, as its kind says); gpushm_quota_limit has the limit.", []string{"kind", "scope"}, nil)
 var quotaLimitDesc = prometheus.NewDesc("gpushm_quota_limit",
 	"Each quota in force: bytes or a count, per kind and scope.", []string{"kind", "scope"}, nil)
 
@@ -166,10 +149,8 @@ func (s *state) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(s.devFree, prometheus.GaugeValue, float64(d.FreeBytes), labels...)
 		}
 	}
-	for _, q := range s.quota {
-		for _, u := range q.Quotas() {
-			ch <- prometheus.MustNewConstMetric(quotaDesc, prometheus.GaugeValue, float64(u.Used), u.Kind, u.Scope)
-			ch <- prometheus.MustNewConstMetric(quotaLimitDesc, prometheus.GaugeValue, float64(u.Limit), u.Kind, u.Scope)
-		}
+	for _, u := range s.src.Quotas() {
+		ch <- prometheus.MustNewConstMetric(quotaDesc, prometheus.GaugeValue, float64(u.Used), u.Kind, u.Scope)
+		ch <- prometheus.MustNewConstMetric(quotaLimitDesc, prometheus.GaugeValue, float64(u.Limit), u.Kind, u.Scope)
 	}
 }

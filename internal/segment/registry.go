@@ -77,6 +77,14 @@ type CreateOptions struct {
 	// with the create. With ExistOK, an existing segment is returned
 	// unpinned and created reports false.
 	Pin bool
+	// TTL > 0 makes the segment expire once it has been unopened for TTL.
+	TTL time.Duration
+	// Bound records that the segment ends with its creator's connection;
+	// ending it is the caller's (the server's) business.
+	Bound bool
+	// Memory, when set, is used instead of allocating: memory a client
+	// published. Create owns it from the call on, and frees it on failure.
+	Memory Memory
 }
 
 // Info is a snapshot of a segment's state.
@@ -98,6 +106,11 @@ type Info struct {
 	Pins int
 	// Modified is the time of the last write, resize or SetTimes.
 	Modified time.Time
+	// TTL and Bound are the lifetime asked for at creation; Idle is when
+	// the segment was last seen neither open nor pinned.
+	TTL   time.Duration
+	Bound bool
+	Idle  time.Time
 }
 
 // Segment is one allocation in the registry.
@@ -126,6 +139,12 @@ type Segment struct {
 	gone     bool // retired: unnamed and unreferenced, its memory freed
 	mem      Memory
 	modified time.Time
+	// Lifetimes (lifetime.go): ttl > 0 ends the segment once it has been
+	// neither open nor pinned for ttl since idle; bound marks a segment that
+	// ends with its creator's connection (the server ends it).
+	ttl   time.Duration
+	idle  time.Time
+	bound bool
 }
 
 // ID is unique for the registry's lifetime; IDs are never reused.
@@ -147,6 +166,7 @@ type Registry struct {
 	// changed runs, with mu held, whenever a name stops naming the segment it
 	// named; clients use it to invalidate cached mappings.
 	changed func()
+	limits  Limits
 }
 
 // New returns an empty registry allocating through alloc. changed, if not
@@ -181,6 +201,14 @@ func ValidName(name string) error {
 // Create makes a new segment, or with ExistOK returns the existing one.
 // created reports which. With Open, the caller holds a lease on the result.
 func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, err error) {
+	// Until o.Memory is taken below, freeing it on failure is this
+	// function's job; after, the paths that fail free mem themselves.
+	pending := o.Memory
+	defer func() {
+		if pending != nil {
+			free(pending)
+		}
+	}()
 	if err := ValidName(o.Name); err != nil {
 		return nil, false, err
 	}
@@ -227,6 +255,14 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		}
 		return existing, false, nil
 	}
+	need := r.roundSize(o.Device, o.Size)
+	if o.Memory != nil {
+		need = o.Memory.Size()
+	}
+	if err := r.checkLimitsLocked(c, o.Device, need, true); err != nil {
+		r.mu.Unlock()
+		return nil, false, err
+	}
 	r.nextID++
 	now := time.Now()
 	s = &Segment{
@@ -243,12 +279,18 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		linked:   true,
 		creating: true,
 		ready:    make(chan struct{}),
+		ttl:      o.TTL,
+		idle:     now,
+		bound:    o.Bound,
 	}
 	r.byName[o.Name] = s
 	r.mu.Unlock()
 
 	var mem Memory
-	if o.Size > 0 {
+	err = nil // find's ErrNotFound
+	if o.Memory != nil {
+		mem, pending = o.Memory, nil
+	} else if o.Size > 0 {
 		mem, err = r.alloc.Allocate(o.Device, o.Size)
 	}
 
@@ -475,6 +517,9 @@ func (r *Registry) infoLocked(s *Segment) Info {
 		Linked:     s.linked,
 		Pins:       s.pins,
 		Modified:   s.modified,
+		TTL:        s.ttl,
+		Bound:      s.bound,
+		Idle:       s.idle,
 	}
 	if s.mem != nil {
 		inf.AllocSize = s.mem.Size()

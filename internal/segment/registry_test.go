@@ -8,6 +8,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // fakeAlloc hands out numbered fake descriptors and counts what is live.
@@ -318,5 +319,80 @@ func TestDiscard(t *testing.T) {
 	r.Discard(s1)
 	if _, err := r.Stat("d"); err != nil {
 		t.Fatalf("Discard of an old segment removed the new one: %v", err)
+	}
+}
+
+func TestQuotas(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	r.SetLimits(Limits{DeviceBytes: map[int]int64{0: 64 << 10}, UserBytes: 16 << 10, UserSegments: 3})
+	// alice: 3 segments of 4 KiB, then the count limit.
+	for i := range 3 {
+		if _, _, err := r.Create(alice, CreateOptions{Name: fmt.Sprint("a", i), Size: 4096}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, _, err := r.Create(alice, CreateOptions{Name: "a3", Size: 1})
+	if !errors.Is(err, syscall.ENOSPC) || !strings.Contains(err.Error(), "3 held, limit 3") {
+		t.Fatalf("4th segment = %v, want ENOSPC naming the count", err)
+	}
+	// bob: the byte limit, with what was asked, used and allowed.
+	if _, _, err := r.Create(bob, CreateOptions{Name: "b0", Size: 12 << 10}); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = r.Create(bob, CreateOptions{Name: "b1", Size: 8 << 10})
+	if !errors.Is(err, ErrQuota) || !strings.Contains(err.Error(), "asked 8192 bytes, 12288 in use, limit 16384") {
+		t.Fatalf("over the user limit = %v", err)
+	}
+	// Root is held to the device limit only: 12 KiB + 12 KiB used, 40 KiB more fits, 41 does not.
+	if _, _, err := r.Create(Root, CreateOptions{Name: "r0", Size: 40 << 10}); err != nil {
+		t.Fatalf("root within the device limit: %v", err)
+	}
+	_, _, err = r.Create(Root, CreateOptions{Name: "r1", Size: 1})
+	if !errors.Is(err, ErrQuota) || !strings.Contains(err.Error(), "device 0") {
+		t.Fatalf("over the device limit = %v", err)
+	}
+	if n := f.liveCount(); n != 5 {
+		t.Fatalf("%d allocations live, want 5: refusals must allocate nothing", n)
+	}
+	// An unlinked segment still open still counts; freeing it makes room.
+	s, _ := r.Acquire(bob, "b0", false)
+	r.Unlink(bob, "b0")
+	if _, _, err := r.Create(bob, CreateOptions{Name: "b1", Size: 8 << 10}); !errors.Is(err, ErrQuota) {
+		t.Fatalf("create while an unlinked segment is open = %v, want ErrQuota", err)
+	}
+	r.Release(s)
+	if _, _, err := r.Create(bob, CreateOptions{Name: "b1", Size: 8 << 10}); err != nil {
+		t.Fatalf("create after the last close = %v", err)
+	}
+	q := r.Quotas()
+	if len(q) != 5 { // device 0; alice and bob: bytes and segments
+		t.Fatalf("Quotas = %+v", q)
+	}
+}
+
+func TestExpire(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	start := time.Now()
+	r.Create(alice, CreateOptions{Name: "ttl", Size: 1, TTL: time.Minute})
+	r.Create(alice, CreateOptions{Name: "forever", Size: 1})
+	s, _ := r.Acquire(alice, "ttl", true)
+	// In use at +2m: the clock restarts then.
+	if got := r.Expire(start.Add(2 * time.Minute)); len(got) != 0 {
+		t.Fatalf("Expire of an open segment = %v", got)
+	}
+	r.Release(s)
+	if got := r.Expire(start.Add(2*time.Minute + 59*time.Second)); len(got) != 0 {
+		t.Fatalf("Expire before the TTL ran out = %v", got)
+	}
+	if got := r.Expire(start.Add(3*time.Minute + time.Second)); len(got) != 1 || got[0] != "ttl" {
+		t.Fatalf("Expire after the TTL = %v, want [ttl]", got)
+	}
+	if f.liveCount() != 1 {
+		t.Fatalf("%d live, want only 'forever'", f.liveCount())
+	}
+	if inf, _ := r.Stat("forever"); inf.TTL != 0 {
+		t.Fatalf("forever has TTL %v", inf.TTL)
 	}
 }

@@ -25,6 +25,8 @@ type Backend interface {
 	Devices() ([]wire.Device, error)
 	// DefaultDevice is where a create that names no device allocates.
 	DefaultDevice() int
+	// Adopt wraps memory a client published; on success it owns fd.
+	Adopt(device int, fd int, size int64) (segment.Memory, error)
 }
 
 // Server answers clients on one socket.
@@ -99,6 +101,12 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 	}()
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	defer stop()
+	sweepDone := make(chan struct{})
+	defer func() { <-sweepDone }()
+	go func() {
+		defer close(sweepDone)
+		s.sweep(ctx)
+	}()
 
 	var acceptErr error
 	for {
@@ -128,6 +136,26 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 	err := s.reg.Close()
 	s.epoch.Close()
 	return errors.Join(acceptErr, err)
+}
+
+// sweepEvery is how often segments with a TTL are checked: a segment
+// expires at most this late.
+const sweepEvery = 250 * time.Millisecond
+
+// sweep ends expired segments until ctx is done.
+func (s *Server) sweep(ctx context.Context) {
+	t := time.NewTicker(sweepEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			for _, name := range s.reg.Expire(now) {
+				s.log.Info("expired", "segment", name)
+			}
+		}
+	}
 }
 
 func (s *Server) start(uc *net.UnixConn) {
@@ -169,7 +197,13 @@ type conn struct {
 	cred   wire.Cred
 	hello  bool
 	leases map[uint64]*lease // by segment ID; touched only by serve's goroutine
+	// bound are the segments this connection created to end with it.
+	bound []*segment.Segment
 }
+
+// maxTTL bounds ttl_seconds: a year is longer than any idle segment should
+// be kept, and keeps the arithmetic far from overflow.
+const maxTTL = 365 * 24 * time.Hour
 
 func (c *conn) serve() {
 	log := c.s.log.With("pid", c.cred.PID, "uid", c.cred.UID)
@@ -186,18 +220,17 @@ func (c *conn) serve() {
 				n++
 			}
 		}
-		c.wc.Close()
-		log.Debug("disconnected", "released", n)
-	}()
-	for {
-		b, fd, err := c.wc.Recv()
-		if fd >= 0 {
-			// Nothing in protocol version 1 sends a descriptor to the daemon.
-			syscall.Close(fd)
-			if err == nil {
-				err = fmt.Errorf("%w: unexpected file descriptor", wire.ErrProto)
+		for _, seg := range c.bound {
+			// Discard leaves a name alone that now names another segment.
+			if err := c.s.reg.Discard(seg); err != nil {
+				log.Error("end creator-bound segment", "err", err)
 			}
 		}
+		c.wc.Close()
+		log.Debug("disconnected", "released", n, "ended", len(c.bound))
+	}()
+	for {
+		b, inFD, err := c.wc.Recv()
 		if err != nil {
 			if errors.Is(err, wire.ErrProto) || errors.Is(err, wire.ErrFDDropped) {
 				log.Debug("bad message", "err", err)
@@ -214,6 +247,15 @@ func (c *conn) serve() {
 		}
 		start := time.Now()
 		req, err := wire.DecodeRequest(b)
+		if err == nil && inFD >= 0 && req.Op != wire.OpPublish {
+			err = fmt.Errorf("%w: a file descriptor came with %q; only publish carries one", wire.ErrProto, req.Op)
+		}
+		if err == nil && inFD < 0 && req.Op == wire.OpPublish {
+			err = fmt.Errorf("%w: publish without a file descriptor", wire.ErrProto)
+		}
+		if err != nil && inFD >= 0 {
+			syscall.Close(inFD)
+		}
 		if err != nil {
 			var id uint64
 			if req != nil {
@@ -226,7 +268,7 @@ func (c *conn) serve() {
 			}
 			continue
 		}
-		rep, fd := c.dispatch(req)
+		rep, fd := c.dispatch(req, inFD)
 		rep.ID = req.ID
 		code := ""
 		if rep.Error != nil {
@@ -249,7 +291,8 @@ func (c *conn) serve() {
 // client, and a label per unknown string would grow without bound.
 func opLabel(op string) string {
 	switch op {
-	case wire.OpHello, wire.OpInfo, wire.OpCreate, wire.OpOpen, wire.OpClose, wire.OpUnlink, wire.OpStat, wire.OpList:
+	case wire.OpHello, wire.OpInfo, wire.OpCreate, wire.OpOpen, wire.OpClose, wire.OpUnlink, wire.OpStat, wire.OpList,
+		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish:
 		return op
 	}
 	return "unknown"
@@ -270,7 +313,12 @@ func errReply(err error) *wire.Error {
 
 func fail(err error) (*wire.Reply, int) { return &wire.Reply{Error: errReply(err)}, -1 }
 
-func (c *conn) dispatch(req *wire.Request) (*wire.Reply, int) {
+// dispatch answers req. inFD, the descriptor that came with a publish, is
+// dispatch's to keep or close.
+func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
+	if req.Op == wire.OpPublish {
+		return c.publish(req, inFD)
+	}
 	if !c.hello && req.Op != wire.OpHello {
 		return fail(fmt.Errorf("%w: the first message must be hello", wire.ErrProto))
 	}
@@ -295,13 +343,16 @@ func (c *conn) dispatch(req *wire.Request) (*wire.Reply, int) {
 		if req.Device != nil {
 			dev = *req.Device
 		}
-		seg, created, err := c.s.reg.Create(cred, segment.CreateOptions{
-			Name: req.Name, Size: req.Size, Device: dev,
-			Mode: deref(req.Mode), UseMode: req.Mode != nil,
-			Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: req.ReadOnly,
-		})
+		o, err := createOptions(req, dev)
 		if err != nil {
 			return fail(fmt.Errorf("create: %w", err))
+		}
+		seg, created, err := c.s.reg.Create(cred, o)
+		if err != nil {
+			return fail(fmt.Errorf("create: %w", err))
+		}
+		if created && o.Bound {
+			c.bound = append(c.bound, seg)
 		}
 		rep := &wire.Reply{Created: created, Segment: c.segmentInfo(seg)}
 		if !req.Open {
@@ -349,8 +400,94 @@ func (c *conn) dispatch(req *wire.Request) (*wire.Reply, int) {
 		return &wire.Reply{Segment: toWire(inf)}, -1
 	case wire.OpList:
 		return c.list(req), -1
+	case wire.OpChmod, wire.OpChown:
+		seg, _, err := c.s.reg.Lookup(req.Name)
+		if err == nil && req.Op == wire.OpChmod {
+			if req.Mode == nil {
+				return fail(fmt.Errorf("chmod: no mode: %w", syscall.EINVAL))
+			}
+			err = c.s.reg.SetMode(cred, seg, *req.Mode)
+		} else if err == nil {
+			uid, gid := int64(-1), int64(-1)
+			if req.UID != nil {
+				uid = *req.UID
+			}
+			if req.GID != nil {
+				gid = *req.GID
+			}
+			err = c.s.reg.SetOwner(cred, seg, uid, gid)
+		}
+		if err != nil {
+			return fail(fmt.Errorf("%s: %w", req.Op, err))
+		}
+		return &wire.Reply{Segment: c.segmentInfo(seg)}, -1
+	case wire.OpRename:
+		if err := c.s.reg.Rename(cred, req.Name, req.To, 0); err != nil {
+			return fail(fmt.Errorf("rename: %w", err))
+		}
+		return &wire.Reply{}, -1
 	}
 	return fail(fmt.Errorf("unknown operation %q: %w", req.Op, syscall.ENOSYS))
+}
+
+// createOptions reads the parts of a create (or publish) request that the
+// registry takes.
+func createOptions(req *wire.Request, dev int) (segment.CreateOptions, error) {
+	o := segment.CreateOptions{
+		Name: req.Name, Size: req.Size, Device: dev,
+		Mode: deref(req.Mode), UseMode: req.Mode != nil,
+		Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: req.ReadOnly,
+	}
+	switch req.Lifetime {
+	case "":
+	case wire.LifetimeConnection:
+		o.Bound = true
+	default:
+		return o, fmt.Errorf("lifetime %q (want \"connection\" or none): %w", req.Lifetime, syscall.EINVAL)
+	}
+	if req.TTL < 0 || req.TTL > maxTTL.Seconds() {
+		return o, fmt.Errorf("ttl_seconds %g (want 0 to %g): %w", req.TTL, maxTTL.Seconds(), syscall.EINVAL)
+	}
+	o.TTL = time.Duration(req.TTL * float64(time.Second))
+	return o, nil
+}
+
+// publish names memory the client allocated and sent: the daemon keeps the
+// descriptor, so the name stays valid after the publisher exits.
+func (c *conn) publish(req *wire.Request, fd int) (*wire.Reply, int) {
+	if !c.hello {
+		syscall.Close(fd)
+		return fail(fmt.Errorf("%w: the first message must be hello", wire.ErrProto))
+	}
+	dev := c.s.backend.DefaultDevice()
+	if req.Device != nil {
+		dev = *req.Device
+	}
+	o, err := createOptions(req, dev)
+	if err == nil && (req.ExistOK || req.Open) {
+		err = fmt.Errorf("exist_ok and open do not apply: %w", syscall.EINVAL)
+	}
+	if err == nil {
+		err = segment.ValidName(req.Name)
+	}
+	if err != nil {
+		syscall.Close(fd)
+		return fail(fmt.Errorf("publish: %w", err))
+	}
+	mem, err := c.s.backend.Adopt(dev, fd, req.Size)
+	if err != nil {
+		syscall.Close(fd)
+		return fail(err)
+	}
+	o.Memory = mem
+	seg, _, err := c.s.reg.Create(segment.Cred{UID: c.cred.UID, GID: c.cred.GID}, o)
+	if err != nil {
+		return fail(fmt.Errorf("publish: %w", err))
+	}
+	if o.Bound {
+		c.bound = append(c.bound, seg)
+	}
+	return &wire.Reply{Created: true, Segment: c.segmentInfo(seg)}, -1
 }
 
 // maxPage bounds a list page; the page shrinks further if it would not fit
@@ -413,12 +550,20 @@ func (c *conn) release(id uint64) bool {
 }
 
 func toWire(inf segment.Info) *wire.Segment {
-	return &wire.Segment{
+	w := &wire.Segment{
 		ID: inf.ID, Name: inf.Name, Size: inf.Size, AllocSize: inf.AllocSize,
 		Device: inf.Device, HandleType: inf.HandleType,
 		UID: inf.UID, GID: inf.GID, Mode: inf.Mode, Opens: inf.Opens,
 		Created: inf.Created.UnixNano(), Meta: inf.Meta,
 	}
+	if inf.Bound {
+		w.Lifetime = wire.LifetimeConnection
+	}
+	if inf.TTL > 0 {
+		w.TTL = inf.TTL.Seconds()
+		w.Idle = inf.Idle.UnixNano()
+	}
+	return w
 }
 
 func deref(p *uint32) uint32 {

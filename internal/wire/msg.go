@@ -29,6 +29,18 @@ const (
 	OpUnlink = "unlink"
 	OpStat   = "stat"
 	OpList   = "list"
+	OpChmod  = "chmod"
+	OpChown  = "chown"
+	OpRename = "rename"
+	// OpPublish is the one request that carries a descriptor.
+	OpPublish = "publish"
+)
+
+// Lifetimes a create may ask for.
+const (
+	// LifetimeConnection ends the segment when the connection that created
+	// it closes, for whatever reason.
+	LifetimeConnection = "connection"
 )
 
 // Request is a client's message. Fields an operation does not use must be
@@ -48,6 +60,11 @@ type Request struct {
 	Segment  uint64          `json:"segment,omitempty"`
 	After    string          `json:"after,omitempty"`
 	Limit    int             `json:"limit,omitempty"`
+	Lifetime string          `json:"lifetime,omitempty"`
+	TTL      float64         `json:"ttl_seconds,omitempty"`
+	UID      *int64          `json:"uid,omitempty"`
+	GID      *int64          `json:"gid,omitempty"`
+	To       string          `json:"to,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -116,6 +133,12 @@ type Segment struct {
 	Opens      int             `json:"opens"`
 	Created    int64           `json:"created"` // Unix nanoseconds
 	Meta       json.RawMessage `json:"meta,omitempty"`
+	// Lifetime is "connection" for a segment that ends with its creator's
+	// connection; TTL, in seconds, ends a segment unopened that long, and
+	// Idle (Unix nanoseconds) is when it was last seen unopened.
+	Lifetime string  `json:"lifetime,omitempty"`
+	TTL      float64 `json:"ttl_seconds,omitempty"`
+	Idle     int64   `json:"idle_since,omitempty"`
 }
 
 // Error is a failed operation: Code is an errno name such as "ENOENT".

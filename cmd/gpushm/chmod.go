@@ -1,0 +1,124 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"os/user"
+	"strconv"
+	"strings"
+
+	"github.com/spf13/cobra"
+)
+
+func chmodCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "chmod MODE NAME...",
+		Short: "Change segments' permission bits (octal, as 0640)",
+		Long: `Change the permission bits of segments, as chmod(1) does for files, in octal
+only. The owner's bits govern the owner, the group's bits members of the
+segment's group, the other bits everyone else: r lets a process open the
+segment read-only, rw read-write. Only the owner or root may chmod.`,
+		Args: cobra.MinimumNArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			m, err := strconv.ParseUint(args[0], 8, 32)
+			if err != nil || m > 0o777 {
+				return fmt.Errorf("mode %q: want octal permission bits such as 0640", args[0])
+			}
+			c, err := dial(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			var errs []error
+			for _, name := range args[1:] {
+				errs = append(errs, c.Chmod(cmd.Context(), name, uint32(m)))
+			}
+			return errors.Join(errs...)
+		},
+	}
+}
+
+func chownCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "chown [OWNER][:GROUP] NAME...",
+		Short: "Change segments' owner and group (names or numbers)",
+		Long: `Change the owner and group of segments, as chown(1) does for files. Only root
+may change the owner; the owner may change the group to its own group.`,
+		Args: cobra.MinimumNArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			uid, gid, err := parseOwner(args[0])
+			if err != nil {
+				return err
+			}
+			c, err := dial(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			var errs []error
+			for _, name := range args[1:] {
+				errs = append(errs, c.Chown(cmd.Context(), name, uid, gid))
+			}
+			return errors.Join(errs...)
+		},
+	}
+}
+
+// parseOwner reads OWNER, OWNER:GROUP or :GROUP; -1 is "leave as it is".
+func parseOwner(s string) (uid, gid int64, err error) {
+	u, g, _ := strings.Cut(s, ":")
+	uid, gid = -1, -1
+	if u != "" {
+		if uid, err = lookupID(u, func(n string) (string, error) {
+			pw, err := user.Lookup(n)
+			if err != nil {
+				return "", err
+			}
+			return pw.Uid, nil
+		}); err != nil {
+			return 0, 0, fmt.Errorf("owner %q: %w", u, err)
+		}
+	}
+	if g != "" {
+		if gid, err = lookupID(g, func(n string) (string, error) {
+			gr, err := user.LookupGroup(n)
+			if err != nil {
+				return "", err
+			}
+			return gr.Gid, nil
+		}); err != nil {
+			return 0, 0, fmt.Errorf("group %q: %w", g, err)
+		}
+	}
+	if uid < 0 && gid < 0 {
+		return 0, 0, fmt.Errorf("%q names neither an owner nor a group", s)
+	}
+	return uid, gid, nil
+}
+
+func lookupID(s string, byName func(string) (string, error)) (int64, error) {
+	if n, err := strconv.ParseUint(s, 10, 32); err == nil {
+		return int64(n), nil
+	}
+	id, err := byName(s)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(id, 10, 64)
+}
+
+func mvCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "mv OLD NEW",
+		Short: "Rename a segment (replacing NEW if it exists)",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := dial(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			return c.Rename(cmd.Context(), args[0], args[1])
+		},
+	}
+}

@@ -1,0 +1,72 @@
+package backend
+
+import (
+	"fmt"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/segment"
+)
+
+// Adopt takes memory another process allocated and exported (fd), size
+// bytes on device, as a segment's memory: the daemon then holds it, so the
+// memory outlives its publisher. On success the Memory owns fd; on failure
+// the caller still does.
+//
+// The descriptor is checked, not trusted: it must be a CUDA VMM export of
+// device memory on that device, exportable as a POSIX fd, at least size bytes
+// long (mapping it once proves it).
+func (c *CUDA) Adopt(device int, fd int, size int64) (segment.Memory, error) {
+	d, err := c.device(device)
+	if err != nil {
+		return nil, err
+	}
+	if size <= 0 || size%d.gran != 0 {
+		return nil, fmt.Errorf("publish: size %d is not a positive multiple of GPU %d's granularity %d: %w", size, device, d.gran, syscall.EINVAL)
+	}
+	h, err := d.d.ImportFD(fd)
+	if err != nil {
+		return nil, fmt.Errorf("publish: not a CUDA VMM allocation (%v): %w", err, syscall.EINVAL)
+	}
+	fail := func(err error) (segment.Memory, error) {
+		d.d.Release(h)
+		return nil, err
+	}
+	on, posix, err := d.d.HandleDevice(h)
+	if err != nil {
+		return fail(fmt.Errorf("publish: %v: %w", err, syscall.EINVAL))
+	}
+	if on != device || !posix {
+		return fail(fmt.Errorf("publish: the allocation is on GPU %d (posix fd handles: %v), not GPU %d: %w", on, posix, device, syscall.EINVAL))
+	}
+	ptr, err := d.d.Map(h, size, true, d.d)
+	if err != nil {
+		return fail(fmt.Errorf("publish: cannot map %d bytes of it (%v): %w", size, err, syscall.EINVAL))
+	}
+	if err := d.d.Unmap(ptr, size); err != nil {
+		return fail(err)
+	}
+	done := make(chan struct{})
+	close(done)
+	return &cudaMemory{d: d.d, h: h, size: size, fd: fd, done: done}, nil
+}
+
+// Adopt takes a memfd of at least size bytes as a segment's memory, sealing
+// its size so that its publisher cannot shrink it under other mappings.
+func (h *Host) Adopt(device int, fd int, size int64) (segment.Memory, error) {
+	if _, err := h.Capacity(device); err != nil {
+		return nil, err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("publish: fstat: %w", err)
+	}
+	if size <= 0 || st.Size < size {
+		return nil, fmt.Errorf("publish: the file has %d bytes, %d asked: %w", st.Size, size, syscall.EINVAL)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW); err != nil {
+		return nil, fmt.Errorf("publish: cannot seal its size (a memfd made with MFD_ALLOW_SEALING is needed): %v: %w", err, syscall.EINVAL)
+	}
+	return &hostMemory{fd: fd, size: size}, nil
+}

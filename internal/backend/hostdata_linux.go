@@ -1,0 +1,118 @@
+package backend
+
+import (
+	"fmt"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/segment"
+)
+
+var (
+	_ segment.Data    = (*hostMemory)(nil)
+	_ segment.Rounder = (*Host)(nil)
+)
+
+// RoundSize implements segment.Rounder: host sizes round up to a page.
+func (h *Host) RoundSize(_ int, size int64) int64 {
+	g := h.Granularity()
+	return (size + g - 1) / g * g
+}
+
+// hostView is the daemon's own mapping of a memfd, made on the first copy
+// and kept until the memory is freed.
+type hostView struct {
+	mu sync.Mutex
+	b  []byte
+}
+
+func (v *hostView) unmap() error {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.b == nil {
+		return nil
+	}
+	err := unix.Munmap(v.b)
+	v.b = nil
+	if err != nil {
+		return fmt.Errorf("munmap: %w", err)
+	}
+	return nil
+}
+
+func (m *hostMemory) bytes() ([]byte, error) {
+	m.view.mu.Lock()
+	defer m.view.mu.Unlock()
+	if m.view.b == nil {
+		b, err := unix.Mmap(m.fd, 0, int(m.size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+		if err != nil {
+			return nil, fmt.Errorf("mmap: %w", err)
+		}
+		m.view.b = b
+	}
+	return m.view.b, nil
+}
+
+func (m *hostMemory) span(off, n int64) ([]byte, error) {
+	b, err := m.bytes()
+	if err != nil {
+		return nil, err
+	}
+	if off < 0 || n < 0 || off+n > m.size {
+		return nil, fmt.Errorf("%d bytes at %d outside %d bytes of memory", n, off, m.size)
+	}
+	return b[off : off+n], nil
+}
+
+// ReadAt implements segment.Data.
+func (m *hostMemory) ReadAt(p []byte, off int64) error {
+	b, err := m.span(off, int64(len(p)))
+	if err != nil {
+		return err
+	}
+	copy(p, b)
+	return nil
+}
+
+// WriteAt implements segment.Data.
+func (m *hostMemory) WriteAt(p []byte, off int64) error {
+	b, err := m.span(off, int64(len(p)))
+	if err != nil {
+		return err
+	}
+	copy(b, p)
+	return nil
+}
+
+// Zero implements segment.Data.
+func (m *hostMemory) Zero(off, n int64) error {
+	b, err := m.span(off, n)
+	if err != nil {
+		return err
+	}
+	clear(b)
+	return nil
+}
+
+// CopyFrom implements segment.Data.
+func (m *hostMemory) CopyFrom(src segment.Memory, n int64) error {
+	s, ok := src.(*hostMemory)
+	if !ok {
+		return fmt.Errorf("copy from %T to host memory", src)
+	}
+	from, err := s.span(0, n)
+	if err != nil {
+		return err
+	}
+	to, err := m.span(0, n)
+	if err != nil {
+		return err
+	}
+	copy(to, from)
+	return nil
+}
+
+// Sync implements segment.Data: a store to a shared mapping is visible to
+// every other mapping at once.
+func (m *hostMemory) Sync() error { return nil }
