@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/wire"
@@ -74,7 +75,7 @@ func New(backend string, src Source) *Metrics {
 			"Free memory of each device the daemon serves, as the driver reports it.", []string{"device", "name", "uuid"}, nil),
 	}
 	m.reg.MustRegister(m.ops, m.latency, m.conns, (*state)(m),
-		prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 
