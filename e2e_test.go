@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/cuda"
 	"github.com/gpushm/gpushm/internal/testdaemon"
 )
 
@@ -83,6 +84,33 @@ func childMain(mode string) error {
 		unix.Pwrite(fd, pattern(3, 8192), 0)
 		_, err = c.Publish(ctx, os.Getenv("NAME"), fd, 8192, &gpushm.CreateOptions{
 			Meta: []byte(`{"kind":"tensor","dtype":"uint8","shape":[4096],"offset":4096}`)})
+		return err
+	case "publish-cuda":
+		// Allocate on the GPU ourselves, fill with pattern 3, publish, exit.
+		d, err := cuda.GetDevice(0)
+		if err != nil {
+			return err
+		}
+		g, _ := d.Granularity()
+		h, err := d.Create(g)
+		if err != nil {
+			return err
+		}
+		defer d.Release(h)
+		ptr, err := d.Map(h, g, false, d)
+		if err != nil {
+			return err
+		}
+		defer d.Unmap(ptr, g)
+		if err := d.CopyHtoD(ptr, pattern(3, g)); err != nil {
+			return err
+		}
+		fd, err := d.ExportFD(h)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		_, err = c.Publish(ctx, os.Getenv("NAME"), fd, g, nil)
 		return err
 	case "temporary":
 		// Create a segment bound to this connection, then wait to be killed.
@@ -575,5 +603,43 @@ func TestPublishOutlivesThePublisher(t *testing.T) {
 	}
 	if u := usage(t, c); u.Segments != 1 {
 		t.Fatalf("failed publishes left %+v", u)
+	}
+}
+
+func TestPublishCUDA(t *testing.T) {
+	d := testdaemon.Start(t, "cuda") // skips without a GPU
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	if err := child(t, d.Socket, "publish-cuda", "NAME=gpub").Run(); err != nil {
+		t.Fatalf("publisher: %v", err)
+	}
+	seg, err := c.Open(ctx, "gpub", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := seg.Map()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, m.Size())
+	if _, err := m.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, pattern(3, m.Size())) {
+		t.Fatal("bytes published from GPU memory by an exited process differ")
+	}
+	seg.Close()
+	if err := c.Unlink(ctx, "gpub"); err != nil {
+		t.Fatal(err)
+	}
+	if u := usage(t, c); u.Segments != 0 {
+		t.Fatalf("after unlink: %+v", u)
+	}
+	// A host memfd is not a CUDA allocation.
+	fd, _ := unix.MemfdCreate("x", unix.MFD_CLOEXEC)
+	defer unix.Close(fd)
+	unix.Ftruncate(fd, 2<<20)
+	if _, err := c.Publish(ctx, "bad", fd, 2<<20, nil); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("publish of a memfd to a cuda daemon = %v, want EINVAL", err)
 	}
 }

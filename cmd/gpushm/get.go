@@ -3,7 +3,9 @@ package main
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -36,27 +38,40 @@ through pinned host buffers in 64 MiB chunks.`,
 			if err != nil {
 				return err
 			}
-			f := os.Stdout
-			if path != "-" {
-				if f, err = os.Create(path); err != nil {
-					return err
-				}
-				defer f.Close()
-			}
-			w := bufio.NewWriterSize(f, 1<<20)
 			start := time.Now()
-			n, err := m.WriteTo(progressTo(w, "get "+name, m.Size()))
-			if err == nil {
-				err = w.Flush()
-			}
-			if err == nil && path != "-" {
-				err = f.Close()
+			if path == "-" {
+				w := bufio.NewWriterSize(os.Stdout, 1<<20)
+				_, err = m.WriteTo(progressTo(w, "get "+name, m.Size()))
+				if err == nil {
+					err = w.Flush()
+				}
+			} else {
+				err = getFile(m, path, progressWriterAt)
 			}
 			if err != nil {
 				return fmt.Errorf("get %s: %w", name, err)
 			}
+			n := m.Size()
 			report("get", name, n, time.Since(start))
 			return nil
 		},
 	}
+}
+
+// getFile writes m to a new or truncated regular file with parallel
+// writes; a failed copy leaves no partial file behind.
+func getFile(m *gpushm.Mapping, path string, wrap func(io.WriterAt, string, int64) io.WriterAt) (err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			os.Remove(path)
+		}
+	}()
+	return m.WriteToAt(wrap(f, "get "+filepath.Base(path), m.Size()), m.Size())
 }

@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -71,8 +72,9 @@ fails, the segment is removed again.`,
 	return cmd
 }
 
-// put creates name and fills it from r; on any failure the segment goes.
-func put(ctx context.Context, c *gpushm.Client, name string, r io.Reader, size int64, o *gpushm.CreateOptions) (n int64, err error) {
+// put creates name and fills it from f, a regular file, with parallel
+// reads; on any failure the segment goes.
+func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size int64, o *gpushm.CreateOptions) (n int64, err error) {
 	seg, err := c.Create(ctx, name, size, o)
 	if err != nil {
 		return 0, err
@@ -90,14 +92,10 @@ func put(ctx context.Context, c *gpushm.Client, name string, r io.Reader, size i
 	if err != nil {
 		return 0, err
 	}
-	n, err = m.ReadFrom(progress(r, "put "+name, size))
-	if err != nil {
-		return n, fmt.Errorf("put %s: %w", name, err)
+	if err := m.ReadFromAt(progressAt(f, "put "+name, size), size); err != nil {
+		return 0, fmt.Errorf("put %s: %w", name, err)
 	}
-	if n != size {
-		return n, fmt.Errorf("put %s: source ended after %d of %d bytes", name, n, size)
-	}
-	return n, nil
+	return size, nil
 }
 
 // openSource opens path, or spools stdin for "-", and tells its size.
@@ -150,6 +148,44 @@ func progress(r io.Reader, what string, total int64) io.Reader {
 	return &progressReader{r, &meter{what: what, total: total, start: time.Now()}}
 }
 
+// progressAt is progress for a file read at offsets, in parallel.
+func progressAt(r io.ReaderAt, what string, total int64) io.ReaderAt {
+	if total < 256<<20 || !isTerminal(os.Stderr) {
+		return r
+	}
+	return &progressReaderAt{r, &meter{what: what, total: total, start: time.Now()}}
+}
+
+// progressWriterAt is progress for a file written at offsets, in parallel.
+func progressWriterAt(w io.WriterAt, what string, total int64) io.WriterAt {
+	if total < 256<<20 || !isTerminal(os.Stderr) {
+		return w
+	}
+	return &progressAtWriter{w, &meter{what: what, total: total, start: time.Now()}}
+}
+
+type progressReaderAt struct {
+	r io.ReaderAt
+	m *meter
+}
+
+func (p *progressReaderAt) ReadAt(b []byte, off int64) (int, error) {
+	n, err := p.r.ReadAt(b, off)
+	p.m.add(n)
+	return n, err
+}
+
+type progressAtWriter struct {
+	w io.WriterAt
+	m *meter
+}
+
+func (p *progressAtWriter) WriteAt(b []byte, off int64) (int, error) {
+	n, err := p.w.WriteAt(b, off)
+	p.m.add(n)
+	return n, err
+}
+
 // progressTo is progress for a writer.
 func progressTo(w io.Writer, what string, total int64) io.Writer {
 	if total < 256<<20 || !isTerminal(os.Stderr) {
@@ -159,12 +195,15 @@ func progressTo(w io.Writer, what string, total int64) io.Writer {
 }
 
 type meter struct {
+	mu          sync.Mutex // parallel copies report at once
 	what        string
 	total, done int64
 	start, last time.Time
 }
 
 func (m *meter) add(n int) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	m.done += int64(n)
 	now := time.Now()
 	if now.Sub(m.last) < 200*time.Millisecond && m.done < m.total {
