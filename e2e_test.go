@@ -112,6 +112,61 @@ func childMain(mode string) error {
 		defer unix.Close(fd)
 		_, err = c.Publish(ctx, os.Getenv("NAME"), fd, g, nil)
 		return err
+	case "read-on-gpu0":
+		// Open a GPU 1 segment with access for GPU 0 only; copy it with a
+		// GPU 0 stream into GPU 0 memory, then to the host, and compare.
+		seg, err := c.Open(ctx, os.Getenv("NAME"), &gpushm.OpenOptions{Devices: []int{0}})
+		if err != nil {
+			return err
+		}
+		defer seg.Close()
+		m, err := seg.Map()
+		if err != nil {
+			return err
+		}
+		d0, err := cuda.GetDevice(0)
+		if err != nil {
+			return err
+		}
+		n := seg.Info().AllocSize
+		h, err := d0.Create(n)
+		if err != nil {
+			return err
+		}
+		defer d0.Release(h)
+		local, err := d0.Map(h, n, false, d0)
+		if err != nil {
+			return err
+		}
+		defer d0.Unmap(local, n)
+		s0, err := d0.NewStream()
+		if err != nil {
+			return err
+		}
+		defer s0.Close()
+		if err := s0.CopyDtoDAsync(local, m.DevicePtr(), n); err != nil {
+			return err
+		}
+		if err := s0.Synchronize(); err != nil {
+			return err
+		}
+		got := make([]byte, seg.Size())
+		if err := d0.CopyDtoH(got, local); err != nil {
+			return err
+		}
+		if !bytes.Equal(got, pattern(5, seg.Size())) {
+			return errors.New("GPU 0 read other bytes than GPU 1 holds")
+		}
+		// A GPU that does not exist gets a clear error, not a crash.
+		bad, err := c.Open(ctx, os.Getenv("NAME"), &gpushm.OpenOptions{Devices: []int{7}})
+		if err == nil {
+			_, err = bad.Map()
+			bad.Close()
+		}
+		if err == nil {
+			return errors.New("mapping with access for GPU 7 succeeded")
+		}
+		return nil
 	case "temporary":
 		// Create a segment bound to this connection, then wait to be killed.
 		if _, _, err := c.CreateOnly(ctx, os.Getenv("NAME"), 4096, &gpushm.CreateOptions{Temporary: true}); err != nil {
@@ -641,5 +696,39 @@ func TestPublishCUDA(t *testing.T) {
 	unix.Ftruncate(fd, 2<<20)
 	if _, err := c.Publish(ctx, "bad", fd, 2<<20, nil); !errors.Is(err, syscall.EINVAL) {
 		t.Fatalf("publish of a memfd to a cuda daemon = %v, want EINVAL", err)
+	}
+}
+
+func TestMultiGPUOpen(t *testing.T) {
+	testdaemon.RequireBackend(t, "cuda")
+	if n, _ := cuda.DeviceCount(); n < 2 {
+		t.Skipf("needs two GPUs, this machine has %d", n)
+	}
+	d := testdaemon.Start(t, "cuda")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	inf, _ := c.Info(ctx)
+	if len(inf.Devices) < 2 || inf.Devices[1].UUID == "" || inf.Devices[0].Name == "" {
+		t.Fatalf("info lists %+v, want two GPUs with UUIDs and names", inf.Devices)
+	}
+	one := 1
+	const size = 3<<20 + 5
+	seg, err := c.Create(ctx, "on-gpu1", size, &gpushm.CreateOptions{Device: &one})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer seg.Close()
+	m, err := seg.Map()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Device() != 1 {
+		t.Fatalf("mapping on device %d, want 1", m.Device())
+	}
+	if _, err := m.WriteAt(pattern(5, size), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := child(t, d.Socket, "read-on-gpu0", "NAME=on-gpu1").Run(); err != nil {
+		t.Fatalf("GPU 0 reader: %v", err)
 	}
 }

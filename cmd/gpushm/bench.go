@@ -20,7 +20,7 @@ func benchCmd() *cobra.Command {
 		Use:   "bench",
 		Short: "Benchmarks that print tables",
 	}
-	cmd.AddCommand(benchOpenCmd())
+	cmd.AddCommand(benchOpenCmd(), benchPeerCmd())
 	return cmd
 }
 

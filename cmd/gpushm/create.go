@@ -13,7 +13,7 @@ import (
 
 func createCmd() *cobra.Command {
 	var (
-		device  int
+		device  string
 		mode    string
 		meta    string
 		existOK bool
@@ -33,9 +33,6 @@ granularity.`,
 				return err
 			}
 			o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl}
-			if cmd.Flags().Changed("device") {
-				o.Device = &device
-			}
 			if mode != "" {
 				m, err := strconv.ParseUint(mode, 8, 32)
 				if err != nil {
@@ -55,6 +52,9 @@ granularity.`,
 				return err
 			}
 			defer c.Close()
+			if o.Device, err = resolveDevice(cmd.Context(), c, device); err != nil {
+				return err
+			}
 			inf, created, err := c.CreateOnly(cmd.Context(), args[0], size, o)
 			if err != nil {
 				return err
@@ -68,7 +68,7 @@ granularity.`,
 		},
 	}
 	f := cmd.Flags()
-	f.IntVar(&device, "device", 0, "GPU ordinal (default: the daemon's first device)")
+	f.StringVar(&device, "device", "", "GPU ordinal or UUID (default: the daemon's first device)")
 	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
 	f.StringVar(&meta, "meta", "", "user metadata, a JSON value")
 	f.BoolVar(&existOK, "exist-ok", false, "succeed if the segment exists with the same size and device")

@@ -30,6 +30,7 @@ import (
 func daemonCmd() *cobra.Command {
 	var (
 		backendName string
+		devices     string
 		device      int
 		logLevel    string
 		spin        time.Duration
@@ -52,13 +53,20 @@ socket, and replaces a stale socket file.`,
 				return fmt.Errorf("--log-level: %w", err)
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
-			o.backend, o.device, o.spin = backendName, device, spin
+			if cmd.Flags().Changed("device") {
+				if cmd.Flags().Changed("devices") {
+					return fmt.Errorf("give --device or --devices, not both")
+				}
+				devices = strconv.Itoa(device)
+			}
+			o.backend, o.devices, o.spin = backendName, devices, spin
 			return runDaemon(cmd.Context(), log, o)
 		},
 	}
 	f := cmd.Flags()
 	f.StringVar(&backendName, "backend", "auto", "memory backend: auto, cuda or host")
-	f.IntVar(&device, "device", -1, "serve only this GPU ordinal (default: every GPU)")
+	f.StringVar(&devices, "devices", "all", "GPUs to serve: all, or ordinals and UUIDs separated by commas (0,1 or GPU-5e6f...)")
+	f.IntVar(&device, "device", 0, "serve only this GPU ordinal (short for --devices N)")
 	f.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	f.StringVar(&o.socketGroup, "socket-group", "", "let only this group connect (socket mode 0660; default: every user, 0666)")
 	f.StringVar(&o.maxMemory, "max-memory", "", "cap what segments may hold on each device: a size (64G) or a share of the device (90%)")
@@ -72,7 +80,7 @@ socket, and replaces a stale socket file.`,
 
 type daemonOptions struct {
 	backend     string
-	device      int
+	devices     string
 	spin        time.Duration
 	socketGroup string
 	metrics     string
@@ -127,7 +135,7 @@ func sizeOrShare(s string, total int64) (int64, error) {
 }
 
 func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
-	b, err := backend.Open(o.backend, o.device, log)
+	b, err := backend.Open(o.backend, o.devices, log)
 	if err != nil {
 		return err
 	}

@@ -16,7 +16,7 @@ import (
 
 func putCmd() *cobra.Command {
 	var (
-		device int
+		device string
 		mode   string
 	)
 	cmd := &cobra.Command{
@@ -41,9 +41,6 @@ fails, the segment is removed again.`,
 			if o.Meta, _, err = safetensorsMeta(f, size); err != nil {
 				return fmt.Errorf("put %s: %w", name, err)
 			}
-			if cmd.Flags().Changed("device") {
-				o.Device = &device
-			}
 			if mode != "" {
 				m, err := strconv.ParseUint(mode, 8, 32)
 				if err != nil {
@@ -58,6 +55,9 @@ fails, the segment is removed again.`,
 				return err
 			}
 			defer c.Close()
+			if o.Device, err = resolveDevice(cmd.Context(), c, device); err != nil {
+				return err
+			}
 			start := time.Now()
 			n, err := put(ctx, c, name, f, size, o)
 			if err != nil {
@@ -67,7 +67,7 @@ fails, the segment is removed again.`,
 			return nil
 		},
 	}
-	cmd.Flags().IntVar(&device, "device", 0, "GPU ordinal (default: the daemon's first device)")
+	cmd.Flags().StringVar(&device, "device", "", "GPU ordinal or UUID (default: the daemon's first device)")
 	cmd.Flags().StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
 	return cmd
 }

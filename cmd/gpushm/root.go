@@ -2,7 +2,10 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"os"
+	"strconv"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -51,4 +54,26 @@ func dial(ctx context.Context) (*gpushm.Client, error) {
 func isTerminal(f *os.File) bool {
 	st, err := f.Stat()
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}
+
+// resolveDevice reads a --device value: "" for the daemon's default, an
+// ordinal, or a GPU UUID (with or without "GPU-") that the daemon serves.
+func resolveDevice(ctx context.Context, c *gpushm.Client, spec string) (*int, error) {
+	if spec == "" {
+		return nil, nil
+	}
+	if n, err := strconv.Atoi(spec); err == nil {
+		return &n, nil
+	}
+	inf, err := c.Info(ctx)
+	if err != nil {
+		return nil, err
+	}
+	want := strings.TrimPrefix(strings.ToLower(spec), "gpu-")
+	for _, d := range inf.Devices {
+		if d.UUID != "" && strings.TrimPrefix(strings.ToLower(d.UUID), "gpu-") == want {
+			return &d.Index, nil
+		}
+	}
+	return nil, fmt.Errorf("--device %q: no GPU of the daemon's has that UUID ('gpushm info' lists them)", spec)
 }

@@ -27,24 +27,24 @@ var (
 )
 
 // Open picks a backend by name: "cuda", "host", or "auto" (cuda when a
-// driver and a VMM-capable device are present, else host). device < 0 means
-// every GPU; otherwise only that ordinal is served.
-func Open(name string, device int, log *slog.Logger) (Backend, error) {
+// driver and a VMM-capable device are present, else host). devices is ""
+// or "all" for every GPU, or a list of ordinals and UUIDs (see NewCUDA).
+func Open(name string, devices string, log *slog.Logger) (Backend, error) {
 	switch name {
 	case "host":
 		return NewHost()
 	case "cuda":
-		c, err := NewCUDA(device)
+		c, err := NewCUDA(devices)
 		if err != nil {
 			return nil, fmt.Errorf("cuda backend: %w", err)
 		}
 		return c, nil
 	case "auto":
-		c, err := NewCUDA(device)
+		c, err := NewCUDA(devices)
 		if err == nil {
 			return c, nil
 		}
-		if device >= 0 && !errors.Is(err, ErrNoGPU) {
+		if devices != "" && devices != "all" && !errors.Is(err, ErrNoGPU) {
 			return nil, fmt.Errorf("cuda backend: %w", err)
 		}
 		log.Info("no usable GPU, serving host memory", "reason", err)

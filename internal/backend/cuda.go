@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 
@@ -25,9 +27,11 @@ type cudaDevice struct {
 	total int64
 }
 
-// NewCUDA opens every GPU (device < 0) or one. It fails with ErrNoGPU when
-// the driver is missing or no device supports VMM with POSIX fd handles.
-func NewCUDA(device int) (*CUDA, error) {
+// NewCUDA opens the GPUs that devices names: "" or "all" for every GPU, or
+// a comma-separated list of ordinals and UUIDs ("0,2" or "GPU-5e6f...").
+// It fails with ErrNoGPU when the driver is missing or no device supports
+// VMM with POSIX fd handles.
+func NewCUDA(devices string) (*CUDA, error) {
 	if err := cuda.Init(); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrNoGPU, err)
 	}
@@ -38,17 +42,11 @@ func NewCUDA(device int) (*CUDA, error) {
 	if n == 0 {
 		return nil, fmt.Errorf("%w: the driver sees no device", ErrNoGPU)
 	}
-	var ordinals []int
-	if device >= 0 {
-		if device >= n {
-			return nil, fmt.Errorf("no GPU %d (this machine has %d)", device, n)
-		}
-		ordinals = []int{device}
-	} else {
-		for i := range n {
-			ordinals = append(ordinals, i)
-		}
+	ordinals, err := resolveDevices(devices, n)
+	if err != nil {
+		return nil, err
 	}
+	explicit := devices != "" && devices != "all"
 	c := &CUDA{devs: make(map[int]*cudaDevice)}
 	for _, i := range ordinals {
 		d, err := cuda.GetDevice(i)
@@ -60,7 +58,7 @@ func NewCUDA(device int) (*CUDA, error) {
 			return nil, fmt.Errorf("GPU %d: %w", i, err)
 		}
 		if !ok {
-			if device >= 0 {
+			if explicit {
 				return nil, fmt.Errorf("%w: GPU %d lacks VMM with POSIX fd handles", ErrNoGPU, i)
 			}
 			continue
@@ -84,6 +82,54 @@ func NewCUDA(device int) (*CUDA, error) {
 
 // Name implements Backend.
 func (c *CUDA) Name() string { return "cuda" }
+
+// resolveDevices reads a --devices list against the n GPUs the driver sees.
+func resolveDevices(spec string, n int) ([]int, error) {
+	if spec == "" || spec == "all" {
+		all := make([]int, n)
+		for i := range all {
+			all[i] = i
+		}
+		return all, nil
+	}
+	var out []int
+	for _, item := range strings.Split(spec, ",") {
+		item = strings.TrimSpace(item)
+		i, err := strconv.Atoi(item)
+		if err != nil {
+			if i, err = deviceByUUID(item, n); err != nil {
+				return nil, err
+			}
+		}
+		if i < 0 || i >= n {
+			return nil, fmt.Errorf("no GPU %d (this machine has %d)", i, n)
+		}
+		if slices.Contains(out, i) {
+			return nil, fmt.Errorf("GPU %d named twice in %q", i, spec)
+		}
+		out = append(out, i)
+	}
+	return out, nil
+}
+
+// deviceByUUID finds the GPU with that UUID, with or without "GPU-".
+func deviceByUUID(uuid string, n int) (int, error) {
+	want := strings.TrimPrefix(strings.ToLower(uuid), "gpu-")
+	for i := range n {
+		d, err := cuda.GetDevice(i)
+		if err != nil {
+			return 0, err
+		}
+		u, err := d.UUID()
+		if err != nil {
+			return 0, err
+		}
+		if strings.TrimPrefix(strings.ToLower(u), "gpu-") == want {
+			return i, nil
+		}
+	}
+	return 0, fmt.Errorf("no GPU with UUID %q (gpushm info lists them)", uuid)
+}
 
 // HandleType implements segment.Allocator.
 func (c *CUDA) HandleType() string { return wire.HandleCUDA }

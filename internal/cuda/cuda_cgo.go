@@ -152,6 +152,8 @@ struct gpushm_fns {
 	CUresult (*cuStreamSynchronize)(CUstream);
 	CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
 	CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+	CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+	CUresult (*cuMemcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
 	CUresult (*cuEventCreate)(CUevent *, unsigned int);
 	CUresult (*cuEventRecord)(CUevent, CUstream);
 	CUresult (*cuEventSynchronize)(CUevent);
@@ -204,6 +206,8 @@ static const struct gpushm_sym gpushm_syms[] = {
 	GPUSHM_SYM(cuStreamSynchronize, "cuStreamSynchronize", NULL),
 	GPUSHM_SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", NULL),
 	GPUSHM_SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", NULL),
+	GPUSHM_SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", NULL),
+	GPUSHM_SYM(cuMemcpyPeerAsync, "cuMemcpyPeerAsync", NULL),
 	GPUSHM_SYM(cuEventCreate, "cuEventCreate", NULL),
 	GPUSHM_SYM(cuEventRecord, "cuEventRecord", NULL),
 	GPUSHM_SYM(cuEventSynchronize, "cuEventSynchronize", NULL),
@@ -357,6 +361,8 @@ static CUresult gs_cuStreamDestroy(CUstream s) { return gpushm_cu.cuStreamDestro
 static CUresult gs_cuStreamSynchronize(CUstream s) { return gpushm_cu.cuStreamSynchronize(s); }
 static CUresult gs_cuMemcpyHtoDAsync(CUdeviceptr dst, const void *src, size_t n, CUstream s) { return gpushm_cu.cuMemcpyHtoDAsync(dst, src, n, s); }
 static CUresult gs_cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n, CUstream s) { return gpushm_cu.cuMemcpyDtoHAsync(dst, src, n, s); }
+static CUresult gs_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) { return gpushm_cu.cuMemcpyDtoDAsync(dst, src, n, s); }
+static CUresult gs_cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n, CUstream s) { return gpushm_cu.cuMemcpyPeerAsync(dst, dc, src, sc, n, s); }
 static CUresult gs_cuEventCreate(CUevent *e) { return gpushm_cu.cuEventCreate(e, CU_EVENT_DEFAULT); }
 static CUresult gs_cuEventRecord(CUevent e, CUstream s) { return gpushm_cu.cuEventRecord(e, s); }
 static CUresult gs_cuEventSynchronize(CUevent e) { return gpushm_cu.cuEventSynchronize(e); }
@@ -1057,6 +1063,35 @@ func (s *Stream) CopyHtoDAsync(dst uint64, src []byte) error {
 			return nil
 		}
 		return wrap("cuMemcpyHtoDAsync", C.gs_cuMemcpyHtoDAsync(C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src)), cs))
+	})
+}
+
+// CopyDtoDAsync queues a copy of n bytes between device addresses, run by
+// the stream's device: src may be another GPU's memory mapped with access
+// for this one.
+func (s *Stream) CopyDtoDAsync(dst, src uint64, n int64) error {
+	if n < 0 {
+		return fmt.Errorf("cuda: copy of %d bytes: %w", n, ErrInvalidValue)
+	}
+	return s.use(func(cs C.CUstream) error {
+		if n == 0 {
+			return nil
+		}
+		return wrap("cuMemcpyDtoDAsync", C.gs_cuMemcpyDtoDAsync(C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n), cs))
+	})
+}
+
+// CopyPeerAsync queues cuMemcpyPeerAsync: n bytes from src on srcDev to
+// dst on dstDev.
+func (s *Stream) CopyPeerAsync(dst uint64, dstDev *Device, src uint64, srcDev *Device, n int64) error {
+	if err := dstDev.check(); err != nil {
+		return err
+	}
+	if err := srcDev.check(); err != nil {
+		return err
+	}
+	return s.use(func(cs C.CUstream) error {
+		return wrap("cuMemcpyPeerAsync", C.gs_cuMemcpyPeerAsync(C.CUdeviceptr(dst), dstDev.ctx, C.CUdeviceptr(src), srcDev.ctx, C.size_t(n), cs))
 	})
 }
 

@@ -93,3 +93,8 @@ func (e *Event) Close() error         { return errUnavailable }
 
 // ElapsedMs fails with ErrNoDriver in this build.
 func ElapsedMs(*Event, *Event) (float32, error) { return 0, errUnavailable }
+
+func (s *Stream) CopyDtoDAsync(uint64, uint64, int64) error { return errUnavailable }
+func (s *Stream) CopyPeerAsync(uint64, *Device, uint64, *Device, int64) error {
+	return errUnavailable
+}

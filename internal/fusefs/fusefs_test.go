@@ -53,7 +53,7 @@ func mount(t *testing.T, backendName string) *env {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	// statfs asks a backend about its devices; a second handle on the same
 	// devices answers as the daemon's would.
-	b, err := backend.Open(backendName, -1, log)
+	b, err := backend.Open(backendName, "all", log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -615,7 +615,7 @@ func TestConcurrent(t *testing.T) {
 func TestStaleMount(t *testing.T) {
 	requireFUSE(t)
 	d := testdaemon.Start(t, "host")
-	b, _ := backend.Open("host", -1, nil)
+	b, _ := backend.Open("host", "all", nil)
 	dir := filepath.Join(t.TempDir(), "mnt")
 	first, err := fusefs.Mount(dir, d.Server.Registry(), b, nil)
 	if err != nil {

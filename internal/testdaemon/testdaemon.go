@@ -55,7 +55,7 @@ func StartWith(t testing.TB, backendName string, setup func(*server.Server, back
 	t.Helper()
 	RequireBackend(t, backendName)
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	b, err := backend.Open(backendName, -1, log)
+	b, err := backend.Open(backendName, "all", log)
 	if err != nil {
 		t.Fatalf("backend %s: %v", backendName, err)
 	}
