@@ -139,15 +139,6 @@ func report(verb, name string, n int64, d time.Duration) {
 	fmt.Fprintf(os.Stderr, "%s %s: %s in %.2fs (%.2f GB/s)\n", verb, name, formatSize(n), d.Seconds(), float64(n)/d.Seconds()/1e9)
 }
 
-// progress wraps r with a progress line on a terminal for transfers of at
-// least 256 MiB.
-func progress(r io.Reader, what string, total int64) io.Reader {
-	if total < 256<<20 || !isTerminal(os.Stderr) {
-		return r
-	}
-	return &progressReader{r, &meter{what: what, total: total, start: time.Now()}}
-}
-
 // progressAt is progress for a file read at offsets, in parallel.
 func progressAt(r io.ReaderAt, what string, total int64) io.ReaderAt {
 	if total < 256<<20 || !isTerminal(os.Stderr) {
@@ -215,17 +206,6 @@ func (m *meter) add(n int) {
 	if m.done >= m.total {
 		fmt.Fprintln(os.Stderr)
 	}
-}
-
-type progressReader struct {
-	r io.Reader
-	m *meter
-}
-
-func (p *progressReader) Read(b []byte) (int, error) {
-	n, err := p.r.Read(b)
-	p.m.add(n)
-	return n, err
 }
 
 type progressWriter struct {

@@ -1,0 +1,19 @@
+"""gpushm: named GPU memory segments shared between processes ("/dev/shm
+for GPUs"). This is the Python client of the gpushm daemon; docs/python.md
+describes it and docs/protocol.md the protocol it speaks.
+
+    import gpushm, torch
+    c = gpushm.connect()
+    c.share("x", torch.arange(10, device="cuda"))       # one process
+    x = torch.from_dlpack(gpushm.connect().open("x"))   # another, no copy
+"""
+
+from ._client import (Bundle, Client, Error, ExistsError, InvalidError, NotFoundError, OutOfMemoryError,
+                      PermissionDeniedError, Segment, SegmentInfo, connect, default_socket)
+from ._cuda import CUDAError
+from ._view import View
+
+__all__ = ["Bundle", "CUDAError", "Client", "Error", "ExistsError", "InvalidError", "NotFoundError",
+           "OutOfMemoryError", "PermissionDeniedError", "Segment", "SegmentInfo", "View", "connect",
+           "default_socket"]
+__version__ = "0.1.0"

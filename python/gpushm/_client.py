@@ -1,0 +1,654 @@
+"""The wire protocol of docs/protocol.md: a SOCK_SEQPACKET connection, one
+JSON object per packet, descriptors by SCM_RIGHTS.
+
+Locking: one lock serializes round trips. Mappings end their leases from
+finalizers, which may run at any allocation, also inside a round trip on the
+same thread; so a finalizer never waits for the lock: it queues the close and
+takes the lock only if it is free, and whoever holds the lock sends what is
+queued before letting go.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import ctypes
+import dataclasses
+import errno
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+import weakref
+
+from . import _cuda, _dlpack, _mapping
+from ._tensors import _DTYPES
+from ._tensors import Layout, bundle_meta, decode_bundle, dtype_of, encode_bundle, is_bundle, layout_from_meta
+from ._view import View, view_of
+
+MAX_MESSAGE = 65536
+VERSION = 1
+
+
+def default_socket() -> str:
+    """$GPUSHM_SOCKET, else /run/gpushm/gpushm.sock for root, else
+    $XDG_RUNTIME_DIR/gpushm/gpushm.sock, else /tmp/gpushm-UID/gpushm.sock
+    (the Go client's DefaultSocket, $TMPDIR included)."""
+    if os.environ.get("GPUSHM_SOCKET"):
+        return os.environ["GPUSHM_SOCKET"]
+    if os.geteuid() == 0:
+        return "/run/gpushm/gpushm.sock"
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return os.path.join(os.environ["XDG_RUNTIME_DIR"], "gpushm", "gpushm.sock")
+    return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"gpushm-{os.geteuid()}", "gpushm.sock")
+
+
+# ---- errors -------------------------------------------------------------
+
+class Error(OSError):
+    """An error reported by the daemon. .code is the protocol's errno name
+    ("ENOENT"), .errno the number; the message is the daemon's. Each is also
+    the matching builtin: FileNotFoundError, FileExistsError,
+    PermissionError, MemoryError or ValueError."""
+
+    code = "EIO"
+
+
+class NotFoundError(Error, FileNotFoundError):
+    pass
+
+
+class ExistsError(Error, FileExistsError):
+    pass
+
+
+class PermissionDeniedError(Error, PermissionError):
+    pass
+
+
+class OutOfMemoryError(Error, MemoryError):
+    pass
+
+
+class InvalidError(Error, ValueError):
+    pass
+
+
+_ERRORS = {"ENOENT": NotFoundError, "EEXIST": ExistsError, "EACCES": PermissionDeniedError,
+           "EPERM": PermissionDeniedError, "ENOMEM": OutOfMemoryError, "EINVAL": InvalidError,
+           "ENAMETOOLONG": InvalidError, "ENODEV": InvalidError}
+
+
+def error(code: str, message: str) -> Error:
+    cls = _ERRORS.get(code, Error)
+    e = cls(getattr(errno, code, errno.EIO), f"gpushm: {message}")
+    e.code = code
+    return e
+
+
+# ---- segment descriptions -------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SegmentInfo:
+    """A segment as the daemon describes it (docs/protocol.md, "Segment
+    object"). meta is None in list() results."""
+
+    id: int
+    name: str
+    size: int
+    alloc_size: int
+    device: int
+    handle_type: str
+    uid: int
+    gid: int
+    mode: int
+    opens: int
+    created: int  # Unix nanoseconds
+    meta: object = None
+
+    @classmethod
+    def from_wire(cls, d: dict) -> SegmentInfo:
+        return cls(*[d.get(k, dflt) for k, dflt in _INFO_FIELDS])
+
+
+_INFO_FIELDS = [(f.name, None if f.default is not dataclasses.MISSING else 0) for f in dataclasses.fields(SegmentInfo)]
+
+
+# ---- the client -----------------------------------------------------------
+
+_ANCILLARY = socket.CMSG_SPACE(4 * 4)  # room to notice a packet with too many fds
+# Plain ints: arithmetic on the socket module's IntFlag members costs
+# microseconds a request.
+_CLOEXEC, _DONTWAIT = int(socket.MSG_CMSG_CLOEXEC), int(socket.MSG_DONTWAIT)
+_TRUNC, _CTRUNC = int(socket.MSG_TRUNC), int(socket.MSG_CTRUNC)
+
+
+def connect(socket: str | None = None, *, timeout: float | None = None, spin_us: int = 0) -> Client:
+    """Connects to the daemon at socket (default: default_socket()).
+
+    timeout bounds each request, in seconds; after one times out the client
+    is unusable. spin_us polls for each reply that long before sleeping:
+    CPU traded for latency where waking a sleeping thread is slow (virtual
+    machines), and used only without a timeout."""
+    return Client(socket, timeout=timeout, spin_us=spin_us)
+
+
+class Client:
+    """A connection to the daemon. Close it (or use it as a context manager)
+    to end its leases; memory still used by live tensors stays mapped until
+    they go."""
+
+    def __init__(self, path: str | None = None, *, timeout: float | None = None, spin_us: int = 0):
+        self.socket = path or default_socket()
+        self._spin_ns = int(spin_us * 1000) if timeout is None else 0
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending = collections.deque()  # segment ids whose lease ends
+        self._broken = None
+        self._closed = False
+        self._by_name = weakref.WeakValueDictionary()  # (name, readonly) -> Mapping
+        self._by_id = weakref.WeakValueDictionary()  # (segment id, readonly) -> Mapping
+        s = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        s.settimeout(timeout)
+        try:
+            s.connect(self.socket)
+        except OSError as e:
+            s.close()
+            raise type(e)(e.errno, f"gpushm: cannot reach daemon at {self.socket} (is 'gpushm daemon' running?): {e.strerror}") from None
+        try:
+            rep, fd = self._call("hello", version=VERSION)
+            if fd < 0 or not rep.get("epoch"):
+                raise error("EPROTO", "hello: daemon sent no epoch page")
+            try:
+                if os.fstat(fd).st_size < 8:
+                    raise error("EPROTO", "hello: the epoch page is smaller than 8 bytes")
+                self._epoch_ptr = _mapping.mmap(fd, 4096, False)
+            finally:
+                os.close(fd)
+        except BaseException:
+            s.close()
+            raise
+        # An aligned 8-byte load is atomic on the 64-bit machines CUDA runs on.
+        self._epoch = ctypes.c_uint64.from_address(self._epoch_ptr)
+        self.server, self.backend = rep.get("server", ""), rep.get("backend", "")
+        weakref.finalize(self, _mapping.munmap, self._epoch_ptr, 4096).atexit = False
+
+    def __repr__(self):
+        return f"<gpushm.Client {self.socket} backend={self.backend}>"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Ends every lease this connection holds. Memory that tensors still
+        use stays mapped until they go."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._broken = "the client was closed"
+            self._pending.clear()
+            self._sock.close()
+
+    # ---- round trips --------------------------------------------------
+
+    def _usable(self):
+        if self._pid != os.getpid():
+            raise RuntimeError(f"gpushm: this client was connected in process {self._pid}; connect again in this process (a forked child cannot share the connection)")
+        if self._broken:
+            raise ConnectionError(f"gpushm: connection to {self.socket} unusable: {self._broken}")
+
+    def _call(self, op: str, **fields):
+        """Sends a request and returns (reply, fd); fd is -1 or a descriptor
+        the caller owns. A daemon error is raised as Error."""
+        self._usable()
+        with self._lock:
+            try:
+                rep, fd = self._round_trip(op, fields)
+            finally:
+                self._drain()
+        self._flush()
+        err = rep.get("error")
+        if err:
+            raise error(err.get("code", "EIO"), err.get("message") or err.get("code", "EIO"))
+        return rep, fd
+
+    def _round_trip(self, op, fields):
+        rid = next(self._ids)
+        req = {"id": rid, "op": op}
+        req.update(fields)
+        b = json.dumps(req, separators=(",", ":")).encode()
+        if len(b) > MAX_MESSAGE:
+            raise ValueError(f"gpushm: {op} request is {len(b)} bytes, over the protocol's {MAX_MESSAGE} (meta too large?)")
+        try:
+            self._sock.send(b)
+            while True:
+                rep, fd, dropped = self._recv()
+                if rep.get("id") == rid:
+                    break
+                # A reply to a request given up on: discard it.
+                if fd >= 0:
+                    os.close(fd)
+        except (OSError, ValueError) as e:
+            self._fail(e)
+            raise
+        if dropped:
+            if rep.get("fd") and isinstance(rep.get("segment"), dict):
+                self._pending.append(rep["segment"]["id"])
+            raise OSError(errno.EMFILE, f"gpushm: {op}: the daemon's descriptor was dropped in transit: this process is out of file descriptors (raise 'ulimit -n')")
+        if rep.get("fd") and fd < 0 and not rep.get("error"):
+            e = error("EPROTO", f"{op}: reply promised a descriptor and carried none")
+            self._fail(e)
+            raise e
+        if fd >= 0 and not (rep.get("fd") or rep.get("epoch")):
+            os.close(fd)
+            fd = -1
+        return rep, fd
+
+    def _recv(self):
+        if self._spin_ns:
+            deadline = time.perf_counter_ns() + self._spin_ns
+            while True:
+                try:
+                    msg, anc, flags, _ = self._sock.recvmsg(MAX_MESSAGE + 1, _ANCILLARY,
+                                                            _CLOEXEC | _DONTWAIT)
+                    break
+                except BlockingIOError:
+                    if time.perf_counter_ns() >= deadline:
+                        msg, anc, flags, _ = self._sock.recvmsg(MAX_MESSAGE + 1, _ANCILLARY, _CLOEXEC)
+                        break
+        else:
+            msg, anc, flags, _ = self._sock.recvmsg(MAX_MESSAGE + 1, _ANCILLARY, _CLOEXEC)
+        fds = array.array("i")
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+        if not msg and not fds:
+            raise ConnectionError(f"gpushm: the daemon at {self.socket} closed the connection")
+        if flags & _TRUNC or len(msg) > MAX_MESSAGE or len(fds) > 1:
+            for fd in fds:
+                os.close(fd)
+            raise error("EPROTO", "reply over 65536 bytes or with more than one descriptor")
+        try:
+            rep = json.loads(msg)
+        except ValueError:
+            for fd in fds:
+                os.close(fd)
+            raise error("EPROTO", f"reply is not JSON: {msg[:200]!r}") from None
+        return rep, (fds[0] if fds else -1), bool(flags & _CTRUNC)
+
+    def _fail(self, e):
+        # After a timeout or a protocol error the stream of replies can no
+        # longer be trusted.
+        self._broken = f"{type(e).__name__}: {e}"
+        self._sock.close()
+
+    def _release(self, segment: int, count: int):
+        """Ends leases, from a mapping's finalizer: never blocks on the lock."""
+        if self._closed or self._broken or self._pid != os.getpid():
+            return
+        self._pending.extend([segment] * count)
+        self._flush()
+
+    def _flush(self):
+        while self._pending and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self):
+        """Sends the queued closes; the lock is held."""
+        while self._pending and not self._broken:
+            seg = self._pending.popleft()
+            try:
+                self._round_trip("close", {"segment": seg})
+            except Exception:
+                return  # the connection is gone, and its leases with it
+
+    # ---- operations -----------------------------------------------------
+
+    def info(self) -> dict:
+        """The daemon's backend, devices and usage (docs/protocol.md, info)."""
+        rep, _ = self._call("info")
+        return {"server": self.server, "backend": rep.get("backend"), "devices": rep.get("devices", []),
+                "usage": rep.get("usage", {})}
+
+    def stat(self, name: str) -> SegmentInfo:
+        rep, _ = self._call("stat", name=name)
+        return SegmentInfo.from_wire(rep["segment"])
+
+    def list(self) -> list:
+        """Every named segment, in byte order of name, without meta."""
+        out, after = [], ""
+        while True:
+            rep, _ = self._call("list", **({"after": after} if after else {}))
+            out.extend(SegmentInfo.from_wire(s) for s in rep.get("segments", []))
+            after = rep.get("next", "")
+            if not after:
+                return out
+
+    def unlink(self, name: str) -> None:
+        """Removes the name now; the memory goes when the last user is done."""
+        self._call("unlink", name=name)
+
+    def open(self, name: str, readonly: bool = False) -> Segment:
+        """Opens a segment by name. A name this client already has mapped is
+        served from the mapping, without a message, as long as the daemon's
+        epoch says no name has changed since."""
+        if self._closed:
+            raise ValueError("gpushm: open on a closed client")
+        readonly = bool(readonly)
+        m = self._by_name.get((name, readonly))
+        if m is not None and m.epoch == self._epoch.value and self._pid == os.getpid():
+            return Segment(m, False)
+        # Read the epoch before asking: a name changing after this makes the
+        # entry look stale early, never fresh late.
+        ep = self._epoch.value
+        rep, fd = self._call("open", name=name, **({"readonly": True} if readonly else {}))
+        return Segment(self._adopt(rep["segment"], fd, readonly, ep), False)
+
+    def _adopt(self, seg: dict, fd: int, readonly: bool, ep: int):
+        info = SegmentInfo.from_wire(seg)
+        m = self._by_id.get((info.id, readonly))
+        if m is not None:
+            # Already mapped (through another name, or before the epoch
+            # moved): keep the one mapping, and its lease count.
+            os.close(fd)
+            m.lease.count += 1
+        else:
+            m = _mapping.Mapping(self, info, fd, readonly)
+            self._by_id[(info.id, readonly)] = m
+        m.epoch = ep
+        self._by_name[(info.name, readonly)] = m
+        return m
+
+    def create(self, name: str, nbytes: int | None = None, *, shape=None, dtype=None, device: int | None = None,
+               mode: int = 0o600, exist_ok: bool = False) -> Segment:
+        """Creates a segment and opens it read-write.
+
+        With shape and dtype it holds one tensor (nbytes defaults to what the
+        tensor needs) and opens as that tensor anywhere; with nbytes alone it
+        is raw bytes. device is the GPU ordinal (None: the daemon's default).
+        With exist_ok an existing segment of the same size, device and
+        tensor is opened instead (.created tells which)."""
+        lay = None
+        if shape is not None or dtype is not None:
+            if dtype is None:
+                raise TypeError("gpushm: create with shape needs a dtype")
+            dt = dtype_of(dtype)
+            if shape is None:
+                if nbytes is None or nbytes % dt.itemsize:
+                    raise ValueError(f"gpushm: create with dtype {dt.name} and no shape needs nbytes, a multiple of {dt.itemsize}")
+                shape = (nbytes // dt.itemsize,)
+            if isinstance(shape, int):
+                shape = (shape,)
+            lay = Layout(dt, shape)
+            if nbytes is None:
+                nbytes = lay.nbytes
+            elif nbytes < lay.nbytes:
+                raise ValueError(f"gpushm: nbytes {nbytes} is smaller than the {lay.nbytes} bytes of {dt.name}{list(lay.shape)}")
+            # The daemon allocates at least a byte; the meta keeps the shape.
+            nbytes = max(nbytes, 1)
+        elif nbytes is None:
+            raise TypeError("gpushm: create needs nbytes, or shape and dtype")
+        return self._create(name, nbytes, lay.meta() if lay else None, device, mode, exist_ok)
+
+    def _create(self, name, nbytes, meta, device, mode, exist_ok) -> Segment:
+        fields = {"name": name, "size": int(nbytes), "mode": int(mode), "open": True}
+        if device is not None:
+            fields["device"] = int(device)
+        if meta is not None:
+            fields["meta"] = meta
+        if exist_ok:
+            fields["exist_ok"] = True
+        ep = self._epoch.value
+        rep, fd = self._call("create", **fields)
+        seg = Segment(self._adopt(rep["segment"], fd, False, ep), bool(rep.get("created")))
+        if not seg.created and meta is not None and seg.meta != meta:
+            raise error("EEXIST", f"create: segment {name!r} exists with meta {json.dumps(seg.meta)}, not {json.dumps(meta)}")
+        return seg
+
+    # ---- tensors ----------------------------------------------------------
+
+    def share(self, name: str, tensor, *, device: int | None = None, mode: int = 0o600) -> Segment:
+        """Copies a tensor (torch, CuPy, JAX, numpy, or anything with
+        __dlpack__) into a new segment that opens as the same tensor. A GPU
+        tensor goes to a segment on its GPU; a host tensor to the daemon's
+        default device (host memory on a host daemon)."""
+        with _borrow(tensor) as src:
+            lay = Layout(src.dtype, src.shape, src.strides)
+            if not lay.dense:
+                raise ValueError(f"gpushm: share {name!r}: the tensor has gaps in memory (a strided slice); make it contiguous first")
+            # Keep a dense layout as it lies (a transpose stays a transpose):
+            # copy its extent, and note where element 0 falls in it.
+            lo, span = lay.lo, lay.hi - lay.lo
+            lay = Layout(lay.dtype, lay.shape, lay.strides, -lo)
+            if device is None and src.on_gpu and self.backend == "cuda":
+                device = src.device_id
+            seg = self._create(name, max(span, 1), lay.meta(), device, mode, False)
+            try:
+                _copy(seg._m, 0, src, src.ptr + lo, span)
+            except BaseException:
+                self._abandon(name, seg)
+                raise
+        return seg
+
+    def put_tensors(self, name: str, tensors: dict, *, metadata: dict | None = None, device: int | None = None,
+                    mode: int = 0o600) -> Segment:
+        """Stores many named tensors in one segment, in the safetensors
+        layout, so that a model's weights cost one name and one mapping.
+        metadata is safetensors' __metadata__ (str to str)."""
+        if not tensors:
+            raise ValueError("gpushm: put_tensors needs at least one tensor")
+        borrowed = []
+        try:
+            entries = []
+            for key, t in tensors.items():
+                b = _borrow(t)
+                borrowed.append(b)
+                lay = Layout(b.dtype, b.shape, b.strides)
+                if not lay.contiguous:
+                    raise ValueError(f"gpushm: put_tensors {name!r}: tensor {key!r} is not C-contiguous; call .contiguous() (torch) or numpy.ascontiguousarray first")
+                entries.append((key, lay))
+                if device is None and b.on_gpu and self.backend == "cuda":
+                    device = b.device_id
+            prefix, begins, total = encode_bundle(entries, metadata)
+            seg = self._create(name, total, bundle_meta(len(prefix) - 8, len(entries)), device, mode, False)
+            try:
+                m = seg._m
+                seg.write(prefix, 0)
+                for (key, lay), b in zip(entries, borrowed):
+                    _copy(m, begins[key], b, b.ptr, lay.nbytes)
+            except BaseException:
+                self._abandon(name, seg)
+                raise
+        finally:
+            for b in borrowed:
+                b.release()
+        return seg
+
+    def tensors(self, name: str, readonly: bool = False) -> Bundle:
+        """The tensors of a bundle segment (put_tensors, or 'gpushm put' of a
+        .safetensors file), as Views by name, in header order. .metadata is
+        the header's __metadata__."""
+        seg = self.open(name, readonly)
+        m = seg._m
+        parsed = m.cache.get("bundle")
+        if parsed is None:
+            meta = seg.meta
+            if not is_bundle(meta):
+                raise ValueError(f"gpushm: segment {name!r} is not a tensor bundle (its meta is {json.dumps(meta)})")
+            n = meta.get("header_bytes")
+            if not isinstance(n, int) or n < 2 or 8 + n > m.size:
+                raise ValueError(f"gpushm: bundle {name!r}: meta header_bytes {n!r} does not fit the segment's {m.size} bytes")
+            # One small copy of the header; on a GPU, device to host.
+            parsed = decode_bundle(m.read(0, 8 + n), m.size)
+            m.cache["bundle"] = parsed
+        metadata, entries = parsed
+        b = Bundle((k, View(m, lay)) for k, lay in entries)
+        b.metadata, b.segment = metadata, seg
+        return b
+
+    def _abandon(self, name, seg):
+        seg.close()
+        try:
+            self.unlink(name)
+        except Exception:
+            pass
+
+
+class Bundle(dict):
+    """Views by tensor name; .metadata is safetensors' __metadata__ (or
+    None), .segment the open Segment."""
+
+    metadata = None
+    segment = None
+
+
+def _borrow(obj):
+    """The memory of another framework's tensor, by DLPack; numpy arrays of
+    dtypes that numpy cannot export (bool, before numpy 1.25) by their array
+    interface."""
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return _dlpack.Borrowed(obj)
+        except BufferError:
+            if not hasattr(obj, "__array_interface__"):
+                raise
+    if hasattr(obj, "__array_interface__"):
+        return _HostArray(obj)
+    raise TypeError(f"gpushm: {type(obj).__name__} has neither __dlpack__ nor __array_interface__; pass a torch, CuPy, JAX or numpy array")
+
+
+class _HostArray:
+    on_gpu, device_id = False, 0
+
+    def __init__(self, obj):
+        ai = obj.__array_interface__
+        if ai.get("mask") is not None:
+            raise TypeError("gpushm: masked arrays cannot be shared")
+        self.obj, self.ptr = obj, ai["data"][0] + ai.get("offset", 0)
+        self.dtype = _BY_TYPESTR.get(ai["typestr"].replace("=", "<"))
+        if self.dtype is None:
+            raise TypeError(f"gpushm: array type {ai['typestr']!r} is not supported")
+        self.shape = tuple(ai["shape"])
+        st, size = ai.get("strides"), self.dtype.itemsize
+        if st is not None and any(s % size for s in st):
+            raise ValueError("gpushm: the array's strides are not multiples of its element size")
+        self.strides = None if st is None else tuple(s // size for s in st)
+
+    def release(self):
+        self.obj = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+_BY_TYPESTR = {d.typestr: d for d in _DTYPES if d.typestr}
+
+
+def _copy(m, off, src, src_ptr, n):
+    src_dev = _cuda.device(src.device_id) if src.on_gpu else None
+    _cuda.copy(m.ptr + off, m.dev, src_ptr, src_dev, n)
+
+
+class Segment(View):
+    """An open segment: a typed View (from its meta; raw uint8 bytes when it
+    has none) plus its name and state. Close it, or use it as a context
+    manager; the memory is unmapped once nothing made from it remains."""
+
+    __slots__ = ("info", "created", "_closed", "_lent", "_bad")
+
+    def __init__(self, mapping, created: bool):
+        lay = mapping.cache.get("layout")
+        if lay is None:
+            # A bad tensor meta must not stop raw access: fall back to bytes
+            # and report the problem when the tensor is asked for.
+            try:
+                lay = layout_from_meta(mapping.info.meta, mapping.size)
+            except ValueError as e:
+                lay = e
+            mapping.cache["layout"] = lay
+        self._m, self._layout = mapping, lay if isinstance(lay, Layout) else Layout("uint8", (mapping.size,))
+        self._bad = None if isinstance(lay, Layout) else lay
+        self.info, self.created, self._closed, self._lent = mapping.info, created, False, False
+
+    def _mapping(self):
+        if self._closed:
+            raise ValueError(f"gpushm: segment {self.info.name!r} is closed")
+        return self._m
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def id(self) -> int:
+        return self.info.id
+
+    @property
+    def size(self) -> int:
+        return self.info.size
+
+    @property
+    def meta(self):
+        return self.info.meta
+
+    def __repr__(self):
+        state = "closed " if self._closed else ""
+        where = "host" if self._m.dev is None else f"cuda:{self._m.dev.ordinal}"
+        return f"<gpushm.Segment {state}{self.info.name!r} {self.dtype}{list(self.shape)} on {where}>"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Lets go of the segment. Tensors, arrays and views made from it
+        keep its memory mapped until they go too."""
+        self._closed = True
+        if not self._lent:
+            self._m = None
+
+    def view(self, dtype=None, shape=None, offset: int = 0, strides=None) -> View:
+        """Another typed view of the same memory."""
+        return view_of(self._mapping(), dtype, shape, offset, strides)
+
+    def read(self, n: int | None = None, offset: int = 0) -> bytes:
+        """Copies bytes out (device to host on a GPU)."""
+        m = self._mapping()
+        return m.read(offset, m.size - offset if n is None else n)
+
+    def write(self, data, offset: int = 0) -> int:
+        """Copies a bytes-like object in (host to device on a GPU)."""
+        return self._mapping().write(data, offset)
+
+    def memoryview(self) -> memoryview:
+        """All of a host segment's bytes."""
+        return self._mapping().memoryview(0, self.info.size)
+
+    def _interface(self, on_gpu):
+        if self._bad is not None:
+            raise self._bad
+        d = super()._interface(on_gpu)
+        # The consumer now holds this object as the memory's owner, so close
+        # must leave the mapping in place.
+        self._lent = True
+        return d
+
+    def __dlpack__(self, **kw):
+        if self._bad is not None:
+            raise self._bad
+        return super().__dlpack__(**kw)

@@ -1,0 +1,213 @@
+"""The few CUDA driver calls gpushm needs, through ctypes on libcuda.so.1.
+
+Declarations follow cuda.h of CUDA 13.0 (the same for 12.x in everything
+used here), as internal/cuda/cuda_cgo.go does. The driver is loaded on first
+use, so importing gpushm never needs a GPU.
+
+Every call runs with the device's primary context pushed and popped again:
+the primary context is the one torch, CuPy and JAX use, and popping leaves
+the caller's current device exactly as it was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from ctypes import POINTER, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
+
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
+CU_MEM_LOCATION_TYPE_DEVICE = 0x1
+CU_MEM_ACCESS_FLAGS_PROT_READ = 0x1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
+
+
+class CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", c_int), ("id", c_int)]
+
+
+class CUmemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", CUmemLocation), ("flags", c_int)]
+
+
+# A wrong layout would make cuMemSetAccess read garbage.
+assert ctypes.sizeof(CUmemAccessDesc) == 12 and CUmemAccessDesc.flags.offset == 8
+
+_SIGNATURES = {
+    "cuInit": (c_uint,),
+    "cuGetErrorName": (c_int, POINTER(c_char_p)),
+    "cuDeviceGet": (POINTER(c_int), c_int),
+    "cuDevicePrimaryCtxRetain": (POINTER(c_void_p), c_int),
+    "cuCtxPushCurrent_v2": (c_void_p,),
+    "cuCtxPopCurrent_v2": (POINTER(c_void_p),),
+    "cuCtxSynchronize": (),
+    "cuStreamSynchronize": (c_void_p,),
+    "cuMemGetInfo_v2": (POINTER(c_size_t), POINTER(c_size_t)),
+    "cuMemImportFromShareableHandle": (POINTER(c_uint64), c_void_p, c_int),
+    "cuMemAddressReserve": (POINTER(c_uint64), c_size_t, c_size_t, c_uint64, ctypes.c_ulonglong),
+    "cuMemAddressFree": (c_uint64, c_size_t),
+    "cuMemMap": (c_uint64, c_size_t, c_size_t, c_uint64, ctypes.c_ulonglong),
+    "cuMemUnmap": (c_uint64, c_size_t),
+    "cuMemSetAccess": (c_uint64, c_size_t, POINTER(CUmemAccessDesc), c_size_t),
+    "cuMemRelease": (c_uint64,),
+    "cuMemAlloc_v2": (POINTER(c_uint64), c_size_t),
+    "cuMemFree_v2": (c_uint64,),
+    "cuMemcpyHtoD_v2": (c_uint64, c_void_p, c_size_t),
+    "cuMemcpyDtoH_v2": (c_void_p, c_uint64, c_size_t),
+    "cuMemcpy": (c_uint64, c_uint64, c_size_t),
+}
+
+
+class CUDAError(RuntimeError):
+    """A CUDA driver call failed; .result is the CUresult."""
+
+    def __init__(self, msg, result=None):
+        super().__init__(msg)
+        self.result = result
+
+
+class _Driver:
+    def __init__(self):
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise CUDAError(f"gpushm: cannot load libcuda.so.1 ({e}): cuda segments need the NVIDIA driver on this machine") from None
+        for name, args in _SIGNATURES.items():
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise CUDAError(f"gpushm: libcuda.so.1 lacks {name}: the NVIDIA driver is too old for CUDA VMM (need 11.x or later)") from None
+            fn.argtypes, fn.restype = args, c_int
+            setattr(self, name.removesuffix("_v2"), fn)
+        self.check("cuInit", self.cuInit(0))
+
+    def check(self, call, r):
+        if r:
+            s = c_char_p()
+            name = s.value.decode() if self.cuGetErrorName(r, ctypes.byref(s)) == 0 and s.value else f"CUresult {r}"
+            raise CUDAError(f"gpushm: {call}: {name}", r)
+
+
+_lock = threading.Lock()
+_driver: _Driver | None = None
+_devices: dict[int, Device] = {}
+
+
+def driver() -> _Driver:
+    global _driver
+    if _driver is None:
+        with _lock:
+            if _driver is None:
+                _driver = _Driver()
+    return _driver
+
+
+def device(ordinal: int) -> Device:
+    d = _devices.get(ordinal)
+    if d is None:
+        driver()  # outside the lock, which driver() takes too
+        with _lock:
+            d = _devices.get(ordinal) or Device(ordinal)
+            _devices[ordinal] = d
+    return d
+
+
+def available() -> bool:
+    try:
+        driver()
+        return True
+    except CUDAError:
+        return False
+
+
+class Device:
+    """A GPU and its primary context, retained for the process's life (as the
+    CUDA runtime does)."""
+
+    def __init__(self, ordinal: int):
+        cu = self.cu = driver()
+        dev, ctx = c_int(), c_void_p()
+        cu.check("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), ordinal))
+        cu.check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+        self.ordinal, self.ctx = ordinal, ctx
+
+    def __enter__(self):
+        self.cu.check("cuCtxPushCurrent", self.cu.cuCtxPushCurrent(self.ctx))
+        return self.cu
+
+    def __exit__(self, *exc):
+        self.cu.cuCtxPopCurrent(ctypes.byref(c_void_p()))
+
+    def import_map(self, fd: int, size: int, readonly: bool) -> int:
+        """Maps a cuda_fd descriptor (not taken over) into this process."""
+        h, ptr = c_uint64(), c_uint64()
+        with self as cu:
+            cu.check("cuMemImportFromShareableHandle",
+                     cu.cuMemImportFromShareableHandle(ctypes.byref(h), c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+            try:
+                # Alignment 0 is the allocation granularity, as for PyTorch's
+                # expandable segments.
+                cu.check("cuMemAddressReserve", cu.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0))
+                try:
+                    cu.check("cuMemMap", cu.cuMemMap(ptr, size, 0, h, 0))
+                    desc = CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, self.ordinal),
+                                           CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+                    r = cu.cuMemSetAccess(ptr, size, ctypes.byref(desc), 1)
+                    if r:
+                        cu.cuMemUnmap(ptr, size)
+                        cu.check("cuMemSetAccess", r)
+                except BaseException:
+                    cu.cuMemAddressFree(ptr, size)
+                    raise
+            finally:
+                # The mapping holds the memory now; the handle is not needed.
+                cu.cuMemRelease(h)
+        return ptr.value
+
+    def unmap(self, ptr: int, size: int) -> None:
+        with self as cu:
+            # cuMemUnmap does not wait for kernels still reading the range
+            # (PyTorch waits before its own unmaps for the same reason), and
+            # a consumer's deleter may run while its last kernel is queued.
+            cu.check("cuCtxSynchronize", cu.cuCtxSynchronize())
+            cu.check("cuMemUnmap", cu.cuMemUnmap(ptr, size))
+            cu.check("cuMemAddressFree", cu.cuMemAddressFree(ptr, size))
+
+    def alloc(self, size: int) -> int:
+        p = c_uint64()
+        with self as cu:
+            cu.check("cuMemAlloc", cu.cuMemAlloc(ctypes.byref(p), max(size, 1)))
+        return p.value
+
+    def free(self, ptr: int) -> None:
+        with self as cu:
+            cu.check("cuCtxSynchronize", cu.cuCtxSynchronize())
+            cu.check("cuMemFree", cu.cuMemFree(ptr))
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = c_size_t(), c_size_t()
+        with self as cu:
+            cu.check("cuMemGetInfo", cu.cuMemGetInfo(ctypes.byref(free), ctypes.byref(total)))
+        return free.value, total.value
+
+
+def copy(dst: int, dst_dev: Device | None, src: int, src_dev: Device | None, n: int) -> None:
+    """Copies n bytes and returns when they have landed. A pointer whose
+    device is None is host memory; device pointers may belong to any GPU
+    (unified addressing)."""
+    if n == 0:
+        return
+    dev = dst_dev or src_dev
+    if dev is None:
+        ctypes.memmove(dst, src, n)
+        return
+    with dev as cu:
+        if dst_dev and src_dev:
+            cu.check("cuMemcpy", cu.cuMemcpy(dst, src, n))
+        elif dst_dev:
+            cu.check("cuMemcpyHtoD", cu.cuMemcpyHtoD(dst, src, n))
+        else:
+            cu.check("cuMemcpyDtoH", cu.cuMemcpyDtoH(dst, src, n))
+        # Device-to-device copies, and the DMA behind a copy from pageable
+        # memory, may still be running when the call returns; another
+        # process reading the segment must never see half of one.
+        cu.check("cuStreamSynchronize", cu.cuStreamSynchronize(None))

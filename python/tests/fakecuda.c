@@ -1,0 +1,115 @@
+// A stand-in for libcuda.so.1 that implements the calls gpushm's Python
+// client makes, over host memory, so that its CUDA code path (argument
+// passing, error handling, mapping lifetimes) runs on machines without a
+// GPU. Device pointers are host addresses; a "cuda_fd" is a memfd, mapped
+// with mmap where the driver would map device memory. It checks what the
+// real driver checks about the calls' arguments that a ctypes mistake would
+// get wrong, and counts what is live so tests can see leaks.
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+typedef int CUresult;
+enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, INVALID_CONTEXT = 201, INVALID_HANDLE = 400 };
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+
+static int ctx_depth;       // pushes not yet popped
+static long live_handles;   // imported, not released
+static long live_reserved;  // reserved ranges
+static long live_mapped;    // mapped ranges
+static long live_allocs;    // cuMemAlloc
+static long calls_sync;
+
+long fake_live_handles(void) { return live_handles; }
+long fake_live_reserved(void) { return live_reserved; }
+long fake_live_mapped(void) { return live_mapped; }
+long fake_live_allocs(void) { return live_allocs; }
+long fake_ctx_depth(void) { return ctx_depth; }
+long fake_syncs(void) { return calls_sync; }
+
+#define NEED_CTX() do { if (ctx_depth <= 0) return INVALID_CONTEXT; } while (0)
+
+CUresult cuInit(unsigned flags) { return flags == 0 ? OK : INVALID_VALUE; }
+CUresult cuGetErrorName(CUresult r, const char **s) {
+	switch (r) {
+	case INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; return OK;
+	case OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; return OK;
+	case INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; return OK;
+	case INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; return OK;
+	}
+	return INVALID_VALUE;
+}
+CUresult cuDeviceGet(int *d, int ordinal) {
+	if (ordinal != 0) return 101; // CUDA_ERROR_INVALID_DEVICE
+	*d = 0;
+	return OK;
+}
+static int the_ctx;
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = &the_ctx; return dev == 0 ? OK : INVALID_VALUE; }
+CUresult cuCtxPushCurrent_v2(void *ctx) { if (ctx != &the_ctx) return INVALID_CONTEXT; ctx_depth++; return OK; }
+CUresult cuCtxPopCurrent_v2(void **ctx) { if (ctx_depth <= 0) return INVALID_CONTEXT; ctx_depth--; if (ctx) *ctx = &the_ctx; return OK; }
+CUresult cuCtxSynchronize(void) { NEED_CTX(); calls_sync++; return OK; }
+CUresult cuStreamSynchronize(void *s) { NEED_CTX(); calls_sync++; return s == NULL ? OK : INVALID_HANDLE; }
+CUresult cuMemGetInfo_v2(size_t *free, size_t *total) { NEED_CTX(); *free = 1000 - 10 * live_mapped; *total = 1000; return OK; }
+
+// A handle is a dup of the memfd, plus one so that 0 is never valid.
+CUresult cuMemImportFromShareableHandle(uint64_t *h, void *os, int type) {
+	NEED_CTX();
+	int fd = (int)(intptr_t)os;
+	struct stat st;
+	if (type != 1 || fstat(fd, &st) != 0) return INVALID_VALUE;
+	*h = (uint64_t)dup(fd) + 1;
+	live_handles++;
+	return OK;
+}
+CUresult cuMemRelease(uint64_t h) {
+	if (h == 0 || close((int)(h - 1)) != 0) return INVALID_HANDLE;
+	live_handles--;
+	return OK;
+}
+CUresult cuMemAddressReserve(uint64_t *p, size_t size, size_t align, uint64_t addr, unsigned long long flags) {
+	NEED_CTX();
+	if (size == 0 || size % 4096 || align || addr || flags) return INVALID_VALUE;
+	void *m = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+	if (m == MAP_FAILED) return OUT_OF_MEMORY;
+	*p = (uint64_t)(uintptr_t)m;
+	live_reserved++;
+	return OK;
+}
+CUresult cuMemAddressFree(uint64_t p, size_t size) {
+	NEED_CTX();
+	if (munmap((void *)(uintptr_t)p, size) != 0) return INVALID_VALUE;
+	live_reserved--;
+	return OK;
+}
+CUresult cuMemMap(uint64_t p, size_t size, size_t off, uint64_t h, unsigned long long flags) {
+	NEED_CTX();
+	if (off || flags || h == 0) return INVALID_VALUE;
+	// Mapped without access until cuMemSetAccess, as on a GPU.
+	void *m = mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_SHARED | MAP_FIXED, (int)(h - 1), 0);
+	if (m == MAP_FAILED) return INVALID_VALUE;
+	live_mapped++;
+	return OK;
+}
+CUresult cuMemSetAccess(uint64_t p, size_t size, const CUmemAccessDesc *d, size_t n) {
+	NEED_CTX();
+	if (n != 1 || d->location.type != 1 || d->location.id != 0 || (d->flags != 1 && d->flags != 3)) return INVALID_VALUE;
+	return mprotect((void *)(uintptr_t)p, size, d->flags == 3 ? PROT_READ | PROT_WRITE : PROT_READ) ? INVALID_VALUE : OK;
+}
+CUresult cuMemUnmap(uint64_t p, size_t size) {
+	NEED_CTX();
+	void *m = mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+	if (m == MAP_FAILED) return INVALID_VALUE;
+	live_mapped--;
+	return OK;
+}
+CUresult cuMemAlloc_v2(uint64_t *p, size_t n) { NEED_CTX(); *p = (uint64_t)(uintptr_t)malloc(n); live_allocs++; return *p ? OK : OUT_OF_MEMORY; }
+CUresult cuMemFree_v2(uint64_t p) { NEED_CTX(); free((void *)(uintptr_t)p); live_allocs--; return OK; }
+CUresult cuMemcpyHtoD_v2(uint64_t dst, const void *src, size_t n) { NEED_CTX(); memcpy((void *)(uintptr_t)dst, src, n); return OK; }
+CUresult cuMemcpyDtoH_v2(void *dst, uint64_t src, size_t n) { NEED_CTX(); memcpy(dst, (void *)(uintptr_t)src, n); return OK; }
+CUresult cuMemcpy(uint64_t dst, uint64_t src, size_t n) { NEED_CTX(); memcpy((void *)(uintptr_t)dst, (void *)(uintptr_t)src, n); return OK; }

@@ -1,0 +1,131 @@
+"""The client's CUDA code path, on machines without a GPU: a stand-in
+libcuda.so.1 (fakecuda.c) maps host memfds where the driver would map device
+memory, and the client is told the host daemon's segments are cuda_fd
+handles. This checks what ctypes could get wrong (argument types, pointers
+in and out, context push and pop, every resource released), not the driver;
+test_gpu.py checks the driver on the GPU machine."""
+
+import os
+import shutil
+import subprocess
+import textwrap
+
+import pytest
+
+from conftest import child
+
+
+@pytest.fixture(scope="module")
+def fake_libdir(tmp_path_factory):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in libcuda.so.1")
+    d = tmp_path_factory.mktemp("fakecuda")
+    src = __file__.rsplit("/", 1)[0] + "/fakecuda.c"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(d / "libcuda.so.1"), src], check=True)
+    return str(d)
+
+
+PRELUDE = """
+import ctypes, gc, os, sys
+import numpy as np
+import gpushm
+import gpushm._client as C
+from gpushm import _dlpack
+
+fake = ctypes.CDLL("libcuda.so.1")
+def live():
+    return {k: getattr(fake, "fake_" + ("live_" if k != "ctx_depth" else "") + k)() for k in ("handles", "reserved", "mapped", "allocs", "ctx_depth")}
+_orig = C.SegmentInfo.from_wire
+C.SegmentInfo.from_wire = classmethod(lambda cls, d: _orig(dict(d, handle_type="cuda_fd") if d.get("handle_type") == "memfd" else d))
+c = gpushm.connect()
+name = sys.argv[1]
+"""
+
+
+def run(daemon, fake_libdir, name, code):
+    env = {"LD_LIBRARY_PATH": fake_libdir + ":" + os.environ.get("LD_LIBRARY_PATH", "")}
+    return child(daemon.socket, PRELUDE + textwrap.dedent(code), name, env=env)
+
+
+def test_cuda_path_maps_copies_and_releases(daemon, fake_libdir, name, client):
+    out = run(daemon, fake_libdir, name, """
+        zero = {"handles": 0, "reserved": 0, "mapped": 0, "allocs": 0, "ctx_depth": 0}
+        seg = c.create(name, shape=(4, 8), dtype="float32")
+        assert seg.device == 0 and seg.__dlpack_device__() == (2, 0)
+        assert live() == {"handles": 0, "reserved": 1, "mapped": 1, "allocs": 0, "ctx_depth": 0}, live()
+        src = np.arange(32, dtype=np.float32).reshape(4, 8)
+        seg.write(src)                                    # host to device
+        assert seg.tobytes() == src.tobytes()             # device to host
+        cai = seg.__cuda_array_interface__
+        assert cai["data"] == (seg.ptr, False) and cai["typestr"] == "<f4" and cai["shape"] == (4, 8)
+        assert not hasattr(seg, "__array_interface__")
+        try:
+            seg.numpy()
+            raise AssertionError("numpy() of GPU memory")
+        except TypeError as e:
+            assert "GPU memory" in str(e)
+
+        class Cap:
+            def __init__(self, cap): self.cap = cap
+            def __dlpack__(self, **kw): return self.cap
+            def __dlpack_device__(self): return (1, 0)
+        host = np.from_dlpack(Cap(seg.__dlpack__(dl_device=(1, 0))))   # copied out
+        assert (host == src).all() and live()["allocs"] == 0
+        dev_copy = seg.__dlpack__(copy=True, max_version=(1, 0))       # a private device copy
+        assert live()["allocs"] == 1
+        del dev_copy
+        assert live()["allocs"] == 0
+
+        t = c.share(name + "t", src.T)                                 # strided, host to device
+        assert t.strides == (1, 8) and t.read() == src.tobytes()
+        b = c.put_tensors(name + "b", {"x": src, "y": np.arange(3, dtype=np.int64)}, metadata={"k": "v"})
+        got = c.tensors(name + "b")
+        assert got["x"].tobytes() == src.tobytes() and got["y"].tobytes() == np.arange(3).tobytes()
+        assert got.metadata == {"k": "v"} and got["x"].device == 0
+        ro = c.open(name, readonly=True)
+        assert ro.readonly and ro.__cuda_array_interface__["data"][1] is True
+        try:
+            ro.write(b"x")
+            raise AssertionError("write to a read-only mapping")
+        except PermissionError:
+            pass
+        cap = seg.__dlpack__(max_version=(1, 0))
+        del seg, t, b, got, ro, host
+        gc.collect()
+        assert live()["mapped"] == 1, live()                          # the capsule holds one
+        del cap
+        assert live() == zero, live()
+
+        fds = len(os.listdir("/proc/self/fd"))
+        for i in range(2000):
+            s = c.open(name)
+            cap = s.__dlpack__()
+            del s, cap
+        gc.collect()
+        assert live() == zero and len(os.listdir("/proc/self/fd")) == fds, live()
+        assert c.info()["usage"]["opens"] == 0
+        assert fake.fake_syncs() > 2000                               # every unmap waited for the GPU
+        c.open(name).write(np.full(32, 7, dtype=np.float32))
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+    # What the "GPU" process wrote is in the shared memory another process sees.
+    assert (client.open(name).numpy() == 7).all()
+
+
+def test_cuda_errors_name_the_call(daemon, fake_libdir, name):
+    out = run(daemon, fake_libdir, name, """
+        from gpushm import _cuda
+        try:
+            _cuda.device(3)
+        except gpushm.CUDAError as e:
+            print(e)
+        try:
+            _cuda.device(0).import_map(10000, 4096, False)      # not a descriptor
+        except gpushm.CUDAError as e:
+            print(e, e.result)
+        assert live()["ctx_depth"] == 0
+    """)
+    assert out.splitlines() == ["gpushm: cuDeviceGet: CUresult 101",
+                                "gpushm: cuMemImportFromShareableHandle: CUDA_ERROR_INVALID_VALUE 1"]

@@ -1,0 +1,223 @@
+"""CUDA segments with torch, CuPy and JAX, against a daemon on the cuda
+backend. Every test here skips, saying why, on a machine without a GPU or
+without the framework it needs; python/tests/gpu_run.sh runs them on the GPU
+machine."""
+
+import gc
+import os
+import subprocess
+
+import pytest
+
+import gpushm
+from gpushm import _cuda
+from conftest import Daemon, Peer, child, env_for
+
+
+def _cuda_reason():
+    try:
+        _cuda.device(0)
+    except _cuda.CUDAError as e:
+        return str(e)
+    return None
+
+
+_REASON = _cuda_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs a GPU: {_REASON}")
+
+
+@pytest.fixture(scope="module")
+def gpu_daemon():
+    d = Daemon("cuda")
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def gclient(gpu_daemon):
+    c = gpushm.connect(gpu_daemon.socket)
+    assert c.backend == "cuda"
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch", reason="torch is not installed")
+
+
+def test_torch_producer_consumer_processes(gpu_daemon, name):
+    producer = Peer(gpu_daemon.socket, """
+        import sys, torch, gpushm
+        c = gpushm.connect()
+        seg = c.create(sys.argv[1], shape=(1024, 1024), dtype="float32", device=0)
+        t = torch.from_dlpack(seg)
+        assert t.is_cuda and t.shape == (1024, 1024) and t.dtype == torch.float32
+        t.copy_(torch.arange(1024 * 1024, device="cuda", dtype=torch.float32).reshape(1024, 1024))
+        torch.cuda.synchronize()
+        print("filled")
+        assert input() == "check"
+        want = 2 * torch.arange(1024 * 1024, device="cuda", dtype=torch.float32).reshape(1024, 1024) + 1
+        assert torch.equal(t, want), "producer does not see the consumer's write"
+        print("ok")
+    """, name)
+    producer.expect("filled")
+    consumer = Peer(gpu_daemon.socket, """
+        import sys, torch, gpushm
+        t = torch.from_dlpack(gpushm.connect().open(sys.argv[1]))   # typed by the segment's meta
+        assert t.is_cuda and t.dtype == torch.float32 and t.shape == (1024, 1024), (t.dtype, t.shape)
+        assert torch.equal(t, torch.arange(1024 * 1024, device="cuda", dtype=torch.float32).reshape(1024, 1024))
+        t.mul_(2).add_(1)                                             # write back
+        torch.cuda.synchronize()
+        print("written")
+    """, name)
+    consumer.expect("written")
+    consumer.close()
+    producer.send("check")
+    producer.expect("ok")
+    producer.close()
+
+
+@pytest.fixture
+def shared_arange(gclient, name, torch):
+    gclient.share(name, torch.arange(4096, device="cuda", dtype=torch.float32))
+    return name
+
+
+def _skip_if(out):
+    if out.startswith("SKIP"):
+        pytest.skip(out.strip())
+    return out
+
+
+def test_cupy_opens_the_segment(gclient, gpu_daemon, shared_arange, torch):
+    out = _skip_if(child(gpu_daemon.socket, """
+        import sys
+        try:
+            import cupy
+        except ImportError as e:
+            print("SKIP cupy:", e); sys.exit(0)
+        import gpushm
+        s = gpushm.connect().open(sys.argv[1])
+        a = cupy.from_dlpack(s)
+        b = cupy.asarray(s)                       # __cuda_array_interface__
+        assert a.data.ptr == b.data.ptr == s.ptr
+        assert float(a.sum()) == sum(range(4096)), float(a.sum())
+        b[0] = -1
+        cupy.cuda.runtime.deviceSynchronize()
+        print("cupy ok", a.dtype, a.shape)
+    """, shared_arange))
+    assert out.startswith("cupy ok float32 (4096,)")
+    assert float(torch.from_dlpack(gclient.open(shared_arange))[0]) == -1   # the write came back
+
+
+def test_jax_opens_the_segment(gpu_daemon, shared_arange):
+    out = _skip_if(child(gpu_daemon.socket, """
+        import os, sys
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        try:
+            import jax, jax.dlpack, jax.numpy as jnp
+        except ImportError as e:
+            print("SKIP jax:", e); sys.exit(0)
+        if jax.default_backend() != "gpu":
+            print("SKIP jax has no GPU backend here:", jax.devices()); sys.exit(0)
+        import gpushm
+        s = gpushm.connect().open(sys.argv[1])
+        x = jax.dlpack.from_dlpack(s)
+        assert x.dtype == jnp.float32 and x.shape == (4096,), (x.dtype, x.shape)
+        assert float(x.sum()) == sum(range(4096)), float(x.sum())
+        print("jax ok", x.devices())
+    """, shared_arange))
+    assert out.startswith("jax ok")
+
+
+def test_gpu_10000_open_drop_cycles_leak_nothing(gclient, name, torch):
+    seg = gclient.create(name, shape=(1 << 20,), dtype="float32")   # 4 MiB: 2 granules
+    torch.from_dlpack(seg).zero_()
+    seg.close()
+    dev = _cuda.device(0)
+    torch.cuda.synchronize()
+    gc.collect()
+    free0, _ = dev.mem_info()
+    fds = len(os.listdir("/proc/self/fd"))
+    opens = gclient.info()["usage"]["opens"]
+    for _ in range(10000):
+        t = torch.from_dlpack(gclient.open(name))
+        t[0] += 1                                  # a kernel on the mapping
+        del t                                      # unmapped here; the next open maps anew
+    torch.cuda.synchronize()
+    gc.collect()
+    free1, _ = dev.mem_info()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert gclient.info()["usage"]["opens"] == opens
+    # Another process's allocations can move free memory; ours would move it
+    # by 4 MiB a cycle.
+    assert abs(free1 - free0) < 64 << 20, (free0, free1)
+    assert float(torch.from_dlpack(gclient.open(name))[0]) == 10000
+    print(f"free memory before {free0}, after {free1}")
+
+
+def test_gpu_bundle(gclient, gpu_daemon, name, torch):
+    ts = {
+        "w": torch.randn(256, 128, device="cuda", dtype=torch.bfloat16),
+        "b": torch.randn(3, device="cuda", dtype=torch.float16),
+        "n": torch.arange(5, device="cuda"),
+        "m": torch.tensor([True, False], device="cuda"),
+        "host": torch.arange(4, dtype=torch.float64),        # a CPU tensor goes in too
+    }
+    seg = gclient.put_tensors(name, ts, metadata={"arch": "test"})
+    assert seg.device == 0 and seg.meta["kind"] == "bundle" and seg.meta["tensors"] == 5
+    got = {k: torch.from_dlpack(v) for k, v in gclient.tensors(name).items()}
+    for k, t in ts.items():
+        assert got[k].is_cuda and got[k].dtype == t.dtype and torch.equal(got[k].cpu(), t.cpu()), k
+    assert got["w"].data_ptr() % 64 == 0
+    out = child(gpu_daemon.socket, """
+        import sys, torch, gpushm
+        b = gpushm.connect().tensors(sys.argv[1], readonly=True)
+        w = torch.from_dlpack(b["w"])
+        print(w.dtype, float(w.float().sum()), b.metadata)
+    """, name)
+    assert out.split()[0] == "torch.bfloat16" and abs(float(out.split()[1]) - float(ts["w"].float().sum())) < 1e-2
+
+
+def test_gpu_share_layouts_and_readonly(gclient, name, torch):
+    x = torch.randn(64, 32, device="cuda").t()            # a transpose keeps its strides
+    seg = gclient.share(name, x)
+    assert seg.device == 0 and seg.strides == (1, 32)
+    y = torch.from_dlpack(gclient.open(name))
+    assert not y.is_contiguous() and torch.equal(y, x)
+    ro = gclient.open(name, readonly=True)
+    assert ro.__cuda_array_interface__["data"] == (ro.ptr, True)
+    assert torch.equal(torch.from_dlpack(ro), x)          # versioned capsule with the read-only flag
+    cpu = torch.from_dlpack(_Capsule(ro.__dlpack__(dl_device=(1, 0))))
+    assert cpu.device.type == "cpu" and torch.equal(cpu, x.cpu())
+    with pytest.raises(BufferError):
+        ro.__dlpack__(dl_device=(1, 0), copy=False)
+    z = torch.arange(6, device="cuda", dtype=torch.int16)
+    assert gclient.share(name + "c", z).tobytes() == z.cpu().numpy().tobytes()   # device to host read
+
+
+class _Capsule:
+    def __init__(self, cap):
+        self.cap = cap
+
+    def __dlpack__(self, **kw):
+        return self.cap
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_cuda_tensor_into_host_segment(client, name, torch):
+    t = torch.arange(10, device="cuda", dtype=torch.int32)
+    seg = client.share(name, t)                            # device to host copy
+    assert seg.device is None and seg.numpy().tolist() == list(range(10))
+
+
+def test_gpu_segment_survives_client_close(gpu_daemon, name, torch):
+    c = gpushm.connect(gpu_daemon.socket)
+    t = torch.from_dlpack(c.create(name, shape=(8,), dtype="int64"))
+    c.close()
+    t.fill_(3)                                             # still mapped: the tensor holds it
+    torch.cuda.synchronize()
+    assert int(t.sum()) == 24
