@@ -17,3 +17,11 @@ __all__ = ["Bundle", "CUDAError", "Client", "Error", "ExistsError", "InvalidErro
            "OutOfMemoryError", "PermissionDeniedError", "Segment", "SegmentInfo", "View", "connect",
            "default_socket"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # gpushm.torch imports torch, which most users of gpushm need not pay for.
+    if name == "torch":
+        import importlib
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'gpushm' has no attribute {name!r}")

@@ -125,6 +125,17 @@ _CLOEXEC, _DONTWAIT = int(socket.MSG_CMSG_CLOEXEC), int(socket.MSG_DONTWAIT)
 _TRUNC, _CTRUNC = int(socket.MSG_TRUNC), int(socket.MSG_CTRUNC)
 
 
+def _lifetime(temporary: bool, ttl) -> dict:
+    f = {}
+    if temporary:
+        f["lifetime"] = "connection"
+    if ttl is not None:
+        if not ttl > 0:
+            raise ValueError(f"gpushm: ttl {ttl!r}: want a positive number of seconds")
+        f["ttl_seconds"] = float(ttl)
+    return f
+
+
 def connect(socket: str | None = None, *, timeout: float | None = None, spin_us: int = 0) -> Client:
     """Connects to the daemon at socket (default: default_socket()).
 
@@ -149,8 +160,9 @@ class Client:
         self._pending = collections.deque()  # segment ids whose lease ends
         self._broken = None
         self._closed = False
-        self._by_name = weakref.WeakValueDictionary()  # (name, readonly) -> Mapping
-        self._by_id = weakref.WeakValueDictionary()  # (segment id, readonly) -> Mapping
+        self._by_name = weakref.WeakValueDictionary()  # (name, readonly, devices) -> Mapping
+        self._by_id = weakref.WeakValueDictionary()  # (segment id, readonly, devices) -> Mapping
+        self._published = {}  # name -> tensor kept alive for publish
         s = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         s.settimeout(timeout)
         try:
@@ -204,13 +216,14 @@ class Client:
         if self._broken:
             raise ConnectionError(f"gpushm: connection to {self.socket} unusable: {self._broken}")
 
-    def _call(self, op: str, **fields):
-        """Sends a request and returns (reply, fd); fd is -1 or a descriptor
-        the caller owns. A daemon error is raised as Error."""
+    def _call(self, op: str, _send_fd: int = -1, **fields):
+        """Sends a request (with _send_fd attached, if not -1) and returns
+        (reply, fd); fd is -1 or a descriptor the caller owns. A daemon error
+        is raised as Error."""
         self._usable()
         with self._lock:
             try:
-                rep, fd = self._round_trip(op, fields)
+                rep, fd = self._round_trip(op, fields, _send_fd)
             finally:
                 self._drain()
         self._flush()
@@ -219,7 +232,7 @@ class Client:
             raise error(err.get("code", "EIO"), err.get("message") or err.get("code", "EIO"))
         return rep, fd
 
-    def _round_trip(self, op, fields):
+    def _round_trip(self, op, fields, send_fd=-1):
         rid = next(self._ids)
         req = {"id": rid, "op": op}
         req.update(fields)
@@ -227,7 +240,10 @@ class Client:
         if len(b) > MAX_MESSAGE:
             raise ValueError(f"gpushm: {op} request is {len(b)} bytes, over the protocol's {MAX_MESSAGE} (meta too large?)")
         try:
-            self._sock.send(b)
+            if send_fd >= 0:
+                self._sock.sendmsg([b], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [send_fd]))])
+            else:
+                self._sock.send(b)
             while True:
                 rep, fd, dropped = self._recv()
                 if rep.get("id") == rid:
@@ -338,46 +354,56 @@ class Client:
         """Removes the name now; the memory goes when the last user is done."""
         self._call("unlink", name=name)
 
-    def open(self, name: str, readonly: bool = False) -> Segment:
+    def open(self, name: str, readonly: bool = False, *, devices=None) -> Segment:
         """Opens a segment by name. A name this client already has mapped is
         served from the mapping, without a message, as long as the daemon's
-        epoch says no name has changed since."""
+        epoch says no name has changed since.
+
+        devices lists the GPUs that will use a cuda segment (default: its
+        own GPU); all get access in one cuMemSetAccess call, reaching the
+        segment's GPU over NVLink, and tensors made from it are on the first
+        one listed."""
         if self._closed:
             raise ValueError("gpushm: open on a closed client")
         readonly = bool(readonly)
-        m = self._by_name.get((name, readonly))
+        devs = tuple(int(d) for d in devices) if devices else None
+        m = self._by_name.get((name, readonly, devs))
         if m is not None and m.epoch == self._epoch.value and self._pid == os.getpid():
             return Segment(m, False)
         # Read the epoch before asking: a name changing after this makes the
         # entry look stale early, never fresh late.
         ep = self._epoch.value
         rep, fd = self._call("open", name=name, **({"readonly": True} if readonly else {}))
-        return Segment(self._adopt(rep["segment"], fd, readonly, ep), False)
+        return Segment(self._adopt(rep["segment"], fd, readonly, ep, devs), False)
 
-    def _adopt(self, seg: dict, fd: int, readonly: bool, ep: int):
+    def _adopt(self, seg: dict, fd: int, readonly: bool, ep: int, devs=None):
         info = SegmentInfo.from_wire(seg)
-        m = self._by_id.get((info.id, readonly))
+        m = self._by_id.get((info.id, readonly, devs))
         if m is not None:
             # Already mapped (through another name, or before the epoch
             # moved): keep the one mapping, and its lease count.
             os.close(fd)
             m.lease.count += 1
         else:
-            m = _mapping.Mapping(self, info, fd, readonly)
-            self._by_id[(info.id, readonly)] = m
+            m = _mapping.Mapping(self, info, fd, readonly, devs)
+            self._by_id[(info.id, readonly, devs)] = m
         m.epoch = ep
-        self._by_name[(info.name, readonly)] = m
+        self._by_name[(info.name, readonly, devs)] = m
         return m
 
     def create(self, name: str, nbytes: int | None = None, *, shape=None, dtype=None, device: int | None = None,
-               mode: int = 0o600, exist_ok: bool = False) -> Segment:
+               mode: int = 0o600, exist_ok: bool = False, temporary: bool = False,
+               ttl: float | None = None) -> Segment:
         """Creates a segment and opens it read-write.
 
         With shape and dtype it holds one tensor (nbytes defaults to what the
         tensor needs) and opens as that tensor anywhere; with nbytes alone it
         is raw bytes. device is the GPU ordinal (None: the daemon's default).
         With exist_ok an existing segment of the same size, device and
-        tensor is opened instead (.created tells which)."""
+        tensor is opened instead (.created tells which). temporary ends the
+        segment when this client's connection closes (exit and crash
+        included); ttl (seconds) ends it once nobody has had it open that
+        long."""
         lay = None
         if shape is not None or dtype is not None:
             if dtype is None:
@@ -398,10 +424,11 @@ class Client:
             nbytes = max(nbytes, 1)
         elif nbytes is None:
             raise TypeError("gpushm: create needs nbytes, or shape and dtype")
-        return self._create(name, nbytes, lay.meta() if lay else None, device, mode, exist_ok)
+        return self._create(name, nbytes, lay.meta() if lay else None, device, mode, exist_ok, temporary, ttl)
 
-    def _create(self, name, nbytes, meta, device, mode, exist_ok) -> Segment:
+    def _create(self, name, nbytes, meta, device, mode, exist_ok, temporary=False, ttl=None) -> Segment:
         fields = {"name": name, "size": int(nbytes), "mode": int(mode), "open": True}
+        fields.update(_lifetime(temporary, ttl))
         if device is not None:
             fields["device"] = int(device)
         if meta is not None:
@@ -415,13 +442,49 @@ class Client:
             raise error("EEXIST", f"create: segment {name!r} exists with meta {json.dumps(seg.meta)}, not {json.dumps(meta)}")
         return seg
 
+    def publish(self, name: str, tensor, *, mode: int = 0o600, temporary: bool = False,
+                ttl: float | None = None) -> SegmentInfo:
+        """Names a torch CUDA tensor where it lies, without a copy: the
+        daemon receives its allocation's descriptor and keeps it, so the name
+        stays valid after this process exits, until unlinked. The tensor must
+        live in exportable memory: allocated under gpushm.torch.shareable(),
+        or in a program run with gpushm's LD_PRELOAD library. Its dtype,
+        shape, strides and offset travel in the segment's meta, so open(name)
+        gives the same tensor back. This client keeps a reference to the
+        tensor, so PyTorch's caching allocator cannot hand its memory to
+        another tensor while it is published. The whole allocation is shared
+        (neighbouring tensors included): see docs/security.md."""
+        from . import torch as _gt
+        import torch
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
+            raise TypeError("gpushm: publish takes a torch CUDA tensor (use share to copy anything else)")
+        # The daemon and importers see the bytes as they are now: finish the
+        # writes queued on the tensor's device.
+        torch.cuda.synchronize(tensor.device)
+        fd, base, alloc, dev = _gt.export(tensor.data_ptr())
+        try:
+            lay = Layout(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                         tensor.data_ptr() - base)
+            fields = {"name": name, "size": int(alloc), "device": int(dev), "mode": int(mode),
+                      "meta": lay.meta()}
+            fields.update(_lifetime(temporary, ttl))
+            rep, _ = self._call("publish", _send_fd=fd, **fields)
+        finally:
+            os.close(fd)
+        self._published[name] = tensor
+        return SegmentInfo.from_wire(rep["segment"])
+
     # ---- tensors ----------------------------------------------------------
 
-    def share(self, name: str, tensor, *, device: int | None = None, mode: int = 0o600) -> Segment:
+    def share(self, name: str, tensor, *, device: int | None = None, mode: int = 0o600,
+              temporary: bool = True, ttl: float | None = None) -> Segment:
         """Copies a tensor (torch, CuPy, JAX, numpy, or anything with
         __dlpack__) into a new segment that opens as the same tensor. A GPU
         tensor goes to a segment on its GPU; a host tensor to the daemon's
-        default device (host memory on a host daemon)."""
+        default device (host memory on a host daemon). A shared tensor is
+        temporary by default: it ends with this client's connection, so a
+        crashed producer leaves nothing behind; pass temporary=False to keep
+        it until unlinked."""
         with _borrow(tensor) as src:
             lay = Layout(src.dtype, src.shape, src.strides)
             if not lay.dense:
@@ -432,7 +495,7 @@ class Client:
             lay = Layout(lay.dtype, lay.shape, lay.strides, -lo)
             if device is None and src.on_gpu and self.backend == "cuda":
                 device = src.device_id
-            seg = self._create(name, max(span, 1), lay.meta(), device, mode, False)
+            seg = self._create(name, max(span, 1), lay.meta(), device, mode, False, temporary, ttl)
             try:
                 _copy(seg._m, 0, src, src.ptr + lo, span)
             except BaseException:

@@ -137,8 +137,10 @@ class Device:
     def __exit__(self, *exc):
         self.cu.cuCtxPopCurrent(ctypes.byref(c_void_p()))
 
-    def import_map(self, fd: int, size: int, readonly: bool) -> int:
-        """Maps a cuda_fd descriptor (not taken over) into this process."""
+    def import_map(self, fd: int, size: int, readonly: bool, access=None) -> int:
+        """Maps a cuda_fd descriptor (not taken over) into this process, with
+        access for every GPU in access (default: this one), in one call."""
+        access = list(access) if access else [self.ordinal]
         h, ptr = c_uint64(), c_uint64()
         with self as cu:
             cu.check("cuMemImportFromShareableHandle",
@@ -149,9 +151,10 @@ class Device:
                 cu.check("cuMemAddressReserve", cu.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0))
                 try:
                     cu.check("cuMemMap", cu.cuMemMap(ptr, size, 0, h, 0))
-                    desc = CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, self.ordinal),
-                                           CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-                    r = cu.cuMemSetAccess(ptr, size, ctypes.byref(desc), 1)
+                    prot = CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                    descs = (CUmemAccessDesc * len(access))(
+                        *[CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), prot) for d in access])
+                    r = cu.cuMemSetAccess(ptr, size, descs, len(access))
                     if r:
                         cu.cuMemUnmap(ptr, size)
                         cu.check("cuMemSetAccess", r)

@@ -76,7 +76,7 @@ def _unmap(dev, ptr, alloc, lease):
 class Mapping:
     __slots__ = ("info", "ptr", "size", "alloc", "dev", "readonly", "epoch", "lease", "cache", "_fin", "__weakref__")
 
-    def __init__(self, client, info, fd: int, readonly: bool):
+    def __init__(self, client, info, fd: int, readonly: bool, devices=None):
         """Maps fd (which this call closes, always) as the segment info
         describes; the lease taken by the open that sent fd becomes this
         mapping's."""
@@ -90,8 +90,11 @@ class Mapping:
                 self.dev = None
                 self.ptr = mmap(fd, self.alloc, not readonly)
             elif info.handle_type == "cuda_fd":
-                self.dev = _cuda.device(info.device)
-                self.ptr = self.dev.import_map(fd, self.alloc, readonly)
+                # Tensors live on the first GPU that asked for access: the
+                # address is valid there through the mapping (UVA).
+                access = list(devices) if devices else [info.device]
+                self.dev = _cuda.device(access[0])
+                self.ptr = self.dev.import_map(fd, self.alloc, readonly, access)
             else:
                 raise OSError(f"gpushm: segment {info.name!r} has handle type {info.handle_type!r}, which this client cannot map")
         except BaseException:
