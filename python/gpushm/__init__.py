@@ -4,7 +4,7 @@ describes it and docs/protocol.md the protocol it speaks.
 
     import gpushm, torch
     c = gpushm.connect()
-    c.share("x", torch.arange(10, device="cuda"))       # one process
+    c.share("x", torch.arange(10, device="cuda"))       # one process; lives while c does
     x = torch.from_dlpack(gpushm.connect().open("x"))   # another, no copy
 """
 

@@ -562,3 +562,60 @@ def test_spinning_client(daemon, name):
         c.create(name, shape=(3,), dtype="int8")
         assert c.open(name).numpy().tolist() == [0, 0, 0]
         assert c.stat(name).opens == 0
+
+
+def wait_gone(c, name, within=5.0):
+    deadline = time.time() + within
+    while True:
+        try:
+            c.stat(name)
+        except FileNotFoundError:
+            return
+        if time.time() > deadline:
+            pytest.fail(f"{name} still exists {within}s later")
+        time.sleep(0.02)
+
+
+def test_share_is_temporary_by_default(client, daemon, name):
+    # A producer process shares and is killed: its temporary segment goes
+    # with its connection; one kept with temporary=False stays.
+    peer = Peer(daemon.socket, """
+        import sys, numpy as np, gpushm
+        c = gpushm.connect()
+        c.share(sys.argv[1], np.arange(6, dtype=np.int32))
+        c.share(sys.argv[1] + "-kept", np.arange(6, dtype=np.int32), temporary=False)
+        print("shared")
+        input()
+    """, name)
+    peer.expect("shared")
+    assert client.stat(name).meta["dtype"] == "int32"
+    peer.p.kill()
+    peer.p.wait()
+    wait_gone(client, name)
+    with client.open(name + "-kept") as seg:
+        assert (seg.numpy() == np.arange(6)).all()
+    client.unlink(name + "-kept")
+
+
+def test_ttl(client, name):
+    seg = client.create(name, 4096, ttl=0.5)
+    time.sleep(1.0)
+    assert client.stat(name).name == name, "an open segment expired"
+    seg.close()
+    gc.collect()
+    wait_gone(client, name)
+    with pytest.raises(ValueError):
+        client.create(name, 4096, ttl=0)
+
+
+def test_open_with_devices_is_cached_apart(client, name):
+    # On host memory devices= changes nothing but the cache key: a plain
+    # open and one naming devices are separate mappings of the same bytes.
+    seg = client.create(name, shape=(4,), dtype="uint8")
+    seg.numpy()[:] = 7
+    a = client.open(name)
+    b = client.open(name, devices=[0])
+    assert (b.numpy() == 7).all()
+    assert client.open(name, devices=[0]).ptr == b.ptr
+    for s in (a, b, seg):
+        s.close()
