@@ -14,7 +14,7 @@ import (
 )
 
 func lsCmd() *cobra.Command {
-	var bytes bool
+	var bytes, wide bool
 	cmd := &cobra.Command{
 		Use:     "ls",
 		Aliases: []string{"list"},
@@ -30,20 +30,43 @@ func lsCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			devName := map[int]string{}
+			if wide {
+				inf, err := c.Info(cmd.Context())
+				if err != nil {
+					return err
+				}
+				for _, d := range inf.Devices {
+					id := d.UUID
+					if id == "" {
+						id = "-"
+					}
+					devName[d.Index] = d.Name + "\t" + id
+				}
+			}
 			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tAGE\tLIFETIME")
+			header := "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tAGE\tLIFETIME"
+			if wide {
+				header += "\tGPU\tUUID"
+			}
+			fmt.Fprintln(w, header)
 			for _, s := range segs {
 				size := formatSize(s.Size)
 				if bytes {
 					size = strconv.FormatInt(s.Size, 10)
 				}
-				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\t%s\n", s.Name, size, s.Device,
+				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\t%s", s.Name, size, s.Device,
 					owner(s.UID, s.GID), s.Mode, s.Opens, age(time.Since(time.Unix(0, s.Created))), lifetime(&s))
+				if wide {
+					fmt.Fprintf(w, "\t%s", devName[s.Device])
+				}
+				fmt.Fprintln(w)
 			}
 			return w.Flush()
 		},
 	}
 	cmd.Flags().BoolVar(&bytes, "bytes", false, "print sizes in bytes")
+	cmd.Flags().BoolVarP(&wide, "wide", "w", false, "also show each segment's GPU by name and UUID")
 	return cmd
 }
 

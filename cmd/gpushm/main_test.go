@@ -305,3 +305,22 @@ func TestQuotaFlagsAndLifetimes(t *testing.T) {
 	mustFail(t, "mode \"9\"", "chmod", "9", "u")
 	mustFail(t, "no such segment", "chmod", "0600", "t")
 }
+
+func TestSocketGroupAndWideList(t *testing.T) {
+	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	startDaemonProc(t, sock, "--socket-group", "nogroup")
+	st, err := os.Stat(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sys := st.Sys().(*syscall.Stat_t)
+	if st.Mode().Perm() != 0o660 || sys.Gid != 65534 {
+		t.Fatalf("socket mode %v gid %d, want 0660 and nogroup (65534)", st.Mode().Perm(), sys.Gid)
+	}
+	mustRun(t, nil, "--socket", sock, "create", "w", "1K")
+	out := mustRun(t, nil, "--socket", sock, "ls", "--wide")
+	if !strings.Contains(out, "GPU") || !strings.Contains(out, "host memory") {
+		t.Fatalf("ls --wide:\n%s", out)
+	}
+	mustFail(t, "socket group", "daemon", "--socket", sock+"2", "--backend", "host", "--socket-group", "no-such-group-here")
+}
