@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
 )
 
 func benchCmd() *cobra.Command {
@@ -78,22 +80,13 @@ func summarize(ns []int64) dist {
 	return dist{time.Duration(s[len(s)/2]), time.Duration(s[min(i99, len(s)-1)])}
 }
 
-func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int) (err error) {
-	d, err := startDaemon(ctx, backend)
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if serr := d.stop(); err == nil {
-			err = serr
-		}
-	}()
-	socketFlag = d.socket
-	c, err := dial(ctx)
-	if err != nil {
-		return err
-	}
-	defer c.Close()
+func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int) error {
+	return withPrivateDaemon(ctx, backend, func(d *privateDaemon, c *gpushm.Client) error {
+		return benchOpen(ctx, d, c, sizes, iters)
+	})
+}
+
+func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []int64, iters int) error {
 	inf, err := c.Info(ctx)
 	if err != nil {
 		return err

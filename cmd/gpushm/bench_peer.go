@@ -109,7 +109,7 @@ func timeCopies(d *cuda.Device, s *cuda.Stream, n int64, iters int, copy func() 
 	return rates[len(rates)/2], nil
 }
 
-func runBenchPeer(ctx context.Context, sizes []int64, iters int) (err error) {
+func runBenchPeer(ctx context.Context, sizes []int64, iters int) error {
 	n, err := cuda.DeviceCount()
 	if err != nil {
 		return err
@@ -128,21 +128,12 @@ func runBenchPeer(ctx context.Context, sizes []int64, iters int) (err error) {
 	if ok, err := d1.CanAccessPeer(d0); err != nil || !ok {
 		return fmt.Errorf("GPU 1 cannot reach GPU 0's memory (peer access: %v, %v)", ok, err)
 	}
-	pd, err := startDaemon(ctx, "cuda")
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if serr := pd.stop(); err == nil {
-			err = serr
-		}
-	}()
-	socketFlag = pd.socket
-	c, err := dial(ctx)
-	if err != nil {
-		return err
-	}
-	defer c.Close()
+	return withPrivateDaemon(ctx, "cuda", func(_ *privateDaemon, c *gpushm.Client) error {
+		return benchPeer(ctx, c, d0, d1, sizes, iters)
+	})
+}
+
+func benchPeer(ctx context.Context, c *gpushm.Client, d0, d1 *cuda.Device, sizes []int64, iters int) error {
 	s1, err := d1.NewStream()
 	if err != nil {
 		return err

@@ -67,28 +67,23 @@ may change the owner; the owner may change the group to its own group.`,
 // parseOwner reads OWNER, OWNER:GROUP or :GROUP; -1 is "leave as it is".
 func parseOwner(s string) (uid, gid int64, err error) {
 	u, g, _ := strings.Cut(s, ":")
-	uid, gid = -1, -1
-	if u != "" {
-		if uid, err = lookupID(u, func(n string) (string, error) {
-			pw, err := user.Lookup(n)
-			if err != nil {
-				return "", err
-			}
-			return pw.Uid, nil
-		}); err != nil {
-			return 0, 0, fmt.Errorf("owner %q: %w", u, err)
+	if uid, err = lookupID(u, "owner", func(n string) (string, error) {
+		pw, err := user.Lookup(n)
+		if err != nil {
+			return "", err
 		}
+		return pw.Uid, nil
+	}); err != nil {
+		return 0, 0, err
 	}
-	if g != "" {
-		if gid, err = lookupID(g, func(n string) (string, error) {
-			gr, err := user.LookupGroup(n)
-			if err != nil {
-				return "", err
-			}
-			return gr.Gid, nil
-		}); err != nil {
-			return 0, 0, fmt.Errorf("group %q: %w", g, err)
+	if gid, err = lookupID(g, "group", func(n string) (string, error) {
+		gr, err := user.LookupGroup(n)
+		if err != nil {
+			return "", err
 		}
+		return gr.Gid, nil
+	}); err != nil {
+		return 0, 0, err
 	}
 	if uid < 0 && gid < 0 {
 		return 0, 0, fmt.Errorf("%q names neither an owner nor a group", s)
@@ -96,15 +91,22 @@ func parseOwner(s string) (uid, gid int64, err error) {
 	return uid, gid, nil
 }
 
-func lookupID(s string, byName func(string) (string, error)) (int64, error) {
+// lookupID reads a number, or a name through byName; "" is -1.
+func lookupID(s, what string, byName func(string) (string, error)) (int64, error) {
+	if s == "" {
+		return -1, nil
+	}
 	if n, err := strconv.ParseUint(s, 10, 32); err == nil {
 		return int64(n), nil
 	}
 	id, err := byName(s)
-	if err != nil {
-		return 0, err
+	if err == nil {
+		var n int64
+		if n, err = strconv.ParseInt(id, 10, 64); err == nil {
+			return n, nil
+		}
 	}
-	return strconv.ParseInt(id, 10, 64)
+	return 0, fmt.Errorf("%s %q: %w", what, s, err)
 }
 
 func mvCmd() *cobra.Command {

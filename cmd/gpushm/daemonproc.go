@@ -80,3 +80,24 @@ func (d *privateDaemon) stop() error {
 		return fmt.Errorf("daemon ignored SIGTERM for 30s; killed")
 	}
 }
+
+// withPrivateDaemon starts a daemon of backend on a socket of its own,
+// connects to it, runs fn, and stops the daemon, reporting fn's error first.
+func withPrivateDaemon(ctx context.Context, backend string, fn func(d *privateDaemon, c *gpushm.Client) error) (err error) {
+	d, err := startDaemon(ctx, backend)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if serr := d.stop(); err == nil {
+			err = serr
+		}
+	}()
+	socketFlag = d.socket
+	c, err := dial(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	return fn(d, c)
+}

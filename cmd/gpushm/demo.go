@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
 )
 
 func demoCmd() *cobra.Command {
@@ -46,28 +48,31 @@ type step struct {
 	note string
 }
 
-func runDemo(ctx context.Context, backend string, size int64) (err error) {
-	var steps []step
-	add := func(what string, d time.Duration, note string) { steps = append(steps, step{what, d, note}) }
-	gbps := func(d time.Duration) string { return fmt.Sprintf("%.2f GB/s", float64(size)/d.Seconds()/1e9) }
-
+func runDemo(ctx context.Context, backend string, size int64) error {
 	t := time.Now()
-	d, err := startDaemon(ctx, backend)
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if serr := d.stop(); err == nil {
-			err = serr
-		}
-	}()
-	socketFlag = d.socket
-	c, err := dial(ctx)
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	add("start daemon", time.Since(t), "backend "+c.Backend())
+	return withPrivateDaemon(ctx, backend, func(d *privateDaemon, c *gpushm.Client) error {
+		r := &demoRun{size: size}
+		r.add("start daemon", time.Since(t), "backend "+c.Backend())
+		return r.run(ctx, d, c)
+	})
+}
+
+// demoRun collects the demo's timed steps.
+type demoRun struct {
+	size  int64
+	steps []step
+}
+
+func (r *demoRun) add(what string, d time.Duration, note string) {
+	r.steps = append(r.steps, step{what, d, note})
+}
+
+func (r *demoRun) gbps(d time.Duration) string {
+	return fmt.Sprintf("%.2f GB/s", float64(r.size)/d.Seconds()/1e9)
+}
+
+func (r *demoRun) run(ctx context.Context, d *privateDaemon, c *gpushm.Client) (err error) {
+	size := r.size
 	inf, err := c.Info(ctx)
 	if err != nil {
 		return err
@@ -75,7 +80,7 @@ func runDemo(ctx context.Context, backend string, size int64) (err error) {
 	dev := inf.Devices[0]
 
 	const name = "demo"
-	t = time.Now()
+	t := time.Now()
 	seg, err := c.Create(ctx, name, size, nil)
 	if err != nil {
 		return err
@@ -86,14 +91,14 @@ func runDemo(ctx context.Context, backend string, size int64) (err error) {
 			c.Unlink(context.Background(), name)
 		}
 	}()
-	add("create", time.Since(t), fmt.Sprintf("%s on %s", formatSize(size), dev.Name))
+	r.add("create", time.Since(t), fmt.Sprintf("%s on %s", formatSize(size), dev.Name))
 	seg0 := seg.Info()
 	t = time.Now()
 	m, err := seg.Map()
 	if err != nil {
 		return err
 	}
-	add("map (creator)", time.Since(t), firstUse(c.Backend()))
+	r.add("map (creator)", time.Since(t), firstUse(c.Backend()))
 	// The baseline is taken with this process's own CUDA context already
 	// alive (the map made it), so the check below sees the segment alone.
 	before, err := c.Info(ctx)
@@ -104,7 +109,7 @@ func runDemo(ctx context.Context, backend string, size int64) (err error) {
 	if _, err := m.ReadFrom(newPatternReader(1, size)); err != nil {
 		return fmt.Errorf("fill: %w", err)
 	}
-	add("fill from host", time.Since(t), gbps(time.Since(t))+", bound by making the pattern")
+	r.add("fill from host", time.Since(t), r.gbps(time.Since(t))+", bound by making the pattern")
 
 	t = time.Now()
 	self, err := os.Executable()
@@ -119,15 +124,15 @@ func runDemo(ctx context.Context, backend string, size int64) (err error) {
 		return fmt.Errorf("second process: %w", err)
 	}
 	childTotal := time.Since(t)
-	var r verifyResult
-	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+	var v verifyResult
+	if err := json.Unmarshal(out.Bytes(), &v); err != nil {
 		return fmt.Errorf("second process said %q: %w", out.String(), err)
 	}
-	add("2nd process: open by name", time.Duration(r.OpenNS), "")
-	add("2nd process: map", time.Duration(r.MapNS), firstUse(c.Backend()))
-	add("2nd process: verify all bytes", time.Duration(r.VerifyNS), gbps(time.Duration(r.VerifyNS))+", bound by the byte compare")
-	add("2nd process: write back", time.Duration(r.WriteNS), gbps(time.Duration(r.WriteNS)))
-	add("2nd process: whole run", childTotal, "exec to exit")
+	r.add("2nd process: open by name", time.Duration(v.OpenNS), "")
+	r.add("2nd process: map", time.Duration(v.MapNS), firstUse(c.Backend()))
+	r.add("2nd process: verify all bytes", time.Duration(v.VerifyNS), r.gbps(time.Duration(v.VerifyNS))+", bound by the byte compare")
+	r.add("2nd process: write back", time.Duration(v.WriteNS), r.gbps(time.Duration(v.WriteNS)))
+	r.add("2nd process: whole run", childTotal, "exec to exit")
 
 	t = time.Now()
 	chk := newPatternChecker(2, size)
@@ -137,7 +142,7 @@ func runDemo(ctx context.Context, backend string, size int64) (err error) {
 	if err := chk.done(); err != nil {
 		return fmt.Errorf("verify the second process's write: %w", err)
 	}
-	add("verify write-back here", time.Since(t), gbps(time.Since(t)))
+	r.add("verify write-back here", time.Since(t), r.gbps(time.Since(t)))
 
 	t = time.Now()
 	if err := c.Unlink(ctx, name); err != nil {
@@ -147,7 +152,7 @@ func runDemo(ctx context.Context, backend string, size int64) (err error) {
 		return err
 	}
 	seg = nil
-	add("unlink + close", time.Since(t), "")
+	r.add("unlink + close", time.Since(t), "")
 	after, err := c.Info(ctx)
 	if err != nil {
 		return err
@@ -168,7 +173,7 @@ func runDemo(ctx context.Context, backend string, size int64) (err error) {
 	fmt.Printf("gpushm demo: %s segment, backend %s, device %q\n\n", formatSize(size), c.Backend(), dev.Name)
 	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "STEP\tTIME\tNOTE")
-	for _, s := range steps {
+	for _, s := range r.steps {
 		fmt.Fprintf(w, "%s\t%s\t%s\n", s.what, fmtDur(s.d), s.note)
 	}
 	w.Flush()

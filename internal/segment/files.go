@@ -78,17 +78,7 @@ func (r *Registry) Pin(c Cred, s *Segment, want uint32) error {
 
 // Unpin ends one pin on s; the memory is freed when s is unlinked and this
 // was its last reference.
-func (r *Registry) Unpin(s *Segment) error {
-	r.mu.Lock()
-	if s.pins <= 0 {
-		r.mu.Unlock()
-		return fmt.Errorf("unpin %q: no pin held", s.name)
-	}
-	s.pins--
-	mem := r.detachLocked(s)
-	r.mu.Unlock()
-	return s.free(mem)
-}
+func (r *Registry) Unpin(s *Segment) error { return r.drop(s, &s.pins, "unpin", "pin") }
 
 // mayRemove is the sticky-directory rule: only the owner or root may
 // unlink or rename a segment, or replace it by renaming over it.

@@ -394,13 +394,17 @@ func (r *Registry) Acquire(c Cred, name string, readOnly bool) (*Segment, error)
 
 // Release ends one lease on s; the memory is freed when s is unlinked and
 // this was its last lease.
-func (r *Registry) Release(s *Segment) error {
+func (r *Registry) Release(s *Segment) error { return r.drop(s, &s.opens, "release", "lease") }
+
+// drop ends one reference that *count (s.opens or s.pins) counts, and frees
+// s's memory if that was s's last reference of any kind.
+func (r *Registry) drop(s *Segment, count *int, op, what string) error {
 	r.mu.Lock()
-	if s.opens <= 0 {
+	if *count <= 0 {
 		r.mu.Unlock()
-		return fmt.Errorf("release %q: no lease held", s.name)
+		return fmt.Errorf("%s %q: no %s held", op, s.name, what)
 	}
-	s.opens--
+	*count--
 	mem := r.detachLocked(s)
 	r.mu.Unlock()
 	return s.free(mem)
