@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -46,7 +45,9 @@ through pinned host buffers in 64 MiB chunks.`,
 					err = w.Flush()
 				}
 			} else {
-				err = getFile(m, path, progressWriterAt)
+				err = getFile(m, path, func(w io.WriterAt, total int64) io.WriterAt {
+					return progressWriterAt(w, "get "+name, total)
+				})
 			}
 			if err != nil {
 				return fmt.Errorf("get %s: %w", name, err)
@@ -60,7 +61,7 @@ through pinned host buffers in 64 MiB chunks.`,
 
 // getFile writes m to a new or truncated regular file with parallel
 // writes; a failed copy leaves no partial file behind.
-func getFile(m *gpushm.Mapping, path string, wrap func(io.WriterAt, string, int64) io.WriterAt) (err error) {
+func getFile(m *gpushm.Mapping, path string, wrap func(io.WriterAt, int64) io.WriterAt) (err error) {
 	f, err := os.Create(path)
 	if err != nil {
 		return err
@@ -73,5 +74,5 @@ func getFile(m *gpushm.Mapping, path string, wrap func(io.WriterAt, string, int6
 			os.Remove(path)
 		}
 	}()
-	return m.WriteToAt(wrap(f, "get "+filepath.Base(path), m.Size()), m.Size())
+	return m.WriteToAt(wrap(f, m.Size()), m.Size())
 }
