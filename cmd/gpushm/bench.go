@@ -8,7 +8,6 @@ import (
 	"os"
 	"os/exec"
 	"slices"
-	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -51,13 +50,9 @@ Each row reports p50 and p99 over --iters samples, and open's p50 as a
 multiple of the floor's p50 measured in the same run.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			var list []int64
-			for _, s := range strings.Split(sizes, ",") {
-				n, err := parseSize(s)
-				if err != nil {
-					return err
-				}
-				list = append(list, n)
+			list, err := parseSizes(sizes)
+			if err != nil {
+				return err
 			}
 			return runBenchOpen(cmd.Context(), backend, list, iters)
 		},

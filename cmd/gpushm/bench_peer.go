@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"slices"
-	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -31,13 +30,9 @@ timed with events on a GPU 1 stream; the table gives the medians and the
 ratio. Needs two GPUs with peer access.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			var list []int64
-			for _, s := range strings.Split(sizes, ",") {
-				n, err := parseSize(s)
-				if err != nil {
-					return err
-				}
-				list = append(list, n)
+			list, err := parseSizes(sizes)
+			if err != nil {
+				return err
 			}
 			return runBenchPeer(cmd.Context(), list, iters)
 		},

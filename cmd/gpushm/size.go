@@ -63,6 +63,19 @@ func parseSize(s string) (int64, error) {
 	return int64(math.Ceil(v)), nil
 }
 
+// parseSizes reads a comma-separated list of sizes.
+func parseSizes(list string) ([]int64, error) {
+	var out []int64
+	for _, s := range strings.Split(list, ",") {
+		n, err := parseSize(s)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
 // formatSize prints bytes in binary units, exactly when it can.
 func formatSize(n int64) string {
 	units := []string{"B", "KiB", "MiB", "GiB", "TiB", "PiB"}

@@ -316,11 +316,14 @@ func fail(err error) (*wire.Reply, int) { return &wire.Reply{Error: errReply(err
 // dispatch answers req. inFD, the descriptor that came with a publish, is
 // dispatch's to keep or close.
 func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
+	if !c.hello && req.Op != wire.OpHello {
+		if inFD >= 0 {
+			syscall.Close(inFD)
+		}
+		return fail(fmt.Errorf("%w: the first message must be hello", wire.ErrProto))
+	}
 	if req.Op == wire.OpPublish {
 		return c.publish(req, inFD)
-	}
-	if !c.hello && req.Op != wire.OpHello {
-		return fail(fmt.Errorf("%w: the first message must be hello", wire.ErrProto))
 	}
 	cred := segment.Cred{UID: c.cred.UID, GID: c.cred.GID}
 	switch req.Op {
@@ -455,10 +458,6 @@ func createOptions(req *wire.Request, dev int) (segment.CreateOptions, error) {
 // publish names memory the client allocated and sent: the daemon keeps the
 // descriptor, so the name stays valid after the publisher exits.
 func (c *conn) publish(req *wire.Request, fd int) (*wire.Reply, int) {
-	if !c.hello {
-		syscall.Close(fd)
-		return fail(fmt.Errorf("%w: the first message must be hello", wire.ErrProto))
-	}
 	dev := c.s.backend.DefaultDevice()
 	if req.Device != nil {
 		dev = *req.Device
