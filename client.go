@@ -2,13 +2,17 @@ package gpushm
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -72,17 +76,38 @@ func clientSpin() time.Duration {
 	return DefaultSpin
 }
 
-// Client is a connection to the daemon.
+// DefaultReconnect is how long a client keeps trying to reach a daemon
+// that went away (restarted, upgraded) before an operation fails.
+// GPUSHM_RECONNECT (a Go duration, "0" to never reconnect) overrides it.
+const DefaultReconnect = 30 * time.Second
+
+func clientReconnect() time.Duration {
+	if v := os.Getenv("GPUSHM_RECONNECT"); v != "" {
+		if d, err := time.ParseDuration(v); err == nil {
+			return d
+		}
+	}
+	return DefaultReconnect
+}
+
+// Client is a connection to the daemon. When the daemon restarts (its
+// serving process crashed or was upgraded), the client reconnects on the
+// next operation, reclaims the leases of the segments it has open and its
+// temporary segments, and retries the operation; mappings never depended
+// on the connection and keep working throughout.
 type Client struct {
 	socket  string
 	server  string
 	backend string
-	epoch   *epoch.Page
+	epoch   atomic.Pointer[epoch.Page]
+	session string // names this client across reconnections
 
-	mu     sync.Mutex // serializes round trips
-	conn   *wire.Conn
-	nextID uint64
-	broken error
+	mu        sync.Mutex // serializes round trips
+	conn      *wire.Conn
+	nextID    uint64
+	broken    error
+	reconnect time.Duration
+	oldEpochs []*epoch.Page // pages of earlier connections, unmapped at Close
 
 	cmu    sync.Mutex
 	cache  map[cacheKey]*shared
@@ -101,30 +126,56 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 		return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (is 'gpushm daemon' running?): %w", socket, err)
 	}
 	conn.SetSpin(clientSpin())
+	var sid [16]byte
+	rand.Read(sid[:])
 	c := &Client{
-		socket: socket,
-		conn:   conn,
-		cache:  make(map[cacheKey]*shared),
-		open:   make(map[*shared]struct{}),
+		socket:    socket,
+		conn:      conn,
+		session:   hex.EncodeToString(sid[:]),
+		reconnect: clientReconnect(),
+		cache:     make(map[cacheKey]*shared),
+		open:      make(map[*shared]struct{}),
 	}
-	rep, fd, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpHello, Version: wire.Version})
+	c.mu.Lock()
+	err = c.helloLocked(ctx)
+	c.mu.Unlock()
 	if err != nil {
 		conn.Close()
-		return nil, fmt.Errorf("gpushm: hello: %w", err)
+		return nil, err
+	}
+	return c, nil
+}
+
+// helloLocked greets the daemon on c.conn and maps its epoch page.
+func (c *Client) helloLocked(ctx context.Context) error {
+	c.nextID++
+	rep, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpHello, Version: wire.Version, Session: c.session}, -1)
+	if err != nil {
+		return fmt.Errorf("gpushm: hello: %w", err)
 	}
 	if fd < 0 || !rep.Epoch {
 		closeFD(fd)
-		conn.Close()
-		return nil, fmt.Errorf("gpushm: hello: daemon sent no epoch page")
+		return fmt.Errorf("gpushm: hello: daemon sent no epoch page")
 	}
-	c.epoch, err = epoch.Map(fd)
+	page, err := epoch.Map(fd)
 	closeFD(fd)
 	if err != nil {
-		conn.Close()
-		return nil, fmt.Errorf("gpushm: %w", err)
+		return fmt.Errorf("gpushm: %w", err)
+	}
+	if old := c.epoch.Swap(page); old != nil {
+		// Another goroutine may be reading it; it goes at Close.
+		c.oldEpochs = append(c.oldEpochs, old)
 	}
 	c.server, c.backend = rep.Server, rep.Backend
-	return c, nil
+	return nil
+}
+
+// SetReconnect sets how long an operation waits for a daemon that went
+// away to come back (0: never reconnect; the operation fails).
+func (c *Client) SetReconnect(d time.Duration) {
+	c.mu.Lock()
+	c.reconnect = d
+	c.mu.Unlock()
 }
 
 // Backend is "cuda" or "host".
@@ -155,8 +206,12 @@ func (c *Client) Close() error {
 	c.mu.Lock()
 	errs = append(errs, c.conn.Close())
 	c.broken = errors.New("gpushm: client closed")
+	for _, p := range c.oldEpochs {
+		p.Close()
+	}
+	c.oldEpochs = nil
 	c.mu.Unlock()
-	c.epoch.Close()
+	c.epoch.Load().Close()
 	return errors.Join(errs...)
 }
 
@@ -167,6 +222,14 @@ func (c *Client) roundTrip(ctx context.Context, req *wire.Request) (*wire.Reply,
 }
 
 // roundTripFD is roundTrip sending a descriptor (sendFD >= 0) with req.
+//
+// If the connection is lost (the daemon's serving process died or was
+// replaced), it reconnects and sends req again, with the same id. That is
+// safe for every operation: a create or publish that the first attempt
+// applied is found again by its id (the daemon records which request made
+// a segment), and an unlink or rename that finds its name gone had been
+// applied by the first attempt. A close needs no retry: the lease ended
+// with the connection.
 func (c *Client) roundTripFD(ctx context.Context, req *wire.Request, sendFD int) (*wire.Reply, int, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -175,6 +238,90 @@ func (c *Client) roundTripFD(ctx context.Context, req *wire.Request, sendFD int)
 	}
 	c.nextID++
 	req.ID = c.nextID
+	for retried := false; ; retried = true {
+		rep, fd, err := c.exchangeLocked(ctx, req, sendFD)
+		if !errors.Is(err, errLost) {
+			if retried && (req.Op == wire.OpUnlink || req.Op == wire.OpRename) && errors.Is(err, syscall.ENOENT) {
+				return &wire.Reply{ID: req.ID}, -1, nil
+			}
+			return rep, fd, err
+		}
+		if req.Op == wire.OpClose {
+			return &wire.Reply{ID: req.ID}, -1, nil
+		}
+		if err := c.reconnectLocked(ctx, err); err != nil {
+			return nil, -1, err
+		}
+	}
+}
+
+// errLost marks a connection that the daemon ended: the request may be
+// sent again on a new one.
+var errLost = errors.New("connection to the daemon lost")
+
+// reconnectLocked dials the daemon again until it answers or c.reconnect
+// has passed, says hello with the same session (the daemon gives back this
+// client's temporary segments), and reclaims the leases of every segment
+// this client has open.
+func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
+	c.conn.Close()
+	if c.reconnect <= 0 {
+		return c.fail(ctx, cause)
+	}
+	deadline := time.Now().Add(c.reconnect)
+	wait := 2 * time.Millisecond
+	for {
+		conn, err := wire.Dial(c.socket)
+		if err == nil {
+			conn.SetSpin(clientSpin())
+			c.conn = conn
+			if err = c.helloLocked(ctx); err == nil {
+				break
+			}
+			if !errors.Is(err, errLost) {
+				return err
+			}
+			conn.Close()
+		}
+		if ctx.Err() != nil {
+			return c.fail(ctx, ctx.Err())
+		}
+		if time.Now().After(deadline) {
+			c.broken = fmt.Errorf("gpushm: the daemon at %s went away and did not come back within %s: %w", c.socket, c.reconnect, err)
+			return c.broken
+		}
+		time.Sleep(wait)
+		wait = min(2*wait, 100*time.Millisecond)
+	}
+	// Names may mean other segments now: ask the daemon again for each.
+	c.cmu.Lock()
+	clear(c.cache)
+	open := make([]*shared, 0, len(c.open))
+	for sh := range c.open {
+		open = append(open, sh)
+	}
+	c.cmu.Unlock()
+	for _, sh := range open {
+		c.nextID++
+		_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpReclaim, Segment: sh.info.ID, Count: 1, ReadOnly: sh.readOnly}, -1)
+		closeFD(fd)
+		if errors.Is(err, errLost) {
+			return c.reconnectLocked(ctx, err)
+		}
+		if err != nil {
+			// Gone (or no longer ours to open): the mapping still works,
+			// but there is no lease to end.
+			sh.mu.Lock()
+			sh.noLease = true
+			sh.mu.Unlock()
+		}
+	}
+	return nil
+}
+
+// exchangeLocked sends req as it is (its ID set) and waits for the reply.
+// A lost connection is reported wrapping errLost.
+func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD int) (*wire.Reply, int, error) {
 	b, err := wire.Encode(req)
 	if err != nil {
 		return nil, -1, err
@@ -190,11 +337,17 @@ func (c *Client) roundTripFD(ctx context.Context, req *wire.Request, sendFD int)
 		defer stop()
 	}
 	if err := c.conn.Send(b, sendFD); err != nil {
+		if ctx.Err() == nil && isHangup(err) {
+			return nil, -1, fmt.Errorf("%w: %v", errLost, err)
+		}
 		return nil, -1, c.fail(ctx, err)
 	}
 	for {
 		b, fd, err := c.conn.Recv()
 		if err != nil && !errors.Is(err, wire.ErrFDDropped) {
+			if ctx.Err() == nil && isHangup(err) {
+				return nil, -1, fmt.Errorf("%w: %v", errLost, err)
+			}
 			return nil, -1, c.fail(ctx, err)
 		}
 		rep, derr := wire.DecodeReply(b)
@@ -223,6 +376,12 @@ func (c *Client) roundTripFD(ctx context.Context, req *wire.Request, sendFD int)
 		}
 		return rep, fd, nil
 	}
+}
+
+// isHangup tells a connection the daemon ended from other failures.
+func isHangup(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, syscall.ENOTCONN)
 }
 
 // fail marks the connection unusable: after a timeout or a protocol error
@@ -408,7 +567,7 @@ func (c *Client) Open(ctx context.Context, name string, o *OpenOptions) (*Segmen
 		c.cmu.Unlock()
 		return nil, errors.New("gpushm: client closed")
 	}
-	if sh := c.cache[key]; sh != nil && sh.epoch == c.epoch.Load() {
+	if sh := c.cache[key]; sh != nil && sh.epoch == c.epoch.Load().Load() {
 		sh.refs++
 		c.cmu.Unlock()
 		return &Segment{sh: sh}, nil
@@ -420,7 +579,7 @@ func (c *Client) Open(ctx context.Context, name string, o *OpenOptions) (*Segmen
 func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey, devices []int) (*Segment, error) {
 	// Read the epoch before asking: if the name changes after this, the
 	// entry merely looks stale early, never fresh late.
-	ep := c.epoch.Load()
+	ep := c.epoch.Load().Load()
 	rep, fd, err := c.roundTrip(ctx, req)
 	if err != nil {
 		return nil, err
@@ -464,6 +623,9 @@ type shared struct {
 	mu      sync.Mutex
 	fd      int // the leased descriptor, -1 once mapped or closed
 	mapping *Mapping
+	// noLease: after a reconnection the daemon no longer knew the
+	// segment, so there is no lease to end.
+	noLease bool
 }
 
 // unmap undoes the mapping and closes the descriptor; the lease is the
@@ -547,7 +709,13 @@ func (s *Segment) Close() error {
 	if !last || closed {
 		return nil
 	}
+	sh.mu.Lock()
+	noLease := sh.noLease
+	sh.mu.Unlock()
 	err := sh.unmap()
+	if noLease {
+		return err
+	}
 	if _, _, cerr := c.roundTrip(context.Background(), &wire.Request{Op: wire.OpClose, Segment: sh.info.ID}); cerr != nil {
 		err = errors.Join(err, fmt.Errorf("gpushm: close %q: %w", sh.info.Name, cerr))
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -21,10 +22,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/epoch"
 	"github.com/gpushm/gpushm/internal/fusefs"
 	"github.com/gpushm/gpushm/internal/metrics"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
+	"github.com/gpushm/gpushm/internal/supervisor"
 )
 
 func daemonCmd() *cobra.Command {
@@ -39,12 +42,30 @@ func daemonCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "daemon",
 		Short: "Run the daemon that owns the segments",
-		Long: `Run the gpushm daemon in the foreground. It serves the socket until SIGINT or
-SIGTERM, then frees every segment it holds and exits 0.
+		Long: `Run the gpushm daemon in the foreground.
+
+The process you start is a small supervisor: it holds every segment's
+memory descriptor and the listening socket, and runs the serving process
+(the same binary), which answers clients, talks to CUDA and serves the
+FUSE view. If the serving process dies (a crash, the OOM killer, kill -9),
+the supervisor starts a new one with every segment, owner, mode and meta
+data as they were; clients reconnect on their own and reclaim their leases
+and temporary segments within --grace. Nothing acknowledged is lost.
+
+Signals to the supervisor's pid:
+  SIGHUP           upgrade: start the binary now on disk as the new serving
+                   process; it takes over the socket, every segment and every
+                   client connection, without dropping one
+  SIGTERM, SIGINT  stop for good: stop serving and free every segment
+To restart without losing segments, send SIGHUP (or kill the serving process,
+whose pid 'gpushm info' shows); to stop for good, send SIGTERM. Under systemd
+(deploy/systemd, 'gpushm install-systemd') 'systemctl reload' upgrades,
+'systemctl restart' keeps every segment in systemd's fd store, and
+'systemctl stop' frees them.
 
 --backend auto (the default) uses CUDA when libcuda.so.1 loads and a device
 with VMM and POSIX file descriptor handles is present, and host memory
-(memfd) otherwise. It refuses to start when another daemon answers on the
+(memfd) otherwise. It refuses to start when another daemon serves the
 socket, and replaces a stale socket file.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -59,8 +80,17 @@ socket, and replaces a stale socket file.`,
 				}
 				devices = strconv.Itoa(device)
 			}
+			if o.grace < 0 {
+				return fmt.Errorf("--grace %s: want 0 or more", o.grace)
+			}
 			o.backend, o.devices, o.spin = backendName, devices, spin
-			return runDaemon(cmd.Context(), log, o)
+			switch {
+			case supervisor.Attached():
+				return runServing(cmd.Context(), log.With("role", "server"), o, true)
+			case o.supervise:
+				return runSupervisor(cmd.Context(), log.With("role", "supervisor"), o)
+			}
+			return runServing(cmd.Context(), log, o, false)
 		},
 	}
 	f := cmd.Flags()
@@ -75,6 +105,9 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
 	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
 	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables; off below 4 cores): a little CPU for latency")
+	f.BoolVar(&o.supervise, "supervise", true, "run a supervisor that keeps every segment across crashes and upgrades of the serving process (false: one process; its death frees everything)")
+	f.DurationVar(&o.grace, "grace", 10*time.Second, "after a restart, how long clients have to reclaim their leases and temporary segments")
+	f.BoolVar(&o.fdStore, "fd-store", false, "also keep everything in systemd's file descriptor store, so that a restart of the whole service loses nothing (on by itself when systemd sets $FDSTORE)")
 	return cmd
 }
 
@@ -89,6 +122,9 @@ type daemonOptions struct {
 	userQuota   string
 	// userSegments caps each non-root user's segment count.
 	userSegments int
+	supervise    bool
+	grace        time.Duration
+	fdStore      bool
 }
 
 // limits turns the quota flags into registry limits for b's devices.
@@ -134,7 +170,86 @@ func sizeOrShare(s string, total int64) (int64, error) {
 	return parseSize(s)
 }
 
-func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
+// runSupervisor holds the socket, the epoch page and every segment's
+// descriptor, and runs the serving process (this binary again) under
+// internal/supervisor.
+func runSupervisor(ctx context.Context, log *slog.Logger, o daemonOptions) error {
+	path := socketPath()
+	lock, err := server.Lock(path)
+	if err != nil {
+		return fmt.Errorf("%w (stop it first, or pick another --socket)", err)
+	}
+	defer lock.Close()
+	handed := supervisor.FromSystemd(log)
+	listener := handed.Listener
+	if listener == nil {
+		ln, err := server.Listen(path, o.socketGroup)
+		if errors.Is(err, server.ErrRunning) {
+			return fmt.Errorf("%w (stop it first, or pick another --socket)", err)
+		}
+		if err != nil {
+			return err
+		}
+		listener, err = ln.File()
+		ln.Close()
+		if err != nil {
+			return err
+		}
+	}
+	defer listener.Close()
+	page := handed.Epoch
+	if page == nil {
+		ep, err := epoch.New()
+		if err != nil {
+			return err
+		}
+		page = os.NewFile(uintptr(ep.FD()), "epoch")
+	}
+	defer page.Close()
+	exe, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("find this binary to run it as the serving process: %w", err)
+	}
+	store := o.fdStore || supervisor.StoreWanted()
+	sup := supervisor.New(supervisor.Config{
+		Exe: exe, Args: os.Args[1:], Listener: listener, Epoch: page,
+		Grace: o.grace, Store: store, Log: log,
+	}, handed.State)
+	log.Debug("supervising", "socket", path, "pid", os.Getpid(), "exe", exe, "fd_store", store)
+	err = sup.Run(ctx)
+	var se *supervisor.StartError
+	if errors.As(err, &se) {
+		// The serving process said why on standard error.
+		log.Debug("first serving process failed", "err", se.Err)
+		err = exitCode(se.Code)
+	}
+	if !store {
+		// The socket goes with the daemon; under systemd's store it stays,
+		// since the stored listener is bound to it.
+		removeSocket(path, listener)
+	}
+	return err
+}
+
+// removeSocket removes the socket file if it is still the one listener is
+// bound to.
+func removeSocket(path string, listener *os.File) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return
+	}
+	var ls syscall.Stat_t
+	if syscall.Stat(path, &ls) == nil && st.Mode()&os.ModeSocket != 0 {
+		name, err := syscall.Getsockname(int(listener.Fd()))
+		if sa, ok := name.(*syscall.SockaddrUnix); err == nil && ok && sa.Name == path {
+			os.Remove(path)
+		}
+	}
+}
+
+// runServing serves clients: as the serving process of a supervisor
+// (supervised), or alone.
+func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervised bool) error {
 	b, err := backend.Open(o.backend, o.devices, log)
 	if err != nil {
 		return err
@@ -156,62 +271,261 @@ func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
 		spin = 0
 	}
 	srv.SetSpin(spin)
+
+	var (
+		ln   *net.UnixListener
+		link *supervisor.Link
+	)
 	path := socketPath()
-	ln, err := server.Listen(path, o.socketGroup)
-	if errors.Is(err, server.ErrRunning) {
-		return fmt.Errorf("%w (stop it first, or pick another --socket)", err)
+	if supervised {
+		var epochFD int
+		link, ln, epochFD, err = supervisor.Attach()
+		if err != nil {
+			return err
+		}
+		page, err := epoch.Open(epochFD)
+		if err != nil {
+			return err
+		}
+		srv.SetEpoch(page)
+		if err := link.Initialized(); err != nil {
+			return err
+		}
+		start, err := link.Receive()
+		if err != nil {
+			return err
+		}
+		srv.Registry().SetJournal(link)
+		restore(srv, b, start, log)
+		srv.SetSupervisor(start.SupervisorPID, start.Restarts)
+		srv.StartGrace(start.GraceUntil)
+	} else {
+		lock, err := server.Lock(path)
+		if err != nil {
+			return fmt.Errorf("%w (stop it first, or pick another --socket)", err)
+		}
+		defer lock.Close()
+		ln, err = server.Listen(path, o.socketGroup)
+		if errors.Is(err, server.ErrRunning) {
+			return fmt.Errorf("%w (stop it first, or pick another --socket)", err)
+		}
+		if err != nil {
+			return err
+		}
 	}
-	if err != nil {
+
+	serveCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	ex := &extras{o: o, log: log, srv: srv, b: b}
+	if err := ex.start(); err != nil {
+		ln.Close()
 		return err
 	}
-	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	if o.metrics != "" {
-		m := metrics.New(b.Name(), struct {
-			*segment.Registry
-			backend.Backend
-		}{srv.Registry(), b})
-		srv.SetObserver(m)
-		mln, err := net.Listen("tcp", o.metrics)
-		if err != nil {
-			ln.Close()
-			return fmt.Errorf("--metrics-listen: %w", err)
-		}
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", promhttp.HandlerFor(m.Registry(), promhttp.HandlerOpts{}))
-		hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-		wg.Go(func() { hs.Serve(mln) })
-		context.AfterFunc(ctx, func() { hs.Close() })
-		log.Info("metrics", "url", "http://"+mln.Addr().String()+"/metrics")
-	}
-	serveCtx := ctx
-	if o.mount != "" {
-		view, err := fusefs.Mount(o.mount, srv.Registry(), b, log)
-		if err != nil {
-			ln.Close()
-			return err
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+	go func() {
+		select {
+		case <-sigs:
+		case <-serveCtx.Done():
+			return
 		}
 		// Unmount before Serve closes the registry, so that no FUSE request
 		// meets a closed one.
-		unmount := sync.OnceFunc(func() {
-			if err := view.Unmount(); err != nil {
-				log.Error("unmount FUSE view", "err", err)
-			}
-		})
-		defer unmount()
-		var cancel context.CancelFunc
-		serveCtx, cancel = context.WithCancel(context.WithoutCancel(ctx))
-		context.AfterFunc(ctx, func() { unmount(); cancel() })
-		log.Info("FUSE view", "mount", o.mount)
-	}
+		ex.stop()
+		if supervised {
+			// A signal to the serving process itself (not the supervisor's
+			// stop) ends it as a crash would: connections are not closed
+			// one by one, so their temporary segments stay for their
+			// clients to reclaim from the successor.
+			log.Warn("serving process signalled; exiting for the supervisor to restart it")
+			os.Exit(0)
+		}
+		cancel()
+	}()
+	defer ex.stop()
+
 	var nofile syscall.Rlimit
 	syscall.Getrlimit(syscall.RLIMIT_NOFILE, &nofile)
 	log.Info("serving", "socket", path, "backend", b.Name(), "version", version, "pid", os.Getpid(), "max_fds", nofile.Cur)
-	if err := srv.Serve(serveCtx, ln); err != nil {
+	if link != nil {
+		if err := link.Ready(); err != nil {
+			return err
+		}
+		go follow(link, srv, ln, ex, cancel, log)
+	}
+	if err := srv.Serve(serveCtx, ln, supervised); err != nil {
 		return err
 	}
 	log.Info("stopped")
 	return nil
+}
+
+// restore rebuilds the registry from what the supervisor held, checking
+// each descriptor with the backend, and adopts the connections a
+// predecessor parked.
+func restore(srv *server.Server, b backend.Backend, start *supervisor.Start, log *slog.Logger) {
+	items := make([]segment.Restored, 0, len(start.Segments))
+	for _, h := range start.Segments {
+		it := segment.Restored{Record: segment.Record{ID: h.ID}}
+		if h.Rec == nil {
+			it.Problem = "a memory descriptor came back without a record"
+		} else if err := json.Unmarshal(h.Rec, &it.Record); err != nil || it.Record.ID != h.ID {
+			it.Record = segment.Record{ID: h.ID}
+			it.Problem = fmt.Sprintf("its record is unreadable: %s", h.Rec)
+		}
+		if h.FD >= 0 {
+			alloc := it.Record.Alloc
+			if alloc == 0 && it.Problem == "" {
+				it.Problem = "a memory descriptor came back for a segment without memory"
+			}
+			if alloc == 0 {
+				alloc = 1 // an orphan: anything mappable will do to hold it
+			}
+			mem, err := b.Restore(it.Record.Device, h.FD, alloc)
+			if err != nil {
+				if it.Problem == "" {
+					it.Problem = "its memory descriptor is not usable: " + err.Error()
+				}
+				mem = rawMemory{fd: h.FD}
+			}
+			it.Memory = mem
+		}
+		items = append(items, it)
+	}
+	reg := srv.Registry()
+	orphans := reg.Restore(items, start.NextID, time.Until(start.GraceUntil))
+	for _, name := range orphans {
+		inf, _ := reg.Stat(name)
+		log.Error("kept a segment that cannot be served; 'gpushm rm' frees it", "name", name, "why", inf.Orphan)
+	}
+	for _, p := range start.Conns {
+		if err := srv.Adopt(p.FD, p.State); err != nil {
+			log.Error("adopt a connection", "err", err)
+		}
+	}
+	log.Info("restored", "reason", start.Reason, "segments", len(start.Segments), "connections", len(start.Conns), "orphans", len(orphans))
+}
+
+// rawMemory holds a descriptor the backend could not use: an orphan's
+// memory, kept (not freed) until removed.
+type rawMemory struct{ fd int }
+
+func (m rawMemory) FD() (int, error) { return m.fd, nil }
+func (m rawMemory) Size() int64      { return 0 }
+func (m rawMemory) Free() error      { return syscall.Close(m.fd) }
+
+// follow carries out the supervisor's commands.
+func follow(link *supervisor.Link, srv *server.Server, ln *net.UnixListener, ex *extras, cancel context.CancelFunc, log *slog.Logger) {
+	for cmd := range link.Commands() {
+		switch cmd {
+		case "quiesce":
+			ex.stop()
+			conns, err := srv.Park(ln)
+			if err != nil {
+				log.Error("park", "err", err)
+			}
+			for _, c := range conns {
+				if err := link.SendConn(c.FD, c.State); err != nil {
+					log.Error("hand over a connection", "err", err)
+				}
+			}
+			srv.Registry().Detach()
+			link.Quiesced()
+			log.Info("handed over", "connections", len(conns))
+		case "resume":
+			srv.Registry().SetJournal(link)
+			srv.Resume()
+			if err := ex.start(); err != nil {
+				log.Error("resume", "err", err)
+			}
+			link.Ready()
+		case "exit":
+			cancel()
+		case "stop":
+			ex.stop()
+			cancel()
+		}
+	}
+}
+
+// extras are the parts of the daemon beside the socket: metrics and the
+// FUSE view. A serving process that hands over stops them first, so that
+// its successor can bind the port and mount the view.
+type extras struct {
+	o   daemonOptions
+	log *slog.Logger
+	srv *server.Server
+	b   backend.Backend
+
+	mu       sync.Mutex
+	http     *http.Server
+	view     *fusefs.Server
+	observer bool
+}
+
+func (e *extras) start() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.o.metrics != "" && e.http == nil {
+		m := metrics.New(e.b.Name(), struct {
+			*segment.Registry
+			backend.Backend
+		}{e.srv.Registry(), e.b})
+		if !e.observer {
+			e.srv.SetObserver(m)
+			e.observer = true
+		}
+		mln, err := listenRetry(e.o.metrics)
+		if err != nil {
+			return fmt.Errorf("--metrics-listen: %w", err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(m.Registry(), promhttp.HandlerOpts{}))
+		e.http = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		go e.http.Serve(mln)
+		e.log.Info("metrics", "url", "http://"+mln.Addr().String()+"/metrics")
+	}
+	if e.o.mount != "" && e.view == nil {
+		view, err := fusefs.Mount(e.o.mount, e.srv.Registry(), e.b, e.log)
+		if err != nil {
+			if e.http != nil {
+				e.http.Close()
+				e.http = nil
+			}
+			return err
+		}
+		e.view = view
+		e.log.Info("FUSE view", "mount", e.o.mount)
+	}
+	return nil
+}
+
+func (e *extras) stop() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.view != nil {
+		if err := e.view.Unmount(); err != nil {
+			e.log.Error("unmount FUSE view", "err", err)
+		}
+		e.view = nil
+	}
+	if e.http != nil {
+		e.http.Close()
+		e.http = nil
+	}
+}
+
+// listenRetry binds addr, waiting a moment for a predecessor to let go of
+// it.
+func listenRetry(addr string) (net.Listener, error) {
+	var err error
+	for i := 0; i < 50; i++ {
+		var ln net.Listener
+		if ln, err = net.Listen("tcp", addr); err == nil || !errors.Is(err, syscall.EADDRINUSE) {
+			return ln, err
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return nil, err
 }

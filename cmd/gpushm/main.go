@@ -2,6 +2,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 )
@@ -11,7 +12,17 @@ var version = "0.1.0-dev"
 
 func main() {
 	if err := run(os.Args[1:]); err != nil {
+		var quiet exitCode
+		if errors.As(err, &quiet) {
+			os.Exit(int(quiet))
+		}
 		fmt.Fprintf(os.Stderr, "gpushm: %v\n", err)
 		os.Exit(1)
 	}
 }
+
+// exitCode ends the command with that status and no message: another
+// process already said what went wrong.
+type exitCode int
+
+func (e exitCode) Error() string { return fmt.Sprintf("exit status %d", int(e)) }

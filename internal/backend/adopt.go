@@ -72,3 +72,67 @@ func (h *Host) Adopt(device int, fd int, size int64) (segment.Memory, error) {
 	}
 	return &hostMemory{fd: fd, size: size}, nil
 }
+
+// Restore takes back the descriptor of a segment this daemon made (or was
+// published) before it restarted, alloc bytes on device. It checks what it
+// can, since the descriptor comes from outside this process: a CUDA VMM
+// export of memory on that device that maps alloc bytes. On success the
+// Memory owns fd; on failure the caller still does.
+func (c *CUDA) Restore(device int, fd int, alloc int64) (segment.Memory, error) {
+	d, err := c.device(device)
+	if err != nil {
+		return nil, err
+	}
+	if alloc <= 0 || alloc%d.gran != 0 {
+		return nil, fmt.Errorf("size %d is not a positive multiple of GPU %d's granularity %d", alloc, device, d.gran)
+	}
+	h, err := d.d.ImportFD(fd)
+	if err != nil {
+		return nil, fmt.Errorf("not a CUDA VMM allocation: %v", err)
+	}
+	fail := func(err error) (segment.Memory, error) {
+		d.d.Release(h)
+		return nil, err
+	}
+	on, _, err := d.d.HandleDevice(h)
+	if err != nil {
+		return fail(err)
+	}
+	if on != device {
+		return fail(fmt.Errorf("the allocation is on GPU %d, not GPU %d", on, device))
+	}
+	ptr, err := d.d.Map(h, alloc, true, d.d)
+	if err != nil {
+		return fail(fmt.Errorf("cannot map %d bytes of it: %v", alloc, err))
+	}
+	if err := d.d.Unmap(ptr, alloc); err != nil {
+		return fail(err)
+	}
+	done := make(chan struct{})
+	close(done)
+	return &cudaMemory{d: d.d, h: h, size: alloc, fd: fd, done: done}, nil
+}
+
+// Restore takes back a memfd of a segment this daemon made or was
+// published before it restarted: it must be a memfd sealed against
+// shrinking and growing, of at least alloc bytes.
+func (h *Host) Restore(device int, fd int, alloc int64) (segment.Memory, error) {
+	if _, err := h.Capacity(device); err != nil {
+		return nil, err
+	}
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return nil, fmt.Errorf("not a memfd (%v)", err)
+	}
+	if seals&(unix.F_SEAL_SHRINK|unix.F_SEAL_GROW) != unix.F_SEAL_SHRINK|unix.F_SEAL_GROW {
+		return nil, fmt.Errorf("a memfd whose size is not sealed")
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("fstat: %w", err)
+	}
+	if alloc <= 0 || st.Size < alloc {
+		return nil, fmt.Errorf("the memfd has %d bytes, the record says %d", st.Size, alloc)
+	}
+	return &hostMemory{fd: fd, size: alloc}, nil
+}

@@ -18,6 +18,8 @@ type Backend interface {
 	DefaultDevice() int
 	// Adopt wraps memory a client allocated and sent (see CUDA.Adopt).
 	Adopt(device int, fd int, size int64) (segment.Memory, error)
+	// Restore takes back memory this daemon held before a restart.
+	Restore(device int, fd int, alloc int64) (segment.Memory, error)
 	Close() error
 }
 

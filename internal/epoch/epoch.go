@@ -87,3 +87,21 @@ func (p *Page) Close() error {
 	}
 	return err
 }
+
+// Open maps, writable, a page another process made with New and handed
+// over (a daemon's supervisor keeps the page across restarts, so that
+// clients' cached opens stay valid). The Page owns fd.
+func Open(fd int) (*Page, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("epoch page: fstat: %w", err)
+	}
+	if st.Size != pageSize {
+		return nil, fmt.Errorf("epoch page: %d bytes, want %d", st.Size, pageSize)
+	}
+	mem, err := unix.Mmap(fd, 0, pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("epoch page: mmap: %w", err)
+	}
+	return &Page{mem: mem, fd: fd, v: (*atomic.Uint64)(unsafe.Pointer(&mem[0]))}, nil
+}

@@ -181,6 +181,7 @@ func (r *Registry) growingWrite(s *Segment, p []byte, off int64) (int, error) {
 	}
 	s.size = max(s.size, end)
 	s.modified = time.Now()
+	r.noteLocked(s, -1)
 	return len(p), nil
 }
 
@@ -191,6 +192,9 @@ func (r *Registry) resizableLocked(s *Segment) (int64, Memory, error) {
 		return 0, nil, fmt.Errorf("%w: segment %d was removed", ErrNotFound, s.id)
 	case s.opens > 0:
 		return 0, nil, fmt.Errorf("%w: %q has %d lease(s): another process may have it mapped", ErrBusy, s.name, s.opens)
+	case s.doubt:
+		return 0, nil, fmt.Errorf("%w: %q: the daemon restarted, and clients may still have it mapped (try again in %s)",
+			ErrBusy, s.name, max(time.Until(r.graceUntil), 0).Round(time.Second))
 	}
 	return s.size, s.mem, nil
 }
@@ -231,6 +235,7 @@ func isNoMem(err error) bool {
 // exclusively. The old memory is freed.
 func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64) (Memory, error) {
 	var nm Memory
+	fd := -1
 	if grow := r.roundSize(s.device, capacity) - memSize(mem); grow > 0 {
 		r.mu.Lock()
 		err := r.checkLimitsLocked(Cred{UID: s.uid, GID: s.gid}, s.device, grow, false)
@@ -251,6 +256,9 @@ func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64) (
 		}
 		if err == nil && size > keep {
 			err = d.Zero(keep, size-keep)
+		}
+		if err == nil {
+			fd, err = r.durableFD(nm)
 		}
 		if err != nil {
 			free(nm)
@@ -273,6 +281,7 @@ func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64) (
 		s.size = size
 		s.modified = time.Now()
 	}
+	r.noteLocked(s, fd)
 	r.mu.Unlock()
 	return nm, free(mem)
 }
@@ -325,6 +334,7 @@ func (r *Registry) Resize(s *Segment, size int64) error {
 	}
 	s.size = size
 	s.modified = time.Now()
+	r.noteLocked(s, -1)
 	return nil
 }
 

@@ -142,6 +142,8 @@ func (r *Registry) Rename(c Cred, from, to string, flags uint32) error {
 		r.byName[from], r.byName[to] = dst, src
 		src.name, dst.name = to, from
 		r.changed()
+		r.noteLocked(src, -1)
+		r.noteLocked(dst, -1)
 		r.mu.Unlock()
 		return nil
 	case dst != nil && flags&RenameNoReplace != 0:
@@ -155,12 +157,13 @@ func (r *Registry) Rename(c Cred, from, to string, flags uint32) error {
 			return err
 		}
 		dst.linked = false
-		mem = r.detachLocked(dst)
+		mem = r.unlinkedLocked(dst)
 	}
 	delete(r.byName, from)
 	r.byName[to] = src
 	src.name = to
 	r.changed()
+	r.noteLocked(src, -1)
 	r.mu.Unlock()
 	if dst != nil {
 		return dst.free(mem)
@@ -183,6 +186,7 @@ func (r *Registry) SetMode(c Cred, s *Segment, mode uint32) error {
 		// A client may reuse a cached open without asking again; make it
 		// ask, so that a narrower mode takes effect.
 		r.changed()
+		r.noteLocked(s, -1)
 	}
 	return nil
 }
@@ -216,6 +220,7 @@ func (r *Registry) SetOwner(c Cred, s *Segment, uid, gid int64) error {
 	}
 	if changed {
 		r.changed()
+		r.noteLocked(s, -1)
 	}
 	return nil
 }
@@ -232,6 +237,7 @@ func (r *Registry) SetTimes(c Cred, s *Segment, t time.Time, now bool) error {
 		}
 	}
 	s.modified = t
+	r.noteLocked(s, -1)
 	return nil
 }
 
@@ -251,6 +257,7 @@ func (r *Registry) SetMeta(c Cred, s *Segment, meta json.RawMessage) error {
 	} else {
 		s.meta = append(json.RawMessage(nil), meta...)
 	}
+	r.noteLocked(s, -1)
 	return nil
 }
 

@@ -23,13 +23,17 @@ func (r *Registry) Expire(now time.Time) []string {
 			s.idle = now
 			continue
 		}
+		if s.doubt && s.wasInUse {
+			// Open when the daemon stopped: its clients may yet reclaim it.
+			continue
+		}
 		if now.Sub(s.idle) < s.ttl {
 			continue
 		}
 		delete(r.byName, name)
 		s.linked = false
 		names = append(names, name)
-		if mem := r.detachLocked(s); mem != nil {
+		if mem := r.unlinkedLocked(s); mem != nil {
 			mems = append(mems, freed{s, mem})
 		}
 	}

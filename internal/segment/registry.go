@@ -85,6 +85,13 @@ type CreateOptions struct {
 	// Memory, when set, is used instead of allocating: memory a client
 	// published. Create owns it from the call on, and frees it on failure.
 	Memory Memory
+	// Session identifies the creating client across reconnections: a
+	// bound segment's creator reclaims it by this after a restart.
+	Session string
+	// Origin names the creating request (session and request id); a
+	// create with the same Origin finds the segment it made, as created,
+	// so that a retried request has the outcome of the first.
+	Origin string
 }
 
 // Info is a snapshot of a segment's state.
@@ -111,6 +118,12 @@ type Info struct {
 	TTL   time.Duration
 	Bound bool
 	Idle  time.Time
+	// Orphan, when not empty, says why the segment cannot be served: it
+	// survived a restart in a state the daemon could not prove.
+	Orphan string
+	// Doubt says the segment was restored after a restart and clients may
+	// still be reclaiming their leases on it.
+	Doubt bool
 }
 
 // Segment is one allocation in the registry.
@@ -145,6 +158,16 @@ type Segment struct {
 	ttl   time.Duration
 	idle  time.Time
 	bound bool
+	// Durability (journal.go): session and origin identify the creator;
+	// saved says the journal holds a record; doubt marks a segment restored
+	// after a restart whose leases may still be reclaimed, and wasInUse one
+	// whose TTL clock was stopped then; orphan says why it cannot be served.
+	session  string
+	origin   string
+	saved    bool
+	doubt    bool
+	wasInUse bool
+	orphan   string
 }
 
 // ID is unique for the registry's lifetime; IDs are never reused.
@@ -167,6 +190,9 @@ type Registry struct {
 	// named; clients use it to invalidate cached mappings.
 	changed func()
 	limits  Limits
+	// journal, when set, receives every durable change (journal.go).
+	journal    Journal
+	graceUntil time.Time
 }
 
 // New returns an empty registry allocating through alloc. changed, if not
@@ -241,6 +267,16 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	}
 	if existing != nil {
 		defer r.mu.Unlock()
+		if o.Origin != "" && existing.origin == o.Origin {
+			// This request's own segment: its first attempt was applied
+			// and the reply lost.
+			if o.Open {
+				if err := r.acquireLocked(c, existing, o.ReadOnly); err != nil {
+					return nil, false, err
+				}
+			}
+			return existing, true, nil
+		}
 		if !o.ExistOK {
 			return nil, false, fmt.Errorf("%w: %q", ErrExist, o.Name)
 		}
@@ -282,6 +318,8 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		ttl:      o.TTL,
 		idle:     now,
 		bound:    o.Bound,
+		session:  o.Session,
+		origin:   o.Origin,
 	}
 	r.byName[o.Name] = s
 	r.mu.Unlock()
@@ -292,6 +330,10 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		mem, pending = o.Memory, nil
 	} else if o.Size > 0 {
 		mem, err = r.alloc.Allocate(o.Device, o.Size)
+	}
+	fd := -1
+	if err == nil {
+		fd, err = r.durableFD(mem)
 	}
 
 	r.mu.Lock()
@@ -322,6 +364,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	if o.Pin {
 		s.pins = 1
 	}
+	r.noteLocked(s, fd)
 	return s, true, nil
 }
 
@@ -368,10 +411,14 @@ func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
 	if !allowed(c, s, want) {
 		return fmt.Errorf("%w: %s access to %q (mode %#o, owner %d:%d)", ErrPermission, what, s.name, s.mode, s.uid, s.gid)
 	}
+	if s.orphan != "" {
+		return fmt.Errorf("%w: %q: %s ('gpushm rm %s' removes it)", ErrOrphan, s.name, s.orphan, s.name)
+	}
 	if s.mem == nil {
 		return fmt.Errorf("%w: %q has 0 bytes and no memory yet (write or truncate it first)", ErrEmpty, s.name)
 	}
 	s.opens++
+	r.inUseLocked(s)
 	return nil
 }
 
@@ -405,6 +452,13 @@ func (r *Registry) drop(s *Segment, count *int, op, what string) error {
 		return fmt.Errorf("%s %q: no %s held", op, s.name, what)
 	}
 	*count--
+	if s.ttl > 0 && s.opens+s.pins == 0 && !s.gone {
+		if now := time.Now(); now.After(s.idle) {
+			s.idle = now
+		}
+		s.wasInUse = false
+		r.noteLocked(s, -1)
+	}
 	mem := r.detachLocked(s)
 	r.mu.Unlock()
 	return s.free(mem)
@@ -414,13 +468,14 @@ func (r *Registry) drop(s *Segment, count *int, op, what string) error {
 // more and returns its memory, for the caller to free with Segment.free
 // outside the lock.
 func (r *Registry) detachLocked(s *Segment) Memory {
-	if s.linked || s.opens > 0 || s.pins > 0 || s.gone || s.creating {
+	if s.linked || s.opens > 0 || s.pins > 0 || s.gone || s.creating || s.doubt {
 		return nil
 	}
 	s.gone = true
 	delete(r.byID, s.id)
 	mem := s.mem
 	s.mem = nil
+	r.noteLocked(s, -1)
 	return mem
 }
 
@@ -463,9 +518,19 @@ func (r *Registry) Unlink(c Cred, name string) error {
 	delete(r.byName, name)
 	s.linked = false
 	r.changed()
-	mem := r.detachLocked(s)
+	mem := r.unlinkedLocked(s)
 	r.mu.Unlock()
 	return s.free(mem)
+}
+
+// unlinkedLocked journals a segment whose name just went: freed now, or
+// kept unnamed while referenced.
+func (r *Registry) unlinkedLocked(s *Segment) Memory {
+	mem := r.detachLocked(s)
+	if !s.gone {
+		r.noteLocked(s, -1)
+	}
+	return mem
 }
 
 // Discard unlinks s if its name still names it: the undo of a Create whose
@@ -479,7 +544,7 @@ func (r *Registry) Discard(s *Segment) error {
 	delete(r.byName, s.name)
 	s.linked = false
 	r.changed()
-	mem := r.detachLocked(s)
+	mem := r.unlinkedLocked(s)
 	r.mu.Unlock()
 	return free(mem)
 }
@@ -524,6 +589,8 @@ func (r *Registry) infoLocked(s *Segment) Info {
 		TTL:        s.ttl,
 		Bound:      s.bound,
 		Idle:       s.idle,
+		Orphan:     s.orphan,
+		Doubt:      s.doubt,
 	}
 	if s.mem != nil {
 		inf.AllocSize = s.mem.Size()

@@ -8,6 +8,7 @@ import (
 	"os/user"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 )
@@ -69,4 +70,35 @@ func Listen(path, group string) (*net.UnixListener, error) {
 		return nil, fmt.Errorf("chmod socket: %w", err)
 	}
 	return ln, nil
+}
+
+// Lock takes the daemon lock for the socket at path: a file beside it
+// (path + ".lock") held with flock(2) for as long as the returned file is
+// open, and by the processes that inherit it. Two daemons started at once
+// on one socket race here, not on the socket: the loser gets ErrRunning,
+// with the winner's pid.
+func Lock(path string) (*os.File, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("create socket directory: %w", err)
+	}
+	f, err := os.OpenFile(path+".lock", os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("daemon lock: %w", err)
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		b := make([]byte, 32)
+		n, _ := f.ReadAt(b, 0)
+		f.Close()
+		if errors.Is(err, syscall.EWOULDBLOCK) {
+			pid := strings.TrimSpace(string(b[:n]))
+			if pid == "" {
+				pid = "unknown"
+			}
+			return nil, fmt.Errorf("%w on %s (pid %s holds %s.lock)", ErrRunning, path, pid, path)
+		}
+		return nil, fmt.Errorf("daemon lock %s.lock: %w", path, err)
+	}
+	f.Truncate(0)
+	f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
+	return f, nil
 }

@@ -9,9 +9,13 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
+	"strconv"
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/epoch"
 	"github.com/gpushm/gpushm/internal/segment"
@@ -42,6 +46,20 @@ type Server struct {
 	mu    sync.Mutex
 	conns map[*conn]struct{}
 	wg    sync.WaitGroup
+
+	// Durability (park.go): who supervises this process, and the state of
+	// a handover to a successor.
+	supervisorPID int
+	restarts      int
+	wake          int // eventfd: readable while connections must park
+	parking       bool
+	parked        []*conn
+	resumed       chan struct{}
+	// restoredBound are creator-bound segments restored after a restart,
+	// by creator session, until their creator says hello again or the
+	// grace period ends.
+	restoredBound map[string][]*segment.Segment
+	graceDone     chan struct{}
 }
 
 // New makes a server for backend. version is reported by hello.
@@ -53,16 +71,35 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 	if log == nil {
 		log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
-	return &Server{
-		backend: b,
-		reg:     segment.New(b, ep.Bump),
-		epoch:   ep,
-		log:     log,
-		version: version,
-		obs:     nopObserver{},
-		conns:   make(map[*conn]struct{}),
-	}, nil
+	wake, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	if err != nil {
+		ep.Close()
+		return nil, fmt.Errorf("eventfd: %w", err)
+	}
+	s := &Server{
+		backend:       b,
+		epoch:         ep,
+		log:           log,
+		version:       version,
+		obs:           nopObserver{},
+		conns:         make(map[*conn]struct{}),
+		supervisorPID: os.Getpid(),
+		wake:          wake,
+	}
+	s.reg = segment.New(b, func() { s.epoch.Bump() })
+	return s, nil
 }
+
+// SetEpoch replaces the epoch page with one that outlives this process
+// (the supervisor's); call before Serve.
+func (s *Server) SetEpoch(p *epoch.Page) {
+	s.epoch.Close()
+	s.epoch = p
+}
+
+// SetSupervisor records the process holding the segments for this one and
+// how many serving processes it replaced, for info.
+func (s *Server) SetSupervisor(pid, restarts int) { s.supervisorPID, s.restarts = pid, restarts }
 
 // Observer is told of every answered request and every connection, for
 // metrics.
@@ -90,16 +127,23 @@ func (s *Server) Registry() *segment.Registry { return s.reg }
 
 // Serve accepts connections on ln until ctx is done, then closes every
 // connection, frees every segment, removes the socket file if it is still
-// the one ln made, and returns nil.
-func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
+// the one ln made, and returns nil. A server that handed its connections
+// to a successor (Park) and was not resumed returns at once when ctx is
+// done, freeing nothing and leaving the socket: the successor serves them.
+// With keepSocket, the socket file stays in any case (a supervisor holds
+// it).
+func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket bool) error {
 	path := ln.Addr().String()
 	st, statErr := os.Stat(path)
 	defer func() {
+		if keepSocket || s.isParked() {
+			return
+		}
 		if now, err := os.Stat(path); statErr == nil && err == nil && os.SameFile(st, now) {
 			os.Remove(path)
 		}
 	}()
-	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	stop := context.AfterFunc(ctx, func() { ln.SetDeadline(time.Now()) })
 	defer stop()
 	sweepDone := make(chan struct{})
 	defer func() { <-sweepDone }()
@@ -110,10 +154,16 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 
 	var acceptErr error
 	for {
+		if ctx.Err() == nil && s.waitUnparked(ctx, ln) {
+			continue
+		}
 		c, err := ln.AcceptUnix()
 		if err != nil {
 			if ctx.Err() != nil {
 				break
+			}
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				continue // Park, or ctx
 			}
 			if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
 				s.log.Warn("out of file descriptors; refusing connections for a moment (raise the limit with 'ulimit -n')", "err", err)
@@ -125,7 +175,14 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 		}
 		s.start(c)
 	}
-	ln.Close()
+	if s.isParked() {
+		// Handed over: the successor serves these connections and holds
+		// this memory; the process exits without freeing anything.
+		return nil
+	}
+	if !keepSocket {
+		ln.Close()
+	}
 	s.mu.Lock()
 	for c := range s.conns {
 		// Wake the connection's goroutine; it closes the socket itself.
@@ -151,6 +208,9 @@ func (s *Server) sweep(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
+			if s.isParked() {
+				continue
+			}
 			for _, name := range s.reg.Expire(now) {
 				s.log.Info("expired", "segment", name)
 			}
@@ -164,26 +224,43 @@ func (s *Server) start(uc *net.UnixConn) {
 		s.log.Warn("dropping connection", "err", err)
 		return
 	}
-	wc.SetSpin(s.spin)
 	c := &conn{s: s, wc: wc, leases: make(map[uint64]*lease)}
-	cred, err := c.wc.PeerCred()
-	if err != nil {
+	if err := s.run(c); err != nil {
 		s.log.Warn("refusing connection without credentials", "err", err)
 		wc.Close()
-		return
+	}
+}
+
+// run serves c in a goroutine of its own.
+func (s *Server) run(c *conn) error {
+	c.wc.SetSpin(s.spin)
+	c.wc.SetWake(s.wake)
+	cred, err := c.wc.PeerCred()
+	if err != nil {
+		return err
 	}
 	c.cred = cred
 	s.mu.Lock()
+	if s.parking {
+		// Accepted as the server parked: the successor serves it.
+		s.parked = append(s.parked, c)
+		s.mu.Unlock()
+		return nil
+	}
 	s.conns[c] = struct{}{}
 	s.wg.Add(1)
 	s.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
-		c.serve()
+		parked := c.serve()
 		s.mu.Lock()
 		delete(s.conns, c)
+		if parked {
+			s.parked = append(s.parked, c)
+		}
 		s.mu.Unlock()
 	}()
+	return nil
 }
 
 type lease struct {
@@ -192,11 +269,12 @@ type lease struct {
 }
 
 type conn struct {
-	s      *Server
-	wc     *wire.Conn
-	cred   wire.Cred
-	hello  bool
-	leases map[uint64]*lease // by segment ID; touched only by serve's goroutine
+	s       *Server
+	wc      *wire.Conn
+	cred    wire.Cred
+	hello   bool
+	session string            // the client's, from hello; survives reconnection
+	leases  map[uint64]*lease // by segment ID; touched only by serve's goroutine
 	// bound are the segments this connection created to end with it.
 	bound []*segment.Segment
 }
@@ -205,12 +283,18 @@ type conn struct {
 // be kept, and keeps the arithmetic far from overflow.
 const maxTTL = 365 * 24 * time.Hour
 
-func (c *conn) serve() {
+// serve answers c's requests until it hangs up, or until the server parks
+// its connections between two requests (it then returns true, leaving c's
+// socket and leases as they are for the successor).
+func (c *conn) serve() (parked bool) {
 	log := c.s.log.With("pid", c.cred.PID, "uid", c.cred.UID)
 	log.Debug("connected")
 	c.s.obs.Connected(1)
 	defer c.s.obs.Connected(-1)
 	defer func() {
+		if parked {
+			return
+		}
 		n := 0
 		for _, l := range c.leases {
 			for ; l.n > 0; l.n-- {
@@ -230,20 +314,26 @@ func (c *conn) serve() {
 		log.Debug("disconnected", "released", n, "ended", len(c.bound))
 	}()
 	for {
+		if c.s.isParking() {
+			return true
+		}
 		b, inFD, err := c.wc.Recv()
+		if errors.Is(err, wire.ErrWoken) {
+			continue
+		}
 		if err != nil {
 			if errors.Is(err, wire.ErrProto) || errors.Is(err, wire.ErrFDDropped) {
 				log.Debug("bad message", "err", err)
 				c.s.obs.Observe("invalid", wire.Code(err), 0)
 				if c.send(&wire.Reply{Error: errReply(err)}, -1) != nil {
-					return
+					return false
 				}
 				continue
 			}
 			if !errors.Is(err, io.EOF) {
 				log.Debug("read", "err", err)
 			}
-			return
+			return false
 		}
 		start := time.Now()
 		req, err := wire.DecodeRequest(b)
@@ -264,7 +354,7 @@ func (c *conn) serve() {
 			err = c.send(&wire.Reply{ID: id, Error: errReply(err)}, -1)
 			c.s.obs.Observe("invalid", "EPROTO", time.Since(start))
 			if err != nil {
-				return
+				return false
 			}
 			continue
 		}
@@ -282,7 +372,7 @@ func (c *conn) serve() {
 			if rep.FD && rep.Segment != nil {
 				c.release(rep.Segment.ID)
 			}
-			return
+			return false
 		}
 	}
 }
@@ -292,7 +382,7 @@ func (c *conn) serve() {
 func opLabel(op string) string {
 	switch op {
 	case wire.OpHello, wire.OpInfo, wire.OpCreate, wire.OpOpen, wire.OpClose, wire.OpUnlink, wire.OpStat, wire.OpList,
-		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish:
+		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish, wire.OpReclaim:
 		return op
 	}
 	return "unknown"
@@ -331,7 +421,14 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if req.Version != wire.Version {
 			return fail(fmt.Errorf("%w: protocol version %d not supported (this daemon speaks %d)", wire.ErrProto, req.Version, wire.Version))
 		}
+		if len(req.Session) > maxSession {
+			return fail(fmt.Errorf("%w: session of %d bytes, limit %d", wire.ErrProto, len(req.Session), maxSession))
+		}
 		c.hello = true
+		if req.Session != "" && c.session == "" {
+			c.session = req.Session
+			c.bound = append(c.bound, c.s.takeBound(req.Session, c.cred.UID)...)
+		}
 		return &wire.Reply{Version: wire.Version, Server: c.s.version, Backend: c.s.backend.Name(), Epoch: true}, c.s.epoch.FD()
 	case wire.OpInfo:
 		devs, err := c.s.backend.Devices()
@@ -340,13 +437,28 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		}
 		u := c.s.reg.Usage()
 		return &wire.Reply{Backend: c.s.backend.Name(), Devices: devs,
-			Usage: &wire.Usage{Segments: u.Segments, Named: u.Named, Bytes: u.Bytes, Opens: u.Opens}}, -1
+			Usage: &wire.Usage{Segments: u.Segments, Named: u.Named, Bytes: u.Bytes, Opens: u.Opens},
+			PID:   os.Getpid(), SupervisorPID: c.s.supervisorPID, Restarts: c.s.restarts,
+			Grace: c.s.reg.GraceLeft().Seconds()}, -1
+	case wire.OpReclaim:
+		n := max(req.Count, 1)
+		if n > maxReclaim {
+			return fail(fmt.Errorf("reclaim: count %d, limit %d: %w", n, maxReclaim, syscall.EINVAL))
+		}
+		seg, err := c.s.reg.Reclaim(cred, req.Segment, n, req.ReadOnly)
+		if err != nil {
+			return fail(fmt.Errorf("reclaim: %w", err))
+		}
+		for range n {
+			c.hold(seg)
+		}
+		return &wire.Reply{Segment: c.segmentInfo(seg)}, -1
 	case wire.OpCreate:
 		dev := c.s.backend.DefaultDevice()
 		if req.Device != nil {
 			dev = *req.Device
 		}
-		o, err := createOptions(req, dev)
+		o, err := c.createOptions(req, dev)
 		if err != nil {
 			return fail(fmt.Errorf("create: %w", err))
 		}
@@ -354,7 +466,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if err != nil {
 			return fail(fmt.Errorf("create: %w", err))
 		}
-		if created && o.Bound {
+		if created && o.Bound && !slices.Contains(c.bound, seg) {
 			c.bound = append(c.bound, seg)
 		}
 		rep := &wire.Reply{Created: created, Segment: c.segmentInfo(seg)}
@@ -433,13 +545,26 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 	return fail(fmt.Errorf("unknown operation %q: %w", req.Op, syscall.ENOSYS))
 }
 
+// maxSession bounds a client's session name; maxReclaim the leases one
+// reclaim may take.
+const (
+	maxSession = 128
+	maxReclaim = 1 << 20
+)
+
 // createOptions reads the parts of a create (or publish) request that the
 // registry takes.
-func createOptions(req *wire.Request, dev int) (segment.CreateOptions, error) {
+func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions, error) {
 	o := segment.CreateOptions{
 		Name: req.Name, Size: req.Size, Device: dev,
 		Mode: deref(req.Mode), UseMode: req.Mode != nil,
 		Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: req.ReadOnly,
+		Session: c.session,
+	}
+	if c.session != "" {
+		// A client that lost the reply resends the request, id and all, on
+		// a new connection: this finds what the first attempt made.
+		o.Origin = c.session + "/" + strconv.FormatUint(req.ID, 10)
 	}
 	switch req.Lifetime {
 	case "":
@@ -462,7 +587,7 @@ func (c *conn) publish(req *wire.Request, fd int) (*wire.Reply, int) {
 	if req.Device != nil {
 		dev = *req.Device
 	}
-	o, err := createOptions(req, dev)
+	o, err := c.createOptions(req, dev)
 	if err == nil && (req.ExistOK || req.Open) {
 		err = fmt.Errorf("exist_ok and open do not apply: %w", syscall.EINVAL)
 	}
@@ -479,11 +604,13 @@ func (c *conn) publish(req *wire.Request, fd int) (*wire.Reply, int) {
 		return fail(err)
 	}
 	o.Memory = mem
+	// A retried publish that its first attempt already made finds that
+	// segment (Origin), and Create frees the memory sent again.
 	seg, _, err := c.s.reg.Create(segment.Cred{UID: c.cred.UID, GID: c.cred.GID}, o)
 	if err != nil {
 		return fail(fmt.Errorf("publish: %w", err))
 	}
-	if o.Bound {
+	if o.Bound && !slices.Contains(c.bound, seg) {
 		c.bound = append(c.bound, seg)
 	}
 	return &wire.Reply{Created: true, Segment: c.segmentInfo(seg)}, -1
@@ -553,7 +680,7 @@ func toWire(inf segment.Info) *wire.Segment {
 		ID: inf.ID, Name: inf.Name, Size: inf.Size, AllocSize: inf.AllocSize,
 		Device: inf.Device, HandleType: inf.HandleType,
 		UID: inf.UID, GID: inf.GID, Mode: inf.Mode, Opens: inf.Opens,
-		Created: inf.Created.UnixNano(), Meta: inf.Meta,
+		Created: inf.Created.UnixNano(), Meta: inf.Meta, Orphan: inf.Orphan,
 	}
 	if inf.Bound {
 		w.Lifetime = wire.LifetimeConnection

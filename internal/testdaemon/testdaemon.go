@@ -80,7 +80,7 @@ func StartWith(t testing.TB, backendName string, setup func(*server.Server, back
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx, ln) }()
+	go func() { done <- srv.Serve(ctx, ln, false) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {

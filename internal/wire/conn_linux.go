@@ -27,7 +27,17 @@ type Conn struct {
 	buf       []byte
 	oob       []byte
 	spin      time.Duration
+	wake      int // eventfd that ends a wait in Recv, or -1
 }
+
+// ErrWoken is Recv's answer when the wake descriptor became readable
+// before a message arrived: no message was consumed.
+var ErrWoken = errors.New("woken")
+
+// SetWake makes Recv return ErrWoken, without consuming a message, once fd
+// (an eventfd, say) is readable. A server uses it to stop its connections
+// between requests, so that it can hand them to another process.
+func (c *Conn) SetWake(fd int) { c.wake = fd }
 
 // SetSpin makes Recv poll without blocking for up to d before it sleeps in
 // the kernel. A reply that arrives within d is then seen without a wake-up
@@ -43,9 +53,10 @@ func NewConn(fd int) (*Conn, error) {
 		return nil, os.NewSyscallError("fcntl", err)
 	}
 	return &Conn{
-		fd:  fd,
-		buf: make([]byte, MaxMessage+1),
-		oob: make([]byte, unix.CmsgSpace(4*4)),
+		fd:   fd,
+		buf:  make([]byte, MaxMessage+1),
+		oob:  make([]byte, unix.CmsgSpace(4*4)),
+		wake: -1,
 	}, nil
 }
 
@@ -150,12 +161,26 @@ func (c *Conn) Recv() (b []byte, fd int, err error) {
 		block = 0
 	}
 	for {
-		n, oobn, flags, _, err = unix.Recvmsg(c.fd, c.buf, c.oob, unix.MSG_CMSG_CLOEXEC|block)
-		if err == unix.EAGAIN && block != 0 {
-			if time.Now().After(deadline) {
-				block = 0
+		if block == 0 && c.wake >= 0 {
+			woken, perr := c.waitReadable()
+			if perr != nil {
+				return nil, -1, perr
 			}
-			continue
+			if woken {
+				return nil, -1, ErrWoken
+			}
+			n, oobn, flags, _, err = unix.Recvmsg(c.fd, c.buf, c.oob, unix.MSG_CMSG_CLOEXEC|unix.MSG_DONTWAIT)
+			if err == unix.EAGAIN {
+				continue
+			}
+		} else {
+			n, oobn, flags, _, err = unix.Recvmsg(c.fd, c.buf, c.oob, unix.MSG_CMSG_CLOEXEC|block)
+			if err == unix.EAGAIN && block != 0 {
+				if time.Now().After(deadline) {
+					block = 0
+				}
+				continue
+			}
 		}
 		if err != unix.EINTR {
 			break
@@ -193,6 +218,22 @@ func (c *Conn) Recv() (b []byte, fd int, err error) {
 		return nil, -1, fmt.Errorf("%w: message exceeds %d bytes", ErrProto, MaxMessage)
 	}
 	return c.buf[:n], fd, nil
+}
+
+// waitReadable blocks until the socket or the wake descriptor is readable
+// (or hung up), and reports whether the wake descriptor is.
+func (c *Conn) waitReadable() (woken bool, err error) {
+	fds := []unix.PollFd{{Fd: int32(c.fd), Events: unix.POLLIN}, {Fd: int32(c.wake), Events: unix.POLLIN}}
+	for {
+		_, err := unix.Poll(fds, -1)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return false, os.NewSyscallError("poll", err)
+		}
+		return fds[1].Revents != 0, nil
+	}
 }
 
 func parseRights(oob []byte) ([]int, error) {
@@ -242,3 +283,7 @@ func (c *Conn) PeerCred() (Cred, error) {
 	}
 	return Cred{UID: uc.Uid, GID: uc.Gid, PID: uc.Pid}, nil
 }
+
+// FD is the connection's socket, for handing it to another process (the
+// receiver gets its own descriptor; this one stays the Conn's).
+func (c *Conn) FD() int { return c.fd }

@@ -34,6 +34,9 @@ const (
 	OpRename = "rename"
 	// OpPublish is the one request that carries a descriptor.
 	OpPublish = "publish"
+	// OpReclaim takes back leases a client held before the daemon
+	// restarted.
+	OpReclaim = "reclaim"
 )
 
 // Lifetimes a create may ask for.
@@ -65,6 +68,10 @@ type Request struct {
 	UID      *int64          `json:"uid,omitempty"`
 	GID      *int64          `json:"gid,omitempty"`
 	To       string          `json:"to,omitempty"`
+	// Session (hello) names the client across reconnections.
+	Session string `json:"session,omitempty"`
+	// Count (reclaim) is how many leases to take back.
+	Count int `json:"count,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -83,6 +90,15 @@ type Reply struct {
 	Backend string   `json:"backend,omitempty"`
 	Devices []Device `json:"devices,omitempty"`
 	Usage   *Usage   `json:"usage,omitempty"`
+	// PID is the process serving the socket; SupervisorPID the one
+	// holding the segments' descriptors across its restarts (equal to PID
+	// when the daemon runs unsupervised). Restarts counts serving
+	// processes that died and were replaced; Grace is how long, in
+	// seconds, clients of a replaced process may still reclaim leases.
+	PID           int     `json:"pid,omitempty"`
+	SupervisorPID int     `json:"supervisor_pid,omitempty"`
+	Restarts      int     `json:"restarts,omitempty"`
+	Grace         float64 `json:"grace_seconds,omitempty"`
 
 	// create, open, stat
 	Segment *Segment `json:"segment,omitempty"`
@@ -139,6 +155,10 @@ type Segment struct {
 	Lifetime string  `json:"lifetime,omitempty"`
 	TTL      float64 `json:"ttl_seconds,omitempty"`
 	Idle     int64   `json:"idle_since,omitempty"`
+	// Orphan, when set, says why the daemon cannot serve the segment: it
+	// survived a restart in a state the daemon could not prove. It can be
+	// listed, stat'ed and removed, not opened.
+	Orphan string `json:"orphan,omitempty"`
 }
 
 // Error is a failed operation: Code is an errno name such as "ENOENT".

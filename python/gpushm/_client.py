@@ -118,6 +118,11 @@ _INFO_FIELDS = [(f.name, None if f.default is not dataclasses.MISSING else 0) fo
 
 # ---- the client -----------------------------------------------------------
 
+class _Lost(ConnectionError):
+    """The daemon hung up: the request may be sent again on a new
+    connection."""
+
+
 _ANCILLARY = socket.CMSG_SPACE(4 * 4)  # room to notice a packet with too many fds
 # Plain ints: arithmetic on the socket module's IntFlag members costs
 # microseconds a request.
@@ -136,14 +141,37 @@ def _lifetime(temporary: bool, ttl) -> dict:
     return f
 
 
-def connect(socket: str | None = None, *, timeout: float | None = None, spin_us: int = 0) -> Client:
+def _reconnect_default() -> float:
+    """$GPUSHM_RECONNECT (seconds, or a duration such as "30s", "500ms";
+    "0" never reconnects), else 30 seconds, as the Go client."""
+    v = os.environ.get("GPUSHM_RECONNECT", "").strip()
+    if not v:
+        return 30.0
+    for suffix, scale in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0), ("m", 60.0), ("h", 3600.0)):
+        if v.endswith(suffix):
+            try:
+                return float(v[:-len(suffix)]) * scale
+            except ValueError:
+                break
+    try:
+        return float(v)
+    except ValueError:
+        return 30.0
+
+
+def connect(socket: str | None = None, *, timeout: float | None = None, spin_us: int = 0,
+            reconnect: float | None = None) -> Client:
     """Connects to the daemon at socket (default: default_socket()).
 
     timeout bounds each request, in seconds; after one times out the client
     is unusable. spin_us polls for each reply that long before sleeping:
     CPU traded for latency where waking a sleeping thread is slow (virtual
-    machines), and used only without a timeout."""
-    return Client(socket, timeout=timeout, spin_us=spin_us)
+    machines), and used only without a timeout. reconnect is how long, in
+    seconds, an operation waits for a daemon that went away (restarted,
+    upgraded) to come back (default $GPUSHM_RECONNECT or 30; 0 never
+    reconnects): the client then reclaims its leases and temporary segments
+    and retries the operation; mappings keep working throughout."""
+    return Client(socket, timeout=timeout, spin_us=spin_us, reconnect=reconnect)
 
 
 class Client:
@@ -151,9 +179,15 @@ class Client:
     to end its leases; memory still used by live tensors stays mapped until
     they go."""
 
-    def __init__(self, path: str | None = None, *, timeout: float | None = None, spin_us: int = 0):
+    def __init__(self, path: str | None = None, *, timeout: float | None = None, spin_us: int = 0,
+                 reconnect: float | None = None):
         self.socket = path or default_socket()
         self._spin_ns = int(spin_us * 1000) if timeout is None else 0
+        self._timeout = timeout
+        self._reconnect = _reconnect_default() if reconnect is None else float(reconnect)
+        # Names this client across reconnections: the daemon gives a
+        # restarted connection back its temporary segments by it.
+        self._session = os.urandom(16).hex()
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -163,30 +197,50 @@ class Client:
         self._by_name = weakref.WeakValueDictionary()  # (name, readonly, devices) -> Mapping
         self._by_id = weakref.WeakValueDictionary()  # (segment id, readonly, devices) -> Mapping
         self._published = {}  # name -> tensor kept alive for publish
-        s = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        s.settimeout(timeout)
         try:
-            s.connect(self.socket)
+            self._sock = self._dial()
         except OSError as e:
-            s.close()
             raise type(e)(e.errno, f"gpushm: cannot reach daemon at {self.socket} (is 'gpushm daemon' running?): {e.strerror}") from None
         try:
-            rep, fd = self._call("hello", version=VERSION)
-            if fd < 0 or not rep.get("epoch"):
-                raise error("EPROTO", "hello: daemon sent no epoch page")
-            try:
-                if os.fstat(fd).st_size < 8:
-                    raise error("EPROTO", "hello: the epoch page is smaller than 8 bytes")
-                self._epoch_ptr = _mapping.mmap(fd, 4096, False)
-            finally:
-                os.close(fd)
+            with self._lock:
+                self._hello()
         except BaseException:
+            self._sock.close()
+            raise
+
+    def _dial(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        s.settimeout(self._timeout)
+        try:
+            s.connect(self.socket)
+        except OSError:
             s.close()
             raise
+        return s
+
+    def _hello(self):
+        """Greets the daemon on self._sock and maps its epoch page; the lock
+        is held."""
+        rep, fd = self._exchange("hello", {"version": VERSION, "session": self._session}, -1)
+        err = rep.get("error")
+        if err:
+            if fd >= 0:
+                os.close(fd)
+            raise error(err.get("code", "EIO"), err.get("message") or "hello failed")
+        if fd < 0 or not rep.get("epoch"):
+            raise error("EPROTO", "hello: daemon sent no epoch page")
+        try:
+            if os.fstat(fd).st_size < 8:
+                raise error("EPROTO", "hello: the epoch page is smaller than 8 bytes")
+            ptr = _mapping.mmap(fd, 4096, False)
+        finally:
+            os.close(fd)
         # An aligned 8-byte load is atomic on the 64-bit machines CUDA runs on.
-        self._epoch = ctypes.c_uint64.from_address(self._epoch_ptr)
+        self._epoch = ctypes.c_uint64.from_address(ptr)
         self.server, self.backend = rep.get("server", ""), rep.get("backend", "")
-        weakref.finalize(self, _mapping.munmap, self._epoch_ptr, 4096).atexit = False
+        # Earlier pages stay mapped until the client goes: another thread
+        # may be reading one.
+        weakref.finalize(self, _mapping.munmap, ptr, 4096).atexit = False
 
     def __repr__(self):
         return f"<gpushm.Client {self.socket} backend={self.backend}>"
@@ -233,7 +287,82 @@ class Client:
         return rep, fd
 
     def _round_trip(self, op, fields, send_fd=-1):
+        """One request and its reply. If the daemon went away (its serving
+        process died or was replaced), reconnects and sends the request
+        again with the same id: a create or publish the first attempt
+        applied is found again by its id, an unlink or rename that finds its
+        name gone had been applied, and a close needs nothing (the lease
+        ended with the connection)."""
         rid = next(self._ids)
+        retried = False
+        while True:
+            try:
+                rep, fd = self._exchange(op, fields, send_fd, rid)
+            except _Lost as lost:
+                if op == "close":
+                    return {"id": rid}, -1
+                while True:
+                    try:
+                        self._reconnect_now(lost)
+                        break
+                    except _Lost as again:  # gone again while reclaiming
+                        lost = again
+                retried = True
+                continue
+            if retried and op in ("unlink", "rename") and (rep.get("error") or {}).get("code") == "ENOENT":
+                return {"id": rid}, -1
+            return rep, fd
+
+    def _reconnect_now(self, cause):
+        """Dials the daemon again until it answers or the reconnect window
+        passes, says hello with the same session, and reclaims the leases of
+        every segment this client has mapped; the lock is held."""
+        self._sock.close()
+        if self._reconnect <= 0:
+            self._fail(cause.__cause__ or cause)
+            raise ConnectionError(f"gpushm: connection to {self.socket} lost: {cause}")
+        deadline = time.monotonic() + self._reconnect
+        wait = 0.002
+        while True:
+            try:
+                self._sock = self._dial()
+                self._hello()
+                break
+            except _Lost:
+                self._sock.close()
+            except OSError as e:
+                if not isinstance(e, (ConnectionError, FileNotFoundError)):
+                    self._fail(e)
+                    raise
+            if time.monotonic() > deadline:
+                self._broken = f"the daemon went away and did not come back within {self._reconnect:g}s"
+                raise ConnectionError(f"gpushm: {self._broken} ({self.socket})")
+            time.sleep(wait)
+            wait = min(2 * wait, 0.1)
+        # Leases of the old connection ended with it; names may mean other
+        # segments now.
+        self._pending.clear()
+        self._by_name.clear()
+        for m in list(self._by_id.values()):
+            lease = m.lease
+            if lease.client is not self or lease.count <= 0:
+                continue
+            fields = {"segment": lease.segment, "count": lease.count}
+            if m.readonly:
+                fields["readonly"] = True
+            rep, fd = self._exchange("reclaim", fields, -1)
+            if fd >= 0:
+                os.close(fd)
+            if rep.get("error"):
+                # Gone, or no longer ours: the mapping still works, but there
+                # is no lease left to end.
+                lease.client = None
+
+    def _exchange(self, op, fields, send_fd=-1, rid=None):
+        """Sends one request and reads its reply; raises _Lost when the
+        daemon hung up (the request may be sent again)."""
+        if rid is None:
+            rid = next(self._ids)
         req = {"id": rid, "op": op}
         req.update(fields)
         b = json.dumps(req, separators=(",", ":")).encode()
@@ -251,6 +380,10 @@ class Client:
                 # A reply to a request given up on: discard it.
                 if fd >= 0:
                     os.close(fd)
+        except _Lost:
+            raise
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise _Lost(str(e)) from e
         except (OSError, ValueError) as e:
             self._fail(e)
             raise
@@ -286,7 +419,7 @@ class Client:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
         if not msg and not fds:
-            raise ConnectionError(f"gpushm: the daemon at {self.socket} closed the connection")
+            raise _Lost(f"the daemon at {self.socket} closed the connection")
         if flags & _TRUNC or len(msg) > MAX_MESSAGE or len(fds) > 1:
             for fd in fds:
                 os.close(fd)
@@ -326,7 +459,7 @@ class Client:
             try:
                 self._round_trip("close", {"segment": seg})
             except Exception:
-                return  # the connection is gone, and its leases with it
+                return  # the connection is unusable, and its leases gone with it
 
     # ---- operations -----------------------------------------------------
 

@@ -1,0 +1,346 @@
+package segment
+
+import (
+	"encoding/json"
+	"fmt"
+	"syscall"
+	"time"
+)
+
+// Record is the durable state of one segment: everything a restarted daemon
+// needs to serve it again, given its memory descriptor. Leases are not in
+// it; they belong to connections, and live clients reclaim them.
+type Record struct {
+	ID       uint64          `json:"id"`
+	Name     string          `json:"name"`
+	Linked   bool            `json:"linked"`
+	Size     int64           `json:"size"`
+	Alloc    int64           `json:"alloc,omitempty"` // 0: no memory (a file created empty)
+	Device   int             `json:"device"`
+	UID      uint32          `json:"uid"`
+	GID      uint32          `json:"gid"`
+	Mode     uint32          `json:"mode"`
+	Meta     json.RawMessage `json:"meta,omitempty"`
+	Created  int64           `json:"created"`  // Unix nanoseconds
+	Modified int64           `json:"modified"` // Unix nanoseconds
+	TTL      int64           `json:"ttl_ns,omitempty"`
+	Idle     int64           `json:"idle,omitempty"` // Unix nanoseconds
+	// InUse says a TTL segment was open or pinned when the record was
+	// written: its idle clock was not running.
+	InUse bool `json:"in_use,omitempty"`
+	Bound bool `json:"bound,omitempty"`
+	// Session is the creator's client session, for a bound segment: the
+	// creator reclaims it by that after a restart.
+	Session string `json:"session,omitempty"`
+	// Origin names the request that created the segment (session/id), so
+	// that a client retrying a create whose reply it lost gets this one.
+	Origin string `json:"origin,omitempty"`
+	// Orphan says why the daemon cannot serve the segment, if it cannot.
+	Orphan string `json:"orphan,omitempty"`
+}
+
+// Journal receives every change of state that must outlive the process:
+// the server hands it to a process that keeps the descriptors (see
+// internal/supervisor). The registry calls it with its mutex held, in the
+// order the changes happen, before the operation that made the change
+// returns; it must not call back into the registry.
+type Journal interface {
+	// Put records rec. fd >= 0 is the segment's memory, new or replaced:
+	// the journal keeps its own duplicate. fd < 0 leaves the memory as it
+	// was recorded, unless rec.Alloc is 0: the segment has no memory now.
+	Put(rec Record, fd int)
+	// Delete forgets a segment whose memory was freed.
+	Delete(id uint64)
+}
+
+// SetJournal makes the registry durable: from now on every change goes to
+// j. Call it before the registry is used. With a journal, creates wait for
+// the memory's descriptor (on cuda, the export), because an acknowledged
+// segment must be held by whoever keeps the journal.
+func (r *Registry) SetJournal(j Journal) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.journal = j
+}
+
+// Detach stops journaling, for a server that hands its state to a
+// successor: the successor owns the journal from now on, and this
+// registry's Close must free its own references without recording them as
+// deletions.
+func (r *Registry) Detach() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.journal = nil
+}
+
+func (s *Segment) recordLocked() Record {
+	rec := Record{
+		ID: s.id, Name: s.name, Linked: s.linked, Size: s.size, Device: s.device,
+		UID: s.uid, GID: s.gid, Mode: s.mode, Meta: s.meta,
+		Created: s.created.UnixNano(), Modified: s.modified.UnixNano(),
+		TTL: int64(s.ttl), Bound: s.bound, Session: s.session, Origin: s.origin, Orphan: s.orphan,
+	}
+	if s.mem != nil {
+		rec.Alloc = s.mem.Size()
+	}
+	if s.ttl > 0 {
+		rec.Idle = s.idle.UnixNano()
+		rec.InUse = s.opens+s.pins > 0 || s.wasInUse
+	}
+	return rec
+}
+
+// noteLocked tells the journal about s as it is now: a Put (with fd, when
+// its memory is new) while it lives, a Delete once it is gone.
+func (r *Registry) noteLocked(s *Segment, fd int) {
+	if r.journal == nil {
+		return
+	}
+	if s.gone {
+		if s.saved {
+			r.journal.Delete(s.id)
+			s.saved = false
+		}
+		return
+	}
+	r.journal.Put(s.recordLocked(), fd)
+	s.saved = true
+}
+
+// durableFD is mem's descriptor when a journal must receive it, else -1;
+// it may wait for a background export, so call it without mu.
+func (r *Registry) durableFD(mem Memory) (int, error) {
+	r.mu.Lock()
+	j := r.journal
+	r.mu.Unlock()
+	if j == nil || mem == nil {
+		return -1, nil
+	}
+	return mem.FD()
+}
+
+// Restored is one segment handed back after a restart: its record and its
+// memory, or why it cannot be served.
+type Restored struct {
+	Record Record
+	// Memory is the segment's memory, owned by the registry from Restore
+	// on; nil for a segment without memory, or one whose descriptor was
+	// missing or not usable.
+	Memory Memory
+	// Problem, when not empty, makes the segment an orphan: listed, not
+	// openable, removable.
+	Problem string
+}
+
+// ErrOrphan: the segment survived a restart in a state the daemon cannot
+// serve (its descriptor is missing or of the wrong kind, its record is
+// unreadable); it is kept, and reported, until removed.
+var ErrOrphan = &Error{"segment is orphaned", syscall.EIO}
+
+// Restore fills an empty registry with the segments of a daemon that
+// stopped, and starts a grace period of the given length. Until it ends,
+// the segments restored may still be mapped by clients that have not
+// reconnected yet: none is freed, resized or expired (if it was in use),
+// and their clients may reclaim their leases (Reclaim). nextID is the
+// highest ID ever given out. It returns the names that became orphans.
+func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration) (orphans []string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.nextID = max(r.nextID, nextID)
+	r.graceUntil = time.Now().Add(grace)
+	for _, it := range items {
+		rec := it.Record
+		r.nextID = max(r.nextID, rec.ID)
+		problem := it.Problem
+		if problem == "" && rec.Orphan != "" {
+			problem = rec.Orphan
+		}
+		if problem == "" && rec.Alloc > 0 && it.Memory == nil {
+			problem = "its memory descriptor is missing"
+		}
+		if problem == "" && rec.Linked {
+			if err := ValidName(rec.Name); err != nil {
+				problem = err.Error()
+			} else if r.byName[rec.Name] != nil {
+				problem = fmt.Sprintf("another segment restored under the name %q", rec.Name)
+			}
+		}
+		if problem == "" && !rec.Linked && it.Memory == nil {
+			// Unnamed and without memory: nothing left to serve or free.
+			if r.journal != nil {
+				r.journal.Delete(rec.ID)
+			}
+			continue
+		}
+		s := &Segment{
+			id: rec.ID, name: rec.Name, size: rec.Size, device: rec.Device,
+			created: time.Unix(0, rec.Created), modified: time.Unix(0, rec.Modified),
+			uid: rec.UID, gid: rec.GID, mode: rec.Mode & 0o777, meta: rec.Meta,
+			linked: rec.Linked, mem: it.Memory, ready: closedChan,
+			ttl: time.Duration(rec.TTL), idle: time.Unix(0, rec.Idle), bound: rec.Bound,
+			session: rec.Session, origin: rec.Origin, saved: true,
+			doubt: true, wasInUse: rec.InUse && rec.TTL > 0,
+		}
+		if s.size > memSize(s.mem) {
+			s.size = memSize(s.mem)
+		}
+		if problem != "" {
+			s.orphan = problem
+			if rec.Name != "" {
+				s.orphan = fmt.Sprintf("%s (was %q)", problem, rec.Name)
+			}
+			s.name = r.orphanName(rec.ID)
+			s.linked, s.bound, s.ttl = true, false, 0
+			orphans = append(orphans, s.name)
+		}
+		if s.linked {
+			r.byName[s.name] = s
+		}
+		if s.mem != nil {
+			r.byID[s.id] = s
+		}
+		if problem != "" || rec.Size != s.size {
+			r.noteLocked(s, -1)
+		}
+	}
+	return orphans
+}
+
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// orphanName is a name for an orphan that no segment has.
+func (r *Registry) orphanName(id uint64) string {
+	name := fmt.Sprintf("orphaned-%d", id)
+	for r.byName[name] != nil {
+		name += "~"
+	}
+	return name
+}
+
+// InGrace reports whether the grace period after a restart still runs.
+func (r *Registry) InGrace() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return time.Now().Before(r.graceUntil)
+}
+
+// GraceLeft is how long the grace period still runs (0 when over).
+func (r *Registry) GraceLeft() time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return max(time.Until(r.graceUntil), 0)
+}
+
+// EndGrace ends the grace period: restored segments that nobody reclaimed
+// are treated as unopened from now on (unlinked ones are freed; a TTL
+// segment that was in use starts its idle clock now).
+func (r *Registry) EndGrace() {
+	type freed struct {
+		s   *Segment
+		mem Memory
+	}
+	var mems []freed
+	now := time.Now()
+	r.mu.Lock()
+	r.graceUntil = time.Time{}
+	for _, s := range r.doubtful() {
+		s.doubt = false
+		if s.wasInUse {
+			s.wasInUse = false
+			if s.opens+s.pins == 0 {
+				s.idle = now
+			}
+			r.noteLocked(s, -1)
+		}
+		if mem := r.detachLocked(s); mem != nil {
+			mems = append(mems, freed{s, mem})
+		}
+	}
+	r.mu.Unlock()
+	for _, f := range mems {
+		f.s.free(f.mem)
+	}
+}
+
+// doubtful lists the segments still in doubt; mu is held.
+func (r *Registry) doubtful() []*Segment {
+	var out []*Segment
+	for _, s := range r.byName {
+		if s.doubt {
+			out = append(out, s)
+		}
+	}
+	for _, s := range r.byID {
+		if s.doubt && !s.linked {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// Reclaim takes n leases on segment id, named or not, for a client that
+// held them before the daemon restarted and still has the memory mapped.
+// It checks the access asked for as Acquire does. No descriptor goes with
+// it: the client has its mapping.
+func (r *Registry) Reclaim(c Cred, id uint64, n int, readOnly bool) (*Segment, error) {
+	if n <= 0 {
+		return nil, fmt.Errorf("reclaim %d leases: %w", n, syscall.EINVAL)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s := r.byID[id]
+	if s == nil || s.gone {
+		return nil, fmt.Errorf("%w: id %d", ErrNotFound, id)
+	}
+	if s.orphan != "" {
+		return nil, fmt.Errorf("%w: %q: %s", ErrOrphan, s.name, s.orphan)
+	}
+	want := uint32(Read | Write)
+	if readOnly {
+		want = Read
+	}
+	if !allowed(c, s, want) {
+		return nil, fmt.Errorf("%w: reclaim of %q (mode %#o, owner %d:%d)", ErrPermission, s.name, s.mode, s.uid, s.gid)
+	}
+	s.opens += n
+	r.inUseLocked(s)
+	return s, nil
+}
+
+// inUseLocked records that a TTL segment went from unused to used, since
+// its idle clock stops; other segments' leases are not journaled.
+func (r *Registry) inUseLocked(s *Segment) {
+	if s.ttl > 0 && s.opens+s.pins == 1 {
+		r.noteLocked(s, -1)
+	}
+}
+
+// BoundTo lists the restored creator-bound segments of a client session,
+// for the server to give back to the client's new connection.
+func (r *Registry) BoundTo(session string) []*Segment {
+	if session == "" {
+		return nil
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []*Segment
+	for _, s := range r.byName {
+		if s.bound && s.session == session && !s.gone {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// Bound lists every creator-bound segment, with its session.
+func (r *Registry) Bound() map[*Segment]string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := map[*Segment]string{}
+	for _, s := range r.byName {
+		if s.bound && !s.gone {
+			out[s] = s.session
+		}
+	}
+	return out
+}

@@ -1,0 +1,136 @@
+package supervisor
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"strconv"
+)
+
+// The journal is the supervisor's state written down, so that a process
+// that is not the supervisor (systemd's fd store, or the supervisor's own
+// successor after exec) can hand it back. It is an append-only sequence of
+// frames after an 8-byte magic:
+//
+//	uint32 length (little-endian) | uint32 CRC-32C of the payload | payload
+//
+// where the payload is one JSON object: {"op":"put","id":N,"rec":{...}},
+// {"op":"del","id":N} or {"op":"next","id":N} (the highest id given out).
+// A torn write leaves a short or mismatched last frame; reading stops at
+// the first frame that does not check out and says where.
+const journalMagic = "GPUSHMJ1"
+
+// maxFrame bounds one frame's payload: a record is at most a protocol
+// message (64 KiB) plus its framing.
+const maxFrame = 128 << 10
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+type journalOp struct {
+	Op  string          `json:"op"`
+	ID  uint64          `json:"id"`
+	Rec json.RawMessage `json:"rec,omitempty"`
+}
+
+// appendFrame appends one frame for op to b.
+func appendFrame(b []byte, op journalOp) []byte {
+	payload, err := json.Marshal(op)
+	if err != nil {
+		panic(err) // a journalOp always marshals
+	}
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(payload)))
+	b = binary.LittleEndian.AppendUint32(b, crc32.Checksum(payload, castagnoli))
+	return append(b, payload...)
+}
+
+// encodeJournal writes the whole state as a fresh journal.
+func encodeJournal(st *State) []byte {
+	b := []byte(journalMagic)
+	b = appendFrame(b, journalOp{Op: "next", ID: st.nextID})
+	for _, id := range st.ids() {
+		if e := st.entries[id]; e.rec != nil {
+			b = appendFrame(b, journalOp{Op: "put", ID: id, Rec: e.rec})
+		}
+	}
+	return b
+}
+
+// JournalError says where a journal stopped making sense; the records
+// before it were read.
+type JournalError struct {
+	Offset int64
+	Reason string
+}
+
+func (e *JournalError) Error() string {
+	return fmt.Sprintf("journal unreadable at byte %d: %s", e.Offset, e.Reason)
+}
+
+// decodeJournal reads a journal into records by id and the highest id
+// given out. On a bad frame it returns what it read before it, with a
+// *JournalError.
+func decodeJournal(b []byte) (recs map[uint64]json.RawMessage, nextID uint64, err error) {
+	recs = map[uint64]json.RawMessage{}
+	if len(b) < len(journalMagic) || string(b[:len(journalMagic)]) != journalMagic {
+		return recs, 0, &JournalError{0, "not a gpushm journal (bad magic)"}
+	}
+	off := len(journalMagic)
+	for off < len(b) {
+		if len(b)-off < 8 {
+			return recs, nextID, &JournalError{int64(off), "truncated frame header"}
+		}
+		n := int(binary.LittleEndian.Uint32(b[off:]))
+		sum := binary.LittleEndian.Uint32(b[off+4:])
+		if n > maxFrame {
+			return recs, nextID, &JournalError{int64(off), fmt.Sprintf("frame of %d bytes, limit %d", n, maxFrame)}
+		}
+		if len(b)-off-8 < n {
+			return recs, nextID, &JournalError{int64(off), fmt.Sprintf("truncated frame: %d bytes of %d", len(b)-off-8, n)}
+		}
+		payload := b[off+8 : off+8+n]
+		if crc32.Checksum(payload, castagnoli) != sum {
+			return recs, nextID, &JournalError{int64(off), "checksum mismatch"}
+		}
+		var op journalOp
+		if err := json.Unmarshal(payload, &op); err != nil {
+			return recs, nextID, &JournalError{int64(off), "bad frame: " + err.Error()}
+		}
+		switch op.Op {
+		case "put":
+			if !isObject(op.Rec) {
+				return recs, nextID, &JournalError{int64(off), "put without a record"}
+			}
+			recs[op.ID] = op.Rec
+			nextID = max(nextID, op.ID)
+		case "del":
+			delete(recs, op.ID)
+		case "next":
+			nextID = max(nextID, op.ID)
+		default:
+			return recs, nextID, &JournalError{int64(off), "unknown op " + strconv.Quote(op.Op)}
+		}
+		off += 8 + n
+	}
+	return recs, nextID, nil
+}
+
+func isObject(b json.RawMessage) bool {
+	var m map[string]json.RawMessage
+	return len(b) > 0 && json.Unmarshal(b, &m) == nil
+}
+
+// readAll reads a journal file from its start.
+func readAll(r io.ReaderAt, size int64) ([]byte, error) {
+	if size > 1<<30 {
+		return nil, errors.New("journal over 1 GiB")
+	}
+	b := make([]byte, size)
+	n, err := r.ReadAt(b, 0)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, err
+	}
+	return b[:n], nil
+}

@@ -1,0 +1,280 @@
+package supervisor
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// The serving process finds its supervisor's descriptors at fixed numbers:
+// the control socket, the listening socket and the epoch page, in that
+// order from 3, announced by this variable.
+const envLink = "GPUSHM_SUPERVISOR_FD"
+
+const (
+	fdControl  = 3
+	fdListener = 4
+	fdEpoch    = 5
+)
+
+// msg is one control message, in either direction; at most one descriptor
+// travels with it. The supervisor reads only the fields it acts on, and
+// passes records and connection states through without interpreting them.
+type msg struct {
+	T   string          `json:"t"`
+	ID  uint64          `json:"id,omitempty"`
+	Rec json.RawMessage `json:"rec,omitempty"`
+	// State is a parked connection's state (opaque to the supervisor).
+	State      json.RawMessage `json:"state,omitempty"`
+	NextID     uint64          `json:"next_id,omitempty"`
+	GraceUntil int64           `json:"grace_until,omitempty"`
+	Reason     string          `json:"reason,omitempty"`
+	Restarts   int             `json:"restarts,omitempty"`
+	PID        int             `json:"pid,omitempty"`
+}
+
+// Control message types.
+const (
+	// supervisor -> server
+	tSeg     = "seg"     // a held segment: id, rec (absent if unknown), its descriptor if any
+	tConn    = "conn"    // a parked client connection and its state (both directions)
+	tGo      = "go"      // end of the state; serve
+	tQuiesce = "quiesce" // stop serving and hand the connections over
+	tResume  = "resume"  // the handover failed: serve again
+	tExit    = "exit"    // exit now, freeing nothing
+	tStop    = "stop"    // graceful stop: close everything and exit
+	// server -> supervisor
+	tPut      = "put"      // a record, and the segment's new descriptor if any
+	tDel      = "del"      // a segment was freed
+	tInit     = "init"     // the backend is up; waiting for the state
+	tReady    = "ready"    // serving
+	tQuiesced = "quiesced" // every connection has been sent
+)
+
+func send(c *wire.Conn, m msg, fd int) error {
+	b, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	if len(b) > wire.MaxMessage {
+		return fmt.Errorf("control message %q of %d bytes exceeds %d", m.T, len(b), wire.MaxMessage)
+	}
+	return c.Send(b, fd)
+}
+
+func recv(c *wire.Conn) (msg, int, error) {
+	b, fd, err := c.Recv()
+	if err != nil {
+		return msg{}, -1, err
+	}
+	var m msg
+	if err := json.Unmarshal(b, &m); err != nil {
+		closeFD(fd)
+		return msg{}, -1, fmt.Errorf("%w: control message: %v", wire.ErrProto, err)
+	}
+	return m, fd, nil
+}
+
+// Link is the serving process's end of the control socket. Its Put and
+// Delete make the registry durable (it implements segment.Journal): a
+// record reaches the supervisor's socket buffer before the operation that
+// made it is acknowledged, and a buffered message outlives its sender, so
+// a server killed right after acknowledging loses nothing.
+type Link struct {
+	conn *wire.Conn
+	mu   sync.Mutex // serializes sends
+	// Lost is called once if the supervisor goes away or a send fails:
+	// without a supervisor the server cannot keep its promises, and must
+	// stop at once. It must not return normally to the sender.
+	Lost func(error)
+	cmds chan string
+}
+
+var _ segment.Journal = (*Link)(nil)
+
+// Attached reports whether this process was started by a supervisor.
+func Attached() bool { return os.Getenv(envLink) != "" }
+
+// Attach takes over the descriptors the supervisor passed. It returns the
+// listener and the epoch page's descriptor.
+func Attach() (*Link, *net.UnixListener, int, error) {
+	if v := os.Getenv(envLink); v != strconv.Itoa(fdControl) {
+		return nil, nil, -1, fmt.Errorf("%s=%q: not started by a gpushm supervisor", envLink, v)
+	}
+	os.Unsetenv(envLink)
+	for _, fd := range []int{fdControl, fdListener, fdEpoch} {
+		unix.CloseOnExec(fd)
+	}
+	conn, err := wire.NewConn(fdControl)
+	if err != nil {
+		return nil, nil, -1, fmt.Errorf("control socket: %w", err)
+	}
+	lf := os.NewFile(fdListener, "listener")
+	fl, err := net.FileListener(lf)
+	lf.Close()
+	if err != nil {
+		conn.Close()
+		return nil, nil, -1, fmt.Errorf("listening socket from the supervisor: %w", err)
+	}
+	ln, ok := fl.(*net.UnixListener)
+	if !ok {
+		fl.Close()
+		conn.Close()
+		return nil, nil, -1, fmt.Errorf("listening socket from the supervisor is a %T", fl)
+	}
+	ln.SetUnlinkOnClose(false)
+	l := &Link{conn: conn, cmds: make(chan string, 4)}
+	l.Lost = func(err error) {
+		fmt.Fprintf(os.Stderr, "gpushm: lost the supervisor: %v\n", err)
+		os.Exit(70)
+	}
+	return l, ln, fdEpoch, nil
+}
+
+// Held is a segment the supervisor holds: its record and its descriptor
+// (-1 if none), which the receiver owns.
+type Held struct {
+	ID  uint64
+	Rec json.RawMessage // nil: a descriptor with no record
+	FD  int
+}
+
+// Parked is a client connection handed from one serving process to the
+// next: its socket (owned by the receiver) and its state, as the server
+// that parked it wrote it.
+type Parked struct {
+	FD    int
+	State json.RawMessage
+}
+
+// Start is what a serving process receives before it serves.
+type Start struct {
+	Segments []Held
+	Conns    []Parked
+	// NextID is the highest segment ID ever given out.
+	NextID uint64
+	// GraceUntil is when the grace period for reclaiming leases ends
+	// (zero: none; clients' leases came with their connections).
+	GraceUntil time.Time
+	// Reason is "start", "restart" (after a crash) or "upgrade".
+	Reason        string
+	Restarts      int
+	SupervisorPID int
+}
+
+// Initialized tells the supervisor that the backend is up, so an upgrade
+// may proceed to the handover.
+func (l *Link) Initialized() error { return l.send(msg{T: tInit, PID: os.Getpid()}, -1) }
+
+// Receive reads the state the supervisor hands over, up to "go".
+func (l *Link) Receive() (*Start, error) {
+	st := &Start{}
+	for {
+		m, fd, err := recv(l.conn)
+		if err != nil {
+			st.close()
+			return nil, fmt.Errorf("receive state: %w", err)
+		}
+		switch m.T {
+		case tSeg:
+			st.Segments = append(st.Segments, Held{ID: m.ID, Rec: m.Rec, FD: fd})
+		case tConn:
+			if fd < 0 {
+				continue
+			}
+			st.Conns = append(st.Conns, Parked{FD: fd, State: m.State})
+		case tGo:
+			st.NextID, st.Reason, st.Restarts, st.SupervisorPID = m.NextID, m.Reason, m.Restarts, m.PID
+			if m.GraceUntil > 0 {
+				st.GraceUntil = time.Unix(0, m.GraceUntil)
+			}
+			go l.read()
+			return st, nil
+		case tStop, tExit:
+			closeFD(fd)
+			st.close()
+			return nil, errors.New("told to stop before serving")
+		default:
+			closeFD(fd)
+		}
+	}
+}
+
+func (st *Start) close() {
+	for _, h := range st.Segments {
+		closeFD(h.FD)
+	}
+	for _, c := range st.Conns {
+		closeFD(c.FD)
+	}
+}
+
+// read delivers commands until the supervisor goes away.
+func (l *Link) read() {
+	for {
+		m, fd, err := recv(l.conn)
+		closeFD(fd)
+		if err != nil {
+			l.Lost(fmt.Errorf("control socket: %w", err))
+			return
+		}
+		switch m.T {
+		case tQuiesce, tResume, tExit, tStop:
+			l.cmds <- m.T
+		}
+	}
+}
+
+// Commands delivers the supervisor's commands: "quiesce" (hand over to a
+// successor: Park, send every connection, then Quiesced), "resume" (the
+// handover failed: serve again), "exit" (exit now; the successor serves)
+// and "stop" (graceful stop).
+func (l *Link) Commands() <-chan string { return l.cmds }
+
+// Ready tells the supervisor that the server serves.
+func (l *Link) Ready() error { return l.send(msg{T: tReady, PID: os.Getpid()}, -1) }
+
+// SendConn hands one parked connection to the supervisor, for the
+// successor. fd stays the caller's.
+func (l *Link) SendConn(fd int, state json.RawMessage) error {
+	return l.send(msg{T: tConn, State: state}, fd)
+}
+
+// Quiesced says every connection has been sent and nothing more will be
+// journaled.
+func (l *Link) Quiesced() error { return l.send(msg{T: tQuiesced}, -1) }
+
+// Put implements segment.Journal.
+func (l *Link) Put(rec segment.Record, fd int) {
+	b, err := json.Marshal(rec)
+	if err != nil {
+		l.Lost(fmt.Errorf("encode record %d: %w", rec.ID, err))
+		return
+	}
+	if err := l.send(msg{T: tPut, ID: rec.ID, Rec: b}, fd); err != nil {
+		l.Lost(fmt.Errorf("journal segment %d: %w", rec.ID, err))
+	}
+}
+
+// Delete implements segment.Journal.
+func (l *Link) Delete(id uint64) {
+	if err := l.send(msg{T: tDel, ID: id}, -1); err != nil {
+		l.Lost(fmt.Errorf("journal deletion of segment %d: %w", id, err))
+	}
+}
+
+func (l *Link) send(m msg, fd int) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return send(l.conn, m, fd)
+}

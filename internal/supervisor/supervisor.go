@@ -1,0 +1,552 @@
+package supervisor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strconv"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// Config is what the supervisor needs to run serving processes.
+type Config struct {
+	// Exe is the path of the binary to run as the serving process; it is
+	// read again at every start, so an upgrade runs what is on disk now.
+	Exe string
+	// Args are its arguments (those of 'gpushm daemon').
+	Args []string
+	// Listener and Epoch are the listening socket and the epoch page,
+	// held here so that they outlive every serving process.
+	Listener *os.File
+	Epoch    *os.File
+	// Grace is how long clients have to reclaim their leases after a
+	// serving process died.
+	Grace time.Duration
+	// Store mirrors everything into systemd's file descriptor store
+	// (NOTIFY_SOCKET), so that a restart of the whole service loses
+	// nothing either.
+	Store bool
+	Log   *slog.Logger
+}
+
+// Supervisor holds every segment's descriptor and runs the serving
+// process, restarting it when it dies and replacing it on SIGHUP.
+type Supervisor struct {
+	cfg      Config
+	log      *slog.Logger
+	st       *State
+	store    *fdStore
+	cur      *child
+	restarts int
+	grace    time.Time // end of the current grace period, if any
+	notified bool      // READY=1 sent
+	quick    int       // consecutive deaths within a second of starting
+}
+
+// child is one serving process and our end of its control socket.
+type child struct {
+	cmd     *exec.Cmd
+	conn    *wire.Conn
+	msgs    chan ctl      // control messages, closed at EOF
+	exited  chan struct{} // closed once the process has been reaped
+	err     error         // its exit status, once exited
+	started time.Time
+	pid     int
+}
+
+type ctl struct {
+	m  msg
+	fd int
+}
+
+// New makes a supervisor with the state st (empty, or handed back by
+// systemd; see LoadStore).
+func New(cfg Config, st *State) *Supervisor {
+	if st == nil {
+		st = newState()
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	return &Supervisor{cfg: cfg, log: cfg.Log, st: st}
+}
+
+// StartError means the first serving process exited before it served: a
+// bad flag or an unusable backend, which restarting would not cure. The
+// serving process has said why on its standard error.
+type StartError struct {
+	// Code is the serving process's exit status (1 if it had none).
+	Code int
+	Err  error
+}
+
+func (e *StartError) Error() string {
+	return fmt.Sprintf("the serving process exited before serving: %v", e.Err)
+}
+
+// Run starts the serving process and supervises it until ctx is done or
+// SIGTERM or SIGINT arrives; then it stops the serving process, releases
+// every segment (unless systemd's fd store keeps them) and returns nil.
+// SIGHUP replaces the serving process with the binary now on disk.
+func (s *Supervisor) Run(ctx context.Context) error {
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGHUP, syscall.SIGTERM, syscall.SIGINT)
+	defer signal.Stop(sigs)
+	if s.cfg.Store {
+		st, err := newFDStore(s.st, s.log, s.cfg.Listener, s.cfg.Epoch)
+		if err != nil {
+			return err
+		}
+		s.store = st
+		s.st.mirror = st
+	}
+	if s.st.Len() > 0 {
+		// Segments handed back by systemd: clients of the last service
+		// may still hold leases.
+		s.grace = time.Now().Add(s.cfg.Grace)
+	}
+	if err := s.startFirst(ctx); err != nil {
+		s.release()
+		return err
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return s.stop()
+		case sig := <-sigs:
+			switch sig {
+			case syscall.SIGHUP:
+				s.upgrade(ctx)
+			default:
+				s.log.Info("stopping", "signal", sig.String())
+				return s.stop()
+			}
+		case c, ok := <-s.cur.msgs:
+			if ok {
+				s.apply(s.cur, c)
+				continue
+			}
+			if err := s.restart(ctx); err != nil {
+				s.release()
+				return err
+			}
+		}
+	}
+}
+
+// startFirst starts the first serving process and waits until it serves.
+func (s *Supervisor) startFirst(ctx context.Context) error {
+	c, err := s.spawn()
+	if err != nil {
+		return err
+	}
+	reason := "start"
+	if !s.grace.IsZero() {
+		reason = "restart"
+	}
+	if err := s.handState(c, nil, reason); err != nil {
+		return s.failStart(c, err)
+	}
+	if err := s.waitReady(ctx, c, nil); err != nil {
+		return s.failStart(c, err)
+	}
+	s.cur = c
+	s.serving(c)
+	return nil
+}
+
+func (s *Supervisor) failStart(c *child, err error) error {
+	c.kill()
+	<-c.exited
+	s.drain(c)
+	code := 1
+	var ee *exec.ExitError
+	if errors.As(c.err, &ee) && ee.ExitCode() > 0 {
+		code = ee.ExitCode()
+	}
+	return &StartError{Code: code, Err: err}
+}
+
+// serving notes that c serves: systemd hears READY=1.
+func (s *Supervisor) serving(c *child) {
+	s.log.Info("serving process ready", "pid", c.pid, "segments", s.st.Len(), "restarts", s.restarts)
+	state := fmt.Sprintf("READY=1\nSTATUS=serving %d segments (serving process %d)", s.st.Len(), c.pid)
+	if !s.notified {
+		state += "\nMAINPID=" + strconv.Itoa(os.Getpid())
+		s.notified = true
+	}
+	notify(state)
+}
+
+// restart replaces a serving process that died. The messages it sent
+// before dying are all applied first: what it acknowledged is held.
+func (s *Supervisor) restart(ctx context.Context) error {
+	old := s.cur
+	<-old.exited
+	ran := time.Since(old.started)
+	s.log.Error("serving process died; restarting it", "pid", old.pid, "status", errString(old.err), "ran", ran.Round(time.Millisecond))
+	s.restarts++
+	s.grace = time.Now().Add(s.cfg.Grace)
+	// Back off only when it dies young again and again (a crash at start).
+	if ran < time.Second {
+		s.quick++
+	} else {
+		s.quick = 0
+	}
+	delay := time.Duration(0)
+	if s.quick > 1 {
+		delay = min(100*time.Millisecond<<min(s.quick-2, 6), 5*time.Second)
+	}
+	for {
+		if delay > 0 {
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(delay):
+			}
+		}
+		c, err := s.spawn()
+		if err == nil {
+			if err = s.handState(c, nil, "restart"); err == nil {
+				err = s.waitReady(ctx, c, nil)
+			}
+			if err == nil {
+				s.cur = c
+				s.serving(c)
+				return nil
+			}
+			c.kill()
+			<-c.exited
+			s.drain(c)
+		}
+		s.log.Error("restart failed; trying again", "err", err)
+		delay = min(max(2*delay, 100*time.Millisecond), 5*time.Second)
+		if ctx.Err() != nil {
+			return nil
+		}
+	}
+}
+
+// upgrade starts the binary on disk as a new serving process and hands it
+// the state and the connections of the current one. A new process that
+// fails before it takes over is stopped, and the current one goes on.
+func (s *Supervisor) upgrade(ctx context.Context) {
+	s.log.Info("upgrade: starting a new serving process", "exe", s.cfg.Exe)
+	notify("RELOADING=1\nMONOTONIC_USEC=" + strconv.FormatInt(monotonicUsec(), 10))
+	defer func() {
+		notify(fmt.Sprintf("READY=1\nSTATUS=serving %d segments (serving process %d)", s.st.Len(), s.cur.pid))
+	}()
+	old := s.cur
+	n, err := s.spawn()
+	if err != nil {
+		s.log.Error("upgrade failed: still serving the old binary", "err", err)
+		return
+	}
+	abort := func(why error) {
+		s.log.Error("upgrade failed: still serving the old binary", "err", why)
+		n.kill()
+		<-n.exited
+		s.drain(n)
+	}
+	// 1. The new process brings its backend up while the old one serves.
+	if err := s.await(ctx, n, old, tInit, time.Minute); err != nil {
+		abort(err)
+		return
+	}
+	// 2. The old one parks its connections and stops journaling.
+	var conns []Parked
+	if err := send(old.conn, msg{T: tQuiesce}, -1); err != nil {
+		abort(fmt.Errorf("quiesce: %w", err))
+		return
+	}
+	resume := func(why error) {
+		for _, p := range conns {
+			closeFD(p.FD)
+		}
+		send(old.conn, msg{T: tResume}, -1)
+		abort(why)
+	}
+	deadline := time.After(30 * time.Second)
+	for quiesced := false; !quiesced; {
+		select {
+		case c, ok := <-old.msgs:
+			if !ok {
+				// The old one died while parking; the new one takes over
+				// as after a crash.
+				s.log.Error("serving process died during the upgrade", "pid", old.pid)
+				for _, p := range conns {
+					closeFD(p.FD)
+				}
+				conns = nil
+				s.grace = time.Now().Add(s.cfg.Grace)
+				quiesced = true
+				continue
+			}
+			switch c.m.T {
+			case tConn:
+				conns = append(conns, Parked{FD: c.fd, State: c.m.State})
+			case tQuiesced:
+				quiesced = true
+			default:
+				s.apply(old, c)
+			}
+		case <-n.exited:
+			resume(fmt.Errorf("the new process exited: %s", errString(n.err)))
+			return
+		case <-deadline:
+			resume(errors.New("the old process did not hand over within 30s"))
+			return
+		}
+	}
+	// 3. The new one gets everything, and serves.
+	err = s.handState(n, conns, "upgrade")
+	for _, p := range conns {
+		closeFD(p.FD) // the kernel gave the new process its own
+	}
+	if err == nil {
+		err = s.waitReady(ctx, n, old)
+	}
+	if err != nil {
+		conns = nil
+		resume(err)
+		return
+	}
+	send(old.conn, msg{T: tExit}, -1)
+	s.cur = n
+	go func() {
+		// The old process exits by itself; make sure of it.
+		select {
+		case <-old.exited:
+		case <-time.After(10 * time.Second):
+			old.kill()
+		}
+	}()
+	go s.drain(old)
+	s.log.Info("upgrade done", "old_pid", old.pid, "pid", n.pid)
+	s.serving(n)
+}
+
+// await waits for message type t from c, applying what the other serving
+// process (other, may be nil) journals meanwhile.
+func (s *Supervisor) await(ctx context.Context, c, other *child, t string, limit time.Duration) error {
+	deadline := time.After(limit)
+	var otherMsgs chan ctl
+	if other != nil {
+		otherMsgs = other.msgs
+	}
+	for {
+		select {
+		case m, ok := <-c.msgs:
+			if !ok {
+				<-c.exited
+				return fmt.Errorf("the serving process exited (%s) before it was %s", errString(c.err), t)
+			}
+			if m.m.T == t {
+				return nil
+			}
+			s.apply(c, m)
+		case m, ok := <-otherMsgs:
+			if !ok {
+				otherMsgs = nil
+				continue
+			}
+			s.apply(other, m)
+		case <-deadline:
+			return fmt.Errorf("no %q from the serving process within %s", t, limit)
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+func (s *Supervisor) waitReady(ctx context.Context, c, other *child) error {
+	return s.await(ctx, c, other, tReady, 5*time.Minute)
+}
+
+// apply acts on one message from a serving process.
+func (s *Supervisor) apply(c *child, m ctl) {
+	switch m.m.T {
+	case tPut:
+		if m.m.ID == 0 || !isObject(m.m.Rec) {
+			s.log.Error("serving process sent a bad record; ignored", "pid", c.pid, "id", m.m.ID)
+			closeFD(m.fd)
+			return
+		}
+		s.st.put(m.m.ID, m.m.Rec, m.fd)
+	case tDel:
+		closeFD(m.fd)
+		s.st.del(m.m.ID)
+	case tConn:
+		// Only during an upgrade; a stray one is closed.
+		closeFD(m.fd)
+	default:
+		closeFD(m.fd)
+	}
+}
+
+// drain applies what a dead serving process left in its socket.
+func (s *Supervisor) drain(c *child) {
+	for m := range c.msgs {
+		s.apply(c, m)
+	}
+}
+
+// handState sends c the state, the parked connections and "go".
+func (s *Supervisor) handState(c *child, conns []Parked, reason string) error {
+	for _, id := range s.st.ids() {
+		e := s.st.entries[id]
+		if err := send(c.conn, msg{T: tSeg, ID: id, Rec: e.rec}, e.fd); err != nil {
+			return fmt.Errorf("hand over segment %d: %w", id, err)
+		}
+	}
+	for _, p := range conns {
+		if err := send(c.conn, msg{T: tConn, State: p.State}, p.FD); err != nil {
+			return fmt.Errorf("hand over a connection: %w", err)
+		}
+	}
+	g := msg{T: tGo, NextID: s.st.nextID, Reason: reason, Restarts: s.restarts, PID: os.Getpid()}
+	if time.Now().Before(s.grace) {
+		g.GraceUntil = s.grace.UnixNano()
+	}
+	return send(c.conn, g, -1)
+}
+
+// stop ends the serving process gracefully and releases what is held:
+// every segment is freed, unless systemd's fd store keeps them (then
+// whether they survive is the unit's FileDescriptorStorePreserve=).
+func (s *Supervisor) stop() error {
+	notify("STOPPING=1")
+	c := s.cur
+	if err := send(c.conn, msg{T: tStop}, -1); err != nil {
+		c.kill()
+	}
+	go func() {
+		for m := range c.msgs {
+			s.applyLate(m)
+		}
+	}()
+	select {
+	case <-c.exited:
+	case <-time.After(30 * time.Second):
+		s.log.Error("serving process ignored the stop for 30s; killing it", "pid", c.pid)
+		c.kill()
+		<-c.exited
+	}
+	s.release()
+	if c.err != nil {
+		return fmt.Errorf("serving process: %w", c.err)
+	}
+	s.log.Info("stopped")
+	return nil
+}
+
+// applyLate closes what arrives after the stop: nothing more is kept.
+func (s *Supervisor) applyLate(m ctl) { closeFD(m.fd) }
+
+func (s *Supervisor) release() {
+	if s.store != nil {
+		s.log.Info("segments stay in systemd's fd store: 'systemctl stop' frees them unless FileDescriptorStorePreserve=yes", "segments", s.st.Len())
+	}
+	s.st.release()
+}
+
+// spawn starts a serving process with a fresh control socket.
+func (s *Supervisor) spawn() (*child, error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	ours, err := wire.NewConn(fds[0])
+	if err != nil {
+		unix.Close(fds[0])
+		unix.Close(fds[1])
+		return nil, err
+	}
+	theirs := os.NewFile(uintptr(fds[1]), "control")
+	defer theirs.Close()
+	cmd := exec.Command(s.cfg.Exe, s.cfg.Args...)
+	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	cmd.ExtraFiles = []*os.File{theirs, s.cfg.Listener, s.cfg.Epoch}
+	cmd.Env = append(childEnv(), envLink+"="+strconv.Itoa(fdControl))
+	// Its own process group: a terminal's ^C reaches the supervisor only,
+	// which stops the serving process in order.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		ours.Close()
+		return nil, fmt.Errorf("start serving process %s: %w", s.cfg.Exe, err)
+	}
+	c := &child{cmd: cmd, conn: ours, msgs: make(chan ctl, 64), exited: make(chan struct{}),
+		started: time.Now(), pid: cmd.Process.Pid}
+	go func() {
+		defer close(c.msgs)
+		for {
+			m, fd, err := recv(ours)
+			if err != nil {
+				if !errors.Is(err, wire.ErrProto) {
+					return
+				}
+				s.log.Error("bad control message", "pid", c.pid, "err", err)
+				continue
+			}
+			c.msgs <- ctl{m, fd}
+		}
+	}()
+	go func() {
+		c.err = cmd.Wait()
+		// The control socket may outlive the process in a grandchild it
+		// leaked; end it so the reader sees EOF.
+		ours.Shutdown()
+		close(c.exited)
+	}()
+	return c, nil
+}
+
+func (c *child) kill() { c.cmd.Process.Kill() }
+
+// childEnv is this process's environment without what belongs to it alone:
+// the serving process must not talk to systemd or take its descriptors.
+func childEnv() []string {
+	var out []string
+	for _, kv := range os.Environ() {
+		switch k, _, _ := cutEnv(kv); k {
+		case "NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "FDSTORE", envLink:
+			continue
+		}
+		out = append(out, kv)
+	}
+	return out
+}
+
+func cutEnv(kv string) (string, string, bool) {
+	for i := 0; i < len(kv); i++ {
+		if kv[i] == '=' {
+			return kv[:i], kv[i+1:], true
+		}
+	}
+	return kv, "", false
+}
+
+func errString(err error) string {
+	if err == nil {
+		return "exit 0"
+	}
+	return err.Error()
+}
+
+func monotonicUsec() int64 {
+	var ts unix.Timespec
+	unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
+	return ts.Nano() / 1000
+}
+
+// Restarts is how many times a serving process died and was replaced.
+func (s *Supervisor) Restarts() int { return s.restarts }
