@@ -54,6 +54,9 @@ multiple of the floor's p50 measured in the same run.`,
 			if err != nil {
 				return err
 			}
+			if iters < 1 {
+				return fmt.Errorf("--iters %d: want at least 1", iters)
+			}
 			return runBenchOpen(cmd.Context(), backend, list, iters)
 		},
 	}
