@@ -30,12 +30,23 @@ type SegmentInfo = wire.Segment
 // Device describes a device the daemon allocates on.
 type Device = wire.Device
 
-// Info is what the daemon reports about itself.
+// Info is what the daemon reports about itself. The JSON names are the
+// protocol's.
 type Info struct {
-	Server  string
-	Backend string // "cuda" or "host"
-	Devices []Device
-	Usage   Usage
+	Server  string   `json:"server"`
+	Backend string   `json:"backend"` // "cuda" or "host"
+	Devices []Device `json:"devices"`
+	Usage   Usage    `json:"usage"`
+	// PID is the process serving the socket; SupervisorPID the one holding
+	// the segments across the serving process's restarts (equal to PID for
+	// an unsupervised daemon). Restarts counts serving processes that died
+	// and were replaced; Grace is what is left of the grace period in
+	// which clients of a replaced process reclaim their leases.
+	PID           int           `json:"pid"`
+	SupervisorPID int           `json:"supervisor_pid"`
+	Restarts      int           `json:"restarts"`
+	Grace         time.Duration `json:"-"`
+	GraceSeconds  float64       `json:"grace_seconds"`
 }
 
 // Usage is what the daemon holds.
@@ -108,6 +119,7 @@ type Client struct {
 	broken    error
 	reconnect time.Duration
 	oldEpochs []*epoch.Page // pages of earlier connections, unmapped at Close
+	reconnects int
 
 	cmu    sync.Mutex
 	cache  map[cacheKey]*shared
@@ -168,6 +180,14 @@ func (c *Client) helloLocked(ctx context.Context) error {
 	}
 	c.server, c.backend = rep.Server, rep.Backend
 	return nil
+}
+
+// Reconnects is how many times this client reconnected to a daemon that
+// went away (a serving process that crashed or was replaced).
+func (c *Client) Reconnects() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.reconnects
 }
 
 // SetReconnect sets how long an operation waits for a daemon that went
@@ -293,6 +313,7 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 		time.Sleep(wait)
 		wait = min(2*wait, 100*time.Millisecond)
 	}
+	c.reconnects++
 	// Names may mean other segments now: ask the daemon again for each.
 	c.cmu.Lock()
 	clear(c.cache)
@@ -411,7 +432,9 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 	if err != nil {
 		return nil, fmt.Errorf("gpushm: info: %w", err)
 	}
-	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices}
+	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices,
+		PID: rep.PID, SupervisorPID: rep.SupervisorPID, Restarts: rep.Restarts,
+		Grace: time.Duration(rep.Grace * float64(time.Second)), GraceSeconds: rep.Grace}
 	if rep.Usage != nil {
 		inf.Usage = *rep.Usage
 	}

@@ -366,13 +366,18 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 // predecessor parked.
 func restore(srv *server.Server, b backend.Backend, start *supervisor.Start, log *slog.Logger) {
 	items := make([]segment.Restored, 0, len(start.Segments))
+	now := time.Now().UnixNano()
+	// An orphan without a record is dated now and owned by root (0600).
+	unknown := segment.Record{Created: now, Modified: now, Mode: 0o600}
 	for _, h := range start.Segments {
-		it := segment.Restored{Record: segment.Record{ID: h.ID}}
+		it := segment.Restored{Record: unknown}
+		it.Record.ID = h.ID
 		if h.Rec == nil {
 			it.Problem = "a memory descriptor came back without a record"
 		} else if err := json.Unmarshal(h.Rec, &it.Record); err != nil || it.Record.ID != h.ID {
-			it.Record = segment.Record{ID: h.ID}
-			it.Problem = fmt.Sprintf("its record is unreadable: %s", h.Rec)
+			it.Record = unknown
+			it.Record.ID = h.ID
+			it.Problem = fmt.Sprintf("its record is unreadable: %.200s", h.Rec)
 		}
 		if h.FD >= 0 {
 			alloc := it.Record.Alloc
@@ -421,7 +426,7 @@ func follow(link *supervisor.Link, srv *server.Server, ln *net.UnixListener, ex 
 		switch cmd {
 		case "quiesce":
 			ex.stop()
-			conns, err := srv.Park(ln)
+			conns, err := srv.Park()
 			if err != nil {
 				log.Error("park", "err", err)
 			}

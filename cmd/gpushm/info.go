@@ -1,18 +1,28 @@
 package main
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
 	"text/tabwriter"
+	"time"
 
 	"github.com/spf13/cobra"
 )
 
 func infoCmd() *cobra.Command {
-	return &cobra.Command{
+	var asJSON bool
+	cmd := &cobra.Command{
 		Use:   "info",
-		Short: "Show the daemon's backend and devices",
-		Args:  cobra.NoArgs,
+		Short: "Show the daemon's backend, devices and processes",
+		Long: `Show the daemon's backend, devices and processes. It exits 0 only when a
+daemon answers, so it doubles as a health check.
+
+With --json it prints one JSON document with the protocol's field names
+(docs/protocol.md, "info"), including "pid", the process serving the socket
+(the one a crash would take down), and "supervisor_pid", the one holding
+every segment across restarts of the serving process.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := dial(cmd.Context())
 			if err != nil {
@@ -23,7 +33,15 @@ func infoCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			if asJSON {
+				return printJSON(inf)
+			}
 			fmt.Printf("daemon:   gpushm %s at %s\nbackend:  %s\n", inf.Server, c.Socket(), inf.Backend)
+			fmt.Printf("process:  serving %d, supervisor %d, %d restart(s)", inf.PID, inf.SupervisorPID, inf.Restarts)
+			if inf.Grace > 0 {
+				fmt.Printf(", %s left to reclaim leases", inf.Grace.Round(100*time.Millisecond))
+			}
+			fmt.Println()
 			fmt.Printf("segments: %d named, %d holding memory, %s allocated, %d opens\n\n",
 				inf.Usage.Named, inf.Usage.Segments, formatSize(inf.Usage.Bytes), inf.Usage.Opens)
 			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
@@ -39,4 +57,13 @@ func infoCmd() *cobra.Command {
 			return w.Flush()
 		},
 	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print one JSON document (the protocol's field names)")
+	return cmd
+}
+
+// printJSON writes v as indented JSON on standard output.
+func printJSON(v any) error {
+	enc := json.NewEncoder(os.Stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
 }

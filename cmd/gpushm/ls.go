@@ -14,12 +14,19 @@ import (
 )
 
 func lsCmd() *cobra.Command {
-	var bytes, wide bool
+	var bytes, wide, asJSON bool
 	cmd := &cobra.Command{
 		Use:     "ls",
 		Aliases: []string{"list"},
 		Short:   "List segments",
-		Args:    cobra.NoArgs,
+		Long: `List segments. LIFETIME says how each ends: "-" when removed, "creator"
+with its creator's connection, "ttl" after that long unopened, and
+"orphaned" for one that survived a restart in a state the daemon could not
+prove (see 'gpushm stat NAME'; 'gpushm rm NAME' frees it).
+
+With --json it prints one JSON array of segment objects with the protocol's
+field names (docs/protocol.md).`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := dial(cmd.Context())
 			if err != nil {
@@ -29,6 +36,12 @@ func lsCmd() *cobra.Command {
 			segs, err := c.List(cmd.Context())
 			if err != nil {
 				return err
+			}
+			if asJSON {
+				if segs == nil {
+					segs = []gpushm.SegmentInfo{}
+				}
+				return printJSON(segs)
 			}
 			devName := map[int]string{}
 			if wide {
@@ -67,6 +80,7 @@ func lsCmd() *cobra.Command {
 	}
 	cmd.Flags().BoolVar(&bytes, "bytes", false, "print sizes in bytes")
 	cmd.Flags().BoolVarP(&wide, "wide", "w", false, "also show each segment's GPU by name and UUID")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print one JSON array (the protocol's field names)")
 	return cmd
 }
 
@@ -74,6 +88,8 @@ func lsCmd() *cobra.Command {
 // its creator's connection), or "ttl 10m (4m left)".
 func lifetime(s *gpushm.SegmentInfo) string {
 	switch {
+	case s.Orphan != "":
+		return "orphaned"
 	case s.Lifetime == "connection":
 		return "creator"
 	case s.TTL > 0:

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"crypto/sha256"
+	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -10,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -21,6 +23,21 @@ import (
 // The test binary doubles as the gpushm binary: with GPUSHM_TEST_MAIN set it
 // runs main, so the CLI is tested as users run it, in separate processes.
 func TestMain(m *testing.M) {
+	if os.Getenv("GPUSHM_TEST_HOLDER") != "" {
+		if err := holderMain(); err != nil {
+			fmt.Fprintf(os.Stderr, "holder: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if k := os.Getenv("GPUSHM_TEST_CHAOS"); k != "" {
+		n, _ := strconv.Atoi(k)
+		if err := chaosClientMain(n); err != nil {
+			fmt.Fprintf(os.Stderr, "chaos client %d: %v\n", n, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if os.Getenv("GPUSHM_TEST_MAIN") != "" {
 		main()
 		os.Exit(0)

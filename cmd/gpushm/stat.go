@@ -8,10 +8,13 @@ import (
 )
 
 func statCmd() *cobra.Command {
-	return &cobra.Command{
+	var asJSON bool
+	cmd := &cobra.Command{
 		Use:   "stat NAME",
 		Short: "Show one segment in full",
-		Args:  cobra.ExactArgs(1),
+		Long: `Show one segment in full. With --json it prints one JSON object with the
+protocol's field names (docs/protocol.md, "Segment object").`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := dial(cmd.Context())
 			if err != nil {
@@ -21,6 +24,9 @@ func statCmd() *cobra.Command {
 			s, err := c.Stat(cmd.Context(), args[0])
 			if err != nil {
 				return err
+			}
+			if asJSON {
+				return printJSON(s)
 			}
 			fmt.Printf("name:        %s\n", s.Name)
 			fmt.Printf("id:          %d\n", s.ID)
@@ -34,10 +40,15 @@ func statCmd() *cobra.Command {
 			created := time.Unix(0, s.Created)
 			fmt.Printf("created:     %s (%s ago)\n", created.Format(time.RFC3339), age(time.Since(created)))
 			fmt.Printf("lifetime:    %s\n", lifetime(s))
+			if s.Orphan != "" {
+				fmt.Printf("orphaned:    %s ('gpushm rm %s' frees it)\n", s.Orphan, s.Name)
+			}
 			if len(s.Meta) > 0 {
 				fmt.Printf("meta:        %s\n", s.Meta)
 			}
 			return nil
 		},
 	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print one JSON object (the protocol's field names)")
+	return cmd
 }

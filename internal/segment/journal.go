@@ -151,12 +151,19 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 	for _, it := range items {
 		rec := it.Record
 		r.nextID = max(r.nextID, rec.ID)
-		problem := it.Problem
-		if problem == "" && rec.Orphan != "" {
+		problem, known := it.Problem, rec.Orphan != ""
+		if problem == "" && known {
 			problem = rec.Orphan
 		}
 		if problem == "" && rec.Alloc > 0 && it.Memory == nil {
 			problem = "its memory descriptor is missing"
+		}
+		if problem == "" && !rec.Linked && it.Memory == nil {
+			// Unnamed and without memory: nothing left to serve or free.
+			if r.journal != nil {
+				r.journal.Delete(rec.ID)
+			}
+			continue
 		}
 		if problem == "" && rec.Linked {
 			if err := ValidName(rec.Name); err != nil {
@@ -165,7 +172,7 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 				problem = fmt.Sprintf("another segment restored under the name %q", rec.Name)
 			}
 		}
-		if problem == "" && !rec.Linked && it.Memory == nil {
+		if !rec.Linked && it.Memory == nil {
 			// Unnamed and without memory: nothing left to serve or free.
 			if r.journal != nil {
 				r.journal.Delete(rec.ID)
@@ -185,13 +192,21 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			s.size = memSize(s.mem)
 		}
 		if problem != "" {
-			s.orphan = problem
-			if rec.Name != "" {
-				s.orphan = fmt.Sprintf("%s (was %q)", problem, rec.Name)
+			s.orphan, s.bound, s.ttl = problem, false, 0
+			if !known {
+				// Newly orphaned: named for what it is, findable by ls. An
+				// orphan already removed (unlinked) stays unnamed.
+				if rec.Name != "" {
+					s.orphan = fmt.Sprintf("%s (was %q)", problem, rec.Name)
+				}
+				s.name, s.linked = r.orphanName(rec.ID), true
 			}
-			s.name = r.orphanName(rec.ID)
-			s.linked, s.bound, s.ttl = true, false, 0
-			orphans = append(orphans, s.name)
+			if s.linked {
+				if r.byName[s.name] != nil {
+					s.name = r.orphanName(rec.ID)
+				}
+				orphans = append(orphans, s.name)
+			}
 		}
 		if s.linked {
 			r.byName[s.name] = s

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -48,7 +47,7 @@ func (s *Server) isParked() bool { return s.isParking() }
 
 // waitUnparked blocks while the server is parked, and reports whether it
 // was (the accept loop then starts over).
-func (s *Server) waitUnparked(ctx context.Context, ln *net.UnixListener) bool {
+func (s *Server) waitUnparked(ctx context.Context) bool {
 	s.mu.Lock()
 	if !s.parking {
 		s.mu.Unlock()
@@ -58,7 +57,6 @@ func (s *Server) waitUnparked(ctx context.Context, ln *net.UnixListener) bool {
 	s.mu.Unlock()
 	select {
 	case <-ch:
-		ln.SetDeadline(time.Time{})
 	case <-ctx.Done():
 	}
 	return true
@@ -68,7 +66,7 @@ func (s *Server) waitUnparked(ctx context.Context, ln *net.UnixListener) bool {
 // from ln, every connection stops between two requests, and their sockets
 // and state are returned. The registry stays as it is; the caller stops
 // journaling (Registry.Detach) once the state went to the successor.
-func (s *Server) Park(ln *net.UnixListener) ([]ParkedConn, error) {
+func (s *Server) Park() ([]ParkedConn, error) {
 	s.mu.Lock()
 	if s.parking {
 		s.mu.Unlock()
@@ -77,7 +75,7 @@ func (s *Server) Park(ln *net.UnixListener) ([]ParkedConn, error) {
 	s.parking = true
 	s.resumed = make(chan struct{})
 	s.mu.Unlock()
-	ln.SetDeadline(time.Now())
+	s.wakeAccept()
 	var one [8]byte
 	one[0] = 1
 	if _, err := unix.Write(s.wake, one[:]); err != nil {
@@ -109,7 +107,8 @@ func (s *Server) Park(ln *net.UnixListener) ([]ParkedConn, error) {
 // Resume serves the parked connections again, after a failed handover.
 func (s *Server) Resume() {
 	var buf [8]byte
-	unix.Read(s.wake, buf[:]) // clear the eventfd
+	unix.Read(s.wake, buf[:]) // clear the eventfds
+	unix.Read(s.acceptWake, buf[:])
 	s.mu.Lock()
 	parked := s.parked
 	s.parked = nil

@@ -52,6 +52,7 @@ type Server struct {
 	supervisorPID int
 	restarts      int
 	wake          int // eventfd: readable while connections must park
+	acceptWake    int // eventfd: readable when the accept loop must look at ctx or parking
 	parking       bool
 	parked        []*conn
 	resumed       chan struct{}
@@ -76,6 +77,12 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		ep.Close()
 		return nil, fmt.Errorf("eventfd: %w", err)
 	}
+	acceptWake, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	if err != nil {
+		ep.Close()
+		unix.Close(wake)
+		return nil, fmt.Errorf("eventfd: %w", err)
+	}
 	s := &Server{
 		backend:       b,
 		epoch:         ep,
@@ -85,6 +92,7 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		conns:         make(map[*conn]struct{}),
 		supervisorPID: os.Getpid(),
 		wake:          wake,
+		acceptWake:    acceptWake,
 	}
 	s.reg = segment.New(b, func() { s.epoch.Bump() })
 	return s, nil
@@ -143,7 +151,19 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 			os.Remove(path)
 		}
 	}()
-	stop := context.AfterFunc(ctx, func() { ln.SetDeadline(time.Now()) })
+	// The listener is read with poll(2) and accept4(2) on its descriptor,
+	// not through Go's poller: the listening socket is shared with the
+	// supervisor and with a successor, whose descriptor passing can put it
+	// in blocking mode under us, and then no deadline would end a blocked
+	// accept. Poll does not care, and with a single acceptor at a time a
+	// connection that poll saw is there for accept.
+	lnf, err := ln.File()
+	if err != nil {
+		return fmt.Errorf("listening socket: %w", err)
+	}
+	defer lnf.Close()
+	lnfd := int(lnf.Fd())
+	stop := context.AfterFunc(ctx, s.wakeAccept)
 	defer stop()
 	sweepDone := make(chan struct{})
 	defer func() { <-sweepDone }()
@@ -153,19 +173,24 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 	}()
 
 	var acceptErr error
-	for {
-		if ctx.Err() == nil && s.waitUnparked(ctx, ln) {
+	for ctx.Err() == nil {
+		if s.waitUnparked(ctx) {
 			continue
 		}
-		c, err := ln.AcceptUnix()
+		woken, ready, err := pollAccept(lnfd, s.acceptWake)
 		if err != nil {
-			if ctx.Err() != nil {
-				break
-			}
-			if errors.Is(err, os.ErrDeadlineExceeded) {
-				continue // Park, or ctx
-			}
-			if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+			acceptErr = err
+			break
+		}
+		if woken || !ready {
+			continue // parking, or ctx: the loop looks again
+		}
+		fd, _, err := unix.Accept4(lnfd, unix.SOCK_CLOEXEC)
+		if err != nil {
+			switch {
+			case errors.Is(err, syscall.EAGAIN), errors.Is(err, syscall.EINTR), errors.Is(err, syscall.ECONNABORTED):
+				continue
+			case errors.Is(err, syscall.EMFILE), errors.Is(err, syscall.ENFILE):
 				s.log.Warn("out of file descriptors; refusing connections for a moment (raise the limit with 'ulimit -n')", "err", err)
 				time.Sleep(100 * time.Millisecond)
 				continue
@@ -173,7 +198,7 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 			acceptErr = fmt.Errorf("accept: %w", err)
 			break
 		}
-		s.start(c)
+		s.startFD(fd)
 	}
 	if s.isParked() {
 		// Handed over: the successor serves these connections and holds
@@ -190,8 +215,10 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 	}
 	s.mu.Unlock()
 	s.wg.Wait()
-	err := s.reg.Close()
+	err = s.reg.Close()
 	s.epoch.Close()
+	unix.Close(s.wake)
+	unix.Close(s.acceptWake)
 	return errors.Join(acceptErr, err)
 }
 
@@ -218,10 +245,11 @@ func (s *Server) sweep(ctx context.Context) {
 	}
 }
 
-func (s *Server) start(uc *net.UnixConn) {
-	wc, err := wire.FromUnixConn(uc)
+func (s *Server) startFD(fd int) {
+	wc, err := wire.NewConn(fd)
 	if err != nil {
 		s.log.Warn("dropping connection", "err", err)
+		unix.Close(fd)
 		return
 	}
 	c := &conn{s: s, wc: wc, leases: make(map[uint64]*lease)}
@@ -229,6 +257,33 @@ func (s *Server) start(uc *net.UnixConn) {
 		s.log.Warn("refusing connection without credentials", "err", err)
 		wc.Close()
 	}
+}
+
+// pollAccept waits until the listener has a connection or the wake
+// descriptor is readable.
+func pollAccept(lnfd, wake int) (woken, ready bool, err error) {
+	fds := []unix.PollFd{{Fd: int32(lnfd), Events: unix.POLLIN}, {Fd: int32(wake), Events: unix.POLLIN}}
+	for {
+		_, err := unix.Poll(fds, -1)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return false, false, fmt.Errorf("poll listener: %w", err)
+		}
+		if fds[0].Revents&(unix.POLLERR|unix.POLLNVAL) != 0 {
+			return false, false, fmt.Errorf("listening socket failed (poll events %#x)", fds[0].Revents)
+		}
+		return fds[1].Revents != 0, fds[0].Revents&unix.POLLIN != 0, nil
+	}
+}
+
+// wakeAccept ends a wait in the accept loop, which then looks at ctx and
+// at parking.
+func (s *Server) wakeAccept() {
+	var one [8]byte
+	one[0] = 1
+	unix.Write(s.acceptWake, one[:])
 }
 
 // run serves c in a goroutine of its own.

@@ -61,6 +61,7 @@ type child struct {
 	err     error         // its exit status, once exited
 	started time.Time
 	pid     int
+	ready   bool // it said it serves
 }
 
 type ctl struct {
@@ -195,9 +196,10 @@ func (s *Supervisor) restart(ctx context.Context) error {
 	ran := time.Since(old.started)
 	s.log.Error("serving process died; restarting it", "pid", old.pid, "status", errString(old.err), "ran", ran.Round(time.Millisecond))
 	s.restarts++
-	s.grace = time.Now().Add(s.cfg.Grace)
-	// Back off only when it dies young again and again (a crash at start).
-	if ran < time.Second {
+	// Back off only when serving processes die before they serve, again
+	// and again (a crash at start); one killed while serving comes back at
+	// once.
+	if !old.ready {
 		s.quick++
 	} else {
 		s.quick = 0
@@ -216,6 +218,9 @@ func (s *Supervisor) restart(ctx context.Context) error {
 		}
 		c, err := s.spawn()
 		if err == nil {
+			// The grace period runs from when the successor starts, so that
+			// a slow start does not eat it.
+			s.grace = time.Now().Add(s.cfg.Grace)
 			if err = s.handState(c, nil, "restart"); err == nil {
 				err = s.waitReady(ctx, c, nil)
 			}
@@ -351,6 +356,9 @@ func (s *Supervisor) await(ctx context.Context, c, other *child, t string, limit
 				return fmt.Errorf("the serving process exited (%s) before it was %s", errString(c.err), t)
 			}
 			if m.m.T == t {
+				if t == tReady {
+					c.ready = true
+				}
 				return nil
 			}
 			s.apply(c, m)
