@@ -113,12 +113,12 @@ type Client struct {
 	epoch   atomic.Pointer[epoch.Page]
 	session string // names this client across reconnections
 
-	mu        sync.Mutex // serializes round trips
-	conn      *wire.Conn
-	nextID    uint64
-	broken    error
-	reconnect time.Duration
-	oldEpochs []*epoch.Page // pages of earlier connections, unmapped at Close
+	mu         sync.Mutex // serializes round trips
+	conn       *wire.Conn
+	nextID     uint64
+	broken     error
+	reconnect  time.Duration
+	oldEpochs  []*epoch.Page // pages of earlier connections, unmapped at Close
 	reconnects int
 
 	cmu    sync.Mutex
