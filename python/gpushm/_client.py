@@ -188,6 +188,7 @@ class Client:
         # Names this client across reconnections: the daemon gives a
         # restarted connection back its temporary segments by it.
         self._session = os.urandom(16).hex()
+        self._reconnects = 0
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -339,6 +340,7 @@ class Client:
                 raise ConnectionError(f"gpushm: {self._broken} ({self.socket})")
             time.sleep(wait)
             wait = min(2 * wait, 0.1)
+        self._reconnects += 1
         # Leases of the old connection ended with it; names may mean other
         # segments now.
         self._pending.clear()
@@ -467,7 +469,15 @@ class Client:
         """The daemon's backend, devices and usage (docs/protocol.md, info)."""
         rep, _ = self._call("info")
         return {"server": self.server, "backend": rep.get("backend"), "devices": rep.get("devices", []),
-                "usage": rep.get("usage", {})}
+                "usage": rep.get("usage", {}), "pid": rep.get("pid", 0),
+                "supervisor_pid": rep.get("supervisor_pid", 0), "restarts": rep.get("restarts", 0),
+                "grace_seconds": rep.get("grace_seconds", 0.0)}
+
+    @property
+    def reconnects(self) -> int:
+        """How many times this client reconnected to a daemon that went away
+        (a serving process that crashed or was replaced)."""
+        return self._reconnects
 
     def stat(self, name: str) -> SegmentInfo:
         rep, _ = self._call("stat", name=name)

@@ -28,14 +28,14 @@ def _binary():
 
 
 class Daemon:
-    def __init__(self, backend):
+    def __init__(self, backend, *args):
         # A short path: sun_path holds 108 bytes. World-searchable, so that
         # tests running children as another user can reach the socket.
         self.dir = tempfile.mkdtemp(prefix="gpushm-py-")
         os.chmod(self.dir, 0o755)
         self.socket = os.path.join(self.dir, "s.sock")
         self.log = open(os.path.join(self.dir, "daemon.log"), "w+")
-        self.proc = subprocess.Popen([_binary(), "daemon", "--socket", self.socket, "--backend", backend],
+        self.proc = subprocess.Popen([_binary(), "daemon", "--socket", self.socket, "--backend", backend, *args],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while True:

@@ -1,0 +1,302 @@
+package segment
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// fakeJournal records what the registry journals, as a supervisor would:
+// the latest record and descriptor of every segment alive.
+type fakeJournal struct {
+	mu   sync.Mutex
+	recs map[uint64]Record
+	fds  map[uint64]int
+	log  []string
+}
+
+func newJournal() *fakeJournal {
+	return &fakeJournal{recs: map[uint64]Record{}, fds: map[uint64]int{}}
+}
+
+func (j *fakeJournal) Put(rec Record, fd int) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	j.recs[rec.ID] = rec
+	if fd >= 0 {
+		j.fds[rec.ID] = fd
+	} else if rec.Alloc == 0 {
+		delete(j.fds, rec.ID)
+	}
+	j.log = append(j.log, fmt.Sprintf("put %s linked=%v fd=%v", rec.Name, rec.Linked, fd >= 0))
+}
+
+func (j *fakeJournal) Delete(id uint64) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	name := j.recs[id].Name
+	delete(j.recs, id)
+	delete(j.fds, id)
+	j.log = append(j.log, "del "+name)
+}
+
+func (j *fakeJournal) take() []string {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	l := j.log
+	j.log = nil
+	return l
+}
+
+func TestJournalRecordsEveryChange(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	j := newJournal()
+	r.SetJournal(j)
+	steps := []struct {
+		name string
+		do   func() error
+		want []string
+	}{
+		{"create", func() error {
+			_, _, err := r.Create(alice, CreateOptions{Name: "a", Size: 100, Meta: []byte(`{"x":1}`)})
+			return err
+		}, []string{"put a linked=true fd=true"}},
+		{"chmod", func() error {
+			s, _, _ := r.Lookup("a")
+			return r.SetMode(alice, s, 0o640)
+		}, []string{"put a linked=true fd=false"}},
+		{"rename", func() error { return r.Rename(alice, "a", "b", 0) }, []string{"put b linked=true fd=false"}},
+		{"unlink", func() error { return r.Unlink(alice, "b") }, []string{"del b"}},
+		{"unlink while open", func() error {
+			s, _, err := r.Create(alice, CreateOptions{Name: "c", Size: 1, Open: true})
+			if err != nil {
+				return err
+			}
+			if err := r.Unlink(alice, "c"); err != nil {
+				return err
+			}
+			return r.Release(s)
+		}, []string{"put c linked=true fd=true", "put c linked=false fd=false", "del c"}},
+		{"failed create", func() error {
+			f.failWith = errors.New("no")
+			defer func() { f.failWith = nil }()
+			if _, _, err := r.Create(alice, CreateOptions{Name: "d", Size: 1}); err == nil {
+				return errors.New("create succeeded")
+			}
+			return nil
+		}, nil},
+		{"open of a TTL segment stops its clock", func() error {
+			if _, _, err := r.Create(alice, CreateOptions{Name: "t", Size: 1, TTL: time.Hour}); err != nil {
+				return err
+			}
+			s, err := r.Acquire(alice, "t", true)
+			if err != nil {
+				return err
+			}
+			return r.Release(s)
+		}, []string{"put t linked=true fd=true", "put t linked=true fd=false", "put t linked=true fd=false"}},
+	}
+	for _, st := range steps {
+		if err := st.do(); err != nil {
+			t.Fatalf("%s: %v", st.name, err)
+		}
+		if got := j.take(); !slices.Equal(got, st.want) {
+			t.Fatalf("%s journaled %q, want %q", st.name, got, st.want)
+		}
+	}
+	if rec := j.recs[r.mustID(t, "t")]; rec.TTL != int64(time.Hour) || rec.InUse {
+		t.Fatalf("TTL record after the last close: %+v", rec)
+	}
+}
+
+func (r *Registry) mustID(t *testing.T, name string) uint64 {
+	t.Helper()
+	s, _, err := r.Lookup(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s.ID()
+}
+
+// restart builds a registry from what j holds, as a restarted server does
+// from its supervisor, with the fake descriptors as memory.
+func restart(t *testing.T, f *fakeAlloc, j *fakeJournal, grace time.Duration) (*Registry, *fakeJournal, []string) {
+	t.Helper()
+	r := New(f, nil)
+	nj := newJournal()
+	r.SetJournal(nj)
+	var items []Restored
+	var next uint64
+	for id, rec := range j.recs {
+		nj.recs[id] = rec
+		it := Restored{Record: rec}
+		if fd, ok := j.fds[id]; ok {
+			nj.fds[id] = fd
+			it.Memory = &fakeMem{f: f, fd: fd, size: rec.Alloc}
+		}
+		items = append(items, it)
+		next = max(next, id)
+	}
+	orphans := r.Restore(items, next, grace)
+	nj.take()
+	return r, nj, orphans
+}
+
+func TestRestoreAndGrace(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	j := newJournal()
+	r.SetJournal(j)
+	r.Create(alice, CreateOptions{Name: "keep", Size: 10, Mode: 0o640, UseMode: true, Meta: []byte(`{"k":1}`)})
+	open, _, _ := r.Create(alice, CreateOptions{Name: "gone-but-open", Size: 10, Open: true})
+	r.Unlink(alice, "gone-but-open")
+	r.Create(alice, CreateOptions{Name: "bound", Size: 10, Bound: true, Session: "s1"})
+	r.Create(alice, CreateOptions{Name: "ttl-open", Size: 10, TTL: time.Millisecond})
+	ttlLease, _ := r.Acquire(alice, "ttl-open", false)
+	// The server dies here: its registry is lost, the journal is not.
+	_, _ = open, ttlLease
+
+	r2, j2, orphans := restart(t, f, j, time.Hour)
+	if len(orphans) != 0 {
+		t.Fatalf("orphans %v", orphans)
+	}
+	inf, err := r2.Stat("keep")
+	if err != nil || inf.Mode != 0o640 || string(inf.Meta) != `{"k":1}` || inf.UID != alice.UID || !inf.Doubt {
+		t.Fatalf("keep after restart: %+v, %v", inf, err)
+	}
+	if r2.Usage().Segments != 4 {
+		t.Fatalf("usage %+v: the unlinked-but-open segment must be kept", r2.Usage())
+	}
+	// In the grace period: the open TTL segment does not expire, a resize
+	// is refused (a client may still map it), the bound one waits for its
+	// creator.
+	if got := r2.Expire(time.Now().Add(time.Hour)); len(got) != 0 {
+		t.Fatalf("expired during the grace period: %v", got)
+	}
+	s, _, _ := r2.Lookup("keep")
+	if err := r2.Resize(s, 99999); !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), "restarted") {
+		t.Fatalf("resize during the grace period = %v, want ErrBusy", err)
+	}
+	if b := r2.BoundTo("s1"); len(b) != 1 {
+		t.Fatalf("BoundTo(s1) = %v", b)
+	}
+	// A client reclaims its lease on the unlinked segment by id.
+	if _, err := r2.Reclaim(eve, open.ID(), 1, false); !errors.Is(err, ErrPermission) {
+		t.Fatalf("reclaim by another user = %v, want ErrPermission", err)
+	}
+	held, err := r2.Reclaim(alice, open.ID(), 1, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r2.EndGrace()
+	if r2.Usage().Segments != 4 {
+		t.Fatalf("usage %+v after the grace period: the reclaimed segment must stay", r2.Usage())
+	}
+	if err := r2.Release(held); err != nil {
+		t.Fatal(err)
+	}
+	if r2.Usage().Segments != 3 {
+		t.Fatalf("usage %+v after the reclaimed lease ended", r2.Usage())
+	}
+	if got := j2.take(); !slices.Contains(got, "del gone-but-open") {
+		t.Fatalf("journal after the last lease: %q", got)
+	}
+	// The TTL segment's clock runs from the end of the grace period.
+	if got := r2.Expire(time.Now().Add(time.Second)); !slices.Equal(got, []string{"ttl-open"}) {
+		t.Fatalf("Expire after the grace period = %v", got)
+	}
+	if err := r2.Resize(s, 99999); errors.Is(err, ErrBusy) {
+		t.Fatalf("resize after the grace period: %v", err)
+	}
+}
+
+func TestJournalResize(t *testing.T) {
+	r := New(newDataAlloc(), nil)
+	j := newJournal()
+	r.SetJournal(j)
+	s, _, err := r.Create(alice, CreateOptions{Name: "f", AllowEmpty: true, Pin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Resize(s, 10000); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Resize(s, 0); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"put f linked=true fd=false", "put f linked=true fd=true", "put f linked=true fd=false"}
+	if got := j.take(); !slices.Equal(got, want) {
+		t.Fatalf("journaled %q, want %q", got, want)
+	}
+	if _, ok := j.fds[s.ID()]; ok || j.recs[s.ID()].Alloc != 0 {
+		t.Fatalf("a segment resized to 0 still has memory in the journal: %+v", j.recs[s.ID()])
+	}
+}
+
+func TestRestoreOrphans(t *testing.T) {
+	f := newFake()
+	j := newJournal()
+	good := &fakeMem{f: f, fd: 7, size: 4096}
+	f.live[7] = 4096
+	bad := &fakeMem{f: f, fd: 8, size: 4096}
+	f.live[8] = 4096
+	r := New(f, nil)
+	r.SetJournal(j)
+	orphans := r.Restore([]Restored{
+		{Record: Record{ID: 1, Name: "ok", Linked: true, Size: 10, Alloc: 4096, Mode: 0o600}, Memory: good},
+		{Record: Record{ID: 2, Name: "nofd", Linked: true, Size: 10, Alloc: 4096}},
+		{Record: Record{ID: 3, Name: "ok", Linked: true, Size: 10, Alloc: 4096}, Memory: bad},
+		{Record: Record{ID: 9, Name: "", Linked: false}, Memory: nil},
+		{Record: Record{ID: 4, Name: "a/b", Linked: true}},
+	}, 20, 0)
+	slices.Sort(orphans)
+	if want := []string{"orphaned-2", "orphaned-3", "orphaned-4"}; !slices.Equal(orphans, want) {
+		t.Fatalf("orphans %v, want %v", orphans, want)
+	}
+	if _, err := r.Acquire(Root, "orphaned-3", false); !errors.Is(err, ErrOrphan) {
+		t.Fatalf("open of an orphan = %v, want ErrOrphan", err)
+	}
+	inf, _ := r.Stat("orphaned-3")
+	if !strings.Contains(inf.Orphan, `"ok"`) {
+		t.Fatalf("orphan reason %q does not name the segment it was", inf.Orphan)
+	}
+	// Removing an orphan frees what it held.
+	r.EndGrace()
+	if err := r.Unlink(Root, "orphaned-3"); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := f.live[8]; ok {
+		t.Fatal("the orphan's descriptor was not freed by rm")
+	}
+	// IDs go on from the highest given out.
+	s, _, err := r.Create(alice, CreateOptions{Name: "new", Size: 1})
+	if err != nil || s.ID() != 21 {
+		t.Fatalf("new segment id %d (%v), want 21", s.ID(), err)
+	}
+}
+
+func TestRetriedCreateFindsItsSegment(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	o := CreateOptions{Name: "x", Size: 10, Open: true, Origin: "sess/7"}
+	a, created, err := r.Create(alice, o)
+	if err != nil || !created {
+		t.Fatal(err)
+	}
+	b, created, err := r.Create(alice, o)
+	if err != nil || !created || b != a {
+		t.Fatalf("retried create = %v, %v, %v; want the same segment, created", b, created, err)
+	}
+	o.Origin = "sess/8"
+	if _, _, err := r.Create(alice, o); !errors.Is(err, ErrExist) {
+		t.Fatalf("another request = %v, want ErrExist", err)
+	}
+	if f.liveCount() != 1 {
+		t.Fatalf("%d allocations, want 1", f.liveCount())
+	}
+}
