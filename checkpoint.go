@@ -37,7 +37,8 @@ func (ck *Checkpoint) Close() error { return ck.p.Close() }
 // Size is the size of the segment the checkpoint becomes.
 func (ck *Checkpoint) Size() int64 { return ck.p.Size }
 
-// DataBytes is the tensor data, the bulk of Size.
+// DataBytes is the span of the tensor data in the segment, the bulk of
+// Size: the shards' data regions and the alignment between them.
 func (ck *Checkpoint) DataBytes() int64 { return ck.p.DataBytes }
 
 // FileBytes is the small files' size, together.
