@@ -139,6 +139,16 @@ class Ctx:
         self.env.pop("PYTHONSTARTUP", None)
         self.client = gpushm.connect(daemon.socket)
         self.gpu = args.backend == "cuda"
+        self.deadline = time.monotonic() + args.budget
+
+    def time_for(self, name, seconds):
+        """Whether an optional step of about seconds fits the time budget;
+        says so when it does not."""
+        left = self.deadline - time.monotonic()
+        if left < seconds:
+            say("SKIP", name, f"{left:.0f}s of the time budget left, the step needs about {seconds:.0f}s")
+            return False
+        return True
 
     def gpushm(self, *argv, timeout=300, log=None):
         """Runs the gpushm CLI; returns (rc, stderr, seconds)."""
@@ -375,8 +385,8 @@ def part_small(ctx: Ctx):
     equal = bool(gp) and all(r.get("logits_equal") for r in gp)
     check(equal, "a-logits", "from_pretrained through gpushm: logits equal the original model's exactly, in each of 4 workers"
           if equal else f"logits differ, max |diff| per worker: {[r.get('logits_maxdiff') for r in gp]}")
-    say("INFO", "a-logits-transformers", f"AutoModelForCausalLM.from_pretrained(dir): logits equal the original's: "
-        f"{[r.get('logits_equal') for r in hf]}")
+    say("INFO", "a-logits-transformers", f"{hf[0].get('how') if hf else 'transformers'}: logits equal the original's: "
+        f"{[r.get('logits_equal') for r in hf]}, dtype {hf[0].get('dtype') if hf else '-'}")
     check(bool(gp) and all(r.get("tied") for r in gp), "a-tied",
           f"lm_head.weight is embed_tokens.weight: {[r.get('tied') for r in gp]}")
     check(bool(gp) and all(r.get("params_shared") and r.get("inference") for r in gp), "a-zero-copy",
@@ -440,6 +450,7 @@ def part_big(ctx: Ctx):
     t = time.perf_counter()
     subprocess.run(["sync"], timeout=600)
     synced = time.perf_counter() - t
+    ctx.write_rate = total / (wrote + synced)  # about what the disk takes, to budget cold reads
     shards = shard_files(d)
     size = sum(p.stat().st_size for p in shards)
     fs = subprocess.run(["df", "-T", str(d)], capture_output=True, text=True).stdout.strip().splitlines()[-1:]
@@ -466,6 +477,8 @@ def part_big(ctx: Ctx):
         rows.append([f"gpushm put, page cache, run {i + 1} (whole command)", fmt_s(dt), f"{size / dt / GB:.2f}"])
     best = min(puts)
     for w in ([] if a.tiny else [8, 24]):
+        if not ctx.time_for(f"b-put-workers-{w}", 60):
+            break
         ctx.rm("big")
         rc, err, dt = ctx.gpushm("put", "-v", "--workers", str(w), "big", str(d), log="big-put.log")
         rows.append([f"gpushm put --workers {w}", fmt_s(dt) if rc == 0 else f"exit {rc}", f"{size / dt / GB:.2f}"])
@@ -496,7 +509,8 @@ def part_big(ctx: Ctx):
         else:
             check(st / best >= 4, "b-put-vs-safetensors", f"{st / best:.1f}x safetensors.torch.load_file (target 4x)")
 
-    if not a.tiny:
+    # Leave room for the attach comparison, the headline of the part.
+    if not a.tiny and ctx.time_for("b-cold", 150 + 4 * size / ctx.write_rate):
         part_cold(ctx, d, shards, size)
     part_attach(ctx, d, size)
 
@@ -526,16 +540,19 @@ def part_cold(ctx, d, shards, size):
         rows.append(["dd iflag=direct bs=16M, shards one after another", fmt_s(dt) if ok else "failed", f"{size / dt / GB:.2f}"])
         return size / dt / GB if ok else 0
 
-    disk = max(dd_seq(), dd(shards, f"dd iflag=direct bs=16M, {len(shards)} shards at once"))
+    disk = dd(shards, f"dd iflag=direct bs=16M, {len(shards)} shards at once")
+    if ctx.time_for("b-dd-sequential", 120 + 3 * size / max(disk * GB, 1)):
+        disk = max(disk, dd_seq())
     ctx.rm("big")
     drop_caches()
     rc, err, dt = ctx.gpushm("put", "-v", "big", str(d), log="big-put.log")
     direct = next((ln for ln in err.splitlines() if "O_DIRECT" in ln), "")
     rows.append(["gpushm put, cold (whole command)", fmt_s(dt) if rc == 0 else f"exit {rc}", f"{size / dt / GB:.2f}"])
-    ctx.rm("big")
-    drop_caches()
-    rc2, err2, dt2 = ctx.gpushm("put", "-v", "--direct", "never", "big", str(d), log="big-put.log")
-    rows.append(["gpushm put --direct never, cold", fmt_s(dt2) if rc2 == 0 else f"exit {rc2}", f"{size / dt2 / GB:.2f}"])
+    if ctx.time_for("b-cold-buffered", 120 + 2 * size / max(disk * GB, 1)):
+        ctx.rm("big")
+        drop_caches()
+        rc2, err2, dt2 = ctx.gpushm("put", "-v", "--direct", "never", "big", str(d), log="big-put.log")
+        rows.append(["gpushm put --direct never, cold", fmt_s(dt2) if rc2 == 0 else f"exit {rc2}", f"{size / dt2 / GB:.2f}"])
     table("b: cold reads (after echo 3 > /proc/sys/vm/drop_caches)", ["what", "time", "GB/s"], rows)
     say("INFO", "b-cold-copy", direct.strip())
     if rc == 0 and disk:
@@ -570,7 +587,7 @@ def part_attach(ctx, d, size):
     mem = {}
     gp, mem["gpushm"] = ctx.workers("b-gpushm", 4, ["hf", "gpushm", "--name", "big", "--save-logits", str(logits / "gpushm")],
                                     go_after_ready=gpu_used_mib, timeout=900)
-    if have("transformers"):
+    if have("transformers") and ctx.time_for("b-transformers", 90):
         hf, mem["transformers"] = ctx.workers("b-transformers", 4, ["hf", "disk", "--dir", str(d), "--save-logits", str(logits / "disk")],
                                               go_after_ready=gpu_used_mib, timeout=900)
     else:
@@ -635,7 +652,10 @@ def w_make_small(a):
     model = transformers.LlamaForCausalLM(config)
     torch.set_default_dtype(torch.float32)
     model.generation_config.pad_token_id = config.eos_token_id
-    model.save_pretrained(a.dir, safe_serialization=True, max_shard_size="20MB")
+    try:
+        model.save_pretrained(a.dir, safe_serialization=True, max_shard_size="20MB")
+    except TypeError:  # transformers versions that write nothing but safetensors
+        model.save_pretrained(a.dir, max_shard_size="20MB")
     try:  # a word-level tokenizer, made here: nothing from a hub
         import tokenizers
         vocab = {f"w{i}": i for i in range(1000)}
@@ -660,6 +680,7 @@ def w_hf(a):
     import transformers
     import gpushm.torch
     import gpushm.transformers
+    import transformers.models.llama.modeling_llama  # noqa: F401  (imported lazily otherwise, inside the timing)
     rep = {"import_s": time.perf_counter() - t}
     torch.zeros(1, device="cuda")  # the CUDA context, which both ways need
     torch.cuda.synchronize()
@@ -680,7 +701,14 @@ def w_hf(a):
         # transformers 5 renamed torch_dtype to dtype; without "auto" 4.x loads float32.
         kw = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": "auto"}
         t = time.perf_counter()
-        model = transformers.AutoModelForCausalLM.from_pretrained(a.dir, device_map="cuda", **kw)
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(a.dir, device_map="cuda", **kw)
+            rep["how"] = 'from_pretrained(dir, device_map="cuda")'
+        except (ImportError, ValueError) as e:
+            if "accelerate" not in str(e):
+                raise
+            model = transformers.AutoModelForCausalLM.from_pretrained(a.dir, **kw).to("cuda")
+            rep["how"] = 'from_pretrained(dir).to("cuda"): no accelerate for device_map'
         torch.cuda.synchronize()
         rep["load_s"] = time.perf_counter() - t
     rep["dtype"] = str(next(model.parameters()).dtype)
@@ -784,6 +812,7 @@ def main():
     ap.add_argument("--parts", default="a,b")
     ap.add_argument("--layers", type=int, default=35, help="layers of the big Llama-3-8B-shaped checkpoint (35: 16.2 GiB)")
     ap.add_argument("--tiny", action="store_true", help="the smallest size, for CI: part b only, no cold reads")
+    ap.add_argument("--budget", type=float, default=360, help="seconds; optional steps are skipped to stay within it")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     made = a.work is None
@@ -803,6 +832,7 @@ def main():
     except Exception as e:
         say("FAIL", "setup", f"{type(e).__name__}: {e}")
     finally:
+        # Also when stopped by SIGTERM (the time limit): what ran is reported.
         if daemon is not None:
             daemon.stop()
         for sub in ("small", "small-back", "big", "big-back", "big-logits", "small-ref.pt"):
@@ -810,10 +840,10 @@ def main():
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         if made:
             shutil.rmtree(a.work, ignore_errors=True)
-    print("\n=== summary")
-    for v in _verdicts:
-        print(v)
-    (Path(a.out) / "verdicts.txt").write_text("\n".join(_verdicts) + "\n")
+        print("\n=== summary")
+        for v in _verdicts:
+            print(v)
+        (Path(a.out) / "verdicts.txt").write_text("\n".join(_verdicts) + "\n")
     return 1 if any(v.startswith("FAIL") for v in _verdicts) else 0
 
 

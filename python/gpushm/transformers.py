@@ -102,6 +102,10 @@ def from_pretrained(name: str, *, client=None, readonly: bool = True, model_clas
     if missing and strict:
         raise ValueError(f"gpushm: bundle {name!r} lacks {len(missing)} of the model's tensors: {_some(missing)} "
                          f"(names must match what {type(model).__name__}.save_pretrained writes)")
+    try:  # not the temporary directory the config was read from
+        model.config.name_or_path = name
+    except AttributeError:
+        pass
     if generation is not None:
         model.generation_config = generation
     model.eval()

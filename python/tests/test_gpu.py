@@ -264,7 +264,10 @@ def test_gpu_from_pretrained(gclient, gpu_daemon, name, torch, tmp_path):
         model = transformers.LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(torch.float32)
-    model.save_pretrained(tmp_path / "m", safe_serialization=True, max_shard_size="100KB")
+    try:
+        model.save_pretrained(tmp_path / "m", safe_serialization=True, max_shard_size="100KB")
+    except TypeError:  # transformers versions that write nothing but safetensors
+        model.save_pretrained(tmp_path / "m", max_shard_size="100KB")
     assert len(list((tmp_path / "m").glob("*.safetensors"))) > 1
     _put_dir(gpu_daemon, name, tmp_path / "m", "--readonly-default")
     ids = torch.arange(12).reshape(1, 12).cuda()
