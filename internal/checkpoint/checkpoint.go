@@ -267,7 +267,15 @@ func alignUp(n, a int64) int64 { return (n + a - 1) / a * a }
 // readIndex reads a model.safetensors.index.json's weight_map.
 func readIndex(dir, name string) (map[string]string, error) {
 	path := filepath.Join(dir, name)
-	b, err := os.ReadFile(path)
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err == nil && st.Size() > MaxFileSize {
+		return nil, fmt.Errorf("%s is over %d MiB: not an index", path, MaxFileSize>>20)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, MaxFileSize))
 	if err != nil {
 		return nil, err
 	}

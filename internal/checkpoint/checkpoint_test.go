@@ -275,6 +275,11 @@ func TestScanErrors(t *testing.T) {
 		{"index is not JSON", func(t *testing.T, dir string) {
 			writeFile(t, filepath.Join(dir, "model.safetensors.index.json"), "{")
 		}, "is not a safetensors index"},
+		{"index too big", func(t *testing.T, dir string) {
+			f, _ := os.Create(filepath.Join(dir, "model.safetensors.index.json"))
+			f.Truncate(MaxFileSize + 1)
+			f.Close()
+		}, "is over 64 MiB: not an index"},
 		{"two indexes", func(t *testing.T, dir string) {
 			writeIndex(t, dir, map[string]string{"w": "a.safetensors"})
 			writeFile(t, filepath.Join(dir, "other.safetensors.index.json"), "{}")
