@@ -476,12 +476,13 @@ def part_big(ctx: Ctx):
         puts.append(dt)
         rows.append([f"gpushm put, page cache, run {i + 1} (whole command)", fmt_s(dt), f"{size / dt / GB:.2f}"])
     best = min(puts)
-    for w in ([] if a.tiny else [8, 24]):
-        if not ctx.time_for(f"b-put-workers-{w}", 60):
+    # The tuning knobs, once each: copiers (default min(16, CPUs)) and chunk (8 MiB).
+    for flag, val in ([] if a.tiny else [("--workers", "8"), ("--workers", "24"), ("--chunk", "4MiB"), ("--chunk", "16MiB")]):
+        if not ctx.time_for(f"b-put{flag}={val}", 60):
             break
         ctx.rm("big")
-        rc, err, dt = ctx.gpushm("put", "-v", "--workers", str(w), "big", str(d), log="big-put.log")
-        rows.append([f"gpushm put --workers {w}", fmt_s(dt) if rc == 0 else f"exit {rc}", f"{size / dt / GB:.2f}"])
+        rc, err, dt = ctx.gpushm("put", "-v", flag, val, "big", str(d), log="big-put.log")
+        rows.append([f"gpushm put {flag} {val}", fmt_s(dt) if rc == 0 else f"exit {rc}", f"{size / dt / GB:.2f}"])
     st = None
     if ctx.gpu and have("torch") and have("safetensors"):
         r = subprocess.run([sys.executable, "-u", str(HERE), "worker", "--t0", repr(time.time()), "st-load",
