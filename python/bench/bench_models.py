@@ -210,14 +210,24 @@ class Ctx:
 
 
 def _readline(p, deadline):
-    import selectors
-    sel = selectors.DefaultSelector()
-    sel.register(p.stdout, selectors.EVENT_READ)
+    """The worker's next JSON line; anything else a library printed to
+    stdout is passed over. A worker past the deadline is killed."""
+    import threading
     left = deadline - time.monotonic()
-    if left <= 0 or not sel.select(left):
+    if left <= 0:
         p.kill()
         return "timed out"
-    return (p.stdout.readline() or "exited").strip()
+    timer = threading.Timer(left, p.kill)
+    timer.start()
+    try:
+        while True:
+            line = p.stdout.readline()
+            if not line:
+                return "timed out" if time.monotonic() >= deadline else "exited"
+            if line.startswith("{"):
+                return line.strip()
+    finally:
+        timer.cancel()
 
 
 def gpu_used_mib():
