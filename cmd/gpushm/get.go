@@ -3,31 +3,61 @@ package main
 import (
 	"bufio"
 	"fmt"
-	"io"
 	"os"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/checkpoint"
 )
 
 func getCmd() *cobra.Command {
-	return &cobra.Command{
-		Use:   "get NAME FILE",
-		Short: "Copy a segment into a file ('-' writes stdout)",
+	var (
+		raw      bool
+		copyOpts copyFlags
+		verbose  bool
+	)
+	cmd := &cobra.Command{
+		Use:   "get NAME FILE|DIR",
+		Short: "Copy a segment into a file, or a checkpoint bundle back into its directory ('-' writes stdout)",
 		Long: `Copy segment NAME (its size, not the rounded allocation) into FILE, which is
-created or truncated. The segment is opened read-only. On cuda the bytes pass
-through pinned host buffers in 64 MiB chunks.`,
+created or truncated. The segment is opened read-only. Several copiers work
+in parallel, each through a pinned buffer and its own CUDA stream.
+
+A bundle made by 'gpushm put NAME DIR' is written back as that directory:
+its shard files byte for byte, and its small files. DIR must not exist or
+must be empty; if anything fails, what was written is removed. --raw writes
+the segment's bytes to one file instead, as '-' does.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, path := args[0], args[1]
+			co, err := copyOpts.options()
+			if err != nil {
+				return err
+			}
 			ctx := cmd.Context()
 			c, err := dial(ctx)
 			if err != nil {
 				return err
 			}
 			defer c.Close()
+			start := time.Now()
+			info, err := c.Stat(ctx, name)
+			if err != nil {
+				return err
+			}
+			if meta, ok, _ := checkpoint.ParseMeta(info.Meta, info.Size); ok && meta.Source == "dir" && !raw && path != "-" {
+				bar := newProgress("get "+name, info.Size)
+				co.Progress = bar.fn()
+				st, err := c.GetCheckpoint(ctx, name, path, co)
+				bar.finish(err)
+				if err != nil {
+					return err
+				}
+				report("get", name, st.Bytes, time.Since(start), st, verbose)
+				return nil
+			}
 			seg, err := c.Open(ctx, name, &gpushm.OpenOptions{ReadOnly: true})
 			if err != nil {
 				return err
@@ -37,34 +67,38 @@ through pinned host buffers in 64 MiB chunks.`,
 			if err != nil {
 				return err
 			}
-			start := time.Now()
+			bar := newProgress("get "+name, m.Size())
+			var st gpushm.CopyStats
 			if path == "-" {
 				w := bufio.NewWriterSize(os.Stdout, 1<<20)
-				_, err = m.WriteTo(progressTo(w, "get "+name, m.Size()))
+				_, err = m.WriteTo(bar.writer(w))
 				if err == nil {
 					err = w.Flush()
 				}
 			} else {
-				err = getFile(m, path, func(w io.WriterAt, total int64) io.WriterAt {
-					return progressWriterAt(w, "get "+name, total)
-				})
+				co.Progress = bar.fn()
+				st, err = getFile(m, path, co)
 			}
+			bar.finish(err)
 			if err != nil {
 				return fmt.Errorf("get %s: %w", name, err)
 			}
-			n := m.Size()
-			report("get", name, n, time.Since(start))
+			report("get", name, m.Size(), time.Since(start), st, verbose)
 			return nil
 		},
 	}
+	cmd.Flags().BoolVar(&raw, "raw", false, "write a checkpoint bundle's bytes as one file, not as its directory")
+	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "print how the copy went")
+	copyOpts.register(cmd)
+	return cmd
 }
 
 // getFile writes m to a new or truncated regular file with parallel
 // writes; a failed copy leaves no partial file behind.
-func getFile(m *gpushm.Mapping, path string, wrap func(io.WriterAt, int64) io.WriterAt) (err error) {
+func getFile(m *gpushm.Mapping, path string, co *gpushm.CopyOptions) (st gpushm.CopyStats, err error) {
 	f, err := os.Create(path)
 	if err != nil {
-		return err
+		return st, err
 	}
 	defer func() {
 		if cerr := f.Close(); err == nil {
@@ -74,5 +108,5 @@ func getFile(m *gpushm.Mapping, path string, wrap func(io.WriterAt, int64) io.Wr
 			os.Remove(path)
 		}
 	}()
-	return m.WriteToAt(wrap(f, m.Size()), m.Size())
+	return m.StoreFiles([]gpushm.FileRange{{File: f, Len: m.Size()}}, co)
 }

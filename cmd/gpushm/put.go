@@ -6,29 +6,66 @@ import (
 	"io"
 	"os"
 	"strconv"
-	"sync"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/checkpoint"
 )
 
 func putCmd() *cobra.Command {
 	var (
-		device string
-		mode   string
+		device   string
+		mode     string
+		readOnly bool
+		copyOpts copyFlags
+		verbose  bool
 	)
 	cmd := &cobra.Command{
-		Use:   "put NAME FILE",
-		Short: "Copy a file into a new segment of the file's size ('-' reads stdin)",
+		Use:   "put NAME FILE|DIR",
+		Short: "Copy a file, or a checkpoint directory, into a new segment ('-' reads stdin)",
 		Long: `Copy FILE into a new segment NAME of exactly the file's size. With FILE '-',
-standard input is spooled to a temporary file first, to learn its size. On
-cuda the bytes pass through pinned host buffers in 64 MiB chunks. If the copy
-fails, the segment is removed again.`,
+standard input is spooled to a temporary file first, to learn its size. A
+safetensors file becomes a tensor bundle as it is (its header is checked
+first).
+
+A directory is a checkpoint, as Hugging Face lays them out: its *.safetensors
+shards (those model.safetensors.index.json names, when there is an index)
+become one bundle whose safetensors header names every tensor, and every
+other regular file at its top level of at most 64 MiB (config.json,
+generation_config.json, tokenizer files, the index) is kept in the same
+segment, so that 'gpushm get NAME DIR' writes the directory back. Every
+header is checked before anything is allocated. What is not kept is named
+on standard error.
+
+Several copiers read in parallel, each through two pinned buffers and its
+own CUDA stream; chunks the page cache does not hold are read with O_DIRECT
+where the file system allows it. A progress bar shows on a terminal. If
+anything fails, the segment is removed.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, path := args[0], args[1]
+			co, err := copyOpts.options()
+			if err != nil {
+				return err
+			}
+			var perm *uint32
+			if mode != "" {
+				m, err := strconv.ParseUint(mode, 8, 32)
+				if err != nil {
+					return fmt.Errorf("--mode %q: want octal permission bits such as 0640", mode)
+				}
+				m32 := uint32(m)
+				perm = &m32
+			}
+			start := time.Now()
+			if path != "-" {
+				if st, err := os.Stat(path); err == nil && st.IsDir() {
+					return putDir(cmd.Context(), name, path, device, perm, readOnly, co, verbose, start)
+				}
+			}
 			f, size, cleanup, err := openSource(path)
 			if err != nil {
 				return err
@@ -37,17 +74,12 @@ fails, the segment is removed again.`,
 			if size == 0 {
 				return fmt.Errorf("put %s: %s is empty, and a segment has at least one byte", name, path)
 			}
-			o := &gpushm.CreateOptions{}
-			if o.Meta, _, err = safetensorsMeta(f, size); err != nil {
+			o := &gpushm.CreateOptions{Mode: perm}
+			if o.Meta, err = checkpoint.FileMeta(f, size, readOnly); err != nil {
 				return fmt.Errorf("put %s: %w", name, err)
 			}
-			if mode != "" {
-				m, err := strconv.ParseUint(mode, 8, 32)
-				if err != nil {
-					return fmt.Errorf("--mode %q: want octal permission bits such as 0640", mode)
-				}
-				m32 := uint32(m)
-				o.Mode = &m32
+			if o.Meta == nil && readOnly {
+				return fmt.Errorf("put %s: --readonly-default is for tensor bundles, and %s is not a safetensors file", name, path)
 			}
 			ctx := cmd.Context()
 			c, err := dial(ctx)
@@ -55,29 +87,103 @@ fails, the segment is removed again.`,
 				return err
 			}
 			defer c.Close()
-			if o.Device, err = resolveDevice(cmd.Context(), c, device); err != nil {
+			if o.Device, err = resolveDevice(ctx, c, device); err != nil {
 				return err
 			}
-			start := time.Now()
-			n, err := put(ctx, c, name, f, size, o)
+			st, err := put(ctx, c, name, f, size, o, co)
 			if err != nil {
 				return err
 			}
-			report("put", name, n, time.Since(start))
+			report("put", name, size, time.Since(start), st, verbose)
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&device, "device", "", "GPU ordinal or UUID (default: the daemon's first device)")
-	cmd.Flags().StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
+	f := cmd.Flags()
+	f.StringVar(&device, "device", "", "GPU ordinal or UUID (default: the daemon's first device)")
+	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
+	f.BoolVar(&readOnly, "readonly-default", false, "mark a tensor bundle so that clients map it read-only unless they ask for write access")
+	f.BoolVarP(&verbose, "verbose", "v", false, "print what was copied, how, and how fast")
+	copyOpts.register(cmd)
 	return cmd
+}
+
+// copyFlags are the copy tuning flags of put and get.
+type copyFlags struct {
+	workers int
+	chunk   string
+	direct  string
+}
+
+func (c *copyFlags) register(cmd *cobra.Command) {
+	f := cmd.Flags()
+	f.IntVar(&c.workers, "workers", 0, "parallel copiers (default min(16, CPUs))")
+	f.StringVar(&c.chunk, "chunk", "8MiB", "bytes a copier moves per step, a multiple of 64KiB")
+	f.StringVar(&c.direct, "direct", "auto", "O_DIRECT reads: auto (what the page cache lacks), always, never")
+}
+
+func (c *copyFlags) options() (*gpushm.CopyOptions, error) {
+	o := &gpushm.CopyOptions{Workers: c.workers}
+	n, err := parseSize(c.chunk)
+	if err != nil {
+		return nil, fmt.Errorf("--chunk: %w", err)
+	}
+	if n <= 0 || n%(64<<10) != 0 {
+		return nil, fmt.Errorf("--chunk %s: want a positive multiple of 64KiB", c.chunk)
+	}
+	o.Chunk = n
+	switch c.direct {
+	case "auto":
+		o.Direct = gpushm.DirectAuto
+	case "always":
+		o.Direct = gpushm.DirectAlways
+	case "never":
+		o.Direct = gpushm.DirectNever
+	default:
+		return nil, fmt.Errorf("--direct %q: want auto, always or never", c.direct)
+	}
+	return o, nil
+}
+
+func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnly bool, co *gpushm.CopyOptions, verbose bool, start time.Time) error {
+	ck, err := gpushm.OpenCheckpoint(dir)
+	if err != nil {
+		return fmt.Errorf("put %s: %w", name, err)
+	}
+	defer ck.Close()
+	scanned := time.Since(start)
+	if s := ck.Skipped(); len(s) > 0 {
+		fmt.Fprintf(os.Stderr, "gpushm: put %s: not kept: %s\n", name, strings.Join(s, ", "))
+	}
+	c, err := dial(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	o := &gpushm.PutOptions{Mode: perm, ReadOnlyDefault: readOnly, Copy: *co}
+	if o.Device, err = resolveDevice(ctx, c, device); err != nil {
+		return err
+	}
+	bar := newProgress("put "+name, ck.DataBytes()+ck.FileBytes())
+	o.Copy.Progress = bar.fn()
+	st, err := c.PutCheckpoint(ctx, name, ck, o)
+	bar.finish(err)
+	if err != nil {
+		return err
+	}
+	if verbose {
+		fmt.Fprintf(os.Stderr, "put %s: %d tensors in %d shards, %d small files; checked in %s\n",
+			name, ck.Tensors(), len(ck.Shards()), len(ck.Files()), scanned.Round(time.Microsecond))
+	}
+	report("put", name, ck.Size(), time.Since(start), st, verbose)
+	return nil
 }
 
 // put creates name and fills it from f, a regular file, with parallel
 // reads; on any failure the segment goes.
-func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size int64, o *gpushm.CreateOptions) (n int64, err error) {
+func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size int64, o *gpushm.CreateOptions, co *gpushm.CopyOptions) (st gpushm.CopyStats, err error) {
 	seg, err := c.Create(ctx, name, size, o)
 	if err != nil {
-		return 0, err
+		return st, err
 	}
 	defer func() {
 		cerr := seg.Close()
@@ -90,12 +196,16 @@ func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size in
 	}()
 	m, err := seg.Map()
 	if err != nil {
-		return 0, err
+		return st, err
 	}
-	if err := m.ReadFromAt(progressAt(f, "put "+name, size), size); err != nil {
-		return 0, fmt.Errorf("put %s: %w", name, err)
+	bar := newProgress("put "+name, size)
+	co.Progress = bar.fn()
+	st, err = m.LoadFiles([]gpushm.FileRange{{File: f, Len: size}}, co)
+	bar.finish(err)
+	if err != nil {
+		return st, fmt.Errorf("put %s: %w", name, err)
 	}
-	return size, nil
+	return st, nil
 }
 
 // openSource opens path, or spools stdin for "-", and tells its size.
@@ -132,89 +242,16 @@ func openSource(path string) (*os.File, int64, func(), error) {
 	return tmp, size, func() { tmp.Close() }, nil
 }
 
-func report(verb, name string, n int64, d time.Duration) {
-	if !isTerminal(os.Stderr) {
+// report prints the whole command's rate on a terminal, and with verbose
+// (anywhere) how the copy went.
+func report(verb, name string, n int64, d time.Duration, st gpushm.CopyStats, verbose bool) {
+	if !verbose && !isTerminal(os.Stderr) {
 		return
 	}
-	fmt.Fprintf(os.Stderr, "%s %s: %s in %.2fs (%.2f GB/s)\n", verb, name, formatSize(n), d.Seconds(), float64(n)/d.Seconds()/1e9)
-}
-
-// progressAt is progress for a file read at offsets, in parallel.
-func progressAt(r io.ReaderAt, what string, total int64) io.ReaderAt {
-	if total < 256<<20 || !isTerminal(os.Stderr) {
-		return r
+	fmt.Fprintf(os.Stderr, "%s %s: %s in %.3fs (%.2f GB/s)\n", verb, name, formatSize(n), d.Seconds(), float64(n)/d.Seconds()/1e9)
+	if verbose && st.Elapsed > 0 {
+		fmt.Fprintf(os.Stderr, "%s %s: copy %s in %.3fs (%.2f GB/s), %s with O_DIRECT, %d copiers, %s chunks\n",
+			verb, name, formatSize(st.Bytes), st.Elapsed.Seconds(), float64(st.Bytes)/st.Elapsed.Seconds()/1e9,
+			formatSize(st.Direct), st.Workers, formatSize(st.Chunk))
 	}
-	return &progressReaderAt{r, &meter{what: what, total: total, start: time.Now()}}
-}
-
-// progressWriterAt is progress for a file written at offsets, in parallel.
-func progressWriterAt(w io.WriterAt, what string, total int64) io.WriterAt {
-	if total < 256<<20 || !isTerminal(os.Stderr) {
-		return w
-	}
-	return &progressAtWriter{w, &meter{what: what, total: total, start: time.Now()}}
-}
-
-type progressReaderAt struct {
-	r io.ReaderAt
-	m *meter
-}
-
-func (p *progressReaderAt) ReadAt(b []byte, off int64) (int, error) {
-	n, err := p.r.ReadAt(b, off)
-	p.m.add(n)
-	return n, err
-}
-
-type progressAtWriter struct {
-	w io.WriterAt
-	m *meter
-}
-
-func (p *progressAtWriter) WriteAt(b []byte, off int64) (int, error) {
-	n, err := p.w.WriteAt(b, off)
-	p.m.add(n)
-	return n, err
-}
-
-// progressTo is progress for a writer.
-func progressTo(w io.Writer, what string, total int64) io.Writer {
-	if total < 256<<20 || !isTerminal(os.Stderr) {
-		return w
-	}
-	return &progressWriter{w, &meter{what: what, total: total, start: time.Now()}}
-}
-
-type meter struct {
-	mu          sync.Mutex // parallel copies report at once
-	what        string
-	total, done int64
-	start, last time.Time
-}
-
-func (m *meter) add(n int) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.done += int64(n)
-	now := time.Now()
-	if now.Sub(m.last) < 200*time.Millisecond && m.done < m.total {
-		return
-	}
-	m.last = now
-	fmt.Fprintf(os.Stderr, "\r%s: %s / %s (%.0f%%) %.2f GB/s  ", m.what, formatSize(m.done), formatSize(m.total),
-		100*float64(m.done)/float64(m.total), float64(m.done)/now.Sub(m.start).Seconds()/1e9)
-	if m.done >= m.total {
-		fmt.Fprintln(os.Stderr)
-	}
-}
-
-type progressWriter struct {
-	w io.Writer
-	m *meter
-}
-
-func (p *progressWriter) Write(b []byte) (int, error) {
-	n, err := p.w.Write(b)
-	p.m.add(n)
-	return n, err
 }

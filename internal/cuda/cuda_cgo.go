@@ -74,7 +74,9 @@ typedef enum CUstream_flags_enum {
 } CUstream_flags;
 
 typedef enum CUevent_flags_enum {
-	CU_EVENT_DEFAULT = 0x0
+	CU_EVENT_DEFAULT = 0x0,
+	CU_EVENT_BLOCKING_SYNC = 0x1,
+	CU_EVENT_DISABLE_TIMING = 0x2
 } CUevent_flags;
 
 typedef struct CUmemLocation_st {
@@ -364,6 +366,7 @@ static CUresult gs_cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n, CUstr
 static CUresult gs_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) { return gpushm_cu.cuMemcpyDtoDAsync(dst, src, n, s); }
 static CUresult gs_cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n, CUstream s) { return gpushm_cu.cuMemcpyPeerAsync(dst, dc, src, sc, n, s); }
 static CUresult gs_cuEventCreate(CUevent *e) { return gpushm_cu.cuEventCreate(e, CU_EVENT_DEFAULT); }
+static CUresult gs_cuEventCreateSync(CUevent *e) { return gpushm_cu.cuEventCreate(e, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING); }
 static CUresult gs_cuEventRecord(CUevent e, CUstream s) { return gpushm_cu.cuEventRecord(e, s); }
 static CUresult gs_cuEventSynchronize(CUevent e) { return gpushm_cu.cuEventSynchronize(e); }
 static CUresult gs_cuEventElapsedTime(float *ms, CUevent a, CUevent b) { return gpushm_cu.cuEventElapsedTime(ms, a, b); }
@@ -1157,6 +1160,23 @@ func (d *Device) NewEvent() (*Event, error) {
 	return &Event{d: d, e: e}, nil
 }
 
+// NewSyncEvent creates an event for ordering, not timing: Synchronize on it
+// sleeps until the event completes instead of spinning (CU_EVENT_BLOCKING_SYNC),
+// which leaves the CPU to threads that have work, such as copiers reading
+// files while their last chunk is still on its way to the GPU. ElapsedMs
+// refuses it (CU_EVENT_DISABLE_TIMING), which also makes it cheaper to
+// record.
+func (d *Device) NewSyncEvent() (*Event, error) {
+	var e C.CUevent
+	err := d.withCtx(func() error {
+		return wrap("cuEventCreate", C.gs_cuEventCreateSync(&e))
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Event{d: d, e: e}, nil
+}
+
 func (e *Event) rlock() (C.CUevent, error) {
 	if e == nil {
 		return nil, errClosed
@@ -1292,5 +1312,7 @@ func abiFacts() map[string]int64 {
 		"CU_MEM_ALLOC_GRANULARITY_MINIMUM":                                C.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
 		"CU_STREAM_NON_BLOCKING":                                          C.CU_STREAM_NON_BLOCKING,
 		"CU_EVENT_DEFAULT":                                                C.CU_EVENT_DEFAULT,
+		"CU_EVENT_BLOCKING_SYNC":                                          C.CU_EVENT_BLOCKING_SYNC,
+		"CU_EVENT_DISABLE_TIMING":                                         C.CU_EVENT_DISABLE_TIMING,
 	}
 }

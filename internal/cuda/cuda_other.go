@@ -71,6 +71,7 @@ func (d *Device) AllocHost(int64) ([]byte, error)      { return nil, errUnavaila
 func (d *Device) FreeHost([]byte) error                { return errUnavailable }
 func (d *Device) NewStream() (*Stream, error)          { return nil, errUnavailable }
 func (d *Device) NewEvent() (*Event, error)            { return nil, errUnavailable }
+func (d *Device) NewSyncEvent() (*Event, error)        { return nil, errUnavailable }
 
 func (d *Device) Map(Handle, int64, bool, ...*Device) (uint64, error) {
 	return 0, errUnavailable

@@ -780,3 +780,38 @@ func BenchmarkStreamCopyHtoD(b *testing.B) {
 		}
 	}
 }
+
+// TestSyncEvent orders a host read after an async copy with an event whose
+// Synchronize sleeps, and checks that it refuses to time.
+func TestSyncEvent(t *testing.T) {
+	d := requireGPU(t)
+	size := allocSize(t, d, 8<<20)
+	buf, err := d.AllocHost(2 * size)
+	must(t, err)
+	defer func() { check(t, "FreeHost", d.FreeHost(buf)) }()
+	src, dst := buf[:size], buf[size:]
+	copy(src, randomBytes(t, size))
+	h, err := d.Create(size)
+	must(t, err)
+	defer func() { check(t, "Release", d.Release(h)) }()
+	p, err := d.Map(h, size, false, d)
+	must(t, err)
+	defer func() { check(t, "Unmap", d.Unmap(p, size)) }()
+	s, err := d.NewStream()
+	must(t, err)
+	defer func() { check(t, "Stream.Close", s.Close()) }()
+	ev, err := d.NewSyncEvent()
+	must(t, err)
+	defer func() { check(t, "Event.Close", ev.Close()) }()
+
+	must(t, s.CopyHtoDAsync(p, src))
+	must(t, s.CopyDtoHAsync(dst, p))
+	must(t, ev.Record(s))
+	must(t, ev.Synchronize())
+	if !bytes.Equal(dst, src) {
+		t.Error("bytes differ after waiting on the sync event")
+	}
+	if _, err := ElapsedMs(ev, ev); !errors.Is(err, ErrInvalidHandle) {
+		t.Errorf("ElapsedMs on an event without timing: %v, want ErrInvalidHandle", err)
+	}
+}

@@ -20,8 +20,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # gpushm.torch imports torch, which most users of gpushm need not pay for.
-    if name == "torch":
+    # gpushm.torch and gpushm.transformers import torch, which most users of
+    # gpushm need not pay for.
+    if name in ("torch", "transformers"):
         import importlib
-        return importlib.import_module(".torch", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'gpushm' has no attribute {name!r}")

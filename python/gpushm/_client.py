@@ -25,7 +25,8 @@ import weakref
 
 from . import _cuda, _dlpack, _mapping
 from ._tensors import _DTYPES
-from ._tensors import Layout, bundle_meta, decode_bundle, dtype_of, encode_bundle, is_bundle, layout_from_meta
+from ._tensors import (Layout, bundle_files, bundle_meta, decode_bundle, dtype_of, encode_bundle, is_bundle,
+                       layout_from_meta)
 from ._view import View, view_of
 
 MAX_MESSAGE = 65536
@@ -680,10 +681,14 @@ class Client:
                 b.release()
         return seg
 
-    def tensors(self, name: str, readonly: bool = False) -> Bundle:
+    def tensors(self, name: str, readonly: bool | None = None) -> Bundle:
         """The tensors of a bundle segment (put_tensors, or 'gpushm put' of a
-        .safetensors file), as Views by name, in header order. .metadata is
-        the header's __metadata__."""
+        .safetensors file or a checkpoint directory), as Views by name, in
+        header order. .metadata is the header's __metadata__. readonly=None
+        maps read-only if the bundle was put with --readonly-default (which
+        costs a stat), read-write otherwise."""
+        if readonly is None:
+            readonly = self._readonly_default(name)
         seg = self.open(name, readonly)
         m = seg._m
         parsed = m.cache.get("bundle")
@@ -701,6 +706,24 @@ class Client:
         b = Bundle((k, View(m, lay)) for k, lay in entries)
         b.metadata, b.segment = metadata, seg
         return b
+
+    def _readonly_default(self, name: str) -> bool:
+        meta = self.stat(name).meta
+        return bool(is_bundle(meta) and meta.get("readonly") is True)
+
+    def files(self, name: str) -> dict:
+        """The small files a bundle keeps beside its tensors ('gpushm put' of
+        a checkpoint directory: config.json, the tokenizer's, ...), as bytes
+        by name; {} for a bundle without any. Reading them copies out of the
+        segment (device to host on a GPU); nothing is read from disk."""
+        seg = self.open(name, True)
+        try:
+            meta = seg.meta
+            if not is_bundle(meta):
+                raise ValueError(f"gpushm: segment {name!r} is not a tensor bundle (its meta is {json.dumps(meta)})")
+            return {n: seg.read(size, off) for n, off, size in bundle_files(meta, seg.size)}
+        finally:
+            seg.close()
 
     def _abandon(self, name, seg):
         seg.close()

@@ -236,6 +236,24 @@ def is_bundle(meta) -> bool:
     return isinstance(meta, dict) and meta.get("kind") == "bundle" and meta.get("format") == "safetensors"
 
 
+def bundle_files(meta, size: int) -> list:
+    """The small files a bundle keeps beside its tensors ('gpushm put' of a
+    checkpoint directory): [(name, offset, size)], checked to lie inside the
+    segment and to be plain file names."""
+    out = []
+    for f in meta.get("files") or []:
+        try:
+            name, off, n = f["name"], f["offset"], f["size"]
+        except (KeyError, TypeError):
+            raise ValueError(f"gpushm: bundle meta lists a file as {f!r}") from None
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name:
+            raise ValueError(f"gpushm: bundle meta lists a file named {name!r}, which is not a plain file name")
+        if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n and off + n <= size):
+            raise ValueError(f"gpushm: bundle file {name!r} [{off}, +{n}) lies outside the segment's {size} bytes")
+        out.append((name, off, n))
+    return out
+
+
 def encode_bundle(entries, metadata=None):
     """Lays out tensors as a safetensors file. entries: (name, Layout) in the
     caller's order. Returns (prefix, {name: data begin relative to the

@@ -1,15 +1,20 @@
-"""Sharing what PyTorch allocated: an allocator whose memory can be exported.
+"""PyTorch and gpushm: tensors of a bundle as a state dict, and an allocator
+whose memory can be exported.
 
-    import gpushm, gpushm.torch, torch
+    import gpushm.torch
+    sd = gpushm.torch.state_dict("llama")          # zero-copy, read-only
+    model.load_state_dict(sd, assign=True)
+
     with gpushm.torch.shareable():
         model = torch.nn.Linear(4096, 4096).cuda()   # exportable memory
     gpushm.connect().publish("w", model.weight)       # no copy
 
-shareable() routes PyTorch's allocations to native/libgpushm_alloc.so
-through torch.cuda.memory.CUDAPluggableAllocator and a MemPool; export()
-turns any pointer into such memory into a descriptor for the daemon. See
-docs/allocator.md for the library, and for LD_PRELOAD, its way to do the same
-for unmodified programs.
+state_dict() maps a bundle once per process and makes a torch tensor of
+each of its tensors. shareable() routes PyTorch's allocations to
+native/libgpushm_alloc.so through torch.cuda.memory.CUDAPluggableAllocator
+and a MemPool; export() turns any pointer into such memory into a
+descriptor for the daemon. See docs/allocator.md for the library, and for
+LD_PRELOAD, its way to do the same for unmodified programs.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import threading
 import torch
 
 _lock = threading.Lock()
+_clients = {}  # socket -> Client, one per process
 _lib = None
 _allocator = None
 # Pools live as long as the process: a tensor allocated from a pool must not
@@ -112,3 +118,35 @@ def stats():
     n, b = ctypes.c_uint64(), ctypes.c_uint64()
     _library().gpushm_alloc_stats(ctypes.byref(n), ctypes.byref(b))
     return n.value, b.value
+
+
+def _client(c=None):
+    """c, or this process's shared connection to the default daemon."""
+    if c is not None:
+        return c
+    from . import _client
+    sock = _client.default_socket()
+    with _lock:
+        got = _clients.get(sock)
+        if got is None or got._closed or got._broken or got._pid != os.getpid():
+            got = _clients[sock] = _client.connect(sock)
+        return got
+
+
+def state_dict(name: str, readonly: bool = True, client=None) -> dict:
+    """The tensors of bundle name as torch tensors by name, in header
+    order, sharing the segment's memory (nothing is copied; on a GPU they
+    live on the segment's GPU).
+
+    With readonly (the default) the segment is mapped read-only, and the
+    tensors are made as inference tensors (inside torch.inference_mode()),
+    so that an in-place update outside inference mode raises RuntimeError
+    ("Inplace update to inference tensor outside InferenceMode is not
+    allowed") before any kernel runs. A write that gets past that (inside
+    inference mode, or by a kernel given the address) faults on the GPU's
+    read-only mapping: CUDA reports an illegal memory access and this
+    process's CUDA context is lost, while the shared copy stays intact for
+    every other process. docs/python.md has the details."""
+    b = _client(client).tensors(name, readonly=readonly)
+    with torch.inference_mode() if readonly else contextlib.nullcontext():
+        return {k: torch.from_dlpack(v) for k, v in b.items()}

@@ -221,3 +221,75 @@ def test_gpu_segment_survives_client_close(gpu_daemon, name, torch):
     t.fill_(3)                                             # still mapped: the tensor holds it
     torch.cuda.synchronize()
     assert int(t.sum()) == 24
+
+
+def _put_dir(gpu_daemon, name, d, *flags):
+    env = dict(os.environ, GPUSHM_SOCKET=gpu_daemon.socket)
+    r = subprocess.run([os.environ["GPUSHM_BIN"], "put", *flags, name, str(d)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_gpu_checkpoint_state_dict(gclient, gpu_daemon, name, torch, tmp_path):
+    from test_checkpoint import SHARDS, make_checkpoint
+    d = make_checkpoint(tmp_path)
+    _put_dir(gpu_daemon, name, d)
+    import gpushm.torch as gt
+    sd = gt.state_dict(name, client=gclient)
+    want = {k: v for ts in SHARDS.values() for k, v in ts.items()}
+    assert list(sd) == list(want)
+    for k, t in sd.items():
+        assert t.is_cuda and t.is_inference(), k
+        assert torch.equal(t.cpu(), torch.from_numpy(want[k].copy())), k
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        sd["lm_head.weight"].add_(1)                       # refused before any kernel runs
+    rw = gt.state_dict(name, readonly=False, client=gclient)
+    assert not rw["step"].is_inference()
+    rw["step"].fill_(9)
+    torch.cuda.synchronize()
+    out = child(gpu_daemon.socket, """
+        import sys, gpushm.torch as gt
+        print(int(gt.state_dict(sys.argv[1])["step"]))
+    """, name)
+    assert out.strip() == "9"                              # one copy, seen by every process
+    assert gclient.files(name)["config.json"].startswith(b'{"model_type"')
+
+
+def test_gpu_from_pretrained(gclient, gpu_daemon, name, torch, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    try:
+        model.save_pretrained(tmp_path / "m", safe_serialization=True, max_shard_size="100KB")
+    except TypeError:  # transformers versions that write nothing but safetensors
+        model.save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    assert len(list((tmp_path / "m").glob("*.safetensors"))) > 1
+    _put_dir(gpu_daemon, name, tmp_path / "m", "--readonly-default")
+    ids = torch.arange(12).reshape(1, 12).cuda()
+    model.cuda()
+    with torch.no_grad():
+        want = model(ids).logits
+    import gpushm.transformers as gtf
+    got = gtf.from_pretrained(name, client=gclient)
+    assert got.lm_head.weight is got.model.embed_tokens.weight            # tied again
+    assert all(p.is_cuda and p.is_inference() and not p.requires_grad for p in got.parameters())
+    assert all(b.is_cuda for b in got.buffers())                          # rotary inv_freq: made, then moved
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want)
+        out = got.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                           pad_token_id=config.eos_token_id)
+    assert out.shape == (1, 15)
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        got.model.norm.weight.mul_(2)
+    with pytest.raises(ValueError, match="would need a copy"):
+        gtf.from_pretrained(name, client=gclient, torch_dtype=torch.float32)
+    with pytest.raises(ValueError, match="would need a copy"):
+        gtf.from_pretrained(name, client=gclient, device_map="cpu")
+    gclient.put_tensors(name + "single", {"w": torch.ones(2, device="cuda")})
+    with pytest.raises(ValueError, match="has no config.json"):
+        gtf.from_pretrained(name + "single", client=gclient)

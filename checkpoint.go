@@ -1,0 +1,265 @@
+package gpushm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/gpushm/gpushm/internal/checkpoint"
+)
+
+// Checkpoint is a checkpoint directory, checked and ready to load: its
+// safetensors shards (following model.safetensors.index.json when there is
+// one) and its small files (config.json, generation_config.json, the
+// tokenizer's, the index: every other regular file at its top level of at
+// most 64 MiB). It holds the files open; Close it.
+type Checkpoint struct {
+	p *checkpoint.Plan
+}
+
+// OpenCheckpoint reads and checks dir. Every shard's header is checked; a
+// corrupt header, an unknown dtype, a tensor in two shards, a shard the
+// index names but the directory lacks, or a directory without safetensors
+// files is an error naming the file. Nothing is allocated.
+func OpenCheckpoint(dir string) (*Checkpoint, error) {
+	p, err := checkpoint.Scan(dir)
+	if err != nil {
+		return nil, err
+	}
+	return &Checkpoint{p}, nil
+}
+
+// Close closes the checkpoint's files.
+func (ck *Checkpoint) Close() error { return ck.p.Close() }
+
+// Size is the size of the segment the checkpoint becomes.
+func (ck *Checkpoint) Size() int64 { return ck.p.Size }
+
+// DataBytes is the span of the tensor data in the segment, the bulk of
+// Size: the shards' data regions and the alignment between them.
+func (ck *Checkpoint) DataBytes() int64 { return ck.p.DataBytes }
+
+// FileBytes is the small files' size, together.
+func (ck *Checkpoint) FileBytes() int64 {
+	var n int64
+	for _, f := range ck.p.Files {
+		n += f.Size
+	}
+	return n
+}
+
+// Tensors is the number of tensors in all shards.
+func (ck *Checkpoint) Tensors() int { return ck.p.Tensors }
+
+// Shards are the shard files' names.
+func (ck *Checkpoint) Shards() []string {
+	var s []string
+	for _, sh := range ck.p.Shards {
+		s = append(s, sh.Name)
+	}
+	return s
+}
+
+// Files are the small files' names.
+func (ck *Checkpoint) Files() []string {
+	var s []string
+	for _, f := range ck.p.Files {
+		s = append(s, f.Name)
+	}
+	return s
+}
+
+// Skipped says what the directory holds that the bundle will not, and why
+// ("original/ (a directory)").
+func (ck *Checkpoint) Skipped() []string { return ck.p.Skipped }
+
+// PutOptions are the optional parts of PutCheckpoint.
+type PutOptions struct {
+	// Device is the GPU ordinal; nil means the daemon's default device.
+	Device *int
+	// Mode is the permission bits; nil means 0600.
+	Mode *uint32
+	// ReadOnlyDefault marks the bundle so that clients map it read-only
+	// unless they ask for write access.
+	ReadOnlyDefault bool
+	// Copy tunes the copy.
+	Copy CopyOptions
+}
+
+// PutCheckpoint creates name as one bundle segment holding the
+// checkpoint: a safetensors header naming every tensor of every shard, the
+// shards' data, the small files and what it takes to write the shards back
+// byte for byte (docs/protocol.md, "Metadata conventions"). On any failure
+// the segment is removed.
+func (c *Client) PutCheckpoint(ctx context.Context, name string, ck *Checkpoint, o *PutOptions) (st CopyStats, err error) {
+	if o == nil {
+		o = &PutOptions{}
+	}
+	meta, err := ck.p.Meta(o.ReadOnlyDefault)
+	if err != nil {
+		return st, err
+	}
+	seg, err := c.Create(ctx, name, ck.p.Size, &CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta})
+	if err != nil {
+		return st, err
+	}
+	defer func() {
+		if cerr := seg.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			c.Unlink(context.Background(), name)
+		}
+	}()
+	m, err := seg.Map()
+	if err != nil {
+		return st, err
+	}
+	for _, p := range ck.p.Pieces() {
+		if _, err := m.WriteAt(p.Data, p.At); err != nil {
+			return st, fmt.Errorf("gpushm: put %s: %w", name, err)
+		}
+	}
+	var ranges []FileRange
+	for _, r := range ck.p.Ranges() {
+		ranges = append(ranges, FileRange{File: r.File, Off: r.Off, Len: r.Len, At: r.At})
+	}
+	st, err = m.LoadFiles(ranges, &o.Copy)
+	if err != nil {
+		return st, fmt.Errorf("gpushm: put %s: %w", name, err)
+	}
+	return st, nil
+}
+
+// GetCheckpoint writes a checkpoint directory's bundle back as the
+// directory it came from: the shard files byte for byte, and the small
+// files. dir must not exist, or be empty; on failure what was written is
+// removed again.
+func (c *Client) GetCheckpoint(ctx context.Context, name, dir string, o *CopyOptions) (st CopyStats, err error) {
+	seg, err := c.Open(ctx, name, &OpenOptions{ReadOnly: true})
+	if err != nil {
+		return st, err
+	}
+	defer seg.Close()
+	meta, ok, err := checkpoint.ParseMeta(seg.Info().Meta, seg.Size())
+	if err == nil && (!ok || meta.Source != "dir") {
+		err = errors.New("it is not a checkpoint directory's bundle (write it to a file instead)")
+	}
+	if err != nil {
+		return st, fmt.Errorf("gpushm: get %s: %w", name, err)
+	}
+	m, err := seg.Map()
+	if err != nil {
+		return st, err
+	}
+	table := make([]byte, meta.Shards.Size)
+	if _, err := m.ReadAt(table, meta.Shards.At); err != nil {
+		return st, fmt.Errorf("gpushm: get %s: shard table: %w", name, err)
+	}
+	outs, err := meta.Outputs(table, seg.Size())
+	if err != nil {
+		return st, fmt.Errorf("gpushm: get %s: %w", name, err)
+	}
+	made, err := prepareDir(dir)
+	if err != nil {
+		return st, err
+	}
+	var files []*os.File
+	defer func() {
+		for _, f := range files {
+			if cerr := f.Close(); err == nil {
+				err = cerr
+			}
+		}
+		if err != nil {
+			for _, out := range outs {
+				os.Remove(filepath.Join(dir, out.Name))
+			}
+			if made {
+				os.Remove(dir)
+			}
+		}
+	}()
+	var ranges []FileRange
+	for _, out := range outs {
+		f, err := os.OpenFile(filepath.Join(dir, out.Name), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+		if err != nil {
+			return st, err
+		}
+		files = append(files, f)
+		var off int64
+		for _, p := range out.Pieces {
+			ranges = append(ranges, FileRange{File: f, Off: off, Len: p.Size, At: p.At})
+			off += p.Size
+		}
+		if err := f.Truncate(off); err != nil {
+			return st, err
+		}
+	}
+	return m.StoreFiles(ranges, o)
+}
+
+// prepareDir makes dir, or checks that it is an empty directory.
+func prepareDir(dir string) (made bool, err error) {
+	if err := os.Mkdir(dir, 0o755); err == nil {
+		return true, nil
+	} else if !errors.Is(err, os.ErrExist) {
+		return false, err
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return false, err
+	}
+	if len(ents) > 0 {
+		return false, fmt.Errorf("%s is not empty: give a new or empty directory", dir)
+	}
+	return false, nil
+}
+
+// BundleFile is a small file kept in a bundle beside its tensors.
+type BundleFile struct {
+	Name   string
+	Offset int64 // in the segment
+	Size   int64
+}
+
+// BundleFiles lists the small files a bundle segment keeps (none for a
+// bundle of one safetensors file, or of put_tensors).
+func (s *Segment) BundleFiles() ([]BundleFile, error) {
+	meta, ok, err := checkpoint.ParseMeta(s.Info().Meta, s.Size())
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		return nil, fmt.Errorf("gpushm: segment %q is not a tensor bundle", s.Info().Name)
+	}
+	var out []BundleFile
+	for _, f := range meta.Files {
+		out = append(out, BundleFile{Name: f.Name, Offset: f.At, Size: f.Size})
+	}
+	return out, nil
+}
+
+// Files reads the small files a bundle segment keeps (config.json, the
+// tokenizer's, ...), by name.
+func (s *Segment) Files() (map[string][]byte, error) {
+	list, err := s.BundleFiles()
+	if err != nil {
+		return nil, err
+	}
+	m, err := s.Map()
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string][]byte, len(list))
+	for _, f := range list {
+		b := make([]byte, f.Size)
+		if _, err := m.ReadAt(b, f.Offset); err != nil {
+			return nil, fmt.Errorf("gpushm: read %s from %q: %w", f.Name, s.Info().Name, err)
+		}
+		out[f.Name] = b
+	}
+	return out, nil
+}

@@ -1,0 +1,235 @@
+package main
+
+import (
+	"bytes"
+	"encoding/binary"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/gpushm/gpushm/internal/safetensors"
+)
+
+// safetensorsFile lays out header JSON and data as a safetensors file.
+func safetensorsFile(header string, data []byte) []byte {
+	b := binary.LittleEndian.AppendUint64(nil, uint64(len(header)))
+	return append(append(b, header...), data...)
+}
+
+const goodHeader = `{"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]},"e":{"dtype":"F4","shape":[0],"data_offsets":[22,22]}}   `
+
+func TestPutSafetensors(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+
+	data := make([]byte, 22)
+	for i := range data {
+		data[i] = byte(i)
+	}
+	file := safetensorsFile(goodHeader, data)
+	good := filepath.Join(dir, "model.safetensors")
+	os.WriteFile(good, file, 0o644)
+	mustRun(t, nil, "put", "model", good)
+	want := `meta:        {"kind":"bundle","format":"safetensors","header_bytes":` + strconv.Itoa(len(goodHeader)) + `,"tensors":3}`
+	if out := mustRun(t, nil, "stat", "model"); !strings.Contains(out, want) {
+		t.Fatalf("stat lacks %q:\n%s", want, out)
+	}
+	// The segment is the file, byte for byte.
+	if got := mustRun(t, nil, "get", "model", "-"); got != string(file) {
+		t.Fatalf("get returned %d bytes that differ from the %d-byte file", len(got), len(file))
+	}
+	// From a pipe the name says nothing; the content does.
+	mustRun(t, file, "put", "piped", "-")
+	if out := mustRun(t, nil, "stat", "piped"); !strings.Contains(out, `"kind":"bundle"`) {
+		t.Fatalf("stat of a piped safetensors file lacks the bundle meta:\n%s", out)
+	}
+	// Other files keep no meta.
+	plain := filepath.Join(dir, "plain.bin")
+	os.WriteFile(plain, []byte("plain bytes"), 0o644)
+	mustRun(t, nil, "put", "plain", plain)
+	if out := mustRun(t, nil, "stat", "plain"); strings.Contains(out, "meta:") {
+		t.Fatalf("a plain file got meta:\n%s", out)
+	}
+
+	// A malformed header fails before anything is allocated.
+	bad := filepath.Join(dir, "bad.safetensors")
+	os.WriteFile(bad, safetensorsFile(`{"w":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}`, make([]byte, 16)), 0o644)
+	mustFail(t, "bad.safetensors is not a valid safetensors file: tensor \"w\": data_offsets [0, 32] are outside the 16 data bytes", "put", "bad", bad)
+	mustFail(t, "no such segment", "stat", "bad")
+	if out := mustRun(t, nil, "info"); !strings.Contains(out, "3 named") {
+		t.Fatalf("info after the failed put:\n%s", out)
+	}
+}
+
+// writeShard writes a safetensors file of U8 tensors holding their names'
+// bytes repeated, laid out as the safetensors library does.
+func writeShard(t *testing.T, path string, sizes map[string]int) {
+	t.Helper()
+	var names []string
+	for n := range sizes {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	var ts []safetensors.Tensor
+	var data []byte
+	for _, n := range names {
+		b := bytes.Repeat([]byte(n), sizes[n]/len(n)+1)[:sizes[n]]
+		ts = append(ts, safetensors.Tensor{Name: n, Dtype: "U8", Shape: []uint64{uint64(len(b))}, Begin: uint64(len(data)), End: uint64(len(data) + len(b))})
+		data = append(data, b...)
+	}
+	if err := os.WriteFile(path, append(safetensors.Encode(ts, map[string]string{"format": "pt"}, 8), data...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkpointDir is a small sharded checkpoint with an index and the files
+// that come with one, plus things put leaves out.
+func checkpointDir(t *testing.T, root string) string {
+	dir := filepath.Join(root, "ckpt")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	writeShard(t, filepath.Join(dir, "model-00001-of-00002.safetensors"), map[string]int{"a.weight": 300000, "b.bias": 13})
+	writeShard(t, filepath.Join(dir, "model-00002-of-00002.safetensors"), map[string]int{"c.weight": 70000})
+	os.WriteFile(filepath.Join(dir, "model.safetensors.index.json"), []byte(`{"metadata":{"total_size":370013},"weight_map":{"a.weight":"model-00001-of-00002.safetensors","b.bias":"model-00001-of-00002.safetensors","c.weight":"model-00002-of-00002.safetensors"}}`), 0o644)
+	os.WriteFile(filepath.Join(dir, "config.json"), []byte(`{"model_type":"llama","hidden_size":8}`), 0o644)
+	os.WriteFile(filepath.Join(dir, "generation_config.json"), []byte(`{"do_sample":false}`), 0o644)
+	os.WriteFile(filepath.Join(dir, "tokenizer.json"), bytes.Repeat([]byte("tok "), 5000), 0o644)
+	os.WriteFile(filepath.Join(dir, "special_tokens_map.json"), []byte(`{}`), 0o644)
+	writeShard(t, filepath.Join(dir, "consolidated.safetensors"), map[string]int{"x": 10})
+	os.Mkdir(filepath.Join(dir, "original"), 0o755)
+	return dir
+}
+
+func TestPutGetDir(t *testing.T) {
+	root := socketDir(t)
+	sock := filepath.Join(root, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	dir := checkpointDir(t, root)
+
+	r := cli(t, nil, "put", "llama", dir)
+	if r.code != 0 {
+		t.Fatalf("put: %s", r.stderr)
+	}
+	if want := "gpushm: put llama: not kept: consolidated.safetensors (a safetensors file the index does not name), original/ (a directory)"; !strings.Contains(r.stderr, want) {
+		t.Errorf("put said %q, want %q", r.stderr, want)
+	}
+	out := mustRun(t, nil, "stat", "llama")
+	for _, want := range []string{`"kind":"bundle","format":"safetensors"`, `"tensors":3`, `"source":"dir"`, `{"name":"config.json","offset":`, `"shards":{"offset":`} {
+		if !strings.Contains(out, want) {
+			t.Errorf("stat lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "readonly") {
+		t.Errorf("meta says readonly without --readonly-default:\n%s", out)
+	}
+
+	// Back as a directory: every kept file byte for byte, nothing else.
+	back := filepath.Join(root, "back")
+	mustRun(t, nil, "get", "llama", back)
+	kept := []string{"config.json", "generation_config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json", "special_tokens_map.json", "tokenizer.json"}
+	ents, _ := os.ReadDir(back)
+	var got []string
+	for _, e := range ents {
+		got = append(got, e.Name())
+	}
+	if !slices.Equal(got, kept) {
+		t.Fatalf("get wrote %v, want %v", got, kept)
+	}
+	for _, name := range kept {
+		a, _ := os.ReadFile(filepath.Join(dir, name))
+		b, _ := os.ReadFile(filepath.Join(back, name))
+		if !bytes.Equal(a, b) {
+			t.Errorf("%s: %d bytes back differ from the %d-byte original", name, len(b), len(a))
+		}
+	}
+	mustFail(t, "is not empty", "get", "llama", back)
+
+	// The raw bytes start with a safetensors file naming every tensor.
+	raw := []byte(mustRun(t, nil, "get", "llama", "-"))
+	h, err := safetensors.Read(bytes.NewReader(raw), int64(len(raw)))
+	if err != nil || len(h.Tensors) != 3 || h.Tensors[2].Name != "c.weight" {
+		t.Fatalf("the bundle's header: %+v, %v", h, err)
+	}
+	rawPath := filepath.Join(root, "raw.bin")
+	mustRun(t, nil, "get", "--raw", "llama", rawPath)
+	if b, _ := os.ReadFile(rawPath); !bytes.Equal(b, raw) {
+		t.Error("get --raw differs from get -")
+	}
+
+	// Tuning flags, O_DIRECT, and the read-only mark.
+	r = cli(t, nil, "put", "-v", "--readonly-default", "--direct", "always", "--workers", "2", "--chunk", "64KiB", "llama2", dir)
+	if r.code != 0 || !strings.Contains(r.stderr, "2 copiers, 64 KiB chunks") || !strings.Contains(r.stderr, "3 tensors in 2 shards, 5 small files") {
+		t.Fatalf("put -v: exit %d: %s", r.code, r.stderr)
+	}
+	if out := mustRun(t, nil, "stat", "llama2"); !strings.Contains(out, `"readonly":true`) {
+		t.Errorf("--readonly-default left no mark:\n%s", out)
+	}
+	back2 := filepath.Join(root, "back2")
+	mustRun(t, nil, "get", "llama2", back2)
+	for _, name := range kept {
+		a, _ := os.ReadFile(filepath.Join(dir, name))
+		b, _ := os.ReadFile(filepath.Join(back2, name))
+		if !bytes.Equal(a, b) {
+			t.Errorf("%s (O_DIRECT put): differs", name)
+		}
+	}
+	mustFail(t, "--chunk 1000: want a positive multiple of 64KiB", "put", "x", dir, "--chunk", "1000")
+	mustFail(t, `--direct "sometimes"`, "put", "x", dir, "--direct", "sometimes")
+	plain := filepath.Join(root, "plain.bin")
+	os.WriteFile(plain, []byte("plain"), 0o644)
+	mustFail(t, "--readonly-default is for tensor bundles", "put", "x", plain, "--readonly-default")
+	mustFail(t, "exists", "put", "llama", dir)
+}
+
+// TestPutDirBadInput: each bad checkpoint fails naming the file, before
+// anything is allocated, and leaves no segment.
+func TestPutDirBadInput(t *testing.T) {
+	root := socketDir(t)
+	sock := filepath.Join(root, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	tests := []struct {
+		name  string
+		setup func(dir string)
+		want  string
+	}{
+		{"shard missing from the index", func(dir string) {
+			os.Remove(filepath.Join(dir, "model-00002-of-00002.safetensors"))
+		}, "model.safetensors.index.json names shard model-00002-of-00002.safetensors, which is not in"},
+		{"corrupt header", func(dir string) {
+			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), safetensorsFile(`{"c.weight":{"dtype":"U8","shape":[7],"data_offsets":[0,7]`, make([]byte, 7)), 0o644)
+		}, "model-00002-of-00002.safetensors is not a valid safetensors file"},
+		{"two shards name the same tensor", func(dir string) {
+			writeShard(t, filepath.Join(dir, "model-00002-of-00002.safetensors"), map[string]int{"c.weight": 10, "a.weight": 10})
+		}, `tensor "a.weight" is in both`},
+		{"unknown dtype", func(dir string) {
+			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), safetensorsFile(`{"c.weight":{"dtype":"Q4_K","shape":[7],"data_offsets":[0,7]}}`, make([]byte, 7)), 0o644)
+		}, `model-00002-of-00002.safetensors is not a valid safetensors file: tensor "c.weight": unknown dtype "Q4_K"`},
+		{"no safetensors", func(dir string) {
+			for _, n := range []string{"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "consolidated.safetensors", "model.safetensors.index.json"} {
+				os.Remove(filepath.Join(dir, n))
+			}
+		}, "has no *.safetensors files"},
+		{"data past the end", func(dir string) {
+			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), safetensorsFile(`{"c.weight":{"dtype":"U8","shape":[70],"data_offsets":[0,70]}}`, make([]byte, 7)), 0o644)
+		}, "model-00002-of-00002.safetensors is not a valid safetensors file: tensor \"c.weight\": data_offsets [0, 70] are outside the 7 data bytes"},
+	}
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := checkpointDir(t, filepath.Join(root, strconv.Itoa(i)))
+			tc.setup(dir)
+			mustFail(t, tc.want, "put", "m", dir)
+			mustFail(t, "no such segment", "stat", "m")
+			if out := mustRun(t, nil, "info"); !strings.Contains(out, "0 named") {
+				t.Fatalf("info after the failed put:\n%s", out)
+			}
+		})
+	}
+}

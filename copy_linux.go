@@ -1,0 +1,140 @@
+package gpushm
+
+import (
+	"errors"
+	"os"
+	"strconv"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// openDirect opens f again, as a new open file description, with O_DIRECT
+// (the flag is per description, and f's other readers want the page
+// cache). It returns -1 when the file system refuses O_DIRECT (tmpfs before
+// Linux 6.6, many FUSE and overlay mounts) or says it has no alignment for
+// it, and the alignment to use otherwise.
+func openDirect(f *os.File) (fd int, align int64) {
+	var sx unix.Statx_t
+	align = dioAlign
+	if unix.Statx(int(f.Fd()), "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
+		if sx.Dio_offset_align == 0 || sx.Dio_mem_align == 0 {
+			return -1, 0 // the file system says: no O_DIRECT here
+		}
+		align = max(align, int64(sx.Dio_offset_align), int64(sx.Dio_mem_align))
+	}
+	fd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(int(f.Fd())), unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, 0
+	}
+	return fd, align
+}
+
+// preadDirect fills b from off, stopping at the end of the file (a read
+// shorter than asked that is not a multiple of the alignment). It returns
+// the bytes read.
+func preadDirect(fd int, b []byte, off, align int64) (int64, error) {
+	var got int64
+	for got < int64(len(b)) {
+		n, err := unix.Pread(fd, b[got:], off+got)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return got, err
+		}
+		if n == 0 {
+			break
+		}
+		got += int64(n)
+		if got%align != 0 {
+			break
+		}
+	}
+	return got, nil
+}
+
+func directUnsupported(err error) bool {
+	return errors.Is(err, unix.EINVAL) || errors.Is(err, unix.EOPNOTSUPP)
+}
+
+// allocAligned returns page-aligned memory outside the Go heap, for O_DIRECT.
+func allocAligned(n int) ([]byte, error) {
+	return unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+}
+
+func freeAligned(b []byte) { unix.Munmap(b) }
+
+// newResidency asks cachestat(2) (Linux 6.5 and later), else mincore(2) over
+// a mapping of the file. Either answers for pages only when the kernel lets
+// this process know (mincore: for files it owns or may write); pages it will
+// not vouch for count as absent, which costs speed, never correctness.
+func newResidency(f *os.File, size int64) residency {
+	if size == 0 {
+		return nil
+	}
+	if c := (&cachestat{fd: int(f.Fd())}); c.ok() {
+		return c
+	}
+	return newMincore(f, size)
+}
+
+func newMincore(f *os.File, size int64) residency {
+	b, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return nil
+	}
+	defer unix.Munmap(b)
+	page := int64(os.Getpagesize())
+	vec := make([]byte, (size+page-1)/page)
+	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		return nil
+	}
+	return &mincore{vec: vec, page: page}
+}
+
+type cachestat struct{ fd int }
+
+// struct cachestat_range and struct cachestat of linux/mman.h.
+type cachestatRange struct{ off, len uint64 }
+type cachestatResult struct {
+	cache, dirty, writeback, evicted, recentlyEvicted uint64
+}
+
+func (c *cachestat) pages(off, n int64) (uint64, bool) {
+	r := cachestatRange{uint64(off), uint64(n)}
+	var out cachestatResult
+	_, _, e := unix.Syscall6(unix.SYS_CACHESTAT, uintptr(c.fd), uintptr(unsafe.Pointer(&r)), uintptr(unsafe.Pointer(&out)), 0, 0, 0)
+	return out.cache, e == 0
+}
+
+func (c *cachestat) ok() bool {
+	_, ok := c.pages(0, 1)
+	return ok
+}
+
+// cached counts a chunk as cached when most of its pages are: a read through
+// the cache then fetches the rest with readahead.
+func (c *cachestat) cached(off, n int64) bool {
+	got, ok := c.pages(off, n)
+	page := int64(os.Getpagesize())
+	return ok && int64(got)*2 >= (n+page-1)/page
+}
+
+func (c *cachestat) close() {}
+
+type mincore struct {
+	vec  []byte
+	page int64
+}
+
+func (m *mincore) cached(off, n int64) bool {
+	lo, hi := off/m.page, min((off+n+m.page-1)/m.page, int64(len(m.vec)))
+	var in int64
+	for _, v := range m.vec[lo:hi] {
+		in += int64(v & 1)
+	}
+	return in*2 >= hi-lo
+}
+
+func (m *mincore) close() {}

@@ -1,0 +1,251 @@
+"""Hugging Face transformers models whose weights live in a gpushm bundle.
+
+    import gpushm.transformers
+    model = gpushm.transformers.from_pretrained("llama")   # no weight copied
+    out = model.generate(input_ids.to(model.device), max_new_tokens=20)
+
+The bundle is what 'gpushm put llama DIR' made of a checkpoint directory:
+the tensors of every shard, and the small files (config.json,
+generation_config.json, the tokenizer's). A worker reads nothing from disk:
+the config comes from the bundle, the model is built with its parameters on
+the meta device (no memory, no initialisation), and the bundle's tensors
+become its parameters where they lie. transformers is imported only when a
+function here is called.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import tempfile
+import warnings
+
+# Files written to a private temporary directory for transformers to read:
+# configs, and the Python files of models that need trust_remote_code.
+_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def from_pretrained(name: str, *, client=None, readonly: bool = True, model_class=None, strict: bool = True,
+                    **kwargs):
+    """Builds the model that bundle name holds, on its GPU, sharing its
+    weights with every other process that does the same.
+
+    model_class defaults to transformers.AutoModelForCausalLM (any class with
+    from_config works). kwargs are as for transformers' from_pretrained:
+    trust_remote_code and attn_implementation go to the model, anything
+    else updates the config. torch_dtype/dtype and device_map/device are
+    accepted only when they ask for what the bundle already is ("auto", or
+    the stored dtype and the segment's GPU): anything else would need a
+    copy of the weights.
+
+    The parameters are the bundle's tensors (gpushm.torch.state_dict), with
+    requires_grad off; tied weights are tied again after assignment
+    (model.tie_weights()); buffers the checkpoint does not hold (rotary
+    inv_freq, ...) are made by the model's own constructor, on the CPU, and
+    moved to the GPU. With strict, a parameter or buffer that neither the
+    checkpoint nor the constructor provides is an error naming it.
+
+    With readonly (the default) the mapping is read-only and the weights
+    are inference tensors: an in-place update outside torch.inference_mode()
+    raises RuntimeError at once; a write by a kernel (inside inference mode,
+    or through a raw pointer) faults on the read-only mapping and loses
+    this process's CUDA context, never another process's weights."""
+    import torch
+    import transformers
+
+    from . import torch as gtorch
+
+    c = gtorch._client(client)
+    files = c.files(name)
+    if "config.json" not in files:
+        raise ValueError(f"gpushm: bundle {name!r} has no config.json; put the checkpoint directory "
+                         "('gpushm put NAME DIR'), not a single file")
+    sd = gtorch.state_dict(name, readonly=readonly, client=c)
+    if not sd:
+        raise ValueError(f"gpushm: bundle {name!r} holds no tensors")
+    dtype, device = _stored(sd)
+    _check_dtype(name, kwargs, dtype)
+    _check_device(name, kwargs, device)
+    model_kwargs = {k: kwargs.pop(k) for k in ("trust_remote_code", "attn_implementation") if k in kwargs}
+    with tempfile.TemporaryDirectory(prefix="gpushm-config-") as tmp:
+        _write(tmp, files, lambda n: n in _CONFIG_FILES or n.endswith(".py"))
+        config = transformers.AutoConfig.from_pretrained(
+            tmp, trust_remote_code=model_kwargs.get("trust_remote_code", False), **kwargs)
+        generation = None
+        if "generation_config.json" in files:
+            generation = transformers.GenerationConfig.from_pretrained(tmp)
+        cls = model_class or transformers.AutoModelForCausalLM
+        # Parameters on meta; buffers on the CPU, in the checkpoint's dtype
+        # as transformers' own loader makes them.
+        with torch.device("cpu"), _default_dtype(torch, dtype), _parameters_on_meta(torch):
+            if hasattr(cls, "from_config"):
+                model = cls.from_config(config, **model_kwargs)
+            else:
+                model = cls(config, **model_kwargs)
+    model.requires_grad_(False)
+    for mod in model.modules():
+        for bname, buf in list(mod._buffers.items()):
+            if buf is not None and not buf.is_meta and buf.device != device:
+                mod._buffers[bname] = buf.to(device)
+    _make_meta_buffers(model, device)
+    sd = _match_prefix(model, sd)
+    # Inside inference mode the parameters made of inference tensors are
+    # inference tensors too; outside it torch refuses to wrap them.
+    with torch.inference_mode() if readonly else torch.no_grad():
+        result = model.load_state_dict(sd, strict=False, assign=True)
+        model.tie_weights()
+    if result.unexpected_keys:
+        warnings.warn(f"gpushm: bundle {name!r} holds tensors the model does not use: "
+                      f"{_some(result.unexpected_keys)}", RuntimeWarning, stacklevel=2)
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if missing and strict:
+        raise ValueError(f"gpushm: bundle {name!r} lacks {len(missing)} of the model's tensors: {_some(missing)} "
+                         f"(names must match what {type(model).__name__}.save_pretrained writes)")
+    try:  # not the temporary directory the config was read from
+        model.config.name_or_path = name
+    except AttributeError:
+        pass
+    if generation is not None:
+        model.generation_config = generation
+    model.eval()
+    return model
+
+
+def tokenizer(name: str, *, client=None, **kwargs):
+    """transformers.AutoTokenizer for the tokenizer files bundle name keeps;
+    they are written to a private temporary directory for the tokenizer to
+    read, and removed."""
+    import transformers
+
+    from . import torch as gtorch
+
+    files = gtorch._client(client).files(name)
+    with tempfile.TemporaryDirectory(prefix="gpushm-tokenizer-") as tmp:
+        _write(tmp, files, lambda n: True)
+        return transformers.AutoTokenizer.from_pretrained(tmp, **kwargs)
+
+
+def _write(dir, files, want):
+    for n, data in files.items():
+        if want(n):
+            with open(os.path.join(dir, n), "wb") as f:
+                f.write(data)
+
+
+def _stored(sd):
+    """The checkpoint's floating dtype (the one holding most bytes) and
+    device."""
+    by = collections.Counter()
+    for t in sd.values():
+        if t.is_floating_point():
+            by[t.dtype] += t.numel() * t.element_size()
+    dtype = by.most_common(1)[0][0] if by else None
+    return dtype, next(iter(sd.values())).device
+
+
+def _check_dtype(name, kwargs, dtype):
+    import torch
+
+    for key in ("torch_dtype", "dtype"):
+        want = kwargs.pop(key, None)
+        if want is None or want == "auto":
+            continue
+        if isinstance(want, str):
+            want = getattr(torch, want, want)
+        if want != dtype:
+            raise ValueError(f"gpushm: bundle {name!r} holds {dtype}; {key}={want} would need a copy of the weights "
+                             "(convert the checkpoint and put it again, or leave the dtype out)")
+
+
+def _check_device(name, kwargs, device):
+    import torch
+
+    for key in ("device_map", "device"):
+        want = kwargs.pop(key, None)
+        if want is None or want == "auto":
+            continue
+        try:
+            d = torch.device(want) if not isinstance(want, int) else torch.device("cuda", want)
+        except (TypeError, RuntimeError):
+            d = None
+        if d is not None and d.type == device.type and (d.index is None or d.index == device.index):
+            continue
+        raise ValueError(f"gpushm: bundle {name!r} lives on {device}; {key}={want!r} would need a copy of the weights")
+
+
+def _make_meta_buffers(model, device):
+    """Rotary embeddings whose inv_freq a transformers version left on the
+    meta device are computed again the way their constructor does."""
+    for mod in model.modules():
+        if any(b is not None and b.is_meta for b in mod._buffers.values()):
+            init, config = getattr(mod, "rope_init_fn", None), getattr(mod, "config", None)
+            if init is not None and config is not None and "inv_freq" in mod._buffers:
+                inv_freq, scaling = init(config, device)
+                mod._buffers["inv_freq"] = inv_freq
+                if hasattr(mod, "original_inv_freq"):
+                    mod.original_inv_freq = inv_freq
+                if hasattr(mod, "attention_scaling"):
+                    mod.attention_scaling = scaling
+
+
+def _match_prefix(model, sd):
+    """Renames checkpoint keys saved from the base model (without, say,
+    "model.") or from a head model (with it), as transformers' loader does."""
+    want = set(model.state_dict().keys())
+    if want & sd.keys():
+        return sd
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    if prefix != "." and {prefix + k for k in sd} & want:
+        return {prefix + k: v for k, v in sd.items()}
+    if prefix != "." and {k[len(prefix):] for k in sd if k.startswith(prefix)} & want:
+        return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}
+    return sd
+
+
+def _some(names, n=8):
+    names = list(names)
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+@contextlib.contextmanager
+def _default_dtype(torch, dtype):
+    if dtype is None:
+        yield
+        return
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta(torch):
+    """Every parameter registered inside the block is moved to the meta
+    device as it is registered (accelerate's init_empty_weights without
+    buffers): the constructor's initialisation then costs nothing, and the
+    real weights are assigned afterwards."""
+    Module = torch.nn.Module
+    register = Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        p = module._parameters[name]
+        if p is None or p.is_meta:
+            return
+        if type(p) is torch.nn.Parameter:
+            q = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+            q.__dict__.update(p.__dict__)
+        else:  # subclasses take their attributes as arguments (accelerate's way)
+            kwargs = dict(p.__dict__)
+            kwargs["requires_grad"] = p.requires_grad
+            q = type(p)(p.to("meta"), **kwargs)
+        module._parameters[name] = q
+
+    Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        Module.register_parameter = register
