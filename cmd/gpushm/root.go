@@ -34,7 +34,7 @@ other users; --socket overrides both.`,
 	root.AddCommand(
 		daemonCmd(), infoCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(),
 		chmodCmd(), chownCmd(), mvCmd(),
-		putCmd(), getCmd(), benchCmd(), demoCmd(), childCmd(),
+		putCmd(), getCmd(), benchCmd(), demoCmd(), childCmd(), installSystemdCmd(),
 	)
 	root.SetArgs(args)
 	return root.ExecuteContext(context.Background())

@@ -515,3 +515,41 @@ func TestSurviveRace(t *testing.T) {
 	default:
 	}
 }
+
+// The unit in deploy/systemd is the one install-systemd writes, and
+// systemd itself finds nothing wrong with it.
+func TestSystemdUnit(t *testing.T) {
+	want, err := os.ReadFile("../../deploy/systemd/gpushm.service")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := systemdUnit("/usr/local/bin/gpushm", nil); got != string(want) {
+		t.Fatalf("deploy/systemd/gpushm.service differs from what install-systemd writes:\n%s", got)
+	}
+	dir := t.TempDir()
+	mustRun(t, nil, "install-systemd", "--unit-dir", dir, "--", "--mount", "/mnt/gpushm")
+	b, err := os.ReadFile(filepath.Join(dir, "gpushm.service"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	exe, _ := filepath.EvalSymlinks(os.Args[0])
+	if !strings.Contains(string(b), "ExecStart="+exe+" daemon --socket /run/gpushm/gpushm.sock --fd-store --mount /mnt/gpushm\n") {
+		t.Fatalf("installed unit:\n%s", b)
+	}
+	analyze, err := exec.LookPath("systemd-analyze")
+	if err != nil {
+		t.Skip("systemd-analyze is not installed: the unit was not verified")
+	}
+	out, err := exec.Command(analyze, "verify", filepath.Join(dir, "gpushm.service")).CombinedOutput()
+	var problems []string
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		// Older systemd (before 254) does not know the key; it then keeps
+		// the store across crashes but not across 'systemctl restart'.
+		if line != "" && !strings.Contains(line, "Unknown key 'FileDescriptorStorePreserve'") {
+			problems = append(problems, line)
+		}
+	}
+	if err != nil || len(problems) > 0 {
+		t.Fatalf("systemd-analyze verify: %v\n%s", err, strings.Join(problems, "\n"))
+	}
+}

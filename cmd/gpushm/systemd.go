@@ -1,0 +1,114 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+
+	"github.com/spf13/cobra"
+)
+
+// systemdUnit is deploy/systemd/gpushm.service with the binary's path and
+// the daemon's flags filled in; a test keeps the two the same.
+func systemdUnit(exe string, flags []string) string {
+	args := append([]string{"daemon", "--socket", "/run/gpushm/gpushm.sock", "--fd-store"}, flags...)
+	return `# gpushm: named GPU memory segments shared between processes.
+#
+# The main process is gpushm's supervisor: it holds every segment and runs
+# the serving process, restarting it if it dies. Its own state is copied
+# into systemd's file descriptor store, so a restart of the whole service
+# loses nothing either:
+#   systemctl reload gpushm    upgrade: the binary on disk takes over, no
+#                              segment lost, no client dropped
+#   systemctl restart gpushm   every segment comes back (systemd 254 and
+#                              later: FileDescriptorStorePreserve=restart)
+#   systemctl stop gpushm      stop for good: every segment is freed
+[Unit]
+Description=gpushm: named GPU memory segments shared between processes
+After=nvidia-persistenced.service
+
+[Service]
+Type=notify
+NotifyAccess=main
+ExecStart=` + exe + " " + strings.Join(args, " ") + `
+ExecReload=/bin/kill -HUP $MAINPID
+Restart=always
+RestartSec=1s
+# SIGTERM to the supervisor only: it stops the serving process in order.
+KillMode=mixed
+TimeoutStopSec=60
+FileDescriptorStoreMax=4096
+FileDescriptorStorePreserve=restart
+RuntimeDirectory=gpushm
+RuntimeDirectoryPreserve=restart
+LimitNOFILE=1048576
+LimitMEMLOCK=infinity
+
+[Install]
+WantedBy=multi-user.target
+`
+}
+
+func installSystemdCmd() *cobra.Command {
+	var (
+		unitDir string
+		print   bool
+		enable  bool
+	)
+	cmd := &cobra.Command{
+		Use:   "install-systemd [-- DAEMON FLAGS...]",
+		Short: "Install a systemd unit that runs the daemon, restarts it without loss, and upgrades it on reload",
+		Long: `Write gpushm.service (the file in deploy/systemd, with this binary's path) to
+--unit-dir and reload systemd. Flags after -- go to 'gpushm daemon', e.g.
+
+    gpushm install-systemd --enable -- --mount /mnt/gpushm --metrics-listen 127.0.0.1:9464
+
+Then: 'systemctl reload gpushm' upgrades to the binary on disk, 'systemctl
+restart gpushm' keeps every segment, 'systemctl stop gpushm' frees them.`,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			exe, err := os.Executable()
+			if err != nil {
+				return err
+			}
+			if exe, err = filepath.EvalSymlinks(exe); err != nil {
+				return err
+			}
+			unit := systemdUnit(exe, args)
+			if print {
+				fmt.Print(unit)
+				return nil
+			}
+			path := filepath.Join(unitDir, "gpushm.service")
+			if err := os.WriteFile(path, []byte(unit), 0o644); err != nil {
+				return fmt.Errorf("write the unit: %w (as root?)", err)
+			}
+			fmt.Printf("wrote %s\n", path)
+			systemctl, err := exec.LookPath("systemctl")
+			if _, serr := os.Stat("/run/systemd/system"); err != nil || serr != nil {
+				// sd_booted(3): systemd is not the init system here.
+				fmt.Println("systemd does not run here: on the machine that runs it, 'systemctl daemon-reload && systemctl enable --now gpushm'")
+				return nil
+			}
+			steps := [][]string{{"daemon-reload"}}
+			if enable {
+				steps = append(steps, []string{"enable", "--now", "gpushm"})
+			}
+			for _, s := range steps {
+				if out, err := exec.Command(systemctl, s...).CombinedOutput(); err != nil {
+					return fmt.Errorf("systemctl %s: %v: %s", strings.Join(s, " "), err, strings.TrimSpace(string(out)))
+				}
+			}
+			if !enable {
+				fmt.Println("start it with: systemctl enable --now gpushm")
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&unitDir, "unit-dir", "/etc/systemd/system", "where to write gpushm.service")
+	f.BoolVar(&print, "print", false, "print the unit instead of installing it")
+	f.BoolVar(&enable, "enable", false, "also enable and start the service")
+	return cmd
+}
