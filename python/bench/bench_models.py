@@ -412,6 +412,8 @@ def part_small(ctx: Ctx):
           f"{[(r.get('params_shared'), r.get('inference')) for r in gp]}")
     w = gp[0].get("inplace_error") if gp else None
     check(bool(w) and "inference" in w, "a-inplace-write", f"param.add_(1) outside inference mode raised: {w!r}")
+    say("INFO", "a-inplace-context", f"this process's CUDA context after the refused update: "
+        f"{gp[0].get('context_after_inplace') if gp else None}")
     tok = gp[0].get("tokenizer") if gp else None
     say("INFO" if tok is None else ("PASS" if tok.startswith("ok") else "FAIL"), "a-tokenizer",
         f"gpushm.transformers.tokenizer: {tok}")
@@ -753,15 +755,22 @@ def w_hf(a):
     rep["tied"] = head is not None and head.weight is emb
     if a.check_writes and a.how == "gpushm" and a.index == 0:
         try:
-            head.weight.add_(1)
-            rep["inplace_error"] = None
-        except RuntimeError as e:
-            rep["inplace_error"] = str(e).splitlines()[0]
-        try:
             tok = gpushm.transformers.tokenizer(a.name)
             rep["tokenizer"] = f"ok, {type(tok).__name__}, {len(tok)} tokens"
         except Exception as e:
             rep["tokenizer"] = f"{type(e).__name__}: {e}"
+        try:
+            head.weight.add_(1)
+            rep["inplace_error"] = None
+        except RuntimeError as e:
+            rep["inplace_error"] = str(e).splitlines()[0]
+        # Did the refused update reach the GPU (a kernel faulting on the
+        # read-only mapping would lose this process's CUDA context)?
+        try:
+            torch.cuda.synchronize()
+            rep["context_after_inplace"] = "usable: " + str(float(torch.ones(4, device=model.device).sum()))
+        except Exception as e:
+            rep["context_after_inplace"] = f"lost: {type(e).__name__}: {str(e).splitlines()[0]}"
     _ready(rep)
     print(json.dumps({"done": True}), flush=True)
 
