@@ -32,10 +32,16 @@ type Info struct {
 	Backend string // "cuda" or "host"
 	Devices []Device
 	Usage   Usage
+	// GPU is the node's GPUs as the daemon sees them (NVML's figures, or
+	// the driver's); nil from a daemon that does not report them.
+	GPU *GPUReport
 }
 
 // Usage is what the daemon holds.
 type Usage = wire.Usage
+
+// GPUReport is what the daemon knows of the node's GPUs, and from where.
+type GPUReport = wire.GPUReport
 
 // DefaultSocket is the socket path used when none is given: $GPUSHM_SOCKET,
 // else /run/gpushm/gpushm.sock for root, else
@@ -252,7 +258,7 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 	if err != nil {
 		return nil, fmt.Errorf("gpushm: info: %w", err)
 	}
-	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices}
+	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices, GPU: rep.GPU}
 	if rep.Usage != nil {
 		inf.Usage = *rep.Usage
 	}

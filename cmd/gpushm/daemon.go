@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"os/signal"
@@ -23,6 +22,7 @@ import (
 	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/fusefs"
 	"github.com/gpushm/gpushm/internal/metrics"
+	"github.com/gpushm/gpushm/internal/nvml"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
 )
@@ -74,6 +74,8 @@ socket, and replaces a stale socket file.`,
 	f.IntVar(&o.userSegments, "user-segments", 0, "cap how many segments each non-root user may hold (0: no cap)")
 	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
 	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
+	f.StringVar(&o.nvml, "nvml", "auto", "GPU figures for info and metrics from NVML: auto (when libnvidia-ml.so.1 loads and works), require (refuse to start without it) or off")
+	f.StringVar(&o.nvmlLibrary, "nvml-library", nvml.Library, "the NVML library to load (a name for the loader, or a path)")
 	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables; off below 4 cores): a little CPU for latency")
 	return cmd
 }
@@ -89,6 +91,8 @@ type daemonOptions struct {
 	userQuota   string
 	// userSegments caps each non-root user's segment count.
 	userSegments int
+	// nvml is auto, require or off; nvmlLibrary what to dlopen.
+	nvml, nvmlLibrary string
 }
 
 // limits turns the quota flags into registry limits for b's devices.
@@ -156,29 +160,38 @@ func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
 		spin = 0
 	}
 	srv.SetSpin(spin)
+	gpus, closeGPUs, err := openGPUMonitor(o.nvml, o.nvmlLibrary, b, log)
+	if err != nil {
+		return err
+	}
+	defer closeGPUs()
+	srv.SetGPUReport(gpus.Report)
+	// Bind the metrics port before the socket: a client that finds the
+	// socket finds a daemon with every part it was asked to serve.
+	mln, err := listenMetrics(o.metrics)
+	if err != nil {
+		return err
+	}
 	path := socketPath()
 	ln, err := server.Listen(path, o.socketGroup)
 	if errors.Is(err, server.ErrRunning) {
 		return fmt.Errorf("%w (stop it first, or pick another --socket)", err)
 	}
 	if err != nil {
+		closeListener(mln)
 		return err
 	}
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	if o.metrics != "" {
+	if mln != nil {
 		m := metrics.New(b.Name(), struct {
 			*segment.Registry
 			backend.Backend
 		}{srv.Registry(), b})
+		m.SetGPUs(gpus.Report)
 		srv.SetObserver(m)
-		mln, err := net.Listen("tcp", o.metrics)
-		if err != nil {
-			ln.Close()
-			return fmt.Errorf("--metrics-listen: %w", err)
-		}
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(m.Registry(), promhttp.HandlerOpts{}))
 		hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
@@ -191,6 +204,7 @@ func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
 		view, err := fusefs.Mount(o.mount, srv.Registry(), b, log)
 		if err != nil {
 			ln.Close()
+			os.Remove(path) // ours: Listen made it, and nobody was served
 			return err
 		}
 		// Unmount before Serve closes the registry, so that no FUSE request

@@ -36,7 +36,10 @@ func infoCmd() *cobra.Command {
 				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\n", d.Index, d.Name, uuid,
 					formatSize(int64(d.TotalBytes)), formatSize(int64(d.FreeBytes)), formatSize(d.Granularity))
 			}
-			return w.Flush()
+			if err := w.Flush(); err != nil {
+				return err
+			}
+			return printGPUs(os.Stdout, inf.GPU)
 		},
 	}
 }

@@ -38,6 +38,7 @@ type Server struct {
 	version string
 	spin    time.Duration
 	obs     Observer
+	gpus    func() *wire.GPUReport
 
 	mu    sync.Mutex
 	conns map[*conn]struct{}
@@ -80,6 +81,10 @@ func (nopObserver) Connected(int)                         {}
 
 // SetObserver installs o; call before Serve.
 func (s *Server) SetObserver(o Observer) { s.obs = o }
+
+// SetGPUReport makes info replies carry what f reports of the node's GPUs;
+// call before Serve.
+func (s *Server) SetGPUReport(f func() *wire.GPUReport) { s.gpus = f }
 
 // SetSpin sets how long a connection polls for its next request before it
 // sleeps (see wire.Conn.SetSpin); call before Serve.
@@ -339,8 +344,12 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			return fail(err)
 		}
 		u := c.s.reg.Usage()
-		return &wire.Reply{Backend: c.s.backend.Name(), Devices: devs,
-			Usage: &wire.Usage{Segments: u.Segments, Named: u.Named, Bytes: u.Bytes, Opens: u.Opens}}, -1
+		rep := &wire.Reply{Backend: c.s.backend.Name(), Devices: devs,
+			Usage: &wire.Usage{Segments: u.Segments, Named: u.Named, Bytes: u.Bytes, Opens: u.Opens}}
+		if c.s.gpus != nil {
+			rep.GPU = c.s.gpus()
+		}
+		return rep, -1
 	case wire.OpCreate:
 		dev := c.s.backend.DefaultDevice()
 		if req.Device != nil {

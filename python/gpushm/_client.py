@@ -331,10 +331,10 @@ class Client:
     # ---- operations -----------------------------------------------------
 
     def info(self) -> dict:
-        """The daemon's backend, devices and usage (docs/protocol.md, info)."""
+        """The daemon's backend, devices, usage and the node's GPUs (docs/protocol.md, info)."""
         rep, _ = self._call("info")
         return {"server": self.server, "backend": rep.get("backend"), "devices": rep.get("devices", []),
-                "usage": rep.get("usage", {})}
+                "usage": rep.get("usage", {}), "gpu": rep.get("gpu")}
 
     def stat(self, name: str) -> SegmentInfo:
         rep, _ = self._call("stat", name=name)

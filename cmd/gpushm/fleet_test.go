@@ -1,0 +1,244 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gpushm/gpushm/internal/nvml/nvmltest"
+)
+
+// These tests start the daemon as operators do on a fleet: with NVML (a
+// fake libnvidia-ml.so.1 found through LD_LIBRARY_PATH, as the loader finds
+// the real one), and with the bad input a node can hand it at start.
+
+// lockedBuffer collects a process's output while the test reads it.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// startLoggedDaemon is startDaemonProc that also hands back the log.
+func startLoggedDaemon(t *testing.T, socket string, args ...string) *lockedBuffer {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], append([]string{"daemon", "--socket", socket, "--backend", "host"}, args...)...)
+	log := &lockedBuffer{}
+	cmd.Stderr = log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", log)
+		}
+	})
+	for i := 0; cli(t, nil, "--socket", socket, "info").code != 0; i++ {
+		if i > 500 {
+			t.Fatalf("daemon never answered on %s: %s", socket, log)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return log
+}
+
+// freePort is a TCP address nobody listens on.
+func freePort(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func scrape(t *testing.T, addr string) string {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(body)
+}
+
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root, to run processes as other users")
+	}
+}
+
+func TestNVMLInInfoAndMetrics(t *testing.T) {
+	requireRoot(t)
+	t.Setenv("LD_LIBRARY_PATH", nvmltest.Build(t))
+	// A process of nobody's "using" GPU 0, and one the daemon cannot see.
+	sleeper := exec.Command("sleep", "60")
+	sleeper.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	if err := sleeper.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { sleeper.Process.Kill(); sleeper.Wait() }()
+	t.Setenv(nvmltest.ModeEnv, "ok")
+	t.Setenv(nvmltest.PIDsEnv, fmt.Sprintf("%d:1048576,4194303:3145728", sleeper.Process.Pid))
+
+	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	addr := freePort(t)
+	log := startLoggedDaemon(t, sock, "--metrics-listen", addr)
+	if !strings.Contains(log.String(), `msg=NVML library=libnvidia-ml.so.1 driver=999.99.99-fake`) {
+		t.Errorf("the daemon does not log the NVML it uses:\n%s", log)
+	}
+	out := mustRun(t, nil, "--socket", sock, "info")
+	for _, want := range []string{
+		"GPUs from NVML, driver 999.99.99-fake",
+		"0    -       Fake GPU A  " + nvmltest.UUID0 + "  3 GiB    80 GiB  42%",
+		"1    -       Fake GPU B  " + nvmltest.UUID1 + "  512 MiB  80 GiB  -",
+		// The largest first; a process the daemon cannot see has no name.
+		"GPU  PID      USER    COMMAND  GPU MEMORY\n0    4194303  -       -        3 MiB\n",
+		fmt.Sprintf("0    %-7d  nobody  sleep    1 MiB", sleeper.Process.Pid),
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("info lacks %q:\n%s", want, out)
+		}
+	}
+	body := scrape(t, addr)
+	for _, want := range []string{
+		`gpushm_gpu_source_info{driver="999.99.99-fake",source="nvml"} 1`,
+		`gpushm_gpu_memory_used_bytes{device="",gpu="0",name="Fake GPU A",uuid="` + nvmltest.UUID0 + `"} 3.221225472e+09`,
+		`gpushm_gpu_utilization_ratio{device="",gpu="0",name="Fake GPU A",uuid="` + nvmltest.UUID0 + `"} 0.42`,
+		fmt.Sprintf(`gpushm_gpu_process_memory_bytes{command="sleep",device="",gpu="0",pid="%d",uid="65534",user="nobody",uuid="%s"} 1.048576e+06`,
+			sleeper.Process.Pid, nvmltest.UUID0),
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	if strings.Contains(body, `gpushm_gpu_utilization_ratio{device="",gpu="1"`) {
+		t.Error("/metrics reports a utilisation NVML does not know")
+	}
+}
+
+// TestNVMLFailingAtStart: the library is there, but NVML does not work.
+func TestNVMLFailingAtStart(t *testing.T) {
+	t.Setenv("LD_LIBRARY_PATH", nvmltest.Build(t))
+	t.Setenv(nvmltest.ModeEnv, "init-fails")
+	dir := socketDir(t)
+
+	// auto: serve without NVML, and say so in the log and in info.
+	sock := filepath.Join(dir, "auto.sock")
+	log := startLoggedDaemon(t, sock)
+	if want := `level=WARN msg="NVML failed; serving without it, with no GPU figures" err="nvmlInit: Driver Not Loaded (NVML error 9)"`; !strings.Contains(log.String(), want) {
+		t.Errorf("daemon log lacks %s:\n%s", want, log)
+	}
+	out := mustRun(t, nil, "--socket", sock, "info")
+	if !strings.Contains(out, "GPUs from nowhere\nnote: host memory backend; NVML failed: nvmlInit: Driver Not Loaded (NVML error 9)") {
+		t.Errorf("info does not say why there are no GPU figures:\n%s", out)
+	}
+
+	// require: refuse to start, leaving nothing behind.
+	sock = filepath.Join(dir, "require.sock")
+	refuses(t, nil, sock, "--nvml require: nvmlInit: Driver Not Loaded (NVML error 9)", "--nvml", "require")
+	refuses(t, nil, sock, "--nvml require: nvml unavailable: /nonexistent/libnvidia-ml.so.1: cannot open shared object file",
+		"--nvml", "require", "--nvml-library", "/nonexistent/libnvidia-ml.so.1")
+	refuses(t, nil, sock, `--nvml "on": want auto, require or off`, "--nvml", "on")
+}
+
+// refuses runs a daemon that must exit at start with an error mentioning
+// want, without serving, and without leaving its socket behind.
+func refuses(t *testing.T, cred *syscall.Credential, socket, want string, args ...string) {
+	t.Helper()
+	bin := os.Args[0]
+	if cred != nil {
+		bin = binaryForOthers(t)
+	}
+	cmd := exec.Command(bin, append([]string{"daemon", "--socket", socket, "--backend", "host"}, args...)...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(30 * time.Second):
+		cmd.Process.Kill()
+		<-done
+		t.Fatalf("daemon %v did not refuse to start within 30s: %s", args, stderr.String())
+	}
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != 1 {
+		t.Fatalf("daemon %v: %v, want exit 1; stderr: %s", args, err, stderr.String())
+	}
+	last := strings.TrimSpace(stderr.String())
+	if i := strings.LastIndex(last, "\n"); i >= 0 {
+		last = last[i+1:]
+	}
+	if !strings.HasPrefix(last, "gpushm: ") || !strings.Contains(last, want) {
+		t.Fatalf("daemon %v said %q; want a last line mentioning %q", args, last, want)
+	}
+	if _, err := os.Lstat(socket); !errors.Is(err, os.ErrNotExist) && !errors.Is(err, syscall.ENOTDIR) {
+		t.Fatalf("daemon %v left %s behind (%v)", args, socket, err)
+	}
+}
+
+var (
+	othersOnce sync.Once
+	othersBin  string
+)
+
+// binaryForOthers copies the test binary where other users can run it:
+// go test builds it in a directory only we can read.
+func binaryForOthers(t *testing.T) string {
+	t.Helper()
+	othersOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "gpushm-bin-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		os.Chmod(dir, 0o755)
+		data, err := os.ReadFile(os.Args[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		othersBin = filepath.Join(dir, "gpushm")
+		if err := os.WriteFile(othersBin, data, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if othersBin == "" {
+		t.Fatal("no copy of the test binary")
+	}
+	return othersBin
+}
