@@ -242,3 +242,81 @@ func binaryForOthers(t *testing.T) string {
 	}
 	return othersBin
 }
+
+func TestBadStart(t *testing.T) {
+	requireRoot(t)
+	dir := socketDir(t)
+	os.Chmod(dir, 0o755)
+	mkdir := func(name string, mode os.FileMode, uid int) string {
+		p := filepath.Join(dir, name)
+		if err := os.Mkdir(p, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(p, mode); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chown(p, uid, uid); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	file := filepath.Join(dir, "file")
+	os.WriteFile(file, nil, 0o644)
+	rootOnly := mkdir("root-only", 0o755, 0)          // a hostPath as the kubelet makes it
+	open := mkdir("open", 0o777, 0)                   // anyone could replace the socket
+	sticky := mkdir("sticky", 0o777|os.ModeSticky, 0) // like /tmp: fine
+	others := mkdir("others", 0o755, 4242)            // another user's
+	nobody := &syscall.Credential{Uid: 65534, Gid: 65534}
+
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+
+	tests := []struct {
+		name   string
+		cred   *syscall.Credential
+		socket string
+		args   []string
+		want   string
+	}{
+		{"directory under a file", nil, filepath.Join(file, "run", "gpushm.sock"), nil,
+			"create socket directory: mkdir " + file + ": not a directory"},
+		{"directory that cannot be created", nobody, filepath.Join(rootOnly, "sub", "gpushm.sock"), nil,
+			"create socket directory: mkdir " + rootOnly + "/sub: permission denied"},
+		{"hostPath not writable by the daemon", nobody, filepath.Join(rootOnly, "gpushm.sock"), nil,
+			"socket directory " + rootOnly + " (owner uid 0, mode 0755) is not writable by the daemon's uid 65534"},
+		{"hostPath open to all", nil, filepath.Join(open, "gpushm.sock"), nil,
+			"socket directory " + open + " (mode 0777) lets group or others replace the socket"},
+		{"hostPath of another user", nil, filepath.Join(others, "gpushm.sock"), nil,
+			"socket directory " + others + " belongs to uid 4242, who could replace the socket"},
+		{"metrics port in use", nil, filepath.Join(rootOnly, "gpushm.sock"), []string{"--metrics-listen", busy.Addr().String()},
+			"--metrics-listen " + busy.Addr().String() + ": the port is in use"},
+		{"metrics address bad", nil, filepath.Join(rootOnly, "gpushm.sock"), []string{"--metrics-listen", "nonsense"},
+			"--metrics-listen nonsense: listen tcp: address nonsense: missing port in address"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			refuses(t, tc.cred, tc.socket, tc.want, tc.args...)
+		})
+	}
+
+	// What the daemon accepts: a sticky directory, and its own directory
+	// as a non-root user (the container's hostPath, chowned to it).
+	startDaemonProc(t, filepath.Join(sticky, "gpushm.sock"))
+	own := mkdir("own", 0o755, 65534)
+	sock := filepath.Join(own, "gpushm.sock")
+	cmd := exec.Command(binaryForOthers(t), "daemon", "--socket", sock, "--backend", "host")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: nobody}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	for i := 0; cli(t, nil, "--socket", sock, "info").code != 0; i++ {
+		if i > 500 {
+			t.Fatal("a non-root daemon in its own directory never answered")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
