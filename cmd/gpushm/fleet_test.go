@@ -166,20 +166,17 @@ func TestNVMLFailingAtStart(t *testing.T) {
 
 	// require: refuse to start, leaving nothing behind.
 	sock = filepath.Join(dir, "require.sock")
-	refuses(t, nil, sock, "--nvml require: nvmlInit: Driver Not Loaded (NVML error 9)", "--nvml", "require")
-	refuses(t, nil, sock, "--nvml require: nvml unavailable: /nonexistent/libnvidia-ml.so.1: cannot open shared object file",
+	refuses(t, os.Args[0], nil, sock, "--nvml require: nvmlInit: Driver Not Loaded (NVML error 9)", "--nvml", "require")
+	refuses(t, os.Args[0], nil, sock, "--nvml require: nvml unavailable: /nonexistent/libnvidia-ml.so.1: cannot open shared object file",
 		"--nvml", "require", "--nvml-library", "/nonexistent/libnvidia-ml.so.1")
-	refuses(t, nil, sock, `--nvml "on": want auto, require or off`, "--nvml", "on")
+	refuses(t, os.Args[0], nil, sock, `--nvml "on": want auto, require or off`, "--nvml", "on")
 }
 
-// refuses runs a daemon that must exit at start with an error mentioning
-// want, without serving, and without leaving its socket behind.
-func refuses(t *testing.T, cred *syscall.Credential, socket, want string, args ...string) {
+// refuses runs a daemon (bin, as cred: nil for us) that must exit at
+// start with an error mentioning want, without serving, and without
+// leaving its socket behind.
+func refuses(t *testing.T, bin string, cred *syscall.Credential, socket, want string, args ...string) {
 	t.Helper()
-	bin := os.Args[0]
-	if cred != nil {
-		bin = binaryForOthers(t)
-	}
 	cmd := exec.Command(bin, append([]string{"daemon", "--socket", socket, "--backend", "host"}, args...)...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
 	var stderr bytes.Buffer
@@ -213,34 +210,26 @@ func refuses(t *testing.T, cred *syscall.Credential, socket, want string, args .
 	}
 }
 
-var (
-	othersOnce sync.Once
-	othersBin  string
-)
-
-// binaryForOthers copies the test binary where other users can run it:
-// go test builds it in a directory only we can read.
+// binaryForOthers copies the test binary where other users can run it,
+// for the test's duration: go test builds it in a directory only we can
+// read.
 func binaryForOthers(t *testing.T) string {
 	t.Helper()
-	othersOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "gpushm-bin-")
-		if err != nil {
-			t.Fatal(err)
-		}
-		os.Chmod(dir, 0o755)
-		data, err := os.ReadFile(os.Args[0])
-		if err != nil {
-			t.Fatal(err)
-		}
-		othersBin = filepath.Join(dir, "gpushm")
-		if err := os.WriteFile(othersBin, data, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	})
-	if othersBin == "" {
-		t.Fatal("no copy of the test binary")
+	dir, err := os.MkdirTemp("", "gpushm-bin-")
+	if err != nil {
+		t.Fatal(err)
 	}
-	return othersBin
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	os.Chmod(dir, 0o755)
+	data, err := os.ReadFile(os.Args[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(dir, "gpushm")
+	if err := os.WriteFile(bin, data, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return bin
 }
 
 func TestBadStart(t *testing.T) {
@@ -267,6 +256,7 @@ func TestBadStart(t *testing.T) {
 	sticky := mkdir("sticky", 0o777|os.ModeSticky, 0) // like /tmp: fine
 	others := mkdir("others", 0o755, 4242)            // another user's
 	nobody := &syscall.Credential{Uid: 65534, Gid: 65534}
+	asNobody := binaryForOthers(t)
 
 	busy, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -298,7 +288,11 @@ func TestBadStart(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			refuses(t, tc.cred, tc.socket, tc.want, tc.args...)
+			bin := os.Args[0]
+			if tc.cred != nil {
+				bin = asNobody
+			}
+			refuses(t, bin, tc.cred, tc.socket, tc.want, tc.args...)
 		})
 	}
 
@@ -307,7 +301,7 @@ func TestBadStart(t *testing.T) {
 	startDaemonProc(t, filepath.Join(sticky, "gpushm.sock"))
 	own := mkdir("own", 0o755, 65534)
 	sock := filepath.Join(own, "gpushm.sock")
-	cmd := exec.Command(binaryForOthers(t), "daemon", "--socket", sock, "--backend", "host")
+	cmd := exec.Command(asNobody, "daemon", "--socket", sock, "--backend", "host")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: nobody}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
