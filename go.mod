@@ -3,12 +3,11 @@ module github.com/gpushm/gpushm
 go 1.26.8
 
 require (
+	github.com/NVIDIA/go-nvml v0.13.0-1
 	github.com/go-json-experiment/json v0.0.0-20260820222146-c27c302e5fc3
 	github.com/spf13/cobra v1.10.2
 	golang.org/x/sys v0.49.0
 )
-
-require github.com/NVIDIA/go-nvml v0.13.0-1 // indirect
 
 require (
 	github.com/beorn7/perks v1.0.1 // indirect
@@ -18,7 +17,7 @@ require (
 	github.com/kylelemons/godebug v1.1.0 // indirect
 	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
 	github.com/prometheus/client_golang v1.25.0
-	github.com/prometheus/client_model v0.6.3 // indirect
+	github.com/prometheus/client_model v0.6.3
 	github.com/prometheus/common v0.72.0 // indirect
 	github.com/prometheus/procfs v0.22.0 // indirect
 	github.com/spf13/pflag v1.0.9 // indirect

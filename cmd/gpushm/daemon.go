@@ -165,7 +165,7 @@ func runDaemon(ctx context.Context, log *slog.Logger, o daemonOptions) error {
 		return err
 	}
 	defer closeGPUs()
-	srv.SetGPUReport(gpus.Report)
+	srv.SetGPUReport(gpus.ReportFor)
 	// Bind the metrics port before the socket: a client that finds the
 	// socket finds a daemon with every part it was asked to serve.
 	mln, err := listenMetrics(o.metrics)

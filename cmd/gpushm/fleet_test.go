@@ -111,7 +111,9 @@ func TestNVMLInInfoAndMetrics(t *testing.T) {
 	t.Setenv(nvmltest.ModeEnv, "ok")
 	t.Setenv(nvmltest.PIDsEnv, fmt.Sprintf("%d:1048576,4194303:3145728", sleeper.Process.Pid))
 
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	dir := socketDir(t)
+	os.Chmod(dir, 0o755) // for the client running as nobody
+	sock := filepath.Join(dir, "gpushm.sock")
 	addr := freePort(t)
 	log := startLoggedDaemon(t, sock, "--metrics-listen", addr)
 	if !strings.Contains(log.String(), `msg=NVML library=libnvidia-ml.so.1 driver=999.99.99-fake`) {
@@ -129,6 +131,15 @@ func TestNVMLInInfoAndMetrics(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("info lacks %q:\n%s", want, out)
 		}
+	}
+	// Another user sees only its own processes: nobody's sleep, not the
+	// one whose owner the daemon cannot tell.
+	asNobody := exec.Command(binaryForOthers(t), "--socket", sock, "info")
+	asNobody.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	if b, err := asNobody.CombinedOutput(); err != nil {
+		t.Errorf("info as nobody: %v\n%s", err, b)
+	} else if out := string(b); !strings.Contains(out, fmt.Sprintf("0    %d  nobody  sleep    1 MiB\n0    ...            1 more", sleeper.Process.Pid)) {
+		t.Errorf("info as nobody should list nobody's process and count the other:\n%s", out)
 	}
 	body := scrape(t, addr)
 	for _, want := range []string{
@@ -160,7 +171,7 @@ func TestNVMLFailingAtStart(t *testing.T) {
 		t.Errorf("daemon log lacks %s:\n%s", want, log)
 	}
 	out := mustRun(t, nil, "--socket", sock, "info")
-	if !strings.Contains(out, "GPUs from nowhere\nnote: host memory backend; NVML failed: nvmlInit: Driver Not Loaded (NVML error 9)") {
+	if !strings.Contains(out, "GPUs: none reported\nnote: host memory backend; NVML failed: nvmlInit: Driver Not Loaded (NVML error 9)") {
 		t.Errorf("info does not say why there are no GPU figures:\n%s", out)
 	}
 

@@ -16,18 +16,16 @@ func printGPUs(out io.Writer, r *gpushm.GPUReport) error {
 	if r == nil {
 		return nil // a daemon from before GPU reports
 	}
-	from := map[string]string{
-		"nvml": "NVML",
-		"cuda": "the CUDA driver (cuMemGetInfo): memory only",
-		"none": "nowhere",
-	}[r.Source]
-	if from == "" {
-		from = r.Source
+	switch r.Source {
+	case "nvml":
+		fmt.Fprintf(out, "\nGPUs from NVML, driver %s\n", orDash(r.Driver))
+	case "cuda":
+		fmt.Fprintf(out, "\nGPUs from the CUDA driver (cuMemGetInfo): memory only\n")
+	case "none":
+		fmt.Fprintf(out, "\nGPUs: none reported\n")
+	default:
+		fmt.Fprintf(out, "\nGPUs from %s\n", r.Source)
 	}
-	if r.Driver != "" {
-		from += ", driver " + r.Driver
-	}
-	fmt.Fprintf(out, "\nGPUs from %s\n", from)
 	if r.Note != "" {
 		fmt.Fprintf(out, "note: %s\n", r.Note)
 	}

@@ -66,8 +66,14 @@ func inHostPIDNamespace() bool {
 	return syscall.Stat("/proc/self/ns/pid", &st) == nil && st.Ino == initPIDNamespace
 }
 
-// Report reads the GPUs now.
-func (m *Monitor) Report() *wire.GPUReport {
+// Report reads the GPUs now, with every process: for metrics, and root.
+func (m *Monitor) Report() *wire.GPUReport { return m.ReportFor(0) }
+
+// ReportFor reads the GPUs now as a client of uid may see them: the
+// processes of other users (and those whose owner is unknown) are left out
+// and counted in MoreProcesses, so that one tenant does not learn what
+// another runs. Root sees every process.
+func (m *Monitor) ReportFor(uid uint32) *wire.GPUReport {
 	if m.src == nil {
 		return m.fromBackend()
 	}
@@ -98,7 +104,7 @@ func (m *Monitor) Report() *wire.GPUReport {
 		if g.ProcessErr != nil {
 			notes = append(notes, fmt.Sprintf("GPU %d: %v", g.Index, g.ProcessErr))
 		}
-		w.Processes, w.MoreProcesses = m.processes(g.Processes)
+		w.Processes, w.MoreProcesses = m.processes(g.Processes, uid)
 		named = named || len(w.Processes) > 0
 		r.GPUs = append(r.GPUs, w)
 	}
@@ -136,21 +142,22 @@ func join(a, b string) string {
 }
 
 // processes turns NVML's processes into the report's, the largest first,
-// at most MaxProcesses, naming them from /proc where the PIDs are ours.
-func (m *Monitor) processes(ps []nvml.Process) ([]wire.GPUProcess, int) {
+// naming them from /proc where the PIDs are ours; it keeps at most
+// MaxProcesses that a client of uid may see, and counts the rest.
+func (m *Monitor) processes(ps []nvml.Process, uid uint32) ([]wire.GPUProcess, int) {
 	ps = slices.SortedStableFunc(slices.Values(ps), func(a, b nvml.Process) int {
 		return cmp.Or(cmp.Compare(b.UsedBytes, a.UsedBytes), cmp.Compare(a.PID, b.PID))
 	})
-	more := 0
-	if len(ps) > MaxProcesses {
-		more = len(ps) - MaxProcesses
-		ps = ps[:MaxProcesses]
-	}
 	var out []wire.GPUProcess
+	more := 0
 	for _, p := range ps {
 		w := wire.GPUProcess{PID: p.PID, UsedBytes: p.UsedBytes}
 		if m.hostPIDs {
 			w.Command, w.UID = m.describe(p.PID)
+		}
+		if uid != 0 && (w.UID == nil || *w.UID != uid) || len(out) == MaxProcesses {
+			more++
+			continue
 		}
 		out = append(out, w)
 	}

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -130,5 +132,54 @@ func TestFallbacks(t *testing.T) {
 	r = New(nil, host, "NVML: off").Report()
 	if r.Source != SourceNone || len(r.GPUs) != 0 || r.Note != "host memory backend; NVML: off" {
 		t.Errorf("host report = %+v", r)
+	}
+}
+
+// fakeProc writes a /proc with the given processes: pid -> command, uid.
+func fakeProc(t *testing.T, procs map[int][2]string) string {
+	t.Helper()
+	root := t.TempDir()
+	for pid, p := range procs {
+		dir := filepath.Join(root, strconv.Itoa(pid))
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		os.WriteFile(filepath.Join(dir, "comm"), []byte(p[0]+"\n"), 0o644)
+		status := "Name:\t" + p[0] + "\nUid:\t" + p[1] + "\t" + p[1] + "\t" + p[1] + "\t" + p[1] + "\n"
+		os.WriteFile(filepath.Join(dir, "status"), []byte(status), 0o644)
+	}
+	return root
+}
+
+func TestEachUserSeesItsOwnProcesses(t *testing.T) {
+	src := fakeNVML{gpus: []nvml.GPU{{Index: 0, Name: "NVIDIA H200", UUID: uuidA, TotalBytes: 100, Utilization: 3,
+		Processes: []nvml.Process{{PID: 101, UsedBytes: 30}, {PID: 102, UsedBytes: 20}, {PID: 103, UsedBytes: 10}, {PID: 999, UsedBytes: 5}}}}}
+	m := New(src, cudaBackend, "")
+	m.hostPIDs = true
+	m.proc = fakeProc(t, map[int][2]string{101: {"trainer", "1000"}, 102: {"python3", "2000"}, 103: {"python3", "1000"}})
+	pids := func(r *wire.GPUReport) (out []uint32, more int) {
+		for _, p := range r.GPUs[0].Processes {
+			out = append(out, p.PID)
+		}
+		return out, r.GPUs[0].MoreProcesses
+	}
+	tests := []struct {
+		uid  uint32
+		want []uint32
+		more int
+	}{
+		{0, []uint32{101, 102, 103, 999}, 0}, // root sees all, 999's owner unknown
+		{1000, []uint32{101, 103}, 2},
+		{2000, []uint32{102}, 3},
+		{3000, nil, 4},
+	}
+	for _, tc := range tests {
+		got, more := pids(m.ReportFor(tc.uid))
+		if !slices.Equal(got, tc.want) || more != tc.more {
+			t.Errorf("ReportFor(%d): processes %v, %d more; want %v, %d more", tc.uid, got, more, tc.want, tc.more)
+		}
+	}
+	if r := m.Report(); len(r.GPUs[0].Processes) != 4 || r.GPUs[0].Processes[0].Command != "trainer" || *r.GPUs[0].Processes[0].UID != 1000 {
+		t.Errorf("Report (for metrics) = %+v, want every process, named", r.GPUs[0].Processes)
 	}
 }

@@ -38,7 +38,7 @@ type Server struct {
 	version string
 	spin    time.Duration
 	obs     Observer
-	gpus    func() *wire.GPUReport
+	gpus    func(uid uint32) *wire.GPUReport
 
 	mu    sync.Mutex
 	conns map[*conn]struct{}
@@ -82,9 +82,9 @@ func (nopObserver) Connected(int)                         {}
 // SetObserver installs o; call before Serve.
 func (s *Server) SetObserver(o Observer) { s.obs = o }
 
-// SetGPUReport makes info replies carry what f reports of the node's GPUs;
-// call before Serve.
-func (s *Server) SetGPUReport(f func() *wire.GPUReport) { s.gpus = f }
+// SetGPUReport makes info replies carry what f reports of the node's GPUs
+// to a client of the given uid; call before Serve.
+func (s *Server) SetGPUReport(f func(uid uint32) *wire.GPUReport) { s.gpus = f }
 
 // SetSpin sets how long a connection polls for its next request before it
 // sleeps (see wire.Conn.SetSpin); call before Serve.
@@ -347,7 +347,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		rep := &wire.Reply{Backend: c.s.backend.Name(), Devices: devs,
 			Usage: &wire.Usage{Segments: u.Segments, Named: u.Named, Bytes: u.Bytes, Opens: u.Opens}}
 		if c.s.gpus != nil {
-			rep.GPU = c.s.gpus()
+			rep.GPU = c.s.gpus(c.cred.UID)
 		}
 		return rep, -1
 	case wire.OpCreate:
