@@ -296,6 +296,8 @@ func TestBadStart(t *testing.T) {
 			"--metrics-listen " + busy.Addr().String() + ": the port is in use"},
 		{"metrics address bad", nil, filepath.Join(rootOnly, "gpushm.sock"), []string{"--metrics-listen", "nonsense"},
 			"--metrics-listen nonsense: listen tcp: address nonsense: missing port in address"},
+		{"FUSE view that cannot be mounted", nil, filepath.Join(rootOnly, "gpushm.sock"), []string{"--mount", filepath.Join(file, "mnt")},
+			"mount point: stat " + file + "/mnt: not a directory"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
