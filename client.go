@@ -37,6 +37,9 @@ type Info struct {
 	Backend string   `json:"backend"` // "cuda" or "host"
 	Devices []Device `json:"devices"`
 	Usage   Usage    `json:"usage"`
+	// GPU is the node's GPUs as the daemon sees them (NVML's figures, or
+	// the driver's); nil from a daemon that does not report them.
+	GPU *GPUReport `json:"gpu,omitempty"`
 	// PID is the process serving the socket; SupervisorPID the one holding
 	// the segments across the serving process's restarts (equal to PID for
 	// an unsupervised daemon). Restarts counts serving processes that died
@@ -51,6 +54,9 @@ type Info struct {
 
 // Usage is what the daemon holds.
 type Usage = wire.Usage
+
+// GPUReport is what the daemon knows of the node's GPUs, and from where.
+type GPUReport = wire.GPUReport
 
 // DefaultSocket is the socket path used when none is given: $GPUSHM_SOCKET,
 // else /run/gpushm/gpushm.sock for root, else
@@ -432,7 +438,7 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 	if err != nil {
 		return nil, fmt.Errorf("gpushm: info: %w", err)
 	}
-	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices,
+	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices, GPU: rep.GPU,
 		PID: rep.PID, SupervisorPID: rep.SupervisorPID, Restarts: rep.Restarts,
 		Grace: time.Duration(rep.Grace * float64(time.Second)), GraceSeconds: rep.Grace}
 	if rep.Usage != nil {

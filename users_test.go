@@ -20,7 +20,7 @@ import (
 )
 
 // asUser runs ops ("open-rw:NAME", "open-ro:NAME", "unlink:NAME",
-// "create:NAME") in a copy of this test binary running as uid:gid, and
+// "create:NAME", "chown:NAME", "uid") in a copy of this test binary running as uid:gid, and
 // returns the result code of each ("OK" or an errno name).
 func asUser(t *testing.T, socket string, uid, gid uint32, ops ...string) []string {
 	t.Helper()
@@ -72,6 +72,11 @@ func opsChild(ctx context.Context, c *gpushm.Client) error {
 			}
 		case "unlink":
 			err = c.Unlink(ctx, name)
+		case "chown": // give the segment to root: only root may
+			err = c.Chown(ctx, name, 0, 0)
+		case "uid": // who this process is, where it runs
+			fmt.Printf("uid=%d\n", os.Getuid())
+			continue
 		case "create":
 			size := int64(4096)
 			if n, sz, ok := strings.Cut(name, ":"); ok {

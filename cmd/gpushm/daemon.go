@@ -25,9 +25,11 @@ import (
 	"github.com/gpushm/gpushm/internal/epoch"
 	"github.com/gpushm/gpushm/internal/fusefs"
 	"github.com/gpushm/gpushm/internal/metrics"
+	"github.com/gpushm/gpushm/internal/nvml"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
 	"github.com/gpushm/gpushm/internal/supervisor"
+	"github.com/gpushm/gpushm/internal/wire"
 )
 
 func daemonCmd() *cobra.Command {
@@ -104,6 +106,8 @@ socket, and replaces a stale socket file.`,
 	f.IntVar(&o.userSegments, "user-segments", 0, "cap how many segments each non-root user may hold (0: no cap)")
 	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
 	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
+	f.StringVar(&o.nvml, "nvml", "auto", "GPU figures for info and metrics from NVML: auto (when libnvidia-ml.so.1 loads and works), require (refuse to start without it) or off")
+	f.StringVar(&o.nvmlLibrary, "nvml-library", nvml.Library, "the NVML library to load (a name for the loader, or a path)")
 	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables; off below 4 cores): a little CPU for latency")
 	f.BoolVar(&o.supervise, "supervise", true, "run a supervisor that keeps every segment across crashes and upgrades of the serving process (false: one process; its death frees everything)")
 	f.DurationVar(&o.grace, "grace", 10*time.Second, "after a restart, how long clients have to reclaim their leases and temporary segments")
@@ -125,6 +129,8 @@ type daemonOptions struct {
 	supervise    bool
 	grace        time.Duration
 	fdStore      bool
+	// nvml is auto, require or off; nvmlLibrary what to dlopen.
+	nvml, nvmlLibrary string
 }
 
 // limits turns the quota flags into registry limits for b's devices.
@@ -271,6 +277,24 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 		spin = 0
 	}
 	srv.SetSpin(spin)
+	gpus, closeGPUs, err := openGPUMonitor(o.nvml, o.nvmlLibrary, b, log)
+	if err != nil {
+		return err
+	}
+	defer closeGPUs()
+	srv.SetGPUReport(gpus.ReportFor)
+	// Bind the metrics port before serving: a client that finds the
+	// daemon finds one with every part it was asked to serve, and a port
+	// in use is an error at start, not a daemon without metrics. A
+	// serving process binds it after the restore instead, since in an
+	// upgrade its predecessor lets go of it only then; it fails its start
+	// all the same.
+	var mln net.Listener
+	if !supervised {
+		if mln, err = listenMetrics(o.metrics); err != nil {
+			return err
+		}
+	}
 
 	var (
 		ln   *net.UnixListener
@@ -307,18 +331,23 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 		defer lock.Close()
 		ln, err = server.Listen(path, o.socketGroup)
 		if errors.Is(err, server.ErrRunning) {
+			closeListener(mln)
 			return fmt.Errorf("%w (stop it first, or pick another --socket)", err)
 		}
 		if err != nil {
+			closeListener(mln)
 			return err
 		}
 	}
 
 	serveCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	ex := &extras{o: o, log: log, srv: srv, b: b}
+	ex := &extras{o: o, log: log, srv: srv, b: b, gpus: gpus.Report, mln: mln}
 	if err := ex.start(); err != nil {
 		ln.Close()
+		if !supervised {
+			os.Remove(path) // ours: Listen made it, and nobody was served
+		}
 		return err
 	}
 	sigs := make(chan os.Signal, 1)
@@ -463,6 +492,9 @@ type extras struct {
 	srv *server.Server
 	b   backend.Backend
 
+	gpus func() *wire.GPUReport // NVML's figures, for metrics
+	mln  net.Listener           // the metrics port, bound at start; nil once used
+
 	mu       sync.Mutex
 	http     *http.Server
 	view     *fusefs.Server
@@ -477,13 +509,19 @@ func (e *extras) start() error {
 			*segment.Registry
 			backend.Backend
 		}{e.srv.Registry(), e.b})
+		m.SetGPUs(e.gpus)
 		if !e.observer {
 			e.srv.SetObserver(m)
 			e.observer = true
 		}
-		mln, err := listenRetry(e.o.metrics)
-		if err != nil {
-			return fmt.Errorf("--metrics-listen: %w", err)
+		mln := e.mln
+		e.mln = nil
+		if mln == nil {
+			// Serving again after a failed handover: bind again.
+			var err error
+			if mln, err = listenRetry(e.o.metrics); err != nil {
+				return err
+			}
 		}
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(m.Registry(), promhttp.HandlerOpts{}))
@@ -524,13 +562,14 @@ func (e *extras) stop() {
 // listenRetry binds addr, waiting a moment for a predecessor to let go of
 // it.
 func listenRetry(addr string) (net.Listener, error) {
-	var err error
-	for i := 0; i < 50; i++ {
-		var ln net.Listener
-		if ln, err = net.Listen("tcp", addr); err == nil || !errors.Is(err, syscall.EADDRINUSE) {
-			return ln, err
+	for i := 0; ; i++ {
+		ln, err := net.Listen("tcp", addr)
+		if err == nil {
+			return ln, nil
+		}
+		if !errors.Is(err, syscall.EADDRINUSE) || i == 50 {
+			return listenMetrics(addr) // its error says what to do
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	return nil, err
 }

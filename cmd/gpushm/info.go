@@ -54,7 +54,10 @@ every segment across restarts of the serving process.`,
 				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\n", d.Index, d.Name, uuid,
 					formatSize(int64(d.TotalBytes)), formatSize(int64(d.FreeBytes)), formatSize(d.Granularity))
 			}
-			return w.Flush()
+			if err := w.Flush(); err != nil {
+				return err
+			}
+			return printGPUs(os.Stdout, inf.GPU)
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print one JSON document (the protocol's field names)")

@@ -284,7 +284,7 @@ func TestMetricsEndpoint(t *testing.T) {
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(resp.Body)
 	for _, want := range []string{
-		`gpushm_segment_bytes{device="0",named="true",uid="0"} 1.048576e+06`,
+		`gpushm_segment_bytes{device="0",named="true",uid="0",user="root",uuid=""} 1.048576e+06`,
 		`gpushm_operations_total{code="OK",op="create"} 1`,
 		`gpushm_device_memory_total_bytes{device="0",name="host memory",uuid=""}`,
 		`gpushm_operation_duration_seconds_bucket{op="create"`,

@@ -1,13 +1,21 @@
 // Package metrics exposes the daemon's state and activity to Prometheus.
 //
-// Gauges (segments, bytes, leases, device memory, quota use) are read from
-// the registry and the backend when scraped, so they cannot drift from the
-// truth; counters and latency histograms are fed by the server through
-// Observe.
+// Gauges (segments, bytes, leases, device memory, quota use, the node's
+// GPUs) are read from the registry, the backend and the GPU report when
+// scraped, so they cannot drift from the truth; counters and latency
+// histograms are fed by the server through Observe.
+//
+// Labels are chosen so that a dashboard can say who holds how much of which
+// GPU: device (gpushm's ordinal) and uuid name the GPU, uid and user the
+// owner, segment and id the segment. docs/metrics.md lists every metric.
 package metrics
 
 import (
+	"cmp"
+	"os/user"
+	"slices"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -37,6 +45,9 @@ type Metrics struct {
 	leases   *prometheus.Desc
 	devTotal *prometheus.Desc
 	devFree  *prometheus.Desc
+
+	gpus  func() *wire.GPUReport
+	users userNames
 }
 
 // New makes the metric set for a daemon serving backend from src.
@@ -61,14 +72,14 @@ func New(backend string, src Source) *Metrics {
 			Help: "Client connections open now.",
 		}),
 		segments: prometheus.NewDesc("gpushm_segments",
-			"Segments holding memory, by device, owner uid and whether a name still points at them.",
-			[]string{"device", "uid", "named"}, nil),
+			"Segments holding memory, by device, owner and whether a name still points at them.",
+			[]string{"device", "uuid", "uid", "user", "named"}, nil),
 		bytes: prometheus.NewDesc("gpushm_segment_bytes",
-			"Bytes allocated to segments, by device, owner uid and whether a name still points at them.",
-			[]string{"device", "uid", "named"}, nil),
+			"Bytes allocated to segments, by device, owner and whether a name still points at them.",
+			[]string{"device", "uuid", "uid", "user", "named"}, nil),
 		leases: prometheus.NewDesc("gpushm_leases",
-			"Opens held on segments, by device and owner uid.",
-			[]string{"device", "uid"}, nil),
+			"Opens held on segments, by device and owner.",
+			[]string{"device", "uuid", "uid", "user"}, nil),
 		devTotal: prometheus.NewDesc("gpushm_device_memory_total_bytes",
 			"Memory of each device the daemon serves.", []string{"device", "name", "uuid"}, nil),
 		devFree: prometheus.NewDesc("gpushm_device_memory_free_bytes",
@@ -78,6 +89,10 @@ func New(backend string, src Source) *Metrics {
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
+
+// SetGPUs makes scrapes report the node's GPUs as f reports them (NVML's
+// figures, or the driver's); call before serving.
+func (m *Metrics) SetGPUs(f func() *wire.GPUReport) { m.gpus = f }
 
 // Registry is what to serve at /metrics.
 func (m *Metrics) Registry() *prometheus.Registry { return m.reg }
@@ -99,6 +114,27 @@ var quotaDesc = prometheus.NewDesc("gpushm_quota_used",
 var quotaLimitDesc = prometheus.NewDesc("gpushm_quota_limit",
 	"Each quota in force: bytes or a count, per kind and scope.", []string{"kind", "scope"}, nil)
 
+// MaxSegmentSeries bounds the per-segment series a scrape reports, the
+// largest segments first, so that a registry of many small segments
+// cannot swamp Prometheus; the per-owner series always count them all.
+const MaxSegmentSeries = 1000
+
+var (
+	segmentDesc = prometheus.NewDesc("gpushm_segment_allocated_bytes",
+		"Bytes allocated to one segment (the largest 1000), with its name (empty once unlinked), id, device and owner.",
+		[]string{"segment", "id", "device", "uuid", "uid", "user"}, nil)
+	gpuSourceDesc = prometheus.NewDesc("gpushm_gpu_source_info",
+		"Where the gpushm_gpu_* figures come from: nvml, cuda (the driver's cuMemGetInfo: memory only) or none; always 1.",
+		[]string{"source", "driver"}, nil)
+	gpuLabels      = []string{"gpu", "device", "name", "uuid"}
+	gpuTotalDesc   = prometheus.NewDesc("gpushm_gpu_memory_total_bytes", "Memory of each GPU of the node.", gpuLabels, nil)
+	gpuUsedDesc    = prometheus.NewDesc("gpushm_gpu_memory_used_bytes", "Memory in use on each GPU of the node, by every process and the driver.", gpuLabels, nil)
+	gpuUtilDesc    = prometheus.NewDesc("gpushm_gpu_utilization_ratio", "Share of NVML's last sample period in which a kernel ran on the GPU (NVML only).", gpuLabels, nil)
+	gpuProcessDesc = prometheus.NewDesc("gpushm_gpu_process_memory_bytes",
+		"GPU memory NVML charges to each process (NVML only); command, uid and user are empty where the daemon cannot see the process.",
+		[]string{"gpu", "device", "uuid", "pid", "command", "uid", "user"}, nil)
+)
+
 // state is the scrape-time half of Metrics.
 type state Metrics
 
@@ -110,9 +146,35 @@ func (s *state) Describe(ch chan<- *prometheus.Desc) {
 	ch <- s.devFree
 	ch <- quotaDesc
 	ch <- quotaLimitDesc
+	ch <- segmentDesc
+	ch <- gpuSourceDesc
+	ch <- gpuTotalDesc
+	ch <- gpuUsedDesc
+	ch <- gpuUtilDesc
+	ch <- gpuProcessDesc
 }
 
 func (s *state) Collect(ch chan<- prometheus.Metric) {
+	uuids := map[int]string{}
+	if devs, err := s.src.Devices(); err == nil {
+		for _, d := range devs {
+			labels := []string{strconv.Itoa(d.Index), d.Name, d.UUID}
+			ch <- prometheus.MustNewConstMetric(s.devTotal, prometheus.GaugeValue, float64(d.TotalBytes), labels...)
+			ch <- prometheus.MustNewConstMetric(s.devFree, prometheus.GaugeValue, float64(d.FreeBytes), labels...)
+			uuids[d.Index] = d.UUID
+		}
+	}
+	s.collectSegments(ch, uuids)
+	for _, u := range s.src.Quotas() {
+		ch <- prometheus.MustNewConstMetric(quotaDesc, prometheus.GaugeValue, float64(u.Used), u.Kind, u.Scope)
+		ch <- prometheus.MustNewConstMetric(quotaLimitDesc, prometheus.GaugeValue, float64(u.Limit), u.Kind, u.Scope)
+	}
+	if s.gpus != nil {
+		s.collectGPUs(ch, s.gpus())
+	}
+}
+
+func (s *state) collectSegments(ch chan<- prometheus.Metric, uuids map[int]string) {
 	type key struct {
 		dev   int
 		uid   uint32
@@ -122,8 +184,9 @@ func (s *state) Collect(ch chan<- prometheus.Metric) {
 		n, bytes int64
 		leases   int
 	}
+	infos := s.src.Segments()
 	sums := map[key]*sum{}
-	for _, inf := range s.src.Segments() {
+	for _, inf := range infos {
 		k := key{inf.Device, inf.UID, inf.Linked}
 		if sums[k] == nil {
 			sums[k] = &sum{}
@@ -132,26 +195,98 @@ func (s *state) Collect(ch chan<- prometheus.Metric) {
 		sums[k].bytes += inf.AllocSize
 		sums[k].leases += inf.Opens
 	}
-	leases := map[[2]string]int{}
+	type owner struct {
+		dev int
+		uid uint32
+	}
+	leases := map[owner]int{}
 	for k, v := range sums {
 		dev, uid := strconv.Itoa(k.dev), strconv.FormatUint(uint64(k.uid), 10)
-		named := strconv.FormatBool(k.named)
-		ch <- prometheus.MustNewConstMetric(s.segments, prometheus.GaugeValue, float64(v.n), dev, uid, named)
-		ch <- prometheus.MustNewConstMetric(s.bytes, prometheus.GaugeValue, float64(v.bytes), dev, uid, named)
-		leases[[2]string{dev, uid}] += v.leases
+		labels := []string{dev, uuids[k.dev], uid, s.users.name(k.uid), strconv.FormatBool(k.named)}
+		ch <- prometheus.MustNewConstMetric(s.segments, prometheus.GaugeValue, float64(v.n), labels...)
+		ch <- prometheus.MustNewConstMetric(s.bytes, prometheus.GaugeValue, float64(v.bytes), labels...)
+		leases[owner{k.dev, k.uid}] += v.leases
 	}
 	for k, n := range leases {
-		ch <- prometheus.MustNewConstMetric(s.leases, prometheus.GaugeValue, float64(n), k[0], k[1])
+		ch <- prometheus.MustNewConstMetric(s.leases, prometheus.GaugeValue, float64(n),
+			strconv.Itoa(k.dev), uuids[k.dev], strconv.FormatUint(uint64(k.uid), 10), s.users.name(k.uid))
 	}
-	if devs, err := s.src.Devices(); err == nil {
-		for _, d := range devs {
-			labels := []string{strconv.Itoa(d.Index), d.Name, d.UUID}
-			ch <- prometheus.MustNewConstMetric(s.devTotal, prometheus.GaugeValue, float64(d.TotalBytes), labels...)
-			ch <- prometheus.MustNewConstMetric(s.devFree, prometheus.GaugeValue, float64(d.FreeBytes), labels...)
+	if len(infos) > MaxSegmentSeries {
+		slices.SortFunc(infos, func(a, b segment.Info) int {
+			return cmp.Or(cmp.Compare(b.AllocSize, a.AllocSize), cmp.Compare(a.ID, b.ID))
+		})
+		infos = infos[:MaxSegmentSeries]
+	}
+	for _, inf := range infos {
+		name := inf.Name
+		if !inf.Linked {
+			name = ""
+		}
+		ch <- prometheus.MustNewConstMetric(segmentDesc, prometheus.GaugeValue, float64(inf.AllocSize),
+			name, strconv.FormatUint(inf.ID, 10), strconv.Itoa(inf.Device), uuids[inf.Device],
+			strconv.FormatUint(uint64(inf.UID), 10), s.users.name(inf.UID))
+	}
+}
+
+func (s *state) collectGPUs(ch chan<- prometheus.Metric, r *wire.GPUReport) {
+	if r == nil {
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(gpuSourceDesc, prometheus.GaugeValue, 1, r.Source, r.Driver)
+	for _, g := range r.GPUs {
+		gpu, dev := strconv.Itoa(g.Index), ""
+		if g.Device != nil {
+			dev = strconv.Itoa(*g.Device)
+		}
+		labels := []string{gpu, dev, g.Name, g.UUID}
+		ch <- prometheus.MustNewConstMetric(gpuTotalDesc, prometheus.GaugeValue, float64(g.TotalBytes), labels...)
+		ch <- prometheus.MustNewConstMetric(gpuUsedDesc, prometheus.GaugeValue, float64(g.UsedBytes), labels...)
+		if g.Utilization != nil {
+			ch <- prometheus.MustNewConstMetric(gpuUtilDesc, prometheus.GaugeValue, float64(*g.Utilization)/100, labels...)
+		}
+		for _, p := range g.Processes {
+			uid, name := "", ""
+			if p.UID != nil {
+				uid, name = strconv.FormatUint(uint64(*p.UID), 10), s.users.name(*p.UID)
+			}
+			ch <- prometheus.MustNewConstMetric(gpuProcessDesc, prometheus.GaugeValue, float64(p.UsedBytes),
+				gpu, dev, g.UUID, strconv.FormatUint(uint64(p.PID), 10), p.Command, uid, name)
 		}
 	}
-	for _, u := range s.src.Quotas() {
-		ch <- prometheus.MustNewConstMetric(quotaDesc, prometheus.GaugeValue, float64(u.Used), u.Kind, u.Scope)
-		ch <- prometheus.MustNewConstMetric(quotaLimitDesc, prometheus.GaugeValue, float64(u.Limit), u.Kind, u.Scope)
+}
+
+// userNames caches uid -> user name lookups: a lookup may go to a
+// directory service, and every scrape asks for every owner.
+type userNames struct {
+	mu    sync.Mutex
+	names map[uint32]userName
+}
+
+type userName struct {
+	name string
+	at   time.Time
+}
+
+// userNameTTL is how long a name is trusted before it is looked up again.
+const userNameTTL = 5 * time.Minute
+
+// name is uid's user name in the daemon's user database, or the uid in
+// decimal when it has none (a container's /etc/passwd rarely knows the
+// host's users).
+func (u *userNames) name(uid uint32) string {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if e, ok := u.names[uid]; ok && time.Since(e.at) < userNameTTL {
+		return e.name
 	}
+	id := strconv.FormatUint(uint64(uid), 10)
+	name := id
+	if usr, err := user.LookupId(id); err == nil {
+		name = usr.Username
+	}
+	if u.names == nil {
+		u.names = map[uint32]userName{}
+	}
+	u.names[uid] = userName{name, time.Now()}
+	return name
 }

@@ -2,6 +2,7 @@ package metrics_test
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -34,9 +35,11 @@ func TestMetricsFollowTheDaemon(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := c.CreateOnly(ctx, "b", 4096, nil); err != nil {
+	b, _, err := c.CreateOnly(ctx, "b", 4096, nil)
+	if err != nil {
 		t.Fatal(err)
 	}
+	ida, idb := strconv.FormatUint(a.Info().ID, 10), strconv.FormatUint(b.ID, 10)
 	c.Open(ctx, "missing", nil)
 	c.Unlink(ctx, "a") // still open: unnamed, holding memory
 
@@ -45,23 +48,27 @@ func TestMetricsFollowTheDaemon(t *testing.T) {
 		t.Skipf("test assumes root, runs as uid %d", u)
 	}
 	want := `
-# HELP gpushm_segment_bytes Bytes allocated to segments, by device, owner uid and whether a name still points at them.
+# HELP gpushm_segment_bytes Bytes allocated to segments, by device, owner and whether a name still points at them.
 # TYPE gpushm_segment_bytes gauge
-gpushm_segment_bytes{device="0",named="false",uid="` + uid + `"} 8192
-gpushm_segment_bytes{device="0",named="true",uid="` + uid + `"} 4096
-# HELP gpushm_segments Segments holding memory, by device, owner uid and whether a name still points at them.
+gpushm_segment_bytes{device="0",named="false",uid="` + uid + `",user="root",uuid=""} 8192
+gpushm_segment_bytes{device="0",named="true",uid="` + uid + `",user="root",uuid=""} 4096
+# HELP gpushm_segments Segments holding memory, by device, owner and whether a name still points at them.
 # TYPE gpushm_segments gauge
-gpushm_segments{device="0",named="false",uid="` + uid + `"} 1
-gpushm_segments{device="0",named="true",uid="` + uid + `"} 1
-# HELP gpushm_leases Opens held on segments, by device and owner uid.
+gpushm_segments{device="0",named="false",uid="` + uid + `",user="root",uuid=""} 1
+gpushm_segments{device="0",named="true",uid="` + uid + `",user="root",uuid=""} 1
+# HELP gpushm_leases Opens held on segments, by device and owner.
 # TYPE gpushm_leases gauge
-gpushm_leases{device="0",uid="` + uid + `"} 1
+gpushm_leases{device="0",uid="` + uid + `",user="root",uuid=""} 1
+# HELP gpushm_segment_allocated_bytes Bytes allocated to one segment (the largest 1000), with its name (empty once unlinked), id, device and owner.
+# TYPE gpushm_segment_allocated_bytes gauge
+gpushm_segment_allocated_bytes{device="0",id="` + ida + `",segment="",uid="0",user="root",uuid=""} 8192
+gpushm_segment_allocated_bytes{device="0",id="` + idb + `",segment="b",uid="0",user="root",uuid=""} 4096
 # HELP gpushm_connections Client connections open now.
 # TYPE gpushm_connections gauge
 gpushm_connections 1
 `
 	if err := testutil.GatherAndCompare(m.Registry(), strings.NewReader(want),
-		"gpushm_segment_bytes", "gpushm_segments", "gpushm_leases", "gpushm_connections"); err != nil {
+		"gpushm_segment_bytes", "gpushm_segments", "gpushm_leases", "gpushm_connections", "gpushm_segment_allocated_bytes"); err != nil {
 		t.Fatal(err)
 	}
 	ops := `
@@ -87,9 +94,9 @@ gpushm_operations_total{code="OK",op="unlink"} 1
 	a.Close()
 	c.Close()
 	want = `
-# HELP gpushm_segment_bytes Bytes allocated to segments, by device, owner uid and whether a name still points at them.
+# HELP gpushm_segment_bytes Bytes allocated to segments, by device, owner and whether a name still points at them.
 # TYPE gpushm_segment_bytes gauge
-gpushm_segment_bytes{device="0",named="true",uid="0"} 4096
+gpushm_segment_bytes{device="0",named="true",uid="0",user="root",uuid=""} 4096
 `
 	if err := testutil.GatherAndCompare(m.Registry(), strings.NewReader(want), "gpushm_segment_bytes"); err != nil {
 		t.Fatal(err)

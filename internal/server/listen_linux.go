@@ -33,7 +33,10 @@ func Listen(path, group string) (*net.UnixListener, error) {
 		}
 	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("create socket directory: %w", err)
+		return nil, fmt.Errorf("create socket directory: %w (create it for the daemon's user, or pick another --socket)", err)
+	}
+	if err := checkSocketDir(filepath.Dir(path)); err != nil {
+		return nil, err
 	}
 	if _, err := os.Lstat(path); err == nil {
 		c, err := net.DialTimeout("unixpacket", path, time.Second)

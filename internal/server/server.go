@@ -42,6 +42,7 @@ type Server struct {
 	version string
 	spin    time.Duration
 	obs     Observer
+	gpus    func(uid uint32) *wire.GPUReport
 
 	mu    sync.Mutex
 	conns map[*conn]struct{}
@@ -125,6 +126,10 @@ func (nopObserver) Connected(int)                         {}
 
 // SetObserver installs o; call before Serve.
 func (s *Server) SetObserver(o Observer) { s.obs = o }
+
+// SetGPUReport makes info replies carry what f reports of the node's GPUs
+// to a client of the given uid; call before Serve.
+func (s *Server) SetGPUReport(f func(uid uint32) *wire.GPUReport) { s.gpus = f }
 
 // SetSpin sets how long a connection polls for its next request before it
 // sleeps (see wire.Conn.SetSpin); call before Serve.
@@ -491,10 +496,14 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			return fail(err)
 		}
 		u := c.s.reg.Usage()
-		return &wire.Reply{Backend: c.s.backend.Name(), Devices: devs,
+		rep := &wire.Reply{Backend: c.s.backend.Name(), Devices: devs,
 			Usage: &wire.Usage{Segments: u.Segments, Named: u.Named, Bytes: u.Bytes, Opens: u.Opens},
 			PID:   os.Getpid(), SupervisorPID: c.s.supervisorPID, Restarts: c.s.restarts,
-			Grace: c.s.reg.GraceLeft().Seconds()}, -1
+			Grace: c.s.reg.GraceLeft().Seconds()}
+		if c.s.gpus != nil {
+			rep.GPU = c.s.gpus(c.cred.UID)
+		}
+		return rep, -1
 	case wire.OpReclaim:
 		n := max(req.Count, 1)
 		if n > maxReclaim {

@@ -99,6 +99,8 @@ type Reply struct {
 	SupervisorPID int     `json:"supervisor_pid,omitempty"`
 	Restarts      int     `json:"restarts,omitempty"`
 	Grace         float64 `json:"grace_seconds,omitempty"`
+	// GPU is what the daemon knows of the node's GPUs.
+	GPU *GPUReport `json:"gpu,omitempty"`
 
 	// create, open, stat
 	Segment *Segment `json:"segment,omitempty"`
@@ -127,6 +129,46 @@ type Usage struct {
 	Named    int   `json:"named"`
 	Bytes    int64 `json:"bytes"` // allocated
 	Opens    int   `json:"opens"`
+}
+
+// GPUReport is what the daemon knows of the node's GPUs (info).
+type GPUReport struct {
+	// Source is where the figures come from: "nvml"; "cuda" (the driver's
+	// cuMemGetInfo, for the GPUs the daemon serves: memory only); or "none".
+	Source string `json:"source"`
+	// Note says why NVML is not the source, or what it could not read.
+	Note   string `json:"note,omitempty"`
+	Driver string `json:"driver,omitempty"`
+	GPUs   []GPU  `json:"gpus,omitempty"`
+}
+
+// GPU is one GPU of the node.
+type GPU struct {
+	// Index is NVML's index (nvidia-smi's) with source "nvml", else the
+	// CUDA ordinal; Device is the ordinal gpushm serves the GPU as, absent
+	// when it does not serve it.
+	Index      int    `json:"index"`
+	Device     *int   `json:"device,omitempty"`
+	Name       string `json:"name"`
+	UUID       string `json:"uuid,omitempty"`
+	TotalBytes uint64 `json:"total_bytes"`
+	UsedBytes  uint64 `json:"used_bytes"`
+	// Utilization is the percentage of NVML's last sample period in which
+	// a kernel ran; absent when unknown.
+	Utilization *int         `json:"utilization_percent,omitempty"`
+	Processes   []GPUProcess `json:"processes,omitempty"`
+	// MoreProcesses counts processes left out of Processes (the smallest)
+	// so that the reply fits in one packet.
+	MoreProcesses int `json:"more_processes,omitempty"`
+}
+
+// GPUProcess is a process holding memory on a GPU.
+type GPUProcess struct {
+	PID       uint32 `json:"pid"`
+	UsedBytes uint64 `json:"used_bytes"`
+	// Command and UID come from /proc/PID, where the daemon can read it.
+	Command string  `json:"command,omitempty"`
+	UID     *uint32 `json:"uid,omitempty"`
 }
 
 // Handle types of a segment's descriptor.

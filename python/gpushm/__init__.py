@@ -10,12 +10,13 @@ describes it and docs/protocol.md the protocol it speaks.
 
 from ._client import (Bundle, Client, Error, ExistsError, InvalidError, NotFoundError, OutOfMemoryError,
                       PermissionDeniedError, Segment, SegmentInfo, connect, default_socket)
+from ._binary import binary
 from ._cuda import CUDAError
 from ._view import View
 
 __all__ = ["Bundle", "CUDAError", "Client", "Error", "ExistsError", "InvalidError", "NotFoundError",
            "OutOfMemoryError", "PermissionDeniedError", "Segment", "SegmentInfo", "View", "connect",
-           "default_socket"]
+           "binary", "default_socket"]
 __version__ = "0.1.0"
 
 

@@ -467,10 +467,10 @@ class Client:
     # ---- operations -----------------------------------------------------
 
     def info(self) -> dict:
-        """The daemon's backend, devices and usage (docs/protocol.md, info)."""
+        """The daemon's backend, devices, usage and the node's GPUs (docs/protocol.md, info)."""
         rep, _ = self._call("info")
         return {"server": self.server, "backend": rep.get("backend"), "devices": rep.get("devices", []),
-                "usage": rep.get("usage", {}), "pid": rep.get("pid", 0),
+                "usage": rep.get("usage", {}), "gpu": rep.get("gpu"), "pid": rep.get("pid", 0),
                 "supervisor_pid": rep.get("supervisor_pid", 0), "restarts": rep.get("restarts", 0),
                 "grace_seconds": rep.get("grace_seconds", 0.0)}
 

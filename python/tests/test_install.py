@@ -1,0 +1,112 @@
+"""Installing gpushm as Python users do, each time into a fresh virtual
+environment and offline: the platform wheel that scripts/build-wheel makes
+(client and binary), and the source tree (`pip install ./python`, client
+only). Needs Debian's python3-venv and python3-wheel-whl; scripts/test
+installs them."""
+
+import glob
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import _binary
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's: venv and the wheels it needs come from apt
+DEBIAN_WHEELS = "/usr/share/python-wheels"
+
+
+def _env(venv):
+    # Nothing from the caller's pip configuration or PYTHONPATH (which
+    # points at the source tree): the venv must stand on its own.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INDEX="1",
+               PATH=f"{venv}/bin:/usr/bin:/bin", GPUSHM_SOCKET=os.devnull)
+    return env
+
+
+def _run(args, env, **kw):
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, **kw)
+    if r.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, args))}: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r.stdout
+
+
+def _venv(tmp_path):
+    if not glob.glob(f"{DEBIAN_WHEELS}/pip-*.whl"):
+        pytest.skip("needs python3-venv (Debian's pip wheel for ensurepip)")
+    venv = tmp_path / "venv"
+    _run([SYSTEM_PYTHON, "-m", "venv", str(venv)], _env(venv))
+    return venv
+
+
+def test_platform_wheel(tmp_path):
+    out = _run([SYSTEM_PYTHON, str(ROOT / "scripts" / "build-wheel"), "--binary", _binary(),
+                "--out", str(tmp_path / "dist")], os.environ)
+    wheel = Path(out.strip().splitlines()[-1])
+    assert wheel.name.startswith("gpushm-0.1.0-py3-none-manylinux_2_") and wheel.suffix == ".whl", wheel
+    venv = _venv(tmp_path)
+    env = _env(venv)
+    _run([venv / "bin" / "pip", "install", "--no-deps", str(wheel)], env)
+
+    gpushm_bin = venv / "bin" / "gpushm"
+    assert os.access(gpushm_bin, os.X_OK), "the wheel did not install an executable gpushm"
+    # The whole path, from the installed binary alone: it starts its own
+    # daemon (itself) and a second process (itself).
+    demo = _run([gpushm_bin, "demo", "--backend", "host", "--size", "8MiB"], env, cwd=tmp_path)
+    assert "verified: both processes saw every byte" in demo, demo
+
+    # The installed client finds the installed binary and talks to it.
+    sock = tmp_path / "s.sock"
+    daemon = subprocess.Popen([gpushm_bin, "daemon", "--socket", sock, "--backend", "host"], env=env,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        script = f"""
+import gpushm, os, time
+assert gpushm.__file__.startswith({str(venv)!r}), gpushm.__file__
+assert gpushm.binary() == {str(gpushm_bin)!r}, gpushm.binary()
+for _ in range(500):
+    try:
+        c = gpushm.connect({str(sock)!r})
+        break
+    except OSError:
+        time.sleep(0.01)
+c.create("from-the-wheel", 4096)
+info = c.info()
+assert info["usage"]["named"] == 1, info
+assert info["gpu"]["source"] == "none", info["gpu"]
+print("ok")
+"""
+        assert _run([venv / "bin" / "python", "-c", script], env, cwd=tmp_path).strip() == "ok"
+        ls = _run([venv / "bin" / "python", "-m", "gpushm", "--socket", sock, "ls"], env, cwd=tmp_path)
+        assert "from-the-wheel" in ls, ls
+    finally:
+        daemon.terminate()
+        _, err = daemon.communicate(timeout=10)
+    assert daemon.returncode == 0, err
+
+
+def test_source_install(tmp_path):
+    if not glob.glob(f"{DEBIAN_WHEELS}/wheel-*.whl"):
+        pytest.skip("needs python3-wheel-whl: pip builds ./python with setuptools and wheel, offline")
+    src = tmp_path / "python"
+    shutil.copytree(ROOT / "python", src, ignore=shutil.ignore_patterns("__pycache__", "build", "dist", "*.egg-info"))
+    venv = _venv(tmp_path)
+    env = _env(venv)
+    # An ordinary, isolated build: pip takes setuptools and wheel from
+    # Debian's wheels instead of PyPI.
+    _run([venv / "bin" / "pip", "install", "--find-links", DEBIAN_WHEELS, str(src)], env)
+    script = f"""
+import gpushm
+assert gpushm.__file__.startswith({str(venv)!r}), gpushm.__file__
+try:
+    gpushm.binary()
+except FileNotFoundError as e:
+    print("client only:", e)
+"""
+    out = _run([venv / "bin" / "python", "-c", script], env, cwd=tmp_path)
+    assert out.startswith("client only: no gpushm binary"), out
+    assert not (venv / "bin" / "gpushm").exists()
