@@ -82,7 +82,10 @@ func Listen(path, group string) (*net.UnixListener, error) {
 // with the winner's pid.
 func Lock(path string) (*os.File, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("create socket directory: %w", err)
+		return nil, fmt.Errorf("create socket directory: %w (create it for the daemon's user, or pick another --socket)", err)
+	}
+	if err := checkSocketDir(filepath.Dir(path)); err != nil {
+		return nil, err
 	}
 	f, err := os.OpenFile(path+".lock", os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
