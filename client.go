@@ -127,10 +127,11 @@ type Client struct {
 	oldEpochs  []*epoch.Page // pages of earlier connections, unmapped at Close
 	reconnects int
 
-	cmu    sync.Mutex
-	cache  map[cacheKey]*shared
-	open   map[*shared]struct{}
-	closed bool
+	cmu      sync.Mutex
+	cache    map[cacheKey]*shared
+	open     map[*shared]struct{}
+	channels map[*Channel]struct{}
+	closed   bool
 }
 
 // Dial connects to the daemon at socket ("" for DefaultSocket) and says
@@ -219,13 +220,22 @@ func (c *Client) Close() error {
 		return nil
 	}
 	c.closed = true
+	chans := make([]*Channel, 0, len(c.channels))
+	for ch := range c.channels {
+		chans = append(chans, ch)
+	}
+	c.cmu.Unlock()
+	var errs []error
+	for _, ch := range chans {
+		errs = append(errs, ch.Close())
+	}
+	c.cmu.Lock()
 	open := make([]*shared, 0, len(c.open))
 	for sh := range c.open {
 		open = append(open, sh)
 	}
 	c.open, c.cache = nil, nil
 	c.cmu.Unlock()
-	var errs []error
 	for _, sh := range open {
 		errs = append(errs, sh.unmap())
 	}
@@ -343,6 +353,9 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 			sh.mu.Unlock()
 		}
 	}
+	if err := c.reclaimChannelsLocked(ctx); errors.Is(err, errLost) {
+		return c.reconnectLocked(ctx, err)
+	}
 	return nil
 }
 
@@ -400,6 +413,26 @@ func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD i
 		}
 		if rep.FD && fd < 0 {
 			return nil, -1, c.fail(ctx, fmt.Errorf("%w: reply promised a descriptor and carried none", wire.ErrProto))
+		}
+		if rep.Control {
+			// A channel's control block follows in a packet of its own.
+			b, cfd, err := c.conn.Recv()
+			var second *wire.Reply
+			if err == nil {
+				second, err = wire.DecodeReply(b)
+			}
+			if err == nil && (second.ID != req.ID || !second.ControlFD || cfd < 0) {
+				err = fmt.Errorf("%w: the control block did not follow the reply", wire.ErrProto)
+			}
+			if err != nil {
+				closeFD(fd)
+				closeFD(cfd)
+				if ctx.Err() == nil && isHangup(err) {
+					return nil, -1, fmt.Errorf("%w: %v", errLost, err)
+				}
+				return nil, -1, c.fail(ctx, err)
+			}
+			rep.CtlFD = cfd
 		}
 		return rep, fd, nil
 	}
@@ -613,6 +646,7 @@ func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey, 
 	if err != nil {
 		return nil, err
 	}
+	closeFD(rep.CtlFD) // a channel opened to look at: its control block is not needed
 	sh := &shared{c: c, info: *rep.Segment, key: key, epoch: ep, fd: fd, readOnly: key.readOnly, devices: devices, refs: 1}
 	c.cmu.Lock()
 	defer c.cmu.Unlock()

@@ -270,6 +270,12 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 		return err
 	}
 	srv.Registry().SetLimits(lim)
+	// Channels' control blocks are host memory whatever the backend.
+	host, err := backend.NewHost()
+	if err != nil {
+		return err
+	}
+	srv.Registry().SetControlAllocator(host)
 	spin := o.spin
 	if spin > 0 && runtime.NumCPU() < 4 {
 		// Polling would take the core the client needs.
@@ -320,7 +326,7 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 			return err
 		}
 		srv.Registry().SetJournal(link)
-		restore(srv, b, start, log)
+		restore(srv, b, host, start, log)
 		srv.SetSupervisor(start.SupervisorPID, start.Restarts)
 		srv.StartGrace(start.GraceUntil)
 	} else {
@@ -393,7 +399,7 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 // restore rebuilds the registry from what the supervisor held, checking
 // each descriptor with the backend, and adopts the connections a
 // predecessor parked.
-func restore(srv *server.Server, b backend.Backend, start *supervisor.Start, log *slog.Logger) {
+func restore(srv *server.Server, b backend.Backend, host *backend.Host, start *supervisor.Start, log *slog.Logger) {
 	items := make([]segment.Restored, 0, len(start.Segments))
 	now := time.Now().UnixNano()
 	// An orphan without a record is dated now and owned by root (0600).
@@ -425,6 +431,9 @@ func restore(srv *server.Server, b backend.Backend, start *supervisor.Start, log
 			}
 			it.Memory = mem
 		}
+		if it.Record.Slots > 0 || h.CtlFD >= 0 {
+			it.Memory, it.Problem = restoreChannel(host, it, h.CtlFD)
+		}
 		items = append(items, it)
 	}
 	reg := srv.Registry()
@@ -438,7 +447,39 @@ func restore(srv *server.Server, b backend.Backend, start *supervisor.Start, log
 			log.Error("adopt a connection", "err", err)
 		}
 	}
+	srv.RepairChannels()
 	log.Info("restored", "reason", start.Reason, "segments", len(start.Segments), "connections", len(start.Conns), "orphans", len(orphans))
+}
+
+// restoreChannel puts a channel's memory together again: its slots and its
+// control block, which must both be there and check out.
+func restoreChannel(host *backend.Host, it segment.Restored, ctlFD int) (segment.Memory, string) {
+	problem := it.Problem
+	var ctl segment.Memory
+	if ctlFD >= 0 {
+		m, err := host.Restore(0, ctlFD, segment.ControlBytes)
+		if err != nil {
+			if problem == "" {
+				problem = "its control block is not usable: " + err.Error()
+			}
+			m = rawMemory{fd: ctlFD}
+		}
+		ctl = m
+	} else if problem == "" {
+		problem = "its control block is missing"
+	}
+	if it.Record.Slots == 0 && problem == "" {
+		problem = "a control block came back for a segment that is not a channel"
+	}
+	switch {
+	case it.Memory == nil && ctl == nil:
+		return nil, problem
+	case it.Memory == nil:
+		return ctl, problem
+	case ctl == nil:
+		return it.Memory, problem
+	}
+	return &segment.ChannelMemory{Data: it.Memory, Control: ctl}, problem
 }
 
 // rawMemory holds a descriptor the backend could not use: an orphan's

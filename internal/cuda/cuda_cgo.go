@@ -156,6 +156,11 @@ struct gpushm_fns {
 	CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
 	CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 	CUresult (*cuMemcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
+	CUresult (*cuMemHostRegister)(void *, size_t, unsigned int);
+	CUresult (*cuMemHostUnregister)(void *);
+	CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned int);
+	CUresult (*cuStreamWriteValue64)(CUstream, CUdeviceptr, unsigned long long, unsigned int);
+	CUresult (*cuStreamWaitValue64)(CUstream, CUdeviceptr, unsigned long long, unsigned int);
 	CUresult (*cuEventCreate)(CUevent *, unsigned int);
 	CUresult (*cuEventRecord)(CUevent, CUstream);
 	CUresult (*cuEventSynchronize)(CUevent);
@@ -210,6 +215,11 @@ static const struct gpushm_sym gpushm_syms[] = {
 	GPUSHM_SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", NULL),
 	GPUSHM_SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", NULL),
 	GPUSHM_SYM(cuMemcpyPeerAsync, "cuMemcpyPeerAsync", NULL),
+	GPUSHM_SYM(cuMemHostRegister, "cuMemHostRegister_v2", "cuMemHostRegister"),
+	GPUSHM_SYM(cuMemHostUnregister, "cuMemHostUnregister", NULL),
+	GPUSHM_SYM(cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2", NULL),
+	GPUSHM_SYM(cuStreamWriteValue64, "cuStreamWriteValue64_v2", "cuStreamWriteValue64"),
+	GPUSHM_SYM(cuStreamWaitValue64, "cuStreamWaitValue64_v2", "cuStreamWaitValue64"),
 	GPUSHM_SYM(cuEventCreate, "cuEventCreate", NULL),
 	GPUSHM_SYM(cuEventRecord, "cuEventRecord", NULL),
 	GPUSHM_SYM(cuEventSynchronize, "cuEventSynchronize", NULL),
@@ -353,6 +363,17 @@ static CUresult gs_setAccess(CUdeviceptr p, size_t size, const int *ordinals, si
 }
 
 static CUresult gs_cuMemcpyHtoD(CUdeviceptr dst, const void *src, size_t n) { return gpushm_cu.cuMemcpyHtoD(dst, src, n); }
+
+// CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP: pinned for
+// every context, with a device address.
+static CUresult gs_hostRegister(void *p, size_t n) { return gpushm_cu.cuMemHostRegister(p, n, 0x01 | 0x02); }
+static CUresult gs_hostUnregister(void *p) { return gpushm_cu.cuMemHostUnregister(p); }
+static CUresult gs_hostDevicePointer(CUdeviceptr *d, void *p) { return gpushm_cu.cuMemHostGetDevicePointer(d, p, 0); }
+// Flags 0: CU_STREAM_WRITE_VALUE_DEFAULT (after a system-wide fence) and
+// CU_STREAM_WAIT_VALUE_GEQ.
+static CUresult gs_writeValue64(CUstream s, CUdeviceptr a, unsigned long long v) { return gpushm_cu.cuStreamWriteValue64(s, a, v, 0); }
+static CUresult gs_waitValue64(CUstream s, CUdeviceptr a, unsigned long long v) { return gpushm_cu.cuStreamWaitValue64(s, a, v, 0); }
+static CUstream gs_stream(uintptr_t h) { return (CUstream)h; }
 static CUresult gs_cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t n) { return gpushm_cu.cuMemcpyDtoH(dst, src, n); }
 static CUresult gs_cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t n) { return gpushm_cu.cuMemcpyDtoD(dst, src, n); }
 static CUresult gs_cuMemsetD8(CUdeviceptr dst, unsigned char v, size_t n) { return gpushm_cu.cuMemsetD8(dst, v, n); }
@@ -1020,9 +1041,10 @@ var errClosed = fmt.Errorf("cuda: use of a closed or zero stream or event: %w", 
 // Stream is a non-blocking CUDA stream of one device's primary context. Its
 // methods are safe for concurrent use, Close included.
 type Stream struct {
-	d  *Device
-	mu sync.RWMutex // held for writing only by Close, so no call uses a destroyed stream
-	s  C.CUstream
+	d       *Device
+	mu      sync.RWMutex // held for writing only by Close, so no call uses a destroyed stream
+	s       C.CUstream
+	foreign bool // made by someone else: Close leaves it alone
 }
 
 // NewStream creates a stream that does not synchronize with the legacy
@@ -1132,6 +1154,10 @@ func (s *Stream) Close() error {
 			return err
 		}
 		return errClosed
+	}
+	if s.foreign {
+		s.s = nil
+		return nil
 	}
 	err := s.d.withCtx(func() error {
 		return wrap("cuStreamDestroy", C.gs_cuStreamDestroy(s.s))
@@ -1315,4 +1341,59 @@ func abiFacts() map[string]int64 {
 		"CU_EVENT_BLOCKING_SYNC":                                          C.CU_EVENT_BLOCKING_SYNC,
 		"CU_EVENT_DISABLE_TIMING":                                         C.CU_EVENT_DISABLE_TIMING,
 	}
+}
+
+// RegisterHost pins b (shared memory, say) for every context and returns
+// its address on the GPUs, for stream memory operations on it.
+func (d *Device) RegisterHost(b []byte) (uint64, error) {
+	if len(b) == 0 {
+		return 0, fmt.Errorf("cuda: register 0 bytes: %w", ErrInvalidValue)
+	}
+	var ptr C.CUdeviceptr
+	err := d.withCtx(func() error {
+		if err := wrap("cuMemHostRegister", C.gs_hostRegister(unsafe.Pointer(&b[0]), C.size_t(len(b)))); err != nil {
+			return err
+		}
+		if err := wrap("cuMemHostGetDevicePointer", C.gs_hostDevicePointer(&ptr, unsafe.Pointer(&b[0]))); err != nil {
+			C.gs_hostUnregister(unsafe.Pointer(&b[0]))
+			return err
+		}
+		return nil
+	})
+	return uint64(ptr), err
+}
+
+// UnregisterHost undoes RegisterHost.
+func (d *Device) UnregisterHost(b []byte) error {
+	if len(b) == 0 {
+		return nil
+	}
+	return d.withCtx(func() error {
+		return wrap("cuMemHostUnregister", C.gs_hostUnregister(unsafe.Pointer(&b[0])))
+	})
+}
+
+// ForeignStream wraps a stream another library made (torch, CuPy): h is
+// its CUstream; 0 is the legacy default stream. Closing it does nothing.
+func (d *Device) ForeignStream(h uintptr) *Stream {
+	if h == 0 {
+		h = 1 // CU_STREAM_LEGACY: the same stream, by a handle that is not nil
+	}
+	return &Stream{d: d, s: C.gs_stream(C.uintptr_t(h)), foreign: true}
+}
+
+// WriteValue64 queues a write of v to addr (device-visible memory), after
+// a fence that makes the stream's earlier writes visible first.
+func (s *Stream) WriteValue64(addr, v uint64) error {
+	return s.use(func(cs C.CUstream) error {
+		return wrap("cuStreamWriteValue64", C.gs_writeValue64(cs, C.CUdeviceptr(addr), C.ulonglong(v)))
+	})
+}
+
+// WaitValue64 makes the stream wait until the 64-bit word at addr is at
+// least v.
+func (s *Stream) WaitValue64(addr, v uint64) error {
+	return s.use(func(cs C.CUstream) error {
+		return wrap("cuStreamWaitValue64", C.gs_waitValue64(cs, C.CUdeviceptr(addr), C.ulonglong(v)))
+	})
 }

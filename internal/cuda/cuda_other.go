@@ -99,3 +99,9 @@ func (s *Stream) CopyDtoDAsync(uint64, uint64, int64) error { return errUnavaila
 func (s *Stream) CopyPeerAsync(uint64, *Device, uint64, *Device, int64) error {
 	return errUnavailable
 }
+
+func (d *Device) RegisterHost([]byte) (uint64, error) { return 0, errUnavailable }
+func (d *Device) UnregisterHost([]byte) error         { return errUnavailable }
+func (d *Device) ForeignStream(uintptr) *Stream       { return &Stream{} }
+func (s *Stream) WriteValue64(uint64, uint64) error   { return errUnavailable }
+func (s *Stream) WaitValue64(uint64, uint64) error    { return errUnavailable }

@@ -37,6 +37,10 @@ type Record struct {
 	Origin string `json:"origin,omitempty"`
 	// Orphan says why the daemon cannot serve the segment, if it cannot.
 	Orphan string `json:"orphan,omitempty"`
+	// Slots and SlotBytes describe a channel; its memory comes with a
+	// control block's descriptor.
+	Slots     int   `json:"slots,omitempty"`
+	SlotBytes int64 `json:"slot_bytes,omitempty"`
 }
 
 // Journal receives every change of state that must outlive the process:
@@ -46,9 +50,10 @@ type Record struct {
 // returns; it must not call back into the registry.
 type Journal interface {
 	// Put records rec. fd >= 0 is the segment's memory, new or replaced:
-	// the journal keeps its own duplicate. fd < 0 leaves the memory as it
-	// was recorded, unless rec.Alloc is 0: the segment has no memory now.
-	Put(rec Record, fd int)
+	// the journal keeps its own duplicate; ctlFD, with it, a channel's
+	// control block. fd < 0 leaves the memory as it was recorded, unless
+	// rec.Alloc is 0: the segment has no memory now.
+	Put(rec Record, fd, ctlFD int)
 	// Delete forgets a segment whose memory was freed.
 	Delete(id uint64)
 }
@@ -79,6 +84,7 @@ func (s *Segment) recordLocked() Record {
 		UID: s.uid, GID: s.gid, Mode: s.mode, Meta: s.meta,
 		Created: s.created.UnixNano(), Modified: s.modified.UnixNano(),
 		TTL: int64(s.ttl), Bound: s.bound, Session: s.session, Origin: s.origin, Orphan: s.orphan,
+		Slots: s.slots, SlotBytes: s.slotBytes,
 	}
 	if s.mem != nil {
 		rec.Alloc = s.mem.Size()
@@ -103,7 +109,11 @@ func (r *Registry) noteLocked(s *Segment, fd int) {
 		}
 		return
 	}
-	r.journal.Put(s.recordLocked(), fd)
+	ctl := -1
+	if fd >= 0 {
+		ctl = controlFD(s.mem)
+	}
+	r.journal.Put(s.recordLocked(), fd, ctl)
 	s.saved = true
 }
 
@@ -186,6 +196,7 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			linked: rec.Linked, mem: it.Memory, ready: closedChan,
 			ttl: time.Duration(rec.TTL), idle: time.Unix(0, rec.Idle), bound: rec.Bound,
 			session: rec.Session, origin: rec.Origin, saved: true,
+			slots: rec.Slots, slotBytes: rec.SlotBytes,
 			doubt: true, wasInUse: rec.InUse && rec.TTL > 0,
 		}
 		if s.size > memSize(s.mem) {

@@ -23,7 +23,7 @@ func newJournal() *fakeJournal {
 	return &fakeJournal{recs: map[uint64]Record{}, fds: map[uint64]int{}}
 }
 
-func (j *fakeJournal) Put(rec Record, fd int) {
+func (j *fakeJournal) Put(rec Record, fd, ctl int) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	j.recs[rec.ID] = rec

@@ -92,6 +92,11 @@ type CreateOptions struct {
 	// create with the same Origin finds the segment it made, as created,
 	// so that a retried request has the outcome of the first.
 	Origin string
+	// Slots > 0 makes a channel (channel.go): Slots buffers of SlotBytes
+	// each, and a control block that Control initializes.
+	Slots     int
+	SlotBytes int64
+	Control   func(Memory) error
 }
 
 // Info is a snapshot of a segment's state.
@@ -124,6 +129,10 @@ type Info struct {
 	// Doubt says the segment was restored after a restart and clients may
 	// still be reclaiming their leases on it.
 	Doubt bool
+	// Slots, SlotBytes and Stride describe a channel (Slots > 0).
+	Slots     int
+	SlotBytes int64
+	Stride    int64
 }
 
 // Segment is one allocation in the registry.
@@ -168,6 +177,9 @@ type Segment struct {
 	doubt    bool
 	wasInUse bool
 	orphan   string
+	// A channel's layout (slots > 0); its memory is a ChannelMemory.
+	slots     int
+	slotBytes int64
 }
 
 // ID is unique for the registry's lifetime; IDs are never reused.
@@ -193,6 +205,7 @@ type Registry struct {
 	// journal, when set, receives every durable change (journal.go).
 	journal    Journal
 	graceUntil time.Time
+	ctlAlloc   Allocator // control blocks of channels (host memory)
 }
 
 // New returns an empty registry allocating through alloc. changed, if not
@@ -237,6 +250,13 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	}()
 	if err := ValidName(o.Name); err != nil {
 		return nil, false, err
+	}
+	if o.Slots != 0 {
+		size, err := r.channelSize(o)
+		if err != nil {
+			return nil, false, err
+		}
+		o.Size = size
 	}
 	if o.Size < 0 || o.Size == 0 && !o.AllowEmpty {
 		return nil, false, fmt.Errorf("%w: %d (must be positive)", ErrBadSize, o.Size)
@@ -284,6 +304,10 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 			return nil, false, fmt.Errorf("%w: %q has size %d on device %d, not size %d on device %d",
 				ErrExist, o.Name, existing.size, existing.device, o.Size, o.Device)
 		}
+		if existing.slots != o.Slots || existing.slotBytes != o.SlotBytes {
+			return nil, false, fmt.Errorf("%w: %q is %s, not %s", ErrExist, o.Name,
+				describeLayout(existing.slots, existing.slotBytes), describeLayout(o.Slots, o.SlotBytes))
+		}
 		if o.Open {
 			if err := r.acquireLocked(c, existing, o.ReadOnly); err != nil {
 				return nil, false, err
@@ -302,24 +326,26 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	r.nextID++
 	now := time.Now()
 	s = &Segment{
-		id:       r.nextID,
-		name:     o.Name,
-		size:     o.Size,
-		device:   o.Device,
-		created:  now,
-		modified: now,
-		uid:      c.UID,
-		gid:      c.GID,
-		mode:     mode,
-		meta:     append(json.RawMessage(nil), o.Meta...),
-		linked:   true,
-		creating: true,
-		ready:    make(chan struct{}),
-		ttl:      o.TTL,
-		idle:     now,
-		bound:    o.Bound,
-		session:  o.Session,
-		origin:   o.Origin,
+		id:        r.nextID,
+		name:      o.Name,
+		size:      o.Size,
+		device:    o.Device,
+		created:   now,
+		modified:  now,
+		uid:       c.UID,
+		gid:       c.GID,
+		mode:      mode,
+		meta:      append(json.RawMessage(nil), o.Meta...),
+		linked:    true,
+		creating:  true,
+		ready:     make(chan struct{}),
+		ttl:       o.TTL,
+		idle:      now,
+		bound:     o.Bound,
+		session:   o.Session,
+		origin:    o.Origin,
+		slots:     o.Slots,
+		slotBytes: o.SlotBytes,
 	}
 	r.byName[o.Name] = s
 	r.mu.Unlock()
@@ -328,6 +354,8 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	err = nil // find's ErrNotFound
 	if o.Memory != nil {
 		mem, pending = o.Memory, nil
+	} else if o.Slots > 0 {
+		mem, err = r.allocateChannel(o)
 	} else if o.Size > 0 {
 		mem, err = r.alloc.Allocate(o.Device, o.Size)
 	}
@@ -591,6 +619,11 @@ func (r *Registry) infoLocked(s *Segment) Info {
 		Idle:       s.idle,
 		Orphan:     s.orphan,
 		Doubt:      s.doubt,
+		Slots:      s.slots,
+		SlotBytes:  s.slotBytes,
+	}
+	if s.slots > 0 {
+		inf.Stride = channelStride(s.slotBytes)
 	}
 	if s.mem != nil {
 		inf.AllocSize = s.mem.Size()

@@ -17,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gpushm/gpushm/internal/channel"
 	"github.com/gpushm/gpushm/internal/epoch"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/wire"
@@ -114,7 +115,7 @@ func (s *Server) SetSupervisor(pid, restarts int) { s.supervisorPID, s.restarts 
 // metrics.
 type Observer interface {
 	// Observe records one request: its op (or "invalid" / "unknown"), its
-	// result code ("" for success) and the time from arrival to reply sent.
+	// result code ("" for success) and the time from arrival to the reply.
 	Observe(op, code string, d time.Duration)
 	Connected(delta int)
 }
@@ -257,7 +258,7 @@ func (s *Server) startFD(fd int) {
 		unix.Close(fd)
 		return
 	}
-	c := &conn{s: s, wc: wc, leases: make(map[uint64]*lease)}
+	c := &conn{s: s, wc: wc, leases: make(map[uint64]*lease), roles: make(map[uint64]channel.Role)}
 	if err := s.run(c); err != nil {
 		s.log.Warn("refusing connection without credentials", "err", err)
 		wc.Close()
@@ -337,6 +338,11 @@ type conn struct {
 	leases  map[uint64]*lease // by segment ID; touched only by serve's goroutine
 	// bound are the segments this connection created to end with it.
 	bound []*segment.Segment
+	// roles are the channel roles this connection holds, by segment ID.
+	roles map[uint64]channel.Role
+	// ctlFD is a channel's control block, sent in a packet of its own
+	// right after the reply that announced it (-1: none).
+	ctlFD int
 }
 
 // maxTTL bounds ttl_seconds: a year is longer than any idle segment should
@@ -357,6 +363,9 @@ func (c *conn) serve() (parked bool) {
 		}
 		n := 0
 		for _, l := range c.leases {
+			// A role whose connection ended without a close ends as if its
+			// process died: the block shows what it finished.
+			c.unclaim(l.seg, true)
 			for ; l.n > 0; l.n-- {
 				if err := c.s.reg.Release(l.seg); err != nil {
 					log.Error("release on disconnect", "err", err)
@@ -418,6 +427,7 @@ func (c *conn) serve() (parked bool) {
 			}
 			continue
 		}
+		c.ctlFD = -1
 		rep, fd := c.dispatch(req, inFD)
 		rep.ID = req.ID
 		code := ""
@@ -425,8 +435,13 @@ func (c *conn) serve() (parked bool) {
 			code = rep.Error.Code
 			log.Debug(req.Op, "name", req.Name, "err", rep.Error.Message)
 		}
-		err = c.send(rep, fd)
+		// Counted before the reply leaves: a client that reads the metrics
+		// after the reply must find its request in them.
 		c.s.obs.Observe(opLabel(req.Op), code, time.Since(start))
+		err = c.send(rep, fd)
+		if err == nil && rep.Control {
+			err = c.send(&wire.Reply{ID: req.ID, ControlFD: true}, c.ctlFD)
+		}
 		if err != nil {
 			log.Debug("write", "err", err)
 			if rep.FD && rep.Segment != nil {
@@ -513,6 +528,18 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if err != nil {
 			return fail(fmt.Errorf("reclaim: %w", err))
 		}
+		if req.Role != "" {
+			role, err := parseRole(req.Role)
+			if err == nil {
+				err = c.reclaimRole(seg, role)
+			}
+			if err != nil {
+				for range n {
+					c.s.reg.Release(seg)
+				}
+				return fail(fmt.Errorf("reclaim: %w", err))
+			}
+		}
 		for range n {
 			c.hold(seg)
 		}
@@ -537,7 +564,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if !req.Open {
 			return rep, -1
 		}
-		fd, err := seg.FD()
+		fd, err := c.handOut(seg, req)
 		if err != nil {
 			// A create that cannot hand out its descriptor leaves nothing.
 			c.s.reg.Release(seg)
@@ -547,26 +574,37 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			return fail(fmt.Errorf("create %q: %w", req.Name, err))
 		}
 		c.hold(seg)
-		rep.FD = true
+		rep.FD, rep.Control = true, c.ctlFD >= 0
 		return rep, fd
 	case wire.OpOpen:
+		if req.Role == string(channel.Tx) && req.ReadOnly {
+			return fail(fmt.Errorf("open %q: a producer writes: role \"tx\" cannot be read-only: %w", req.Name, syscall.EINVAL))
+		}
 		seg, err := c.s.reg.Acquire(cred, req.Name, req.ReadOnly)
 		if err != nil {
 			return fail(fmt.Errorf("open: %w", err))
 		}
-		fd, err := seg.FD()
+		fd, err := c.handOut(seg, req)
 		if err != nil {
 			c.s.reg.Release(seg)
 			return fail(fmt.Errorf("open %q: %w", req.Name, err))
 		}
 		c.hold(seg)
-		return &wire.Reply{Segment: c.segmentInfo(seg), FD: true}, fd
+		return &wire.Reply{Segment: c.segmentInfo(seg), FD: true, Control: c.ctlFD >= 0}, fd
 	case wire.OpClose:
 		if !c.release(req.Segment) {
 			return fail(fmt.Errorf("close: this connection holds no open of segment %d: %w", req.Segment, syscall.EINVAL))
 		}
 		return &wire.Reply{}, -1
 	case wire.OpUnlink:
+		if seg, _, err := c.s.reg.Lookup(req.Name); err == nil && seg.IsChannel() && c.s.reg.Access(cred, seg, 0) == nil {
+			defer func() {
+				// Its ends learn it, once the name is gone.
+				if _, _, err := c.s.reg.Lookup(req.Name); err != nil {
+					markRemoved(seg)
+				}
+			}()
+		}
 		if err := c.s.reg.Unlink(cred, req.Name); err != nil {
 			return fail(fmt.Errorf("unlink: %w", err))
 		}
@@ -624,6 +662,16 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 		Mode: deref(req.Mode), UseMode: req.Mode != nil,
 		Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: req.ReadOnly,
 		Session: c.session,
+		Slots:   req.Slots, SlotBytes: req.SlotBytes,
+	}
+	if req.Slots != 0 || req.SlotBytes != 0 {
+		if req.Slots == 0 {
+			return o, fmt.Errorf("slot_bytes without slots: %w", syscall.EINVAL)
+		}
+		o.Control = initControl(req.Slots, req.SlotBytes)
+	}
+	if req.Role != "" && !req.Open {
+		return o, fmt.Errorf("a role is taken by opening: %w", syscall.EINVAL)
 	}
 	if c.session != "" {
 		// A client that lost the reply resends the request, id and all, on
@@ -729,6 +777,9 @@ func (c *conn) release(id uint64) bool {
 	if l == nil {
 		return false
 	}
+	if l.n == 1 {
+		c.unclaim(l.seg, false)
+	}
 	l.n--
 	if l.n == 0 {
 		delete(c.leases, id)
@@ -746,6 +797,10 @@ func toWire(inf segment.Info) *wire.Segment {
 		UID: inf.UID, GID: inf.GID, Mode: inf.Mode, Opens: inf.Opens,
 		Created: inf.Created.UnixNano(), Meta: inf.Meta, Orphan: inf.Orphan,
 	}
+	if inf.Slots > 0 {
+		w.Channel = &wire.Channel{Slots: inf.Slots, SlotBytes: inf.SlotBytes, SlotStride: inf.Stride,
+			ControlBytes: segment.ControlBytes}
+	}
 	if inf.Bound {
 		w.Lifetime = wire.LifetimeConnection
 	}
@@ -761,4 +816,34 @@ func deref(p *uint32) uint32 {
 		return 0
 	}
 	return *p
+}
+
+// handOut is the descriptor an open of seg sends, with a channel's role
+// taken as req asks and its control block ready to follow (c.ctlFD).
+func (c *conn) handOut(seg *segment.Segment, req *wire.Request) (int, error) {
+	fd, err := seg.FD()
+	if err != nil {
+		return -1, err
+	}
+	if !seg.IsChannel() {
+		if req.Role != "" {
+			return -1, fmt.Errorf("%q is not a channel: no role to take: %w", req.Name, syscall.EINVAL)
+		}
+		return fd, nil
+	}
+	ctl, err := seg.ControlFD()
+	if err != nil {
+		return -1, err
+	}
+	if req.Role != "" {
+		role, err := parseRole(req.Role)
+		if err != nil {
+			return -1, err
+		}
+		if err := c.claim(seg, role); err != nil {
+			return -1, err
+		}
+	}
+	c.ctlFD = ctl
+	return fd, nil
 }

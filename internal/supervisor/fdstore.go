@@ -84,8 +84,14 @@ func newFDStore(st *State, log *slog.Logger, listener, epoch *os.File) (*fdStore
 		return nil, err
 	}
 	for _, id := range st.ids() {
-		if e := st.entries[id]; e.fd >= 0 {
+		e := st.entries[id]
+		if e.fd >= 0 {
 			if err := f.store(segName(id), e.fd); err != nil {
+				return nil, err
+			}
+		}
+		if e.ctl >= 0 {
+			if err := f.store(ctlName(id), e.ctl); err != nil {
 				return nil, err
 			}
 		}
@@ -107,8 +113,12 @@ func (f *fdStore) put(st *State, id uint64, e *entry, fdChanged bool) {
 	f.append(st, journalOp{Op: "put", ID: id, Rec: e.rec})
 	if fdChanged {
 		f.check(f.remove(segName(id)))
+		f.check(f.remove(ctlName(id)))
 		if e.fd >= 0 {
 			f.check(f.store(segName(id), e.fd))
+		}
+		if e.ctl >= 0 {
+			f.check(f.store(ctlName(id), e.ctl))
 		}
 	}
 }
@@ -116,7 +126,10 @@ func (f *fdStore) put(st *State, id uint64, e *entry, fdChanged bool) {
 func (f *fdStore) del(st *State, id uint64) {
 	f.append(st, journalOp{Op: "del", ID: id})
 	f.check(f.remove(segName(id)))
+	f.check(f.remove(ctlName(id)))
 }
+
+func ctlName(id uint64) string { return "ctl-" + strconv.FormatUint(id, 10) }
 
 func (f *fdStore) check(err error) {
 	if err != nil {
@@ -192,6 +205,7 @@ func FromSystemd(log *slog.Logger) *Handed {
 	}
 	var journals []journalFile
 	segs := map[uint64]int{}
+	ctls := map[uint64]int{}
 	var extra []int
 	for _, f := range files {
 		name := f.Name()
@@ -223,6 +237,18 @@ func FromSystemd(log *slog.Logger) *Handed {
 			} else {
 				segs[id] = fd
 			}
+		case strings.HasPrefix(name, "ctl-"):
+			id, err := strconv.ParseUint(strings.TrimPrefix(name, "ctl-"), 10, 64)
+			fd := dupFile(f)
+			if fd < 0 {
+				continue
+			}
+			if _, dup := ctls[id]; err != nil || dup {
+				log.Error("systemd handed back a control block with a bad or repeated name; closing it", "name", name)
+				closeFD(fd)
+				continue
+			}
+			ctls[id] = fd
 		case isListener(f):
 			h.Listener = keep(h.Listener, f, log)
 		default:
@@ -251,17 +277,25 @@ func FromSystemd(log *slog.Logger) *Handed {
 		} else {
 			delete(segs, id)
 		}
-		st.entries[id] = &entry{rec: rec, fd: fd}
+		st.entries[id] = &entry{rec: rec, fd: fd, ctl: -1}
 		st.nextID = max(st.nextID, id)
 	}
 	for id, fd := range segs {
-		st.entries[id] = &entry{fd: fd}
+		st.entries[id] = &entry{fd: fd, ctl: -1}
 		st.nextID = max(st.nextID, id)
+	}
+	for id, fd := range ctls {
+		if e := st.entries[id]; e != nil {
+			e.ctl = fd
+		} else {
+			log.Error("systemd handed back a control block of no segment it knows; closing it", "id", id)
+			closeFD(fd)
+		}
 	}
 	st.nextID = max(st.nextID, nextID)
 	for _, fd := range extra {
 		st.nextID++
-		st.entries[st.nextID] = &entry{fd: fd}
+		st.entries[st.nextID] = &entry{fd: fd, ctl: -1}
 	}
 	log.Info("systemd handed back the service's state", "segments", st.Len(), "descriptors", st.FDs(), "journal_generation", st.journalGen)
 	return h

@@ -13,7 +13,7 @@ func testState(t *testing.T, n int) *State {
 	t.Helper()
 	st := newState()
 	for i := 1; i <= n; i++ {
-		st.put(uint64(i), json.RawMessage(fmt.Sprintf(`{"id":%d,"name":"s%d","alloc":4096}`, i, i)), -1)
+		st.put(uint64(i), json.RawMessage(fmt.Sprintf(`{"id":%d,"name":"s%d","alloc":4096}`, i, i)), -1, -1)
 	}
 	st.nextID = uint64(n + 10)
 	return st
@@ -84,17 +84,17 @@ func TestStateHoldsDescriptors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st.put(1, json.RawMessage(`{"id":1,"alloc":4096}`), fd)
+	st.put(1, json.RawMessage(`{"id":1,"alloc":4096}`), fd, -1)
 	if st.FDs() != 1 {
 		t.Fatal("descriptor not held")
 	}
 	// A record saying the segment has no memory any more drops it.
-	st.put(1, json.RawMessage(`{"id":1,"alloc":0}`), -1)
+	st.put(1, json.RawMessage(`{"id":1,"alloc":0}`), -1, -1)
 	if st.FDs() != 0 || unix.Close(fd) == nil {
 		t.Fatal("descriptor of a segment without memory kept open")
 	}
 	fd2, _ := unix.MemfdCreate("t", unix.MFD_CLOEXEC)
-	st.put(2, json.RawMessage(`{"id":2,"alloc":4096}`), fd2)
+	st.put(2, json.RawMessage(`{"id":2,"alloc":4096}`), fd2, -1)
 	st.del(2)
 	if err := unix.Close(fd2); st.Len() != 1 || err == nil {
 		t.Fatalf("after del: %d entries; the descriptor of a deleted segment kept open (close: %v)", st.Len(), err)
@@ -103,7 +103,7 @@ func TestStateHoldsDescriptors(t *testing.T) {
 
 func FuzzDecodeJournal(f *testing.F) {
 	st := newState()
-	st.put(1, json.RawMessage(`{"id":1,"name":"a","alloc":4096}`), -1)
+	st.put(1, json.RawMessage(`{"id":1,"name":"a","alloc":4096}`), -1, -1)
 	f.Add(encodeJournal(st))
 	f.Add(appendFrame([]byte(journalMagic), journalOp{Op: "del", ID: 3}))
 	f.Add([]byte(journalMagic))

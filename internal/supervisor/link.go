@@ -55,6 +55,7 @@ const (
 	tStop    = "stop"    // graceful stop: close everything and exit
 	// server -> supervisor
 	tPut      = "put"      // a record, and the segment's new descriptor if any
+	tCtl      = "ctl"      // a channel's control block, for the put that follows (both directions)
 	tDel      = "del"      // a segment was freed
 	tInit     = "init"     // the backend is up; waiting for the state
 	tReady    = "ready"    // serving
@@ -142,11 +143,13 @@ func Attach() (*Link, *net.UnixListener, int, error) {
 }
 
 // Held is a segment the supervisor holds: its record and its descriptor
-// (-1 if none), which the receiver owns.
+// (-1 if none), and a channel's control block (-1 if none), which the
+// receiver owns.
 type Held struct {
-	ID  uint64
-	Rec json.RawMessage // nil: a descriptor with no record
-	FD  int
+	ID    uint64
+	Rec   json.RawMessage // nil: a descriptor with no record
+	FD    int
+	CtlFD int
 }
 
 // Parked is a client connection handed from one serving process to the
@@ -179,15 +182,27 @@ func (l *Link) Initialized() error { return l.send(msg{T: tInit, PID: os.Getpid(
 // Receive reads the state the supervisor hands over, up to "go".
 func (l *Link) Receive() (*Start, error) {
 	st := &Start{}
+	ctl := map[uint64]int{} // control blocks, for the seg that follows
 	for {
 		m, fd, err := recv(l.conn)
 		if err != nil {
 			st.close()
+			for _, fd := range ctl {
+				closeFD(fd)
+			}
 			return nil, fmt.Errorf("receive state: %w", err)
 		}
 		switch m.T {
+		case tCtl:
+			closeFD(ctl[m.ID])
+			ctl[m.ID] = fd
 		case tSeg:
-			st.Segments = append(st.Segments, Held{ID: m.ID, Rec: m.Rec, FD: fd})
+			h := Held{ID: m.ID, Rec: m.Rec, FD: fd, CtlFD: -1}
+			if c, ok := ctl[m.ID]; ok {
+				h.CtlFD = c
+				delete(ctl, m.ID)
+			}
+			st.Segments = append(st.Segments, h)
 		case tConn:
 			if fd < 0 {
 				continue
@@ -213,6 +228,7 @@ func (l *Link) Receive() (*Start, error) {
 func (st *Start) close() {
 	for _, h := range st.Segments {
 		closeFD(h.FD)
+		closeFD(h.CtlFD)
 	}
 	for _, c := range st.Conns {
 		closeFD(c.FD)
@@ -254,14 +270,24 @@ func (l *Link) SendConn(fd int, state json.RawMessage) error {
 // journaled.
 func (l *Link) Quiesced() error { return l.send(msg{T: tQuiesced}, -1) }
 
-// Put implements segment.Journal.
-func (l *Link) Put(rec segment.Record, fd int) {
+// Put implements segment.Journal. A channel's control block goes first,
+// in a message of its own (one descriptor a message), then the record with
+// the data's descriptor: the supervisor applies them in that order.
+func (l *Link) Put(rec segment.Record, fd, ctlFD int) {
 	b, err := json.Marshal(rec)
 	if err != nil {
 		l.Lost(fmt.Errorf("encode record %d: %w", rec.ID, err))
 		return
 	}
-	if err := l.send(msg{T: tPut, ID: rec.ID, Rec: b}, fd); err != nil {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if ctlFD >= 0 {
+		if err := send(l.conn, msg{T: tCtl, ID: rec.ID}, ctlFD); err != nil {
+			l.Lost(fmt.Errorf("journal segment %d's control block: %w", rec.ID, err))
+			return
+		}
+	}
+	if err := send(l.conn, msg{T: tPut, ID: rec.ID, Rec: b}, fd); err != nil {
 		l.Lost(fmt.Errorf("journal segment %d: %w", rec.ID, err))
 	}
 }

@@ -22,6 +22,7 @@ type State struct {
 type entry struct {
 	rec json.RawMessage // nil: a descriptor handed back without a record
 	fd  int             // -1: none (no memory, or the descriptor is missing)
+	ctl int             // a channel's control block, or -1
 }
 
 // mirror is told every change, to keep a copy outside this process.
@@ -47,22 +48,28 @@ func (st *State) FDs() int {
 }
 
 // put records rec for id, taking ownership of fd (-1: keep the descriptor
-// held, unless the record says the segment has no memory any more).
-func (st *State) put(id uint64, rec json.RawMessage, fd int) {
+// held, unless the record says the segment has no memory any more) and of
+// ctl, a channel's control block (-1: none new).
+func (st *State) put(id uint64, rec json.RawMessage, fd, ctl int) {
 	st.nextID = max(st.nextID, id)
 	e := st.entries[id]
 	if e == nil {
-		e = &entry{fd: -1}
+		e = &entry{fd: -1, ctl: -1}
 		st.entries[id] = e
 	}
 	e.rec = append(json.RawMessage(nil), rec...)
 	changed := false
+	if ctl >= 0 {
+		closeFD(e.ctl)
+		e.ctl, changed = ctl, true
+	}
 	if fd >= 0 {
 		closeFD(e.fd)
 		e.fd, changed = fd, true
 	} else if e.fd >= 0 && allocOf(rec) == 0 {
 		closeFD(e.fd)
-		e.fd, changed = -1, true
+		closeFD(e.ctl)
+		e.fd, e.ctl, changed = -1, -1, true
 	}
 	if st.mirror != nil {
 		st.mirror.put(st, id, e, changed)
@@ -78,6 +85,7 @@ func (st *State) del(id uint64) {
 	}
 	delete(st.entries, id)
 	closeFD(e.fd)
+	closeFD(e.ctl)
 	if st.mirror != nil {
 		st.mirror.del(st, id)
 	}
@@ -88,6 +96,7 @@ func (st *State) del(id uint64) {
 func (st *State) release() {
 	for id, e := range st.entries {
 		closeFD(e.fd)
+		closeFD(e.ctl)
 		delete(st.entries, id)
 	}
 }

@@ -61,7 +61,8 @@ type child struct {
 	err     error         // its exit status, once exited
 	started time.Time
 	pid     int
-	ready   bool // it said it serves
+	ready   bool           // it said it serves
+	ctl     map[uint64]int // control blocks received, for the put that follows
 }
 
 type ctl struct {
@@ -383,13 +384,24 @@ func (s *Supervisor) waitReady(ctx context.Context, c, other *child) error {
 // apply acts on one message from a serving process.
 func (s *Supervisor) apply(c *child, m ctl) {
 	switch m.m.T {
+	case tCtl:
+		if prev, ok := c.ctl[m.m.ID]; ok {
+			closeFD(prev)
+		}
+		c.ctl[m.m.ID] = m.fd
 	case tPut:
+		ctl, ok := c.ctl[m.m.ID]
+		if !ok {
+			ctl = -1
+		}
+		delete(c.ctl, m.m.ID)
 		if m.m.ID == 0 || !isObject(m.m.Rec) {
 			s.log.Error("serving process sent a bad record; ignored", "pid", c.pid, "id", m.m.ID)
 			closeFD(m.fd)
+			closeFD(ctl)
 			return
 		}
-		s.st.put(m.m.ID, m.m.Rec, m.fd)
+		s.st.put(m.m.ID, m.m.Rec, m.fd, ctl)
 	case tDel:
 		closeFD(m.fd)
 		s.st.del(m.m.ID)
@@ -412,6 +424,11 @@ func (s *Supervisor) drain(c *child) {
 func (s *Supervisor) handState(c *child, conns []Parked, reason string) error {
 	for _, id := range s.st.ids() {
 		e := s.st.entries[id]
+		if e.ctl >= 0 {
+			if err := send(c.conn, msg{T: tCtl, ID: id}, e.ctl); err != nil {
+				return fmt.Errorf("hand over segment %d's control block: %w", id, err)
+			}
+		}
 		if err := send(c.conn, msg{T: tSeg, ID: id, Rec: e.rec}, e.fd); err != nil {
 			return fmt.Errorf("hand over segment %d: %w", id, err)
 		}
@@ -493,7 +510,7 @@ func (s *Supervisor) spawn() (*child, error) {
 		return nil, fmt.Errorf("start serving process %s: %w", s.cfg.Exe, err)
 	}
 	c := &child{cmd: cmd, conn: ours, msgs: make(chan ctl, 64), exited: make(chan struct{}),
-		started: time.Now(), pid: cmd.Process.Pid}
+		started: time.Now(), pid: cmd.Process.Pid, ctl: map[uint64]int{}}
 	go func() {
 		defer close(c.msgs)
 		for {

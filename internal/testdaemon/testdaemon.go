@@ -63,6 +63,11 @@ func StartWith(t testing.TB, backendName string, setup func(*server.Server, back
 	if err != nil {
 		t.Fatal(err)
 	}
+	host, err := backend.NewHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Registry().SetControlAllocator(host)
 	if setup != nil {
 		setup(srv, b)
 	}

@@ -72,6 +72,11 @@ type Request struct {
 	Session string `json:"session,omitempty"`
 	// Count (reclaim) is how many leases to take back.
 	Count int `json:"count,omitempty"`
+	// Slots and SlotBytes (create) make a channel; Role (open, create with
+	// open, reclaim) takes a channel's role: "tx" or "rx".
+	Slots     int    `json:"slots,omitempty"`
+	SlotBytes int64  `json:"slot_bytes,omitempty"`
+	Role      string `json:"role,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -107,6 +112,13 @@ type Reply struct {
 	Created bool     `json:"created,omitempty"`
 	// FD says that a descriptor for Segment is attached (create with open, open).
 	FD bool `json:"fd,omitempty"`
+	// Control says that a second packet follows with a channel's control
+	// block; ControlFD marks that packet.
+	Control   bool `json:"control,omitempty"`
+	ControlFD bool `json:"control_fd,omitempty"`
+	// CtlFD is where a client puts the control block's descriptor once it
+	// read the second packet; -1 when none. Never on the wire.
+	CtlFD int `json:"-"`
 
 	// list
 	Segments []Segment `json:"segments,omitempty"`
@@ -201,6 +213,16 @@ type Segment struct {
 	// survived a restart in a state the daemon could not prove. It can be
 	// listed, stat'ed and removed, not opened.
 	Orphan string `json:"orphan,omitempty"`
+	// Channel describes a channel (docs/protocol.md, "Channels").
+	Channel *Channel `json:"channel,omitempty"`
+}
+
+// Channel is a channel's layout.
+type Channel struct {
+	Slots        int   `json:"slots"`
+	SlotBytes    int64 `json:"slot_bytes"`
+	SlotStride   int64 `json:"slot_stride"`
+	ControlBytes int64 `json:"control_bytes"`
 }
 
 // Error is a failed operation: Code is an errno name such as "ENOENT".
@@ -241,7 +263,7 @@ func DecodeReply(b []byte) (*Reply, error) {
 	if err := checkSize(b); err != nil {
 		return nil, err
 	}
-	var r Reply
+	r := Reply{CtlFD: -1}
 	if err := jsonv2.Unmarshal(b, &r); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrProto, err)
 	}

@@ -1,0 +1,382 @@
+package gpushm
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/channel"
+	"github.com/gpushm/gpushm/internal/cuda"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// Role is a channel end: one producer and one consumer per channel.
+type Role string
+
+// The roles.
+const (
+	Producer Role = "tx"
+	Consumer Role = "rx"
+)
+
+// Errors a channel's Send and Recv return (also matched by errors.Is).
+var (
+	// ErrNoConsumer: Send with NoWait found no consumer attached.
+	ErrNoConsumer = channel.ErrNoConsumer
+	// ErrFull: Send with NoWait found every slot holding a message the
+	// consumer has not released.
+	ErrFull = channel.ErrFull
+	// ErrRemoved: the channel was removed ('gpushm rm').
+	ErrRemoved = channel.ErrRemoved
+	// ErrBroken: the producer died before it finished the next message;
+	// the stream ends there.
+	ErrBroken = channel.ErrBroken
+)
+
+// ChannelOptions are the optional parts of opening (or making) a channel.
+type ChannelOptions struct {
+	// SlotBytes > 0 makes the channel if it does not exist (or finds one
+	// with the same layout): Slots messages of SlotBytes each (Slots 0
+	// means 4). 0 opens an existing channel.
+	Slots     int
+	SlotBytes int64
+	// Meta, Mode and Device are as for a create.
+	Meta   json.RawMessage
+	Mode   *uint32
+	Device *int
+	// Devices are the GPUs that touch the slots in this process (a
+	// consumer on another GPU); empty means the channel's own GPU.
+	Devices []int
+	// NoWait makes Send fail with ErrNoConsumer or ErrFull instead of
+	// waiting for a consumer or a free slot.
+	NoWait bool
+}
+
+// Channel is one end of a channel (docs/protocol.md, "Channels"). It is
+// not safe for concurrent use; one message is out at a time.
+type Channel struct {
+	c      *Client
+	name   string
+	role   Role
+	info   SegmentInfo
+	m      *Mapping
+	ctl    []byte
+	blk    *channel.Block
+	ctlDev uint64 // the block's address on the GPU (cuda channels)
+	noWait bool
+	stride int64
+	slots  int
+
+	mu     sync.Mutex
+	out    *Message // taken or being written, not yet Done
+	last   uint64   // the producer's last message + 1
+	closed bool
+}
+
+// Message is one slot handed out by Send (to fill) or Recv (to read).
+// Done hands it over.
+type Message struct {
+	ch   *Channel
+	seq  uint64
+	slot int
+}
+
+// Channel opens one end of the channel name, making it first when
+// o.SlotBytes says how. The producer needs write permission, the consumer
+// read permission.
+func (c *Client) Channel(ctx context.Context, name string, role Role, o *ChannelOptions) (*Channel, error) {
+	if o == nil {
+		o = &ChannelOptions{}
+	}
+	if role != Producer && role != Consumer {
+		return nil, fmt.Errorf("gpushm: channel role %q (want Producer or Consumer)", role)
+	}
+	readOnly := role == Consumer
+	req := &wire.Request{Op: wire.OpOpen, Name: name, Role: string(role), ReadOnly: readOnly}
+	if o.SlotBytes > 0 {
+		slots := o.Slots
+		if slots == 0 {
+			slots = 4
+		}
+		co := &CreateOptions{Device: o.Device, Mode: o.Mode, Meta: o.Meta, ExistOK: true}
+		req = co.request(name, 0, true)
+		req.Slots, req.SlotBytes, req.Role = slots, o.SlotBytes, string(role)
+		// A consumer that makes the channel still maps its slots for
+		// reading only.
+		req.ReadOnly = readOnly
+	}
+	rep, fd, err := c.roundTrip(ctx, req)
+	if err != nil {
+		return nil, fmt.Errorf("gpushm: channel %q: %w", name, err)
+	}
+	ch := &Channel{c: c, name: name, role: role, info: *rep.Segment, noWait: o.NoWait}
+	err = ch.attach(fd, rep.CtlFD, readOnly, o.Devices)
+	closeFD(fd)
+	closeFD(rep.CtlFD)
+	if err != nil {
+		c.roundTrip(context.Background(), &wire.Request{Op: wire.OpClose, Segment: ch.info.ID})
+		return nil, fmt.Errorf("gpushm: channel %q: %w", name, err)
+	}
+	c.cmu.Lock()
+	if c.channels == nil {
+		c.channels = map[*Channel]struct{}{}
+	}
+	c.channels[ch] = struct{}{}
+	c.cmu.Unlock()
+	return ch, nil
+}
+
+// attach maps the slots and the control block.
+func (ch *Channel) attach(fd, ctlFD int, readOnly bool, devices []int) error {
+	if ch.info.Channel == nil || ctlFD < 0 {
+		return fmt.Errorf("%q is not a channel", ch.info.Name)
+	}
+	ch.slots, ch.stride = ch.info.Channel.Slots, ch.info.Channel.SlotStride
+	m, err := mapSegment(fd, &ch.info, readOnly, devices)
+	if err != nil {
+		return err
+	}
+	ctl, err := unix.Mmap(ctlFD, 0, channel.BlockBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		m.unmap()
+		return fmt.Errorf("map control block: %w", err)
+	}
+	blk, err := channel.Map(ctl)
+	if err == nil {
+		_, _, _, err = blk.Check()
+	}
+	if err == nil && m.dev != nil {
+		// The streams write and wait on the block: pin it, with an address
+		// on the GPU.
+		ch.ctlDev, err = m.dev.RegisterHost(ctl)
+	}
+	if err != nil {
+		unix.Munmap(ctl)
+		m.unmap()
+		return err
+	}
+	ch.m, ch.ctl, ch.blk = m, ctl, blk
+	if ch.role == Producer {
+		ch.last = blk.Head()
+	}
+	return nil
+}
+
+// Info describes the channel as it was opened.
+func (ch *Channel) Info() SegmentInfo { return ch.info }
+
+// Slots is the number of slots; SlotBytes a message's size.
+func (ch *Channel) Slots() int { return ch.slots }
+
+// SlotBytes is the size of one message.
+func (ch *Channel) SlotBytes() int64 { return ch.info.Channel.SlotBytes }
+
+func waitArgs(ctx context.Context) (time.Duration, <-chan struct{}) {
+	timeout := time.Duration(0)
+	if d, ok := ctx.Deadline(); ok {
+		timeout = max(time.Until(d), time.Nanosecond)
+	}
+	return timeout, ctx.Done()
+}
+
+func (ch *Channel) stream(h uintptr) *cuda.Stream {
+	if ch.m.dev == nil {
+		return nil
+	}
+	return ch.m.dev.ForeignStream(h)
+}
+
+// Send waits for a free slot and returns it as the next message. On a
+// cuda channel, stream (a CUstream; 0 for the default stream) first waits,
+// on the GPU, until the consumer's reads of the slot's last message are
+// done; queue the work that fills the slot on the same stream, then call
+// Done with it. No CPU synchronization takes place.
+func (ch *Channel) Send(ctx context.Context, stream uintptr) (*Message, error) {
+	if ch.role != Producer {
+		return nil, errors.New("gpushm: Send on a consumer's channel")
+	}
+	ch.mu.Lock()
+	defer ch.mu.Unlock()
+	if err := ch.usable(); err != nil {
+		return nil, err
+	}
+	timeout, done := waitArgs(ctx)
+	if ch.noWait {
+		timeout = -1
+	}
+	k, err := ch.blk.WaitSlot(true, timeout, done)
+	if err != nil {
+		return nil, ch.waitErr(ctx, err)
+	}
+	slot := int(k % uint64(ch.slots))
+	if s := ch.stream(stream); s != nil && k >= uint64(ch.slots) {
+		if err := s.WaitValue64(ch.ctlDev+uint64(channel.DrainedOffset(slot)), k-uint64(ch.slots)+1); err != nil {
+			return nil, fmt.Errorf("gpushm: channel %q: %w", ch.name, err)
+		}
+	}
+	msg := &Message{ch: ch, seq: k, slot: slot}
+	ch.out = msg
+	return msg, nil
+}
+
+// Recv waits for the next message. On a cuda channel, stream waits, on the
+// GPU, until the producer's writes of it are done; queue the work that
+// reads it on the same stream, then call Done with it. At the end of the
+// stream (the producer closed or died after sending it all) it returns
+// io.EOF.
+func (ch *Channel) Recv(ctx context.Context, stream uintptr) (*Message, error) {
+	if ch.role != Consumer {
+		return nil, errors.New("gpushm: Recv on a producer's channel")
+	}
+	ch.mu.Lock()
+	defer ch.mu.Unlock()
+	if err := ch.usable(); err != nil {
+		return nil, err
+	}
+	timeout, done := waitArgs(ctx)
+	k, err := ch.blk.WaitMessage(timeout, done)
+	if errors.Is(err, channel.ErrEOF) {
+		return nil, io.EOF
+	}
+	if err != nil {
+		return nil, ch.waitErr(ctx, err)
+	}
+	slot := int(k % uint64(ch.slots))
+	if s := ch.stream(stream); s != nil {
+		if err := s.WaitValue64(ch.ctlDev+uint64(channel.FilledOffset(slot)), k+1); err != nil {
+			return nil, fmt.Errorf("gpushm: channel %q: %w", ch.name, err)
+		}
+	}
+	msg := &Message{ch: ch, seq: k, slot: slot}
+	ch.out = msg
+	return msg, nil
+}
+
+func (ch *Channel) usable() error {
+	switch {
+	case ch.closed:
+		return fmt.Errorf("gpushm: channel %q is closed", ch.name)
+	case ch.out != nil:
+		return fmt.Errorf("gpushm: channel %q: message %d is still out; call its Done first", ch.name, ch.out.seq)
+	}
+	return nil
+}
+
+func (ch *Channel) waitErr(ctx context.Context, err error) error {
+	if errors.Is(err, channel.ErrCanceled) {
+		return ctx.Err()
+	}
+	if errors.Is(err, channel.ErrTimeout) && ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return fmt.Errorf("gpushm: channel %q: %w", ch.name, err)
+}
+
+// Seq is the message's number in the stream (0 for the first).
+func (m *Message) Seq() uint64 { return m.seq }
+
+// Bytes is the slot's memory on a host channel (nil on a cuda one).
+func (m *Message) Bytes() []byte {
+	if m.ch.m.host == nil {
+		return nil
+	}
+	off := int64(m.slot) * m.ch.stride
+	return m.ch.m.host[off : off+m.ch.info.Channel.SlotBytes]
+}
+
+// DevicePtr is the slot's address on the GPU (0 on a host channel).
+func (m *Message) DevicePtr() uint64 {
+	if m.ch.m.dev == nil {
+		return 0
+	}
+	return m.ch.m.ptr + uint64(m.slot)*uint64(m.ch.stride)
+}
+
+// Done hands the message over: the producer's is sent (its stream marks
+// the slot filled once the work queued before it is done), the consumer's
+// is released (its stream marks the slot drained). stream must be the one
+// given to Send or Recv, or one ordered after it.
+func (m *Message) Done(stream uintptr) error {
+	ch := m.ch
+	ch.mu.Lock()
+	defer ch.mu.Unlock()
+	if ch.out != m {
+		return fmt.Errorf("gpushm: channel %q: message %d is not out", ch.name, m.seq)
+	}
+	ch.out = nil
+	if s := ch.stream(stream); s != nil {
+		off := channel.FilledOffset(m.slot)
+		if ch.role == Consumer {
+			off = channel.DrainedOffset(m.slot)
+		}
+		if err := s.WriteValue64(ch.ctlDev+uint64(off), m.seq+1); err != nil {
+			return fmt.Errorf("gpushm: channel %q: %w", ch.name, err)
+		}
+	}
+	if ch.role == Producer {
+		ch.blk.Sent(m.seq)
+		ch.last = m.seq + 1
+	} else {
+		ch.blk.Released(m.seq)
+	}
+	return nil
+}
+
+// Close ends this end of the channel. A producer first waits (up to 10 s)
+// until its last message's writes are done on the GPU, so that the
+// consumer gets every message it sent and then io.EOF.
+func (ch *Channel) Close() error {
+	ch.mu.Lock()
+	if ch.closed {
+		ch.mu.Unlock()
+		return nil
+	}
+	ch.closed = true
+	if ch.role == Producer && ch.m.dev != nil && ch.last > 0 {
+		slot := int((ch.last - 1) % uint64(ch.slots))
+		for deadline := time.Now().Add(10 * time.Second); ch.blk.Filled(slot) < ch.last && time.Now().Before(deadline); {
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+	ch.mu.Unlock()
+	c := ch.c
+	c.cmu.Lock()
+	delete(c.channels, ch)
+	c.cmu.Unlock()
+	_, _, err := c.roundTrip(context.Background(), &wire.Request{Op: wire.OpClose, Segment: ch.info.ID})
+	if errors.Is(err, syscall.EINVAL) {
+		err = nil // the lease went with a connection the daemon lost
+	}
+	if ch.m.dev != nil {
+		err = errors.Join(err, ch.m.dev.UnregisterHost(ch.ctl))
+	}
+	return errors.Join(err, unix.Munmap(ch.ctl), ch.m.unmap())
+}
+
+// reclaimChannels takes back the roles of this client's channels after a
+// reconnection; c.mu is held.
+func (c *Client) reclaimChannelsLocked(ctx context.Context) error {
+	c.cmu.Lock()
+	chans := make([]*Channel, 0, len(c.channels))
+	for ch := range c.channels {
+		chans = append(chans, ch)
+	}
+	c.cmu.Unlock()
+	for _, ch := range chans {
+		c.nextID++
+		_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpReclaim, Segment: ch.info.ID,
+			Count: 1, ReadOnly: ch.role == Consumer, Role: string(ch.role)}, -1)
+		closeFD(fd)
+		if errors.Is(err, errLost) {
+			return err
+		}
+	}
+	return nil
+}

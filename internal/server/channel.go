@@ -1,0 +1,222 @@
+package server
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/channel"
+	"github.com/gpushm/gpushm/internal/segment"
+)
+
+// Channels (docs/protocol.md): the server gives out the roles, one producer
+// and one consumer per channel, and ends a role when its process goes: when
+// the connection that took it closes, or, for a process that outlived a
+// serving process's crash and has no connection yet, when its pidfd says it
+// exited. Ending a role repairs the control block so that the other end
+// never waits forever.
+
+// withBlock maps seg's control block for fn.
+func withBlock(seg *segment.Segment, fn func(*channel.Block) error) error {
+	fd, err := seg.ControlFD()
+	if err != nil {
+		return err
+	}
+	mem, err := unix.Mmap(fd, 0, channel.BlockBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return fmt.Errorf("map control block: %w", err)
+	}
+	defer unix.Munmap(mem)
+	blk, err := channel.Map(mem)
+	if err != nil {
+		return err
+	}
+	return fn(blk)
+}
+
+// initControl writes a new channel's control block.
+func initControl(slots int, slotBytes int64) func(segment.Memory) error {
+	return func(m segment.Memory) error {
+		c, ok := m.(*segment.ChannelMemory)
+		if !ok {
+			return errors.New("not a channel's memory")
+		}
+		fd, err := c.ControlFD()
+		if err != nil {
+			return err
+		}
+		mem, err := unix.Mmap(fd, 0, channel.BlockBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+		if err != nil {
+			return fmt.Errorf("map control block: %w", err)
+		}
+		defer unix.Munmap(mem)
+		blk, err := channel.Map(mem)
+		if err != nil {
+			return err
+		}
+		blk.Init(slots, slotBytes, channel.Stride(slotBytes))
+		return nil
+	}
+}
+
+// procStart is a process's start time (clock ticks after boot, field 22
+// of /proc/PID/stat): with the pid, it names one process, not whatever
+// reuses the pid later.
+func procStart(pid int) (uint64, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	// The command name (field 2) is in parentheses and may hold spaces.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: unreadable", pid)
+	}
+	f := bytes.Fields(b[i+1:])
+	if len(f) < 20 {
+		return 0, fmt.Errorf("/proc/%d/stat: unreadable", pid)
+	}
+	return strconv.ParseUint(string(f[19]), 10, 64)
+}
+
+// alive reports whether the process that holds a role is still the one
+// recorded.
+func alive(h channel.Holder) bool {
+	if h.PID <= 0 {
+		return false
+	}
+	start, err := procStart(h.PID)
+	return err == nil && start == h.Start
+}
+
+func parseRole(s string) (channel.Role, error) {
+	switch r := channel.Role(s); r {
+	case channel.Tx, channel.Rx:
+		return r, nil
+	}
+	return "", fmt.Errorf("role %q (want \"tx\" or \"rx\"): %w", s, syscall.EINVAL)
+}
+
+// claim gives c role on seg, checking that nobody else alive holds it. A
+// holder whose process is gone is detached first, as dead.
+func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
+	if !seg.IsChannel() {
+		return fmt.Errorf("%q is not a channel: %w", c.s.reg.Info(seg).Name, syscall.EINVAL)
+	}
+	pid := int(c.cred.PID)
+	start, err := procStart(pid)
+	if err != nil {
+		return fmt.Errorf("identify process %d: %w", pid, err)
+	}
+	err = withBlock(seg, func(blk *channel.Block) error {
+		h := blk.Holder(role)
+		if h.State == channel.StateAttached && (h.PID != pid || h.Start != start) {
+			if alive(h) {
+				what := "producer"
+				if role == channel.Rx {
+					what = "consumer"
+				}
+				return fmt.Errorf("%w: channel %q has a %s already (pid %d); a channel has one of each",
+					segment.ErrBusy, c.s.reg.Info(seg).Name, what, h.PID)
+			}
+			blk.Detach(role, true)
+		}
+		blk.Attach(role, pid, start)
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	c.roles[seg.ID()] = role
+	c.s.watch(seg, role, channel.Holder{State: channel.StateAttached, PID: pid, Start: start})
+	return nil
+}
+
+// unclaim ends c's role on seg: cleanly (the client closed it) or as if
+// its process died (the connection ended without a close).
+func (c *conn) unclaim(seg *segment.Segment, died bool) {
+	role, ok := c.roles[seg.ID()]
+	if !ok {
+		return
+	}
+	delete(c.roles, seg.ID())
+	pid := int(c.cred.PID)
+	err := withBlock(seg, func(blk *channel.Block) error {
+		if h := blk.Holder(role); h.State == channel.StateAttached && h.PID == pid {
+			blk.Detach(role, died)
+		}
+		return nil
+	})
+	if err != nil {
+		c.s.log.Debug("end channel role", "segment", seg.ID(), "err", err)
+	}
+}
+
+// watch ends role on seg when the process h exits, if it still holds it
+// then. The watcher lives until the process exits.
+func (s *Server) watch(seg *segment.Segment, role channel.Role, h channel.Holder) {
+	pidfd, err := unix.PidfdOpen(h.PID, 0)
+	if err != nil {
+		return // gone already, or pidfds unsupported: connections end roles
+	}
+	go func() {
+		defer unix.Close(pidfd)
+		fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+		for {
+			if _, err := unix.Poll(fds, -1); err != unix.EINTR {
+				break
+			}
+		}
+		withBlock(seg, func(blk *channel.Block) error {
+			if now := blk.Holder(role); now.State == channel.StateAttached && now.PID == h.PID && now.Start == h.Start {
+				s.log.Info("channel end exited; its role ends", "segment", seg.ID(), "role", role, "pid", h.PID)
+				blk.Detach(role, true)
+			}
+			return nil
+		})
+	}()
+}
+
+// RepairChannels checks every channel's roles after a restart: a role whose
+// process is gone ends as if it died; one whose process lives is watched
+// until it exits (its client reclaims it when it reconnects).
+func (s *Server) RepairChannels() {
+	for _, seg := range s.reg.Channels() {
+		withBlock(seg, func(blk *channel.Block) error {
+			if _, _, _, err := blk.Check(); err != nil {
+				s.log.Error("channel control block", "segment", seg.ID(), "err", err)
+				return nil
+			}
+			for _, role := range []channel.Role{channel.Tx, channel.Rx} {
+				h := blk.Holder(role)
+				if h.State != channel.StateAttached {
+					continue
+				}
+				if alive(h) {
+					s.watch(seg, role, h)
+				} else {
+					blk.Detach(role, true)
+				}
+			}
+			return nil
+		})
+	}
+}
+
+// reclaimRole gives c back a role its process held before a restart.
+func (c *conn) reclaimRole(seg *segment.Segment, role channel.Role) error {
+	return c.claim(seg, role)
+}
+
+// markRemoved tells a removed channel's ends.
+func markRemoved(seg *segment.Segment) {
+	withBlock(seg, func(blk *channel.Block) error {
+		blk.MarkRemoved()
+		return nil
+	})
+}
