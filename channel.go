@@ -319,6 +319,10 @@ func (m *Message) Done(stream uintptr) error {
 		if err := s.WriteValue64(ch.ctlDev+uint64(off), m.seq+1); err != nil {
 			return fmt.Errorf("gpushm: channel %q: %w", ch.name, err)
 		}
+	} else if ch.role == Producer {
+		ch.blk.MarkFilled(m.slot, m.seq+1)
+	} else {
+		ch.blk.MarkDrained(m.slot, m.seq+1)
 	}
 	if ch.role == Producer {
 		ch.blk.Sent(m.seq)

@@ -187,6 +187,8 @@ func childMain(mode string) error {
 		}
 		fmt.Println("ready")
 		time.Sleep(time.Hour)
+	case "chan-producer", "chan-consumer", "chan-hold":
+		return channelChild(ctx, c, mode)
 	case "readonly":
 		seg, err := c.Open(ctx, os.Getenv("NAME"), &gpushm.OpenOptions{ReadOnly: true})
 		if err != nil {

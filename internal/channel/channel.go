@@ -127,6 +127,11 @@ func (k *Block) Broken() uint64 { return k.u64(offBroken).Load() }
 func (k *Block) Filled(i int) uint64  { return k.u64(offFilled + 8*i).Load() }
 func (k *Block) Drained(i int) uint64 { return k.u64(offDrained + 8*i).Load() }
 
+// MarkFilled and MarkDrained set slot i's flags from the CPU: the
+// hand-off of host-memory channels, where no stream writes them.
+func (k *Block) MarkFilled(i int, v uint64)  { k.u64(offFilled + 8*i).Store(v) }
+func (k *Block) MarkDrained(i int, v uint64) { k.u64(offDrained + 8*i).Store(v) }
+
 // FilledOffset and DrainedOffset are where slot i's flags lie in the block,
 // for a stream operation on the block's device address.
 func FilledOffset(i int) int64  { return int64(offFilled + 8*i) }

@@ -1397,3 +1397,10 @@ func (s *Stream) WaitValue64(addr, v uint64) error {
 		return wrap("cuStreamWaitValue64", C.gs_waitValue64(cs, C.CUdeviceptr(addr), C.ulonglong(v)))
 	})
 }
+
+// Handle is the stream's CUstream, for APIs that take one.
+func (s *Stream) Handle() uintptr {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return uintptr(unsafe.Pointer(s.s))
+}

@@ -105,3 +105,5 @@ func (d *Device) UnregisterHost([]byte) error         { return errUnavailable }
 func (d *Device) ForeignStream(uintptr) *Stream       { return &Stream{} }
 func (s *Stream) WriteValue64(uint64, uint64) error   { return errUnavailable }
 func (s *Stream) WaitValue64(uint64, uint64) error    { return errUnavailable }
+
+func (s *Stream) Handle() uintptr { return 0 }

@@ -300,13 +300,13 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		if !o.ExistOK {
 			return nil, false, fmt.Errorf("%w: %q", ErrExist, o.Name)
 		}
-		if existing.size != o.Size || existing.device != o.Device {
-			return nil, false, fmt.Errorf("%w: %q has size %d on device %d, not size %d on device %d",
-				ErrExist, o.Name, existing.size, existing.device, o.Size, o.Device)
-		}
 		if existing.slots != o.Slots || existing.slotBytes != o.SlotBytes {
 			return nil, false, fmt.Errorf("%w: %q is %s, not %s", ErrExist, o.Name,
 				describeLayout(existing.slots, existing.slotBytes), describeLayout(o.Slots, o.SlotBytes))
+		}
+		if existing.size != o.Size || existing.device != o.Device {
+			return nil, false, fmt.Errorf("%w: %q has size %d on device %d, not size %d on device %d",
+				ErrExist, o.Name, existing.size, existing.device, o.Size, o.Device)
 		}
 		if o.Open {
 			if err := r.acquireLocked(c, existing, o.ReadOnly); err != nil {
