@@ -90,6 +90,8 @@ func lifetime(s *gpushm.SegmentInfo) string {
 	switch {
 	case s.Orphan != "":
 		return "orphaned"
+	case s.Channel != nil && s.Lifetime != "connection" && s.TTL == 0:
+		return fmt.Sprintf("channel of %d", s.Channel.Slots)
 	case s.Lifetime == "connection":
 		return "creator"
 	case s.TTL > 0:

@@ -40,6 +40,9 @@ protocol's field names (docs/protocol.md, "Segment object").`,
 			created := time.Unix(0, s.Created)
 			fmt.Printf("created:     %s (%s ago)\n", created.Format(time.RFC3339), age(time.Since(created)))
 			fmt.Printf("lifetime:    %s\n", lifetime(s))
+			if ch := s.Channel; ch != nil {
+				fmt.Printf("channel:     %d slots of %s (every %s)\n", ch.Slots, formatSize(ch.SlotBytes), formatSize(ch.SlotStride))
+			}
 			if s.Orphan != "" {
 				fmt.Printf("orphaned:    %s ('gpushm rm %s' frees it)\n", s.Orphan, s.Name)
 			}

@@ -899,3 +899,128 @@ func TestSurviveReclaim(t *testing.T) {
 	}
 	d.stop(t)
 }
+
+// chanEndMain is a channel end for TestSurviveChannel: "tx" sends COUNT
+// numbered messages at about one a millisecond, "rx" receives until EOF
+// and checks that they come in order, each exactly once.
+func chanEndMain(role string) error {
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, os.Getenv("GPUSHM_SOCKET"))
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	count, _ := strconv.Atoi(os.Getenv("COUNT"))
+	if role == "tx" {
+		ch, err := c.Channel(ctx, "stream", gpushm.Producer, &gpushm.ChannelOptions{Slots: 4, SlotBytes: 64})
+		if err != nil {
+			return err
+		}
+		for i := range uint64(count) {
+			m, err := ch.Send(ctx, 0)
+			if err != nil {
+				return fmt.Errorf("send %d: %w", i, err)
+			}
+			binary.LittleEndian.PutUint64(m.Bytes(), i)
+			if err := m.Done(0); err != nil {
+				return err
+			}
+			time.Sleep(time.Millisecond)
+		}
+		fmt.Printf("ok sent=%d reconnects=%d\n", count, c.Reconnects())
+		return ch.Close()
+	}
+	ch, err := c.Channel(ctx, "stream", gpushm.Consumer, nil)
+	if err != nil {
+		return err
+	}
+	n := uint64(0)
+	for {
+		m, err := ch.Recv(ctx, 0)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return fmt.Errorf("recv %d: %w", n, err)
+		}
+		if got := binary.LittleEndian.Uint64(m.Bytes()); got != n || m.Seq() != n {
+			return fmt.Errorf("message %d holds %d (seq %d)", n, got, m.Seq())
+		}
+		m.Done(0)
+		n++
+		if n%500 == 0 {
+			// A daemon call now and then: the connection is reconnected
+			// and the role reclaimed on the way.
+			if _, err := c.Stat(ctx, "stream"); err != nil {
+				return err
+			}
+		}
+	}
+	fmt.Printf("ok received=%d reconnects=%d\n", n, c.Reconnects())
+	return ch.Close()
+}
+
+// TestSurviveChannel: a channel whose ends are alive goes on through
+// SIGKILLs of the serving process; no message is lost or repeated, and a
+// producer that ends still ends the stream.
+func TestSurviveChannel(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	d := startSupervised(t, os.Args[0], sock, "--grace", "2s")
+	const count = 3000
+	start := func(role string) (*exec.Cmd, *syncBuffer) {
+		cmd := exec.Command(os.Args[0])
+		cmd.Env = append(os.Environ(), "GPUSHM_TEST_CHAN="+role, "GPUSHM_SOCKET="+sock, "COUNT="+strconv.Itoa(count))
+		out := &syncBuffer{}
+		cmd.Stdout, cmd.Stderr = out, out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		return cmd, out
+	}
+	tx, txOut := start("tx")
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		if segs := listAtQuiet(sock); slices.Contains(segs, "stream") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no channel: %s", txOut.String())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	rx, rxOut := start("rx")
+	for range 5 {
+		time.Sleep(300 * time.Millisecond)
+		inf, err := d.info()
+		if err != nil {
+			t.Fatal(err)
+		}
+		syscall.Kill(inf.PID, syscall.SIGKILL)
+		d.waitServing(t, inf.PID)
+	}
+	if err := tx.Wait(); err != nil {
+		t.Fatalf("producer: %v\n%s", err, txOut.String())
+	}
+	if err := rx.Wait(); err != nil {
+		t.Fatalf("consumer: %v\n%s", err, rxOut.String())
+	}
+	if !strings.Contains(rxOut.String(), fmt.Sprintf("ok received=%d", count)) {
+		t.Fatalf("consumer: %s", rxOut.String())
+	}
+	t.Logf("producer: %s consumer: %s", strings.TrimSpace(txOut.String()), strings.TrimSpace(rxOut.String()))
+}
+
+func listAtQuiet(sock string) []string {
+	c, err := gpushm.Dial(context.Background(), sock)
+	if err != nil {
+		return nil
+	}
+	defer c.Close()
+	segs, _ := c.List(context.Background())
+	var out []string
+	for _, s := range segs {
+		out = append(out, s.Name)
+	}
+	return out
+}
