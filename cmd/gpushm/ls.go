@@ -22,7 +22,8 @@ func lsCmd() *cobra.Command {
 		Long: `List segments. LIFETIME says how each ends: "-" when removed, "creator"
 with its creator's connection, "ttl" after that long unopened, and
 "orphaned" for one that survived a restart in a state the daemon could not
-prove (see 'gpushm stat NAME'; 'gpushm rm NAME' frees it).
+prove (see 'gpushm stat NAME'; 'gpushm rm NAME' frees it), and "channel of N"
+for a channel of N slots (removed with 'gpushm rm', like a segment).
 
 With --json it prints one JSON array of segment objects with the protocol's
 field names (docs/protocol.md).`,
