@@ -27,6 +27,11 @@ func withBlock(seg *segment.Segment, fn func(*channel.Block) error) error {
 	if err != nil {
 		return err
 	}
+	return withBlockFD(fd, fn)
+}
+
+// withBlockFD maps the control block at fd for fn.
+func withBlockFD(fd int, fn func(*channel.Block) error) error {
 	mem, err := unix.Mmap(fd, 0, channel.BlockBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		return fmt.Errorf("map control block: %w", err)
@@ -50,17 +55,10 @@ func initControl(slots int, slotBytes int64) func(segment.Memory) error {
 		if err != nil {
 			return err
 		}
-		mem, err := unix.Mmap(fd, 0, channel.BlockBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-		if err != nil {
-			return fmt.Errorf("map control block: %w", err)
-		}
-		defer unix.Munmap(mem)
-		blk, err := channel.Map(mem)
-		if err != nil {
-			return err
-		}
-		blk.Init(slots, slotBytes, channel.Stride(slotBytes))
-		return nil
+		return withBlockFD(fd, func(blk *channel.Block) error {
+			blk.Init(slots, slotBytes, channel.Stride(slotBytes))
+			return nil
+		})
 	}
 }
 

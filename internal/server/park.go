@@ -120,21 +120,10 @@ func (s *Server) Resume() {
 	s.parking = false
 	close(s.resumed)
 	s.mu.Unlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	for _, c := range parked {
-		s.mu.Lock()
-		s.conns[c] = struct{}{}
-		s.wg.Add(1)
-		s.mu.Unlock()
-		go func() {
-			defer s.wg.Done()
-			again := c.serve()
-			s.mu.Lock()
-			delete(s.conns, c)
-			if again {
-				s.parked = append(s.parked, c)
-			}
-			s.mu.Unlock()
-		}()
+		s.goServe(c)
 	}
 }
 

@@ -308,9 +308,15 @@ func (s *Server) run(c *conn) error {
 		s.mu.Unlock()
 		return nil
 	}
+	s.goServe(c)
+	s.mu.Unlock()
+	return nil
+}
+
+// goServe serves c in a goroutine that wg counts; s.mu is held.
+func (s *Server) goServe(c *conn) {
 	s.conns[c] = struct{}{}
 	s.wg.Add(1)
-	s.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
 		parked := c.serve()
@@ -321,7 +327,6 @@ func (s *Server) run(c *conn) error {
 		}
 		s.mu.Unlock()
 	}()
-	return nil
 }
 
 type lease struct {
