@@ -48,9 +48,9 @@ def from_pretrained(name: str, *, client=None, readonly: bool = True, model_clas
 
     With readonly (the default) the mapping is read-only and the weights
     are inference tensors: an in-place update outside torch.inference_mode()
-    raises RuntimeError at once; a write by a kernel (inside inference mode,
-    or through a raw pointer) faults on the read-only mapping and loses
-    this process's CUDA context, never another process's weights."""
+    raises RuntimeError; its kernel, like any write by a kernel, faults on
+    the read-only mapping and loses this process's CUDA context, never
+    another process's weights (docs/python.md, "Writes to shared weights")."""
     import torch
     import transformers
 
