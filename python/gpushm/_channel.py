@@ -350,6 +350,8 @@ def open_channel(client, name, *, shape, dtype, nbytes, slots, role, device, dev
             o_slots, o_bytes, o_meta = lay["slots"], lay["slot_bytes"], old.get("meta")
             if slots is None:
                 slots = o_slots
+            if device is None:
+                device = old.get("device")  # where it is, not the daemon's default
             if (o_slots, o_bytes, o_meta) != (slots, slot_bytes, meta):
                 raise error("EEXIST", f"channel {name!r} exists with {_describe(o_slots, o_bytes, o_meta)}, "
                                       f"not {_describe(slots, slot_bytes, meta)}")
