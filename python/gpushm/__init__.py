@@ -8,13 +8,15 @@ describes it and docs/protocol.md the protocol it speaks.
     x = torch.from_dlpack(gpushm.connect().open("x"))   # another, no copy
 """
 
-from ._client import (Bundle, Client, Error, ExistsError, InvalidError, NotFoundError, OutOfMemoryError,
+from ._client import (Bundle, BusyError, Client, Error, ExistsError, InvalidError, NotFoundError, OutOfMemoryError,
                       PermissionDeniedError, Segment, SegmentInfo, connect, default_socket)
 from ._binary import binary
+from ._channel import BrokenMessageError, Channel, ChannelRemovedError, Message, NoConsumerError
 from ._cuda import CUDAError
 from ._view import View
 
-__all__ = ["Bundle", "CUDAError", "Client", "Error", "ExistsError", "InvalidError", "NotFoundError",
+__all__ = ["BrokenMessageError", "Bundle", "BusyError", "CUDAError", "Channel", "ChannelRemovedError", "Client",
+           "Error", "ExistsError", "InvalidError", "Message", "NoConsumerError", "NotFoundError",
            "OutOfMemoryError", "PermissionDeniedError", "Segment", "SegmentInfo", "View", "connect",
            "binary", "default_socket"]
 __version__ = "0.1.0"

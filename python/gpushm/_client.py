@@ -77,9 +77,14 @@ class InvalidError(Error, ValueError):
     pass
 
 
+class BusyError(Error):
+    """EBUSY: the segment is in use in a way that forbids the operation (a
+    channel's producer or consumer role that another process holds)."""
+
+
 _ERRORS = {"ENOENT": NotFoundError, "EEXIST": ExistsError, "EACCES": PermissionDeniedError,
            "EPERM": PermissionDeniedError, "ENOMEM": OutOfMemoryError, "EINVAL": InvalidError,
-           "ENAMETOOLONG": InvalidError, "ENODEV": InvalidError}
+           "ENAMETOOLONG": InvalidError, "ENODEV": InvalidError, "EBUSY": BusyError}
 
 
 def error(code: str, message: str) -> Error:
@@ -199,6 +204,7 @@ class Client:
         self._by_name = weakref.WeakValueDictionary()  # (name, readonly, devices) -> Mapping
         self._by_id = weakref.WeakValueDictionary()  # (segment id, readonly, devices) -> Mapping
         self._published = {}  # name -> tensor kept alive for publish
+        self._channels = weakref.WeakSet()  # channel ends, whose roles a reconnection reclaims
         try:
             self._sock = self._dial()
         except OSError as e:
@@ -254,8 +260,15 @@ class Client:
         self.close()
 
     def close(self):
-        """Ends every lease this connection holds. Memory that tensors still
-        use stays mapped until they go."""
+        """Closes this client's channels (see Channel.close) and ends every
+        lease this connection holds. Memory that tensors still use stays
+        mapped until they go."""
+        if not self._closed and self._pid == os.getpid():
+            for ch in list(self._channels):
+                try:
+                    ch.close()
+                except Exception:
+                    pass  # the connection is going anyway, and the role with it
         with self._lock:
             if self._closed:
                 return
@@ -272,36 +285,46 @@ class Client:
         if self._broken:
             raise ConnectionError(f"gpushm: connection to {self.socket} unusable: {self._broken}")
 
-    def _call(self, op: str, _send_fd: int = -1, **fields):
+    def _call(self, op: str, _send_fd: int = -1, _keep_control: bool = False, **fields):
         """Sends a request (with _send_fd attached, if not -1) and returns
         (reply, fd); fd is -1 or a descriptor the caller owns. A daemon error
-        is raised as Error."""
+        is raised as Error. A channel's control block descriptor, when one
+        came, is in reply["control_fd"] with _keep_control (the caller owns
+        it), else closed."""
         self._usable()
         with self._lock:
             try:
-                rep, fd = self._round_trip(op, fields, _send_fd)
+                rep, fd = self._round_trip(op, fields, _send_fd, retry_close=op == "close")
             finally:
                 self._drain()
         self._flush()
+        cfd = rep.pop("control_fd", -1)
+        if cfd >= 0 and not _keep_control:
+            os.close(cfd)
+            cfd = -1
         err = rep.get("error")
         if err:
             raise error(err.get("code", "EIO"), err.get("message") or err.get("code", "EIO"))
+        if cfd >= 0:
+            rep["control_fd"] = cfd
         return rep, fd
 
-    def _round_trip(self, op, fields, send_fd=-1):
+    def _round_trip(self, op, fields, send_fd=-1, retry_close=False):
         """One request and its reply. If the daemon went away (its serving
         process died or was replaced), reconnects and sends the request
         again with the same id: a create or publish the first attempt
         applied is found again by its id, an unlink or rename that finds its
         name gone had been applied, and a close needs nothing (the lease
-        ended with the connection)."""
+        ended with the connection), unless retry_close: a channel's role
+        outlives a crashed serving process, so its close reconnects, reclaims
+        it with the others, and ends it."""
         rid = next(self._ids)
         retried = False
         while True:
             try:
                 rep, fd = self._exchange(op, fields, send_fd, rid)
             except _Lost as lost:
-                if op == "close":
+                if op == "close" and not retry_close:
                     return {"id": rid}, -1
                 while True:
                     try:
@@ -360,6 +383,11 @@ class Client:
                 # Gone, or no longer ours: the mapping still works, but there
                 # is no lease left to end.
                 lease.client = None
+        # A channel's role lives in its control block, which the new serving
+        # process watches; taking it back gives this connection the lease
+        # and the role to end at close.
+        for ch in list(self._channels):
+            ch._reclaim(self._exchange)
 
     def _exchange(self, op, fields, send_fd=-1, rid=None):
         """Sends one request and reads its reply; raises _Lost when the
@@ -398,10 +426,41 @@ class Client:
             e = error("EPROTO", f"{op}: reply promised a descriptor and carried none")
             self._fail(e)
             raise e
+        if rep.get("control") and not rep.get("error"):
+            # A channel's control block follows, in a packet of its own.
+            try:
+                rep["control_fd"] = self._control(op, rid)
+            except BaseException:
+                if fd >= 0:
+                    os.close(fd)
+                raise
         if fd >= 0 and not (rep.get("fd") or rep.get("epoch")):
             os.close(fd)
             fd = -1
         return rep, fd
+
+    def _control(self, op, rid):
+        """Reads the packet that carries a channel's control block after
+        the reply to request rid, and returns its descriptor."""
+        try:
+            rep, fd, dropped = self._recv()
+        except _Lost:
+            raise
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise _Lost(str(e)) from e
+        except (OSError, ValueError) as e:
+            self._fail(e)
+            raise
+        if rep.get("id") != rid or not rep.get("control_fd") or fd < 0:
+            if fd >= 0:
+                os.close(fd)
+            e = error("EPROTO", f"{op}: the channel's control block did not follow the reply")
+            self._fail(e)
+            raise e
+        if dropped:
+            os.close(fd)
+            raise OSError(errno.EMFILE, f"gpushm: {op}: the channel's control block descriptor was dropped in transit: this process is out of file descriptors (raise 'ulimit -n')")
+        return fd
 
     def _recv(self):
         if self._spin_ns:
@@ -493,6 +552,33 @@ class Client:
             after = rep.get("next", "")
             if not after:
                 return out
+
+    def channel(self, name: str, shape=None, dtype=None, *, nbytes: int | None = None, slots: int | None = None,
+                role: str | None = None, device: int | None = None, devices=None, mode: int = 0o600,
+                wait_for_consumer: bool = True, framework: str | None = "auto", spin_us: float = 50):
+        """One end of the channel name, a stream of same-shaped tensors
+        between two processes (docs/python.md, "Channels").
+
+        With shape and dtype (or nbytes, for raw bytes) the channel is made
+        if it does not exist, or opened if it exists with that layout, and
+        this end is the producer (role "tx"); without them an existing
+        channel is opened, as its consumer (role "rx"). role= says which
+        end explicitly. slots is the number of messages in flight (default
+        4 when making the channel; whatever it has when it exists), device
+        the GPU it lives on, devices the GPUs this process touches it from
+        (a consumer on another GPU: devices=[1]).
+
+        wait_for_consumer: send() with no consumer attached waits for one
+        (True), or raises NoConsumerError (False). framework is what the
+        messages are: "torch", "cupy", "numpy", None (gpushm Views), or
+        "auto": torch tensors on a GPU when torch imports (else CuPy, else
+        Views), numpy arrays in host memory. spin_us is how long a wait
+        polls the channel before it sleeps."""
+        from . import _channel
+
+        return _channel.open_channel(self, name, shape=shape, dtype=dtype, nbytes=nbytes, slots=slots, role=role,
+                                     device=device, devices=devices, mode=mode, wait_for_consumer=wait_for_consumer,
+                                     framework=framework, spin_us=spin_us)
 
     def unlink(self, name: str) -> None:
         """Removes the name now; the memory goes when the last user is done."""

@@ -19,6 +19,12 @@ CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
 CU_MEM_LOCATION_TYPE_DEVICE = 0x1
 CU_MEM_ACCESS_FLAGS_PROT_READ = 0x1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
+# Pinned for every context, with an address on the GPUs.
+CU_MEMHOSTREGISTER_PORTABLE = 0x1
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x2
+# A stream handle that names the legacy default stream (what 0 means to the
+# runtime, which torch and CuPy hand out for their default streams).
+CU_STREAM_LEGACY = 0x1
 
 
 class CUmemLocation(ctypes.Structure):
@@ -56,6 +62,19 @@ _SIGNATURES = {
     "cuMemcpy": (c_uint64, c_uint64, c_size_t),
 }
 
+# Channels' calls (docs/protocol.md, "Channels"), looked up when a channel
+# first needs them, by their newest name first: a driver without them can
+# still map segments.
+_CHANNEL_SIGNATURES = {
+    "cuMemHostRegister": (("cuMemHostRegister_v2", "cuMemHostRegister"), (c_void_p, c_size_t, c_uint)),
+    "cuMemHostUnregister": (("cuMemHostUnregister",), (c_void_p,)),
+    "cuMemHostGetDevicePointer": (("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"),
+                                  (POINTER(c_uint64), c_void_p, c_uint)),
+    # flags 0: a write preceded by a system-wide fence; a wait for >= (GEQ).
+    "cuStreamWriteValue64": (("cuStreamWriteValue64_v2", "cuStreamWriteValue64"), (c_void_p, c_uint64, c_uint64, c_uint)),
+    "cuStreamWaitValue64": (("cuStreamWaitValue64_v2", "cuStreamWaitValue64"), (c_void_p, c_uint64, c_uint64, c_uint)),
+}
+
 
 class CUDAError(RuntimeError):
     """A CUDA driver call failed; .result is the CUresult."""
@@ -79,6 +98,23 @@ class _Driver:
             fn.argtypes, fn.restype = args, c_int
             setattr(self, name.removesuffix("_v2"), fn)
         self.check("cuInit", self.cuInit(0))
+        self._lib, self._channel_calls = lib, False
+
+    def channel_calls(self):
+        """Loads the calls channels need, once; raises CUDAError naming the
+        one the driver lacks."""
+        if self._channel_calls:
+            return
+        for attr, (names, args) in _CHANNEL_SIGNATURES.items():
+            for name in names:
+                fn = getattr(self._lib, name, None)
+                if fn is not None:
+                    break
+            else:
+                raise CUDAError(f"gpushm: libcuda.so.1 lacks {names[0]}: channels need stream memory operations (a driver for CUDA 12 or later)")
+            fn.argtypes, fn.restype = args, c_int
+            setattr(self, attr, fn)
+        self._channel_calls = True
 
     def check(self, call, r):
         if r:
@@ -185,6 +221,60 @@ class Device:
         with self as cu:
             cu.check("cuCtxSynchronize", cu.cuCtxSynchronize())
             cu.check("cuMemFree", cu.cuMemFree(ptr))
+
+    # ---- channels: the control block and stream memory operations -------
+
+    def register_host(self, ptr: int, size: int) -> int:
+        """Pins host memory (a mapped control block) for every context and
+        returns its address on the GPU, for stream memory operations."""
+        self.cu.channel_calls()
+        dptr = c_uint64()
+        with self as cu:
+            cu.check("cuMemHostRegister",
+                     cu.cuMemHostRegister(ptr, size, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP))
+            r = cu.cuMemHostGetDevicePointer(ctypes.byref(dptr), ptr, 0)
+            if r:
+                cu.cuMemHostUnregister(ptr)
+                cu.check("cuMemHostGetDevicePointer", r)
+        return dptr.value
+
+    def unregister_host(self, ptr: int) -> None:
+        """Undoes register_host, once no stream touches the memory any more."""
+        with self as cu:
+            cu.check("cuMemHostUnregister", cu.cuMemHostUnregister(ptr))
+
+    def stream_ops(self):
+        """(write, wait): functions of (stream, address, value) that queue
+        cuStreamWriteValue64 (v, after a fence) or cuStreamWaitValue64 (>= v)
+        on a stream of this GPU. stream is a CUstream; 0 is the legacy
+        default stream. They are on every hand-off of a channel, so they
+        take plain ints and do nothing they need not."""
+        cu = self.cu
+        cu.channel_calls()
+        push, pop, ctx, popped = cu.cuCtxPushCurrent, cu.cuCtxPopCurrent, self.ctx, ctypes.byref(c_void_p())
+        write, wait = cu.cuStreamWriteValue64, cu.cuStreamWaitValue64
+
+        def op(fn, call):
+            def run(stream, addr, value):
+                # The current context decides what the legacy stream is;
+                # pushing our own also makes the call work on a thread that
+                # never touched CUDA.
+                r = push(ctx)
+                if r:
+                    cu.check("cuCtxPushCurrent", r)
+                try:
+                    r = fn(stream or CU_STREAM_LEGACY, addr, value, 0)
+                finally:
+                    pop(popped)
+                if r:
+                    cu.check(call, r)
+            return run
+
+        return op(write, "cuStreamWriteValue64"), op(wait, "cuStreamWaitValue64")
+
+    def synchronize(self) -> None:
+        with self as cu:
+            cu.check("cuCtxSynchronize", cu.cuCtxSynchronize())
 
     def mem_info(self) -> tuple[int, int]:
         free, total = c_size_t(), c_size_t()

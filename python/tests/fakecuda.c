@@ -14,7 +14,8 @@
 #include <unistd.h>
 
 typedef int CUresult;
-enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, INVALID_CONTEXT = 201, INVALID_HANDLE = 400 };
+enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, INVALID_CONTEXT = 201, INVALID_HANDLE = 400, NOT_READY = 600,
+       ALREADY_REGISTERED = 712, NOT_REGISTERED = 713 };
 typedef struct { int type; int id; } CUmemLocation;
 typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
 
@@ -41,6 +42,9 @@ CUresult cuGetErrorName(CUresult r, const char **s) {
 	case OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; return OK;
 	case INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; return OK;
 	case INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; return OK;
+	case NOT_READY: *s = "CUDA_ERROR_NOT_READY"; return OK;
+	case ALREADY_REGISTERED: *s = "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"; return OK;
+	case NOT_REGISTERED: *s = "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"; return OK;
 	}
 	return INVALID_VALUE;
 }
@@ -113,3 +117,88 @@ CUresult cuMemFree_v2(uint64_t p) { NEED_CTX(); free((void *)(uintptr_t)p); live
 CUresult cuMemcpyHtoD_v2(uint64_t dst, const void *src, size_t n) { NEED_CTX(); memcpy((void *)(uintptr_t)dst, src, n); return OK; }
 CUresult cuMemcpyDtoH_v2(void *dst, uint64_t src, size_t n) { NEED_CTX(); memcpy(dst, (void *)(uintptr_t)src, n); return OK; }
 CUresult cuMemcpy(uint64_t dst, uint64_t src, size_t n) { NEED_CTX(); memcpy((void *)(uintptr_t)dst, (void *)(uintptr_t)src, n); return OK; }
+
+// Channels: pinned host memory and stream memory operations. A registered
+// range's "device address" is its host address plus DEV_OFFSET, so that a
+// client passing host addresses to stream operations fails. Streams run
+// nothing asynchronously here: a write lands at once, and a wait whose
+// value is not there yet can never be satisfied by a write queued before
+// it, so it fails with CUDA_ERROR_NOT_READY (a real GPU would wait): in a
+// channel every wait's value is written before the CPU hands the message
+// over, so that failure is a protocol mistake.
+#define DEV_OFFSET ((uintptr_t)1 << 46)
+static struct { uintptr_t p; size_t n; } regs[64];
+static long live_registered, calls_write, calls_wait, wait_unmet;
+static uintptr_t last_stream;
+
+long fake_live_registered(void) { return live_registered; }
+long fake_writes(void) { return calls_write; }
+long fake_waits(void) { return calls_wait; }
+long fake_waits_unmet(void) { return wait_unmet; }
+long fake_last_stream(void) { return (long)last_stream; }
+
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
+	NEED_CTX();
+	if (!p || !n || flags != 3) return INVALID_VALUE; // PORTABLE | DEVICEMAP
+	int free_i = -1;
+	for (int i = 0; i < 64; i++) {
+		if (regs[i].n && (uintptr_t)p < regs[i].p + regs[i].n && regs[i].p < (uintptr_t)p + n) return ALREADY_REGISTERED;
+		if (!regs[i].n && free_i < 0) free_i = i;
+	}
+	if (free_i < 0) return OUT_OF_MEMORY;
+	regs[free_i].p = (uintptr_t)p;
+	regs[free_i].n = n;
+	live_registered++;
+	return OK;
+}
+CUresult cuMemHostUnregister(void *p) {
+	NEED_CTX();
+	for (int i = 0; i < 64; i++) {
+		if (regs[i].n && regs[i].p == (uintptr_t)p) {
+			regs[i].n = 0;
+			live_registered--;
+			return OK;
+		}
+	}
+	return NOT_REGISTERED;
+}
+CUresult cuMemHostGetDevicePointer_v2(uint64_t *d, void *p, unsigned flags) {
+	NEED_CTX();
+	if (flags != 0) return INVALID_VALUE;
+	for (int i = 0; i < 64; i++) {
+		if (regs[i].n && (uintptr_t)p >= regs[i].p && (uintptr_t)p < regs[i].p + regs[i].n) {
+			*d = (uint64_t)((uintptr_t)p + DEV_OFFSET);
+			return OK;
+		}
+	}
+	return INVALID_VALUE;
+}
+// The host word behind a device address of a registered range, or NULL.
+static volatile uint64_t *word(uint64_t addr) {
+	uintptr_t h = (uintptr_t)addr - DEV_OFFSET;
+	if (addr < DEV_OFFSET || h % 8) return NULL;
+	for (int i = 0; i < 64; i++)
+		if (regs[i].n && h >= regs[i].p && h + 8 <= regs[i].p + regs[i].n) return (volatile uint64_t *)h;
+	return NULL;
+}
+CUresult cuStreamWriteValue64_v2(void *stream, uint64_t addr, uint64_t v, unsigned flags) {
+	NEED_CTX();
+	volatile uint64_t *w = word(addr);
+	if (!stream || !w || flags != 0) return INVALID_VALUE;
+	last_stream = (uintptr_t)stream;
+	__atomic_store_n(w, v, __ATOMIC_RELEASE);
+	calls_write++;
+	return OK;
+}
+CUresult cuStreamWaitValue64_v2(void *stream, uint64_t addr, uint64_t v, unsigned flags) {
+	NEED_CTX();
+	volatile uint64_t *w = word(addr);
+	if (!stream || !w || flags != 0) return INVALID_VALUE; // flags 0: wait for >= v
+	last_stream = (uintptr_t)stream;
+	calls_wait++;
+	if (__atomic_load_n(w, __ATOMIC_ACQUIRE) < v) {
+		wait_unmet++;
+		return NOT_READY;
+	}
+	return OK;
+}

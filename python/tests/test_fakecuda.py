@@ -8,11 +8,12 @@ test_gpu.py checks the driver on the GPU machine."""
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 
 import pytest
 
-from conftest import child
+from conftest import child, env_for
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +130,83 @@ def test_cuda_errors_name_the_call(daemon, fake_libdir, name):
     """)
     assert out.splitlines() == ["gpushm: cuDeviceGet: CUresult 101",
                                 "gpushm: cuMemImportFromShareableHandle: CUDA_ERROR_INVALID_VALUE 1"]
+
+
+CHANNEL_END = """
+import time
+S = [None, 7, 9, 11, 13]
+class TorchStream:           # what torch.cuda.Stream looks like
+    cuda_stream = 7
+class CupyStream:            # what cupy.cuda.Stream looks like
+    ptr = 9
+class Protocol:              # the __cuda_stream__ protocol
+    def __cuda_stream__(self):
+        return (0, 13)
+given = [None, TorchStream(), CupyStream(), 11, Protocol()]
+want_stream = lambda k: 1 if S[k % 5] is None else S[k % 5]   # None: the legacy default stream
+n, count, slots = 64, 500, 3
+"""
+
+
+def test_channel_cuda_path(daemon, fake_libdir, name):
+    """Producer and consumer processes through the CUDA path: the control
+    block pinned and addressed on the "GPU", every hand-off ordered by a
+    stream write after the producer's work and a stream wait before the
+    consumer's, on the stream each was given, and everything released at
+    close. The stand-in runs streams at once, so a wait queued before its
+    flag was written (a protocol mistake) fails."""
+    env = dict(env_for(daemon.socket), LD_LIBRARY_PATH=fake_libdir + ":" + os.environ.get("LD_LIBRARY_PATH", ""))
+    producer = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(CHANNEL_END) + textwrap.dedent("""
+        tx = c.channel(name, shape=(n,), dtype="float32", slots=slots, framework=None)
+        assert tx.device == 0 and live()["ctx_depth"] == 0
+        print("open", flush=True)
+        for k in range(count):
+            m = tx.send(stream=given[k % 5])
+            with m as v:
+                assert v.__dlpack_device__() == (2, 0) and v.ptr % 4096 == 0
+                src = np.arange(n, dtype=np.float32) + k
+                ctypes.memmove(v.ptr, src.ctypes.data, src.nbytes)
+            assert fake.fake_last_stream() == want_stream(k), (k, fake.fake_last_stream())
+        # One write per message; a wait for every message that reuses a slot.
+        assert (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet()) == (count, count - slots, 0), \\
+            (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet())
+        tx.close()
+        del m, v
+        gc.collect()
+        assert live() == {"handles": 0, "reserved": 0, "mapped": 0, "allocs": 0, "ctx_depth": 0}, live()
+        assert fake.fake_live_registered() == 0
+        print("closed", flush=True)
+    """), name], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert producer.stdout.readline().strip() == "open", producer.stderr.read()
+        out = run(daemon, fake_libdir, name, CHANNEL_END + textwrap.dedent("""
+            rx = c.channel(name, framework=None)
+            assert rx.device == 0 and fake.fake_live_registered() == 1
+            k = 0
+            while True:
+                try:
+                    m = rx.recv(timeout=30, stream=given[k % 5])
+                except EOFError:
+                    break
+                assert m.seq == k
+                with m as v:
+                    assert v.readonly
+                    got = np.frombuffer(ctypes.string_at(v.ptr, 4 * n), dtype=np.float32)
+                    assert (got == np.arange(n, dtype=np.float32) + k).all(), (k, got)
+                assert fake.fake_last_stream() == want_stream(k)
+                k += 1
+            assert k == count
+            assert (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet()) == (count, count, 0)
+            rx.close()
+            del m, v
+            gc.collect()
+            assert fake.fake_live_registered() == 0 and live()["mapped"] == 0 and live()["ctx_depth"] == 0, live()
+            print("ok")
+        """))
+        assert out.strip() == "ok"
+        assert producer.stdout.readline().strip() == "closed", producer.stderr.read()
+        assert producer.wait(30) == 0, producer.stderr.read()
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+            producer.wait()

@@ -1,0 +1,821 @@
+"""Channels: a stream of same-shaped tensors from one process to another,
+through slots both map once (docs/protocol.md, "Channels", is the protocol
+this follows to the letter; docs/python.md, "Channels", the API).
+
+A hand-off touches only shared memory: the producer publishes message k by
+storing head = k + 1 in the control block and waking the consumer's futex;
+on a GPU its stream first writes filled[k % slots] = k + 1 after the work
+that fills the slot (cuStreamWriteValue64), and the consumer's stream waits
+for that value (cuStreamWaitValue64) before the work that reads it. So no
+CPU ever waits for a GPU, and the daemon takes no part.
+
+Memory ordering: the block's words are read and written with aligned 4- and
+8-byte loads and stores. On x86-64 those are atomic, and the machine keeps
+stores in order and loads in order (TSO), which is the release and acquire
+ordering the protocol asks of head and tail; calls into ctypes keep the
+compiler from reordering across them. Elsewhere (arm64) the words go
+through libatomic's sequentially consistent loads and stores.
+
+An event word is bumped with a plain load and store, not an atomic add: two
+bumps that race (the producer's and the daemon's) may count once, but each
+is followed by a wake, and a waiter checks its condition after it reads the
+word, so no wake is lost. A waiter also sleeps at most _TICK at a time, so
+that a peer that died between its store and its wake cannot hang it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import sys
+import threading
+import time
+import warnings
+import weakref
+
+from . import _cuda, _mapping
+from ._client import Error, InvalidError, NotFoundError, SegmentInfo, error
+from ._tensors import Layout, dtype_of
+from ._view import View
+
+# The control block (docs/protocol.md).
+BLOCK_BYTES = 4096
+MAX_SLOTS = 64
+_MAGIC = b"GPUSHMC1"
+_OFF_VERSION, _OFF_SLOTS, _OFF_SLOT_BYTES, _OFF_STRIDE = 8, 12, 16, 24
+_OFF_HEAD, _OFF_TAKEN, _OFF_TAIL = 64, 128, 192
+_OFF_TX, _OFF_RX = 256, 272  # u32 state, u32 pid, u64 start
+_OFF_BROKEN, _OFF_REMOVED = 320, 328
+_OFF_RX_EVENT, _OFF_TX_EVENT = 384, 448
+_OFF_FILLED, _OFF_DRAINED = 1024, 1536
+_ATTACHED, _GONE = 1, 2
+
+TX, RX = "tx", "rx"
+_ROLES = {"tx": TX, "producer": TX, "rx": RX, "consumer": RX}
+_WHO = {TX: "producer", RX: "consumer"}
+
+# A sleeping waiter looks again at least this often (ns).
+_TICK = 100_000_000
+# How long close() waits for this end's last GPU write to land (s).
+_CLOSE_WAIT = 10.0
+
+
+# ---- errors -------------------------------------------------------------
+
+class ChannelRemovedError(Error):
+    """The channel was removed ('gpushm rm', Client.unlink): both ends stop."""
+
+    code = "EIDRM"
+
+
+class BrokenMessageError(Error):
+    """The producer died before it finished writing the next message; the
+    stream ends there (its contents are undefined)."""
+
+    code = "EBADMSG"
+
+
+class NoConsumerError(Error, BrokenPipeError):
+    """send() found no consumer attached, on a channel opened with
+    wait_for_consumer=False."""
+
+    code = "EPIPE"
+
+
+def _err(cls, msg):
+    e = cls(getattr(errno, cls.code), f"gpushm: {msg}")
+    e.code = cls.code
+    return e
+
+
+# ---- shared words and futexes ---------------------------------------------
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                     ctypes.c_uint]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(addr, seen, ns):
+    """Sleeps while the u32 at addr is seen, at most ns (not a private
+    futex: the other end is another process)."""
+    ts = _Timespec(ns // 1_000_000_000, ns % 1_000_000_000)
+    _syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, seen, ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(addr):
+    _syscall(_SYS_FUTEX, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+if _X86:
+    def _u64(addr):
+        return ctypes.c_uint64.from_address(addr)
+
+    def _u32(addr):
+        return ctypes.c_uint32.from_address(addr)
+
+    def _u64s(addr, n):
+        return (ctypes.c_uint64 * n).from_address(addr)
+else:
+    _atomic = None
+    try:
+        _atomic = ctypes.CDLL("libatomic.so.1")
+        for _n, _r, _a in (("__atomic_load_8", ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_int]),
+                           ("__atomic_store_8", None, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]),
+                           ("__atomic_load_4", ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_int]),
+                           ("__atomic_store_4", None, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int])):
+            getattr(_atomic, _n).restype, getattr(_atomic, _n).argtypes = _r, _a
+    except OSError:
+        _atomic = None
+    _SEQ_CST = 5
+
+    class _Word:
+        __slots__ = ("_p", "_load", "_store")
+
+        def __init__(self, addr, bits):
+            if _atomic is None:
+                raise OSError(errno.ENOSYS, f"gpushm: channels on {platform.machine()} need libatomic.so.1 (the libatomic1 package)")
+            self._p = addr
+            self._load = getattr(_atomic, f"__atomic_load_{bits // 8}")
+            self._store = getattr(_atomic, f"__atomic_store_{bits // 8}")
+
+        @property
+        def value(self):
+            return self._load(self._p, _SEQ_CST)
+
+        @value.setter
+        def value(self, v):
+            self._store(self._p, v, _SEQ_CST)
+
+    class _Words:
+        __slots__ = ("_w",)
+
+        def __init__(self, addr, n):
+            self._w = [_Word(addr + 8 * i, 64) for i in range(n)]
+
+        def __getitem__(self, i):
+            return self._w[i].value
+
+        def __setitem__(self, i, v):
+            self._w[i].value = v
+
+    def _u64(addr):
+        return _Word(addr, 64)
+
+    def _u32(addr):
+        return _Word(addr, 32)
+
+    def _u64s(addr, n):
+        return _Words(addr, n)
+
+
+def _release_block(dev, ptr, registered, sync=True):
+    """Unpins (once the GPU is done with it: sync) and unmaps a control
+    block."""
+    try:
+        if registered:
+            if sync:
+                dev.synchronize()
+            dev.unregister_host(ptr)
+        _mapping.munmap(ptr, BLOCK_BYTES)
+    except Exception as e:
+        warnings.warn(f"gpushm: releasing a channel's control block failed, it stays mapped: {e}", RuntimeWarning)
+
+
+# ---- frameworks -----------------------------------------------------------
+
+def _import(name):
+    mod = sys.modules.get(name)
+    if mod is not None:
+        return mod
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def _pick_framework(framework, on_gpu):
+    if framework == "auto":
+        names = ("torch", "cupy") if on_gpu else ("numpy",)
+        for n in names:
+            try:
+                _import(n)
+                return n
+            except ImportError:
+                continue
+        return None
+    if framework not in ("torch", "cupy", "numpy", None):
+        raise ValueError(f"gpushm: framework {framework!r}: want \"torch\", \"cupy\", \"numpy\", None or \"auto\"")
+    if framework == "numpy" and on_gpu:
+        raise ValueError("gpushm: framework \"numpy\" needs a channel in host memory; this one is on a GPU (use torch or cupy)")
+    return framework
+
+
+def _wrapper(framework):
+    """A function making the framework's tensor of a View, zero-copy."""
+    if framework is None:
+        return lambda v: v
+    if framework == "numpy":
+        return lambda v: v.numpy()
+    mod = _import(framework)
+    return mod.from_dlpack
+
+
+def _current_stream(framework, device):
+    """A function giving the framework's current stream on device, as a
+    CUstream (0: the legacy default stream)."""
+    if framework == "torch":
+        torch = _import("torch")
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return lambda: raw(device)
+        return lambda: torch.cuda.current_stream(device).cuda_stream
+    if framework == "cupy":
+        cupy = _import("cupy")
+        try:
+            cupy.cuda.get_current_stream(device)
+            return lambda: cupy.cuda.get_current_stream(device).ptr
+        except TypeError:  # an older CuPy: the current device's
+            return lambda: cupy.cuda.get_current_stream().ptr
+    return lambda: 0
+
+
+def stream_handle(stream) -> int:
+    """A CUstream from a torch.cuda.Stream, a CuPy stream, an object with
+    __cuda_stream__, or an int."""
+    if isinstance(stream, int):
+        return stream
+    h = getattr(stream, "cuda_stream", None)  # torch
+    if h is None and hasattr(stream, "__cuda_stream__"):
+        h = stream.__cuda_stream__()[1]
+    if h is None:
+        h = getattr(stream, "ptr", None)  # CuPy
+    if not isinstance(h, int):
+        raise TypeError(f"gpushm: stream {stream!r}: want a torch.cuda.Stream, a CuPy stream, or a CUstream as an int")
+    return h
+
+
+# ---- opening ----------------------------------------------------------------
+
+# Every channel end of this process, to refuse a second end of one role in
+# one process and both ends on one connection (see _check_ends).
+_ENDS = weakref.WeakSet()
+
+
+def _check_ends(client, name, role):
+    for ch in list(_ENDS):
+        if ch._closed or ch._client.socket != client.socket or ch.name != name or ch._removed.value:
+            continue
+        if ch._client is client:
+            if ch.role == role:
+                raise ValueError(f"gpushm: this client already holds the {_WHO[role]} end of channel {name!r}; close it first")
+            # The daemon keeps one role per connection and channel.
+            raise ValueError(f"gpushm: this client holds the {_WHO[ch.role]} end of channel {name!r}; "
+                             f"open the {_WHO[role]} end with another gpushm.connect()")
+        if ch.role == role:
+            raise ValueError(f"gpushm: this process already holds the {_WHO[role]} end of channel {name!r} "
+                             f"(through another client); a channel has one of each")
+
+
+def _describe(slots, slot_bytes, meta):
+    if isinstance(meta, dict) and "dtype" in meta and "shape" in meta:
+        what = f"{meta['dtype']}{list(meta['shape'])}"
+    else:
+        what = f"messages of {slot_bytes} bytes"
+    return f"{slots} slots of {what}"
+
+
+def open_channel(client, name, *, shape, dtype, nbytes, slots, role, device, devices, mode, wait_for_consumer,
+                 framework, spin_us) -> Channel:
+    if client._closed:
+        raise ValueError("gpushm: channel on a closed client")
+    making = shape is not None or dtype is not None or nbytes is not None
+    if role is None:
+        role = TX if making else RX
+    if role not in _ROLES:
+        raise ValueError(f"gpushm: channel role {role!r}: want \"tx\" (producer) or \"rx\" (consumer)")
+    role = _ROLES[role]
+    meta, slot_bytes = None, None
+    if making:
+        if shape is not None or dtype is not None:
+            if dtype is None:
+                raise TypeError("gpushm: a channel with a shape needs a dtype")
+            dt = dtype_of(dtype)
+            if shape is None:
+                if nbytes is None or nbytes % dt.itemsize:
+                    raise ValueError(f"gpushm: a channel of {dt.name} without a shape needs nbytes, a multiple of {dt.itemsize}")
+                shape = (nbytes // dt.itemsize,)
+            if isinstance(shape, int):
+                shape = (shape,)
+            lay = Layout(dt, shape)
+            if nbytes is not None and nbytes != lay.nbytes:
+                raise ValueError(f"gpushm: nbytes {nbytes} is not the {lay.nbytes} bytes of {dt.name}{list(lay.shape)}")
+            slot_bytes = lay.nbytes
+            meta = {"kind": "channel", "dtype": dt.name, "shape": list(lay.shape)}
+        else:
+            slot_bytes = nbytes
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0:
+            raise ValueError(f"gpushm: channel {name!r}: messages of {slot_bytes!r} bytes; want at least 1")
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
+            raise ValueError(f"gpushm: channel {name!r}: {slots!r} slots; want 1 to {MAX_SLOTS}")
+    elif slots is not None or device is not None:
+        raise TypeError("gpushm: slots= and device= make a channel: give its shape and dtype (or nbytes) too")
+    if not isinstance(wait_for_consumer, bool):
+        raise TypeError(f"gpushm: wait_for_consumer={wait_for_consumer!r}: want True or False")
+    if spin_us < 0:
+        raise ValueError(f"gpushm: spin_us={spin_us!r}: want 0 or more")
+    _check_ends(client, name, role)
+    devs = tuple(int(d) for d in devices) if devices else None
+    readonly = role == RX
+
+    if making:
+        # The layout is compared before a role is taken, so that a mismatch
+        # changes nothing (the daemon compares slots and sizes, not meta).
+        try:
+            old = client._call("stat", name=name)[0]["segment"]
+        except NotFoundError:
+            old = {}
+        lay = old.get("channel")
+        if lay:
+            o_slots, o_bytes, o_meta = lay["slots"], lay["slot_bytes"], old.get("meta")
+            if slots is None:
+                slots = o_slots
+            if device is None:
+                device = old.get("device")  # where it is, not the daemon's default
+            if (o_slots, o_bytes, o_meta) != (slots, slot_bytes, meta):
+                raise error("EEXIST", f"channel {name!r} exists with {_describe(o_slots, o_bytes, o_meta)}, "
+                                      f"not {_describe(slots, slot_bytes, meta)}")
+        fields = {"name": name, "mode": int(mode), "open": True, "exist_ok": True, "slots": slots or 4,
+                  "slot_bytes": int(slot_bytes), "role": role}
+        if meta is not None:
+            fields["meta"] = meta
+        if device is not None:
+            fields["device"] = int(device)
+        if readonly:
+            fields["readonly"] = True
+        op = "create"
+    else:
+        fields = {"name": name, "role": role}
+        if readonly:
+            fields["readonly"] = True
+        op = "open"
+    rep, fd = client._call(op, _keep_control=True, **fields)
+    cfd = rep.get("control_fd", -1)
+    seg = rep.get("segment") or {}
+    try:
+        if cfd < 0 or not seg.get("channel"):
+            raise error("EPROTO", f"{op} of channel {name!r}: the reply carried no control block")
+        if making and not rep.get("created") and seg.get("meta") != meta:
+            c = seg["channel"]
+            raise error("EEXIST", f"channel {name!r} exists with {_describe(c['slots'], c['slot_bytes'], seg.get('meta'))}, "
+                                  f"not {_describe(slots or 4, slot_bytes, meta)}")
+        # The channel owns the descriptors from here, whatever happens.
+        fds, fd, cfd = (fd, cfd), -1, -1
+        ch = Channel(client, name, role, seg, *fds, readonly, devs, framework, wait_for_consumer, spin_us)
+    except BaseException:
+        for f in (fd, cfd):
+            if f >= 0:
+                os.close(f)
+        try:
+            client._call("close", segment=seg.get("id", 0))
+        except Exception:
+            pass
+        raise
+    return ch
+
+
+# ---- a channel end --------------------------------------------------------
+
+class Message:
+    """One slot handed out by send() (to fill) or recv() (to read). Use it as
+    a context manager, which gives the tensor, or call done(). .seq is the
+    message's number in the stream (0 for the first)."""
+
+    __slots__ = ("_ch", "seq", "slot", "tensor", "_stream")
+
+    def __init__(self, ch, seq, slot, tensor, stream):
+        self._ch, self.seq, self.slot, self.tensor, self._stream = ch, seq, slot, tensor, stream
+
+    def __repr__(self):
+        state = "out" if self._ch is not None else "done"
+        return f"<gpushm.Message {self.seq} (slot {self.slot}) {state}>"
+
+    def __enter__(self):
+        return self.tensor
+
+    def __exit__(self, exc_type, exc, tb):
+        ch = self._ch
+        if ch is not None:
+            if exc_type is not None and ch.role == TX:
+                ch._abandon(self)  # a failed fill sends nothing
+            else:
+                ch._done(self, self._stream)
+        return False
+
+    def done(self, stream=None):
+        """Hands the message over: the producer's is sent (on a GPU, its
+        stream marks the slot filled once the work queued before is done),
+        the consumer's released (its stream marks the slot drained). stream
+        defaults to the one send() or recv() used; another must be ordered
+        after the work on the message."""
+        ch = self._ch
+        if ch is None:
+            raise ValueError(f"gpushm: message {self.seq} was handed over already")
+        ch._done(self, self._stream if stream is None else stream_handle(stream))
+
+
+class _End:
+    """What ending a channel end needs: close() and the finalizer of a
+    channel dropped without close() share it."""
+
+    __slots__ = ("client", "seg", "role", "dev", "ctl", "slots", "registered", "leased", "last", "pending_wait")
+
+    def __init__(self, client, seg, role, dev, ctl, slots, registered):
+        self.client, self.seg, self.role, self.dev, self.ctl = client, seg, role, dev, ctl
+        self.slots, self.registered = slots, registered
+        self.leased = False  # this end's lease (and role) is the daemon's to end
+        self.last = 0  # this end's last message handed over, + 1
+        # A stream wait on the block was queued that no flag write of this
+        # end follows yet (a message out, or abandoned).
+        self.pending_wait = False
+
+
+def _landed(st) -> bool:
+    """Waits, at most _CLOSE_WAIT, until this end's last flag write, queued
+    on a stream, has landed in the block: the consumer needs the producer's,
+    and the block must not be unpinned while a stream still writes it."""
+    if st.dev is None or st.last == 0:
+        return True
+    off = (_OFF_FILLED if st.role == TX else _OFF_DRAINED) + 8 * ((st.last - 1) % st.slots)
+    w, deadline = _u64(st.ctl + off), time.monotonic() + _CLOSE_WAIT
+    while w.value < st.last and time.monotonic() < deadline:
+        time.sleep(0.0001)
+    return w.value >= st.last
+
+
+def _dropped(st):
+    """A channel went without close(): end it as close() would, without
+    raising, and without waiting for the client's lock (the close is queued
+    as a mapping's is)."""
+    try:
+        landed = _landed(st)
+        if st.leased:
+            st.leased = False
+            st.client._release(st.seg, 1)
+        if landed:
+            _release_block(st.dev, st.ctl, st.registered)
+    except Exception:
+        pass
+
+
+class Channel:
+    """One end of a channel: the producer's (send) or the consumer's (recv,
+    iteration). Made by Client.channel. One message is out at a time; a
+    thread may close() the channel while another waits in it."""
+
+    def __init__(self, client, name, role, seg, fd, cfd, readonly, devs, framework, wait_for_consumer, spin_us):
+        self._client, self.name, self.role = client, name, role
+        self._closed, self._lost, self._out = False, None, None
+        self._lock = threading.Lock()
+        self._wait_for_consumer = wait_for_consumer
+        self._spin_ns = int(spin_us * 1000)
+        self.info = SegmentInfo.from_wire(seg)
+        lay = seg["channel"]
+        self.slots, self.slot_bytes, self._stride = int(lay["slots"]), int(lay["slot_bytes"]), int(lay["slot_stride"])
+        try:
+            m = _mapping.Mapping(client, self.info, fd, readonly, devs)  # closes fd
+        except BaseException:
+            os.close(cfd)
+            raise
+        # The channel ends its lease itself: dropping the mapping (which
+        # tensors may outlive the channel) must not end the role.
+        m.lease.client = None
+        try:
+            ctl = _mapping.mmap(cfd, BLOCK_BYTES, True)
+        finally:
+            os.close(cfd)
+        registered = False
+        try:
+            self._check_block(ctl)
+            if m.dev is not None:
+                self._ctl_dev = m.dev.register_host(ctl, BLOCK_BYTES)
+                registered = True
+                self._write_value, self._wait_value = m.dev.stream_ops()
+        except BaseException:
+            _release_block(m.dev, ctl, registered)
+            raise
+        self._st = st = _End(client, self.info.id, role, m.dev, ctl, self.slots, registered)
+        self._fin = weakref.finalize(self, _dropped, st)
+        self._fin.atexit = False  # exit ends the role anyway (the daemon repairs), and the GPU may still run
+        self._m, self._dev, self._ctl = m, m.dev, ctl
+
+        self._head, self._taken, self._tail = _u64(ctl + _OFF_HEAD), _u64(ctl + _OFF_TAKEN), _u64(ctl + _OFF_TAIL)
+        self._tx_state, self._rx_state = _u32(ctl + _OFF_TX), _u32(ctl + _OFF_RX)
+        self._broken, self._removed = _u64(ctl + _OFF_BROKEN), _u64(ctl + _OFF_REMOVED)
+        self._rx_ev, self._tx_ev = _u32(ctl + _OFF_RX_EVENT), _u32(ctl + _OFF_TX_EVENT)
+        self._rx_ev_addr, self._tx_ev_addr = ctl + _OFF_RX_EVENT, ctl + _OFF_TX_EVENT
+        self._filled, self._drained = _u64s(ctl + _OFF_FILLED, self.slots), _u64s(ctl + _OFF_DRAINED, self.slots)
+
+        meta = self.info.meta
+        if isinstance(meta, dict) and meta.get("kind") == "channel" and "dtype" in meta and "shape" in meta:
+            dt, shape = dtype_of(meta["dtype"]), tuple(meta["shape"])
+        else:
+            dt, shape = dtype_of("uint8"), (self.slot_bytes,)
+        if Layout(dt, shape).nbytes > self.slot_bytes:
+            raise ValueError(f"gpushm: channel {name!r}: its meta says {dt.name}{list(shape)}, more than its {self.slot_bytes}-byte slots")
+        self.dtype, self.shape = dt.name, shape
+        self.framework = _pick_framework(framework, m.dev is not None)
+        wrap = _wrapper(self.framework)
+        self.views = tuple(View(m, Layout(dt, shape, None, i * self._stride)) for i in range(self.slots))
+        self._tensors = [wrap(v) for v in self.views]
+        self._stream = _current_stream(self.framework, m.dev.ordinal) if m.dev is not None else None
+        if role == TX:
+            st.last = self._head.value
+        st.leased = True  # from here on, dropping the channel ends the role
+        client._channels.add(self)
+        _ENDS.add(self)
+
+    def _check_block(self, ctl):
+        raw = ctypes.string_at(ctl, 32)
+        slots = int.from_bytes(raw[_OFF_SLOTS:_OFF_SLOTS + 4], "little")
+        slot_bytes = int.from_bytes(raw[_OFF_SLOT_BYTES:_OFF_SLOT_BYTES + 8], "little")
+        stride = int.from_bytes(raw[_OFF_STRIDE:_OFF_STRIDE + 8], "little")
+        if raw[:8] != _MAGIC or int.from_bytes(raw[_OFF_VERSION:_OFF_VERSION + 4], "little") != 1:
+            raise error("EPROTO", f"channel {self.name!r}: not a gpushm channel control block (bad magic or version)")
+        if (slots, slot_bytes, stride) != (self.slots, self.slot_bytes, self._stride) or \
+                self._stride * self.slots > self.info.alloc_size:
+            raise error("EPROTO", f"channel {self.name!r}: the control block says {slots} slots of {slot_bytes} bytes "
+                                  f"every {stride}, the daemon {self.slots} of {self.slot_bytes} every {self._stride}")
+
+    # ---- description ----------------------------------------------------
+
+    @property
+    def device(self):
+        """The GPU the tensors are on (this process's view), or None for
+        host memory."""
+        return None if self._dev is None else self._dev.ordinal
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self):
+        where = "host" if self._dev is None else f"cuda:{self._dev.ordinal}"
+        state = " closed" if self._closed else ""
+        return f"<gpushm.Channel {self.name!r} {_WHO[self.role]}{state} {self.slots} slots of {self.dtype}{list(self.shape)} on {where}>"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- the producer -----------------------------------------------------
+
+    def send(self, stream=None, timeout: float | None = None) -> Message:
+        """Waits for a free slot (and for a consumer) and hands it out as the
+        next message: fill it, then hand it over by leaving the with block
+        (or done()). On a GPU, stream (default: the framework's current
+        stream) first waits, on the GPU, until the consumer's reads of the
+        slot's last message are done; queue the work that fills the slot on
+        it. Leaving the block with an exception sends nothing. timeout, in
+        seconds, bounds the wait (None: forever; 0: not at all) and raises
+        TimeoutError."""
+        if self.role != TX:
+            raise ValueError(f"gpushm: channel {self.name!r}: send on the consumer's end")
+        with self._lock:
+            self._usable()
+            k = self._wait_slot(timeout)
+            slot = k % self.slots
+            s = None
+            if self._dev is not None:
+                s = self._stream() if stream is None else stream_handle(stream)
+                if k >= self.slots:
+                    self._st.pending_wait = True
+                    self._wait_value(s, self._ctl_dev + _OFF_DRAINED + 8 * slot, k - self.slots + 1)
+            msg = self._out = Message(self, k, slot, self._tensors[slot], s)
+            return msg
+
+    def _wait_slot(self, timeout):
+        head_w, tail_w, rx_state, removed, ev = self._head, self._tail, self._rx_state, self._removed, self._tx_ev
+        slots, spin_until, deadline = self.slots, None, None
+        while True:
+            seen = ev.value
+            if removed.value:
+                raise _err(ChannelRemovedError, f"channel {self.name!r} was removed")
+            head = head_w.value
+            if rx_state.value != _ATTACHED:
+                if not self._wait_for_consumer:
+                    raise _err(NoConsumerError, f"channel {self.name!r}: no consumer is attached "
+                                                f"(opened with wait_for_consumer=False)")
+                why = "no consumer is attached"
+            elif head - tail_w.value < slots:
+                return head
+            else:
+                why = "every slot holds a message the consumer has not released"
+            if self._closed:
+                raise ValueError(f"gpushm: channel {self.name!r} was closed while send waited ({why})")
+            now = time.perf_counter_ns()
+            if spin_until is None:
+                spin_until = now + self._spin_ns
+                if timeout is not None:
+                    deadline = now + int(timeout * 1e9)
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(f"gpushm: channel {self.name!r}: {why} (waited {timeout:g}s)")
+            if now < spin_until:
+                continue
+            _futex_wait(self._tx_ev_addr, seen, _TICK if deadline is None else min(_TICK, deadline - now))
+
+    # ---- the consumer -----------------------------------------------------
+
+    def recv(self, timeout: float | None = None, stream=None) -> Message:
+        """Waits for the next message and hands it out: read it, then give
+        the slot back by leaving the with block (or done()). On a GPU,
+        stream (default: the framework's current stream) waits, on the GPU,
+        until the producer's writes of it are done; queue the work that
+        reads it on it. Raises EOFError once the producer is gone (closed,
+        or died) and every message it sent was received; BrokenMessageError
+        at a message its dead producer never finished; ChannelRemovedError
+        on a removed channel; TimeoutError after timeout seconds (None:
+        wait forever; 0: not at all)."""
+        if self.role != RX:
+            raise ValueError(f"gpushm: channel {self.name!r}: recv on the producer's end")
+        with self._lock:
+            self._usable()
+            k = self._wait_message(timeout)
+            self._taken.value = k + 1
+            slot = k % self.slots
+            s = None
+            if self._dev is not None:
+                s = self._stream() if stream is None else stream_handle(stream)
+                self._st.pending_wait = True
+                self._wait_value(s, self._ctl_dev + _OFF_FILLED + 8 * slot, k + 1)
+            msg = self._out = Message(self, k, slot, self._tensors[slot], s)
+            return msg
+
+    def _wait_message(self, timeout):
+        head_w, taken_w, tx_state, removed, broken, ev = (self._head, self._taken, self._tx_state, self._removed,
+                                                          self._broken, self._rx_ev)
+        spin_until, deadline = None, None
+        while True:
+            seen = ev.value
+            taken = taken_w.value
+            b = broken.value
+            if b and taken + 1 >= b:
+                raise _err(BrokenMessageError, f"channel {self.name!r}: the producer died before it finished "
+                                               f"message {taken}; the stream ends there")
+            if head_w.value > taken:
+                return taken
+            if removed.value:
+                raise _err(ChannelRemovedError, f"channel {self.name!r} was removed")
+            if tx_state.value == _GONE:
+                raise EOFError(f"gpushm: channel {self.name!r}: the producer is gone and every message it sent "
+                               f"was received")
+            if self._closed:
+                raise ValueError(f"gpushm: channel {self.name!r} was closed while recv waited")
+            now = time.perf_counter_ns()
+            if spin_until is None:
+                spin_until = now + self._spin_ns
+                if timeout is not None:
+                    deadline = now + int(timeout * 1e9)
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(f"gpushm: channel {self.name!r}: no message within {timeout:g}s")
+            if now < spin_until:
+                continue
+            _futex_wait(self._rx_ev_addr, seen, _TICK if deadline is None else min(_TICK, deadline - now))
+
+    def __iter__(self):
+        """The messages, until the producer is gone: each tensor is valid
+        until the next iteration starts (or the loop ends), when its slot
+        goes back to the producer."""
+        while True:
+            try:
+                msg = self.recv()
+            except EOFError:
+                return
+            with msg as t:
+                yield t
+
+    # ---- hand-over --------------------------------------------------------
+
+    def _done(self, msg, s):
+        with self._lock:
+            if self._out is not msg:
+                raise ValueError(f"gpushm: channel {self.name!r}: message {msg.seq} is not out")
+            k, slot, st = msg.seq, msg.slot, self._st
+            msg._ch = self._out = None
+            st.pending_wait = False
+            if self.role == TX:
+                if self._dev is not None:
+                    self._write_value(s, self._ctl_dev + _OFF_FILLED + 8 * slot, k + 1)
+                else:
+                    # Not a stream's write: on host memory the CPU's stores
+                    # are done here, and the daemon's repair of a dead
+                    # producer reads filled to tell finished messages from
+                    # cut ones.
+                    self._filled[slot] = k + 1
+                self._head.value = k + 1
+                st.last = k + 1
+                ev = self._rx_ev
+                ev.value = (ev.value + 1) & 0xFFFFFFFF
+                _futex_wake(self._rx_ev_addr)
+            else:
+                if self._dev is not None:
+                    self._write_value(s, self._ctl_dev + _OFF_DRAINED + 8 * slot, k + 1)
+                else:
+                    self._drained[slot] = k + 1
+                self._tail.value = k + 1
+                st.last = k + 1
+                ev = self._tx_ev
+                ev.value = (ev.value + 1) & 0xFFFFFFFF
+                _futex_wake(self._tx_ev_addr)
+
+    def _abandon(self, msg):
+        with self._lock:
+            if self._out is msg:
+                msg._ch = self._out = None
+
+    def _usable(self):
+        if self._closed:
+            raise ValueError(f"gpushm: channel {self.name!r} is closed")
+        if self._out is not None:
+            raise RuntimeError(f"gpushm: channel {self.name!r}: message {self._out.seq} is still out; "
+                               f"leave its with block (or call done()) first")
+        if self._lost:
+            raise ConnectionError(f"gpushm: channel {self.name!r}: {self._lost}")
+
+    # ---- ending ---------------------------------------------------------------
+
+    def close(self):
+        """Ends this end. A producer first waits (up to 10 s) until its last
+        message's writes are done on the GPU, so that the consumer gets every
+        message it sent, then EOFError. A message still out is dropped (the
+        producer's is not sent). Tensors handed out stay mapped while they
+        live, but must not be used after their message was handed over. A
+        channel dropped without close() is closed when it is collected."""
+        if self._closed:
+            return
+        self._closed = True
+        # A thread waiting in send or recv sees _closed once woken, and
+        # lets go of the lock.
+        _futex_wake(self._rx_ev_addr)
+        _futex_wake(self._tx_ev_addr)
+        with self._lock:
+            out, self._out = self._out, None
+            if out is not None:
+                out._ch = None
+            st, client = self._st, self._client
+            self._fin.detach()
+            landed = _landed(st)
+            err = None
+            if st.leased and client._pid == os.getpid() and not client._closed:
+                # A reconnection on the way reclaims the role (this channel
+                # is still among the client's), so that this close ends it.
+                try:
+                    client._call("close", segment=st.seg)
+                except InvalidError:
+                    pass  # the lease went with a connection the daemon lost
+                except Exception as e:
+                    err = e
+            st.leased = False
+            client._channels.discard(self)
+            self._tensors = ()
+            self.views = ()
+            self._m = None
+            if landed:
+                # Stream work on the block is over, unless a wait was queued
+                # with no write of this end after it.
+                _release_block(st.dev, st.ctl, st.registered, st.pending_wait)
+            else:
+                # A stream may still write the block: leave it pinned and mapped.
+                warnings.warn(f"gpushm: channel {self.name!r}: the GPU did not finish this end's last message "
+                              f"within {_CLOSE_WAIT:g}s; its control block stays mapped", RuntimeWarning)
+        if err is not None:
+            raise err
+
+    def _reclaim(self, exchange):
+        """Takes the role back on a new connection (the client's lock is
+        held)."""
+        st = self._st
+        if not st.leased:
+            return
+        fields = {"segment": st.seg, "count": 1, "role": self.role}
+        if self.role == RX:
+            fields["readonly"] = True
+        rep, fd = exchange("reclaim", fields, -1)
+        if fd >= 0:
+            os.close(fd)
+        err = rep.get("error")
+        if err:
+            st.leased = False
+            self._lost = f"its role could not be taken back after the daemon restarted: {err.get('message') or err.get('code')}"
