@@ -326,10 +326,10 @@ func (m *Message) Done(stream uintptr) error {
 	}
 	if ch.role == Producer {
 		ch.blk.Sent(m.seq)
-		ch.last = m.seq + 1
 	} else {
 		ch.blk.Released(m.seq)
 	}
+	ch.last = m.seq + 1
 	return nil
 }
 
@@ -343,18 +343,27 @@ func (ch *Channel) Close() error {
 		return nil
 	}
 	ch.closed = true
-	if ch.role == Producer && ch.m.dev != nil && ch.last > 0 {
+	if ch.m.dev != nil && ch.last > 0 {
+		// The last stream write (the producer's filled, the consumer's
+		// drained) must land before the block is unpinned and, for the
+		// producer, before the daemon hears that it is done.
 		slot := int((ch.last - 1) % uint64(ch.slots))
-		for deadline := time.Now().Add(10 * time.Second); ch.blk.Filled(slot) < ch.last && time.Now().Before(deadline); {
+		flag := ch.blk.Filled
+		if ch.role == Consumer {
+			flag = ch.blk.Drained
+		}
+		for deadline := time.Now().Add(10 * time.Second); flag(slot) < ch.last && time.Now().Before(deadline); {
 			time.Sleep(50 * time.Microsecond)
 		}
 	}
 	ch.mu.Unlock()
 	c := ch.c
+	// Still listed while closing: a reconnection on the way reclaims the
+	// role first, so that this close ends it.
+	_, _, err := c.roundTrip(context.Background(), &wire.Request{Op: wire.OpClose, Segment: ch.info.ID, Role: string(ch.role)})
 	c.cmu.Lock()
 	delete(c.channels, ch)
 	c.cmu.Unlock()
-	_, _, err := c.roundTrip(context.Background(), &wire.Request{Op: wire.OpClose, Segment: ch.info.ID})
 	if errors.Is(err, syscall.EINVAL) {
 		err = nil // the lease went with a connection the daemon lost
 	}

@@ -389,3 +389,42 @@ func TestChannelConsumerDies(t *testing.T) {
 		m.Done(0)
 	}
 }
+
+// One connection may hold both ends; closing one ends that one.
+func TestChannelBothEndsOneClient(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	tx, err := c.Channel(ctx, "both", gpushm.Producer, &gpushm.ChannelOptions{Slots: 2, SlotBytes: 8,
+		Meta: []byte(`{"kind":"channel","dtype":"uint8","shape":[8]}`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The layout includes the meta: another tensor shape is another channel.
+	if _, err := c.Channel(ctx, "both", gpushm.Consumer, &gpushm.ChannelOptions{Slots: 2, SlotBytes: 8,
+		Meta: []byte(`{"kind":"channel","dtype":"int8","shape":[8]}`)}); !errors.Is(err, syscall.EEXIST) {
+		t.Fatalf("a consumer with another meta: %v, want EEXIST", err)
+	}
+	rx, err := c.Channel(ctx, "both", gpushm.Consumer, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := tx.Send(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Done(0)
+	if err := tx.Close(); err != nil {
+		t.Fatal(err)
+	}
+	tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	got, err := rx.Recv(tctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got.Done(0)
+	if _, err := rx.Recv(tctx, 0); !errors.Is(err, io.EOF) {
+		t.Fatalf("after the producer's close: %v, want io.EOF", err)
+	}
+}

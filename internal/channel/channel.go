@@ -163,7 +163,11 @@ func (k *Block) Attach(r Role, pid int, start uint64) {
 	off := k.roleOff(r)
 	k.u32(off + 4).Store(uint32(pid))
 	k.u64(off + 8).Store(start)
-	if r == Tx {
+	if b := k.u64(offBroken).Load(); r == Tx && b != 0 {
+		// The messages its dead predecessor cut off are withdrawn, so the
+		// consumer never takes one as valid: the new producer writes over
+		// them.
+		k.u64(offHead).Store(b - 1)
 		k.u64(offBroken).Store(0)
 	}
 	k.u32(off).Store(StateAttached)

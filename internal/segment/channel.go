@@ -1,8 +1,10 @@
 package segment
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 )
 
 // Channels (docs/protocol.md, "Channels"): a segment whose memory is slots
@@ -123,4 +125,17 @@ func (r *Registry) Channels() []*Segment {
 		}
 	}
 	return out
+}
+
+// sameJSON reports whether two JSON documents mean the same (no document
+// and null are the same).
+func sameJSON(a, b json.RawMessage) bool {
+	var x, y any
+	if len(a) > 0 && json.Unmarshal(a, &x) != nil {
+		return false
+	}
+	if len(b) > 0 && json.Unmarshal(b, &y) != nil {
+		return false
+	}
+	return reflect.DeepEqual(x, y)
 }

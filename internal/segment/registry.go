@@ -304,6 +304,10 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 			return nil, false, fmt.Errorf("%w: %q is %s, not %s", ErrExist, o.Name,
 				describeLayout(existing.slots, existing.slotBytes), describeLayout(o.Slots, o.SlotBytes))
 		}
+		if o.Slots > 0 && !sameJSON(existing.meta, o.Meta) {
+			// A channel's meta is its tensors' layout: both ends must agree.
+			return nil, false, fmt.Errorf("%w: channel %q carries %s, not %s", ErrExist, o.Name, existing.meta, o.Meta)
+		}
 		if existing.size != o.Size || existing.device != o.Device {
 			return nil, false, fmt.Errorf("%w: %q has size %d on device %d, not size %d on device %d",
 				ErrExist, o.Name, existing.size, existing.device, o.Size, o.Device)

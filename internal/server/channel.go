@@ -130,23 +130,42 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 	if err != nil {
 		return err
 	}
-	c.roles[seg.ID()] = role
+	c.holdRole(seg.ID(), role)
 	c.s.watch(seg, role, channel.Holder{State: channel.StateAttached, PID: pid, Start: start})
 	return nil
 }
 
-// unclaim ends c's role on seg: cleanly (the client closed it) or as if
-// its process died (the connection ended without a close).
-func (c *conn) unclaim(seg *segment.Segment, died bool) {
-	role, ok := c.roles[seg.ID()]
-	if !ok {
+func (c *conn) holdRole(id uint64, role channel.Role) {
+	if c.roles[id] == nil {
+		c.roles[id] = map[channel.Role]bool{}
+	}
+	c.roles[id][role] = true
+}
+
+// unclaim ends c's role on seg (every role c holds there, for role ""):
+// cleanly (the client closed it) or as if its process died (the
+// connection ended without a close).
+func (c *conn) unclaim(seg *segment.Segment, role channel.Role, died bool) {
+	held := c.roles[seg.ID()]
+	var end []channel.Role
+	for r := range held {
+		if role == "" || r == role {
+			end = append(end, r)
+			delete(held, r)
+		}
+	}
+	if len(held) == 0 {
+		delete(c.roles, seg.ID())
+	}
+	if len(end) == 0 {
 		return
 	}
-	delete(c.roles, seg.ID())
 	pid := int(c.cred.PID)
 	err := withBlock(seg, func(blk *channel.Block) error {
-		if h := blk.Holder(role); h.State == channel.StateAttached && h.PID == pid {
-			blk.Detach(role, died)
+		for _, r := range end {
+			if h := blk.Holder(r); h.State == channel.StateAttached && h.PID == pid {
+				blk.Detach(r, died)
+			}
 		}
 		return nil
 	})

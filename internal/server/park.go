@@ -24,11 +24,11 @@ import (
 
 // ConnState is a parked connection's state, as the successor needs it.
 type ConnState struct {
-	Hello   bool              `json:"hello"`
-	Session string            `json:"session,omitempty"`
-	Leases  map[uint64]int    `json:"leases,omitempty"`
-	Bound   []uint64          `json:"bound,omitempty"`
-	Roles   map[uint64]string `json:"roles,omitempty"`
+	Hello   bool                `json:"hello"`
+	Session string              `json:"session,omitempty"`
+	Leases  map[uint64]int      `json:"leases,omitempty"`
+	Bound   []uint64            `json:"bound,omitempty"`
+	Roles   map[uint64][]string `json:"roles,omitempty"`
 }
 
 // ParkedConn is one parked connection: its socket (the Server's, valid
@@ -90,12 +90,14 @@ func (s *Server) Park() ([]ParkedConn, error) {
 	defer s.mu.Unlock()
 	out := make([]ParkedConn, 0, len(s.parked))
 	for _, c := range s.parked {
-		st := ConnState{Hello: c.hello, Session: c.session, Leases: map[uint64]int{}, Roles: map[uint64]string{}}
+		st := ConnState{Hello: c.hello, Session: c.session, Leases: map[uint64]int{}, Roles: map[uint64][]string{}}
 		for id, l := range c.leases {
 			st.Leases[id] = l.n
 		}
-		for id, r := range c.roles {
-			st.Roles[id] = string(r)
+		for id, roles := range c.roles {
+			for r := range roles {
+				st.Roles[id] = append(st.Roles[id], string(r))
+			}
 		}
 		for _, seg := range c.bound {
 			st.Bound = append(st.Bound, seg.ID())
@@ -142,7 +144,7 @@ func (s *Server) Adopt(fd int, state json.RawMessage) error {
 		return err
 	}
 	c := &conn{s: s, wc: wc, hello: st.Hello, session: st.Session, leases: make(map[uint64]*lease),
-		roles: make(map[uint64]channel.Role)}
+		roles: make(map[uint64]map[channel.Role]bool)}
 	for id, n := range st.Leases {
 		seg, err := s.reg.Reclaim(segment.Root, id, n, true)
 		if err != nil {
@@ -152,9 +154,9 @@ func (s *Server) Adopt(fd int, state json.RawMessage) error {
 		for range n {
 			c.hold(seg)
 		}
-		if r, ok := st.Roles[id]; ok {
+		for _, r := range st.Roles[id] {
 			// The control block says so already; the connection ends it.
-			c.roles[id] = channel.Role(r)
+			c.holdRole(id, channel.Role(r))
 		}
 	}
 	for _, id := range st.Bound {

@@ -258,7 +258,7 @@ func (s *Server) startFD(fd int) {
 		unix.Close(fd)
 		return
 	}
-	c := &conn{s: s, wc: wc, leases: make(map[uint64]*lease), roles: make(map[uint64]channel.Role)}
+	c := &conn{s: s, wc: wc, leases: make(map[uint64]*lease), roles: make(map[uint64]map[channel.Role]bool)}
 	if err := s.run(c); err != nil {
 		s.log.Warn("refusing connection without credentials", "err", err)
 		wc.Close()
@@ -343,8 +343,9 @@ type conn struct {
 	leases  map[uint64]*lease // by segment ID; touched only by serve's goroutine
 	// bound are the segments this connection created to end with it.
 	bound []*segment.Segment
-	// roles are the channel roles this connection holds, by segment ID.
-	roles map[uint64]channel.Role
+	// roles are the channel roles this connection holds, by segment ID
+	// (a connection may hold both ends of one channel).
+	roles map[uint64]map[channel.Role]bool
 	// ctlFD is a channel's control block, sent in a packet of its own
 	// right after the reply that announced it (-1: none).
 	ctlFD int
@@ -370,7 +371,7 @@ func (c *conn) serve() (parked bool) {
 		for _, l := range c.leases {
 			// A role whose connection ended without a close ends as if its
 			// process died: the block shows what it finished.
-			c.unclaim(l.seg, true)
+			c.unclaim(l.seg, "", true)
 			for ; l.n > 0; l.n-- {
 				if err := c.s.reg.Release(l.seg); err != nil {
 					log.Error("release on disconnect", "err", err)
@@ -597,6 +598,15 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		c.hold(seg)
 		return &wire.Reply{Segment: c.segmentInfo(seg), FD: true, Control: c.ctlFD >= 0}, fd
 	case wire.OpClose:
+		if req.Role != "" {
+			role, err := parseRole(req.Role)
+			if err != nil {
+				return fail(fmt.Errorf("close: %w", err))
+			}
+			if l := c.leases[req.Segment]; l != nil {
+				c.unclaim(l.seg, role, false)
+			}
+		}
 		if !c.release(req.Segment) {
 			return fail(fmt.Errorf("close: this connection holds no open of segment %d: %w", req.Segment, syscall.EINVAL))
 		}
@@ -783,7 +793,7 @@ func (c *conn) release(id uint64) bool {
 		return false
 	}
 	if l.n == 1 {
-		c.unclaim(l.seg, false)
+		c.unclaim(l.seg, "", false)
 	}
 	l.n--
 	if l.n == 0 {

@@ -782,7 +782,7 @@ class Channel:
                 # A reconnection on the way reclaims the role (this channel
                 # is still among the client's), so that this close ends it.
                 try:
-                    client._call("close", segment=st.seg)
+                    client._call("close", segment=st.seg, role=self.role)
                 except InvalidError:
                     pass  # the lease went with a connection the daemon lost
                 except Exception as e:
