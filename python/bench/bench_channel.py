@@ -164,6 +164,13 @@ def _latency_loop(get, conn, count):
     return {"t1": t1s, "t2": t2s, "bad": bad[:10]}
 
 
+def _spin():
+    """The ends' spin_us (--spin-us), passed to the spawned consumer through
+    the environment; {} for the library's default."""
+    v = os.environ.get("BENCH_CHANNEL_SPIN_US")
+    return {} if v is None else {"spin_us": int(v)}
+
+
 def _throughput_loop(fw, get, count):
     acc = fw.zero()
     start = None
@@ -203,7 +210,7 @@ def consume_channel(mode, sock, conn):
         if cmd is None:
             break
         kind, name, count = cmd
-        rx = c.channel(name, framework=fw.framework)
+        rx = c.channel(name, framework=fw.framework, **_spin())
         conn.send("open")
         if kind == "latency":
             out = _latency_loop(rx.recv, conn, count)
@@ -294,7 +301,7 @@ def bench_gpushm(fw, a, sock, sizes):
     def setup(label, nbytes):
         kw = {"device": 0} if fw.backend == "cuda" else {}
         return c.channel(f"bench-ch-{nbytes}", shape=(nbytes // 4,), dtype="float32", slots=a.slots,
-                         framework=fw.framework, **kw)
+                         framework=fw.framework, **kw, **_spin())
 
     def send_one(tx, k, n):
         with tx.send() as t:
@@ -358,7 +365,13 @@ def parse_args(argv):
     p.add_argument("--slots", type=int, default=4, help="slots of the channel, and room in the queue (default 4)")
     p.add_argument("--gap-us", type=float, help="pause between messages one at a time (default 1000; smoke 100)")
     p.add_argument("--warmup", type=int, help="messages one at a time dropped first (default 20; smoke 1)")
+    p.add_argument("--spin-us", type=int, help="how long both ends poll before sleeping on the futex "
+                                               "(default: the library's, 50 us): CPU for latency")
     a = p.parse_args(argv)
+    if a.spin_us is not None:
+        if a.spin_us < 0:
+            p.error(f"--spin-us {a.spin_us}: want 0 or more")
+        os.environ["BENCH_CHANNEL_SPIN_US"] = str(a.spin_us)
     smoke = a.smoke
     for k, gpu, sm in (("sizes", "4KiB,1MiB,64MiB", "4KiB"), ("latency", 300, 5), ("count", None, 20),
                        ("gap_us", 1000.0, 100.0), ("warmup", 20, 1)):
