@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -275,7 +277,7 @@ func TestSurviveSystemd(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	m := newFakeManager(t, dir)
-	svc := m.start(sock)
+	svc := m.start(sock, "--grace", "1s")
 	for i, mode := range []string{"0600", "0640", "0644", "0660"} {
 		name := fmt.Sprintf("s%d", i)
 		mustRun(t, nil, "--socket", sock, "create", name, "64K", "--mode", mode, "--meta", fmt.Sprintf(`{"n":%d}`, i))
@@ -283,13 +285,20 @@ func TestSurviveSystemd(t *testing.T) {
 	}
 	mustRun(t, nil, "--socket", sock, "rm", "s3")
 	m.waitGone(t, "seg-4")
+	// A channel keeps its control block in the store too (ctl-ID): one
+	// message sent, the producer gone.
+	sendOne(t, sock, "ch")
+	m.waitFor(t, "ctl-5")
 	if got := m.names(); !slices.Contains(got, "listener") || !slices.Contains(got, "epoch") || !slices.Contains(got, "seg-1") || slices.Contains(got, "seg-4") {
 		t.Fatalf("store after creates and a rm: %v", got)
 	}
 
 	// The supervisor dies; systemd starts the service again.
 	crash(t, svc, sock)
-	svc = m.start(sock)
+	svc = m.start(sock, "--grace", "1s")
+	recvOne(t, sock, "ch")
+	mustRun(t, nil, "--socket", sock, "rm", "ch")
+	m.waitGone(t, "ctl-5")
 	checkSegs(t, sock, map[string]segWant{
 		"s0": {0o600, 1, `{"n":0}`}, "s1": {0o640, 2, `{"n":1}`}, "s2": {0o644, 3, `{"n":2}`},
 	})
@@ -300,7 +309,7 @@ func TestSurviveSystemd(t *testing.T) {
 	mustRun(t, nil, "--socket", sock, "create", "s4", "4K")
 	// The supervisor copies a change to the store a moment after the
 	// serving process acknowledged it (docs/architecture.md): wait for it.
-	m.waitFor(t, "seg-5")
+	m.waitFor(t, "seg-6")
 	crash(t, svc, sock)
 	var pipe [2]int
 	if err := unix.Pipe2(pipe[:], unix.O_CLOEXEC); err != nil {
@@ -326,7 +335,7 @@ func TestSurviveSystemd(t *testing.T) {
 		null, _ := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		return append(out, stored{"mystery", null})
 	})
-	svc = m.start(sock)
+	svc = m.start(sock, "--grace", "1s")
 	segs := listAt(t, sock)
 	var orphans, served []string
 	for _, s := range segs {
@@ -362,7 +371,7 @@ func TestSurviveSystemd(t *testing.T) {
 	if !svc.cmd.ProcessState.Success() {
 		t.Fatalf("service exit after SIGTERM: %v", svc.cmd.ProcessState)
 	}
-	m.start(sock)
+	m.start(sock, "--grace", "1s")
 	if got := listAt(t, sock); len(got) != 1 || got[0].Name != "s2" {
 		t.Fatalf("after a stop and start under the store: %+v", got)
 	}
@@ -551,5 +560,68 @@ func TestSystemdUnit(t *testing.T) {
 	}
 	if err != nil || len(problems) > 0 {
 		t.Fatalf("systemd-analyze verify: %v\n%s", err, strings.Join(problems, "\n"))
+	}
+}
+
+// sendOne makes channel name, sends one message ("hello") and closes the
+// producer: the stream is that one message.
+func sendOne(t *testing.T, sock, name string) {
+	t.Helper()
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	tx, err := c.Channel(ctx, name, gpushm.Producer, &gpushm.ChannelOptions{Slots: 2, SlotBytes: 64, NoWait: false})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The consumer comes after the restart: send without waiting for it
+	// by attaching one here first.
+	rx, err := c.Channel(ctx, name, gpushm.Consumer, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg, err := tx.Send(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(msg.Bytes(), "hello")
+	msg.Done(0)
+	if err := rx.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// recvOne checks that channel name still holds "hello", then the end of
+// the stream.
+func recvOne(t *testing.T, sock, name string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := gpushm.Dial(ctx, sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	rx, err := c.Channel(ctx, name, gpushm.Consumer, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rx.Close()
+	msg, err := rx.Recv(ctx, 0)
+	if err != nil {
+		t.Fatalf("the message sent before the restart: %v", err)
+	}
+	if got := string(msg.Bytes()[:5]); got != "hello" {
+		t.Fatalf("the message holds %q", got)
+	}
+	msg.Done(0)
+	if _, err := rx.Recv(ctx, 0); !errors.Is(err, io.EOF) {
+		t.Fatalf("after the only message: %v, want io.EOF", err)
 	}
 }
