@@ -100,14 +100,27 @@ func controlFD(mem Memory) int {
 	return -1
 }
 
-// ControlFD is a channel's control block descriptor, owned by the registry;
-// valid while the caller holds a lease.
-func (s *Segment) ControlFD() (int, error) {
-	c, ok := s.mem.(*ChannelMemory)
-	if !ok {
-		return -1, fmt.Errorf("%w: not a channel", ErrBadSize)
+// WithControl runs fn with a channel's control block descriptor, which
+// stays open until fn returns, whether or not the caller holds a lease: a
+// segment freed meanwhile waits for fn, one already freed is ErrNotFound.
+func (r *Registry) WithControl(s *Segment, fn func(fd int) error) error {
+	s.io.RLock()
+	defer s.io.RUnlock()
+	r.mu.Lock()
+	mem, gone := s.mem, s.gone
+	r.mu.Unlock()
+	if gone || mem == nil {
+		return fmt.Errorf("%w: segment %d was removed", ErrNotFound, s.id)
 	}
-	return c.ControlFD()
+	c, ok := mem.(*ChannelMemory)
+	if !ok {
+		return fmt.Errorf("%w: not a channel", ErrBadSize)
+	}
+	fd, err := c.ControlFD()
+	if err != nil {
+		return err
+	}
+	return fn(fd)
 }
 
 // IsChannel reports whether s is a channel.

@@ -22,12 +22,8 @@ import (
 // never waits forever.
 
 // withBlock maps seg's control block for fn.
-func withBlock(seg *segment.Segment, fn func(*channel.Block) error) error {
-	fd, err := seg.ControlFD()
-	if err != nil {
-		return err
-	}
-	return withBlockFD(fd, fn)
+func (s *Server) withBlock(seg *segment.Segment, fn func(*channel.Block) error) error {
+	return s.reg.WithControl(seg, func(fd int) error { return withBlockFD(fd, fn) })
 }
 
 // withBlockFD maps the control block at fd for fn.
@@ -111,7 +107,7 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 	if err != nil {
 		return fmt.Errorf("identify process %d: %w", pid, err)
 	}
-	err = withBlock(seg, func(blk *channel.Block) error {
+	err = c.s.withBlock(seg, func(blk *channel.Block) error {
 		h := blk.Holder(role)
 		if h.State == channel.StateAttached && (h.PID != pid || h.Start != start) {
 			if alive(h) {
@@ -161,7 +157,7 @@ func (c *conn) unclaim(seg *segment.Segment, role channel.Role, died bool) {
 		return
 	}
 	pid := int(c.cred.PID)
-	err := withBlock(seg, func(blk *channel.Block) error {
+	err := c.s.withBlock(seg, func(blk *channel.Block) error {
 		for _, r := range end {
 			if h := blk.Holder(r); h.State == channel.StateAttached && h.PID == pid {
 				blk.Detach(r, died)
@@ -189,7 +185,7 @@ func (s *Server) watch(seg *segment.Segment, role channel.Role, h channel.Holder
 				break
 			}
 		}
-		withBlock(seg, func(blk *channel.Block) error {
+		s.withBlock(seg, func(blk *channel.Block) error {
 			if now := blk.Holder(role); now.State == channel.StateAttached && now.PID == h.PID && now.Start == h.Start {
 				s.log.Info("channel end exited; its role ends", "segment", seg.ID(), "role", role, "pid", h.PID)
 				blk.Detach(role, true)
@@ -204,7 +200,7 @@ func (s *Server) watch(seg *segment.Segment, role channel.Role, h channel.Holder
 // until it exits (its client reclaims it when it reconnects).
 func (s *Server) RepairChannels() {
 	for _, seg := range s.reg.Channels() {
-		withBlock(seg, func(blk *channel.Block) error {
+		s.withBlock(seg, func(blk *channel.Block) error {
 			if _, _, _, err := blk.Check(); err != nil {
 				s.log.Error("channel control block", "segment", seg.ID(), "err", err)
 				return nil
@@ -231,8 +227,8 @@ func (c *conn) reclaimRole(seg *segment.Segment, role channel.Role) error {
 }
 
 // markRemoved tells a removed channel's ends.
-func markRemoved(seg *segment.Segment) {
-	withBlock(seg, func(blk *channel.Block) error {
+func (s *Server) markRemoved(seg *segment.Segment) {
+	s.withBlock(seg, func(blk *channel.Block) error {
 		blk.MarkRemoved()
 		return nil
 	})

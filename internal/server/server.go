@@ -616,7 +616,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			defer func() {
 				// Its ends learn it, once the name is gone.
 				if _, _, err := c.s.reg.Lookup(req.Name); err != nil {
-					markRemoved(seg)
+					c.s.markRemoved(seg)
 				}
 			}()
 		}
@@ -846,7 +846,11 @@ func (c *conn) handOut(seg *segment.Segment, req *wire.Request) (int, error) {
 		}
 		return fd, nil
 	}
-	ctl, err := seg.ControlFD()
+	ctl := -1
+	err = c.s.reg.WithControl(seg, func(fd int) error {
+		ctl = fd // the caller's lease keeps it open until it is sent
+		return nil
+	})
 	if err != nil {
 		return -1, err
 	}
