@@ -388,10 +388,3 @@ const (
 func futex(w *atomic.Uint32, op int, val uint32, ts *unix.Timespec) {
 	unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(w)), uintptr(op), uintptr(val), uintptr(unsafe.Pointer(ts)), 0, 0)
 }
-
-// RxEvent and TxEvent are the offsets of the event words, for clients that
-// wait in their own way.
-const (
-	RxEvent = offRxEvent
-	TxEvent = offTxEvent
-)

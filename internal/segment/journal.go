@@ -243,13 +243,6 @@ func (r *Registry) orphanName(id uint64) string {
 	return name
 }
 
-// InGrace reports whether the grace period after a restart still runs.
-func (r *Registry) InGrace() bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return time.Now().Before(r.graceUntil)
-}
-
 // GraceLeft is how long the grace period still runs (0 when over).
 func (r *Registry) GraceLeft() time.Duration {
 	r.mu.Lock()
@@ -339,23 +332,6 @@ func (r *Registry) inUseLocked(s *Segment) {
 	if s.ttl > 0 && s.opens+s.pins == 1 {
 		r.noteLocked(s, -1)
 	}
-}
-
-// BoundTo lists the restored creator-bound segments of a client session,
-// for the server to give back to the client's new connection.
-func (r *Registry) BoundTo(session string) []*Segment {
-	if session == "" {
-		return nil
-	}
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var out []*Segment
-	for _, s := range r.byName {
-		if s.bound && s.session == session && !s.gone {
-			out = append(out, s)
-		}
-	}
-	return out
 }
 
 // Bound lists every creator-bound segment, with its session.

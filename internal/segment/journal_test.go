@@ -3,6 +3,7 @@ package segment
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -182,8 +183,8 @@ func TestRestoreAndGrace(t *testing.T) {
 	if err := r2.Resize(s, 99999); !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), "restarted") {
 		t.Fatalf("resize during the grace period = %v, want ErrBusy", err)
 	}
-	if b := r2.BoundTo("s1"); len(b) != 1 {
-		t.Fatalf("BoundTo(s1) = %v", b)
+	if b := r2.Bound(); len(b) != 1 || slices.Collect(maps.Values(b))[0] != "s1" {
+		t.Fatalf("Bound() = %v, want one segment of session s1", b)
 	}
 	// A client reclaims its lease on the unlinked segment by id.
 	if _, err := r2.Reclaim(eve, open.ID(), 1, false); !errors.Is(err, ErrPermission) {

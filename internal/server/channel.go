@@ -221,11 +221,6 @@ func (s *Server) RepairChannels() {
 	}
 }
 
-// reclaimRole gives c back a role its process held before a restart.
-func (c *conn) reclaimRole(seg *segment.Segment, role channel.Role) error {
-	return c.claim(seg, role)
-}
-
 // markRemoved tells a removed channel's ends.
 func (s *Server) markRemoved(seg *segment.Segment) {
 	s.withBlock(seg, func(blk *channel.Block) error {

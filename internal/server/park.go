@@ -44,9 +44,6 @@ func (s *Server) isParking() bool {
 	return s.parking
 }
 
-// isParked reports that the server parked and was not resumed.
-func (s *Server) isParked() bool { return s.isParking() }
-
 // waitUnparked blocks while the server is parked, and reports whether it
 // was (the accept loop then starts over).
 func (s *Server) waitUnparked(ctx context.Context) bool {
@@ -185,8 +182,6 @@ func (s *Server) StartGrace(until time.Time) {
 	}
 	s.mu.Lock()
 	s.restoredBound = bound
-	s.graceDone = make(chan struct{})
-	done := s.graceDone
 	s.mu.Unlock()
 	end := func() {
 		s.mu.Lock()
@@ -204,7 +199,6 @@ func (s *Server) StartGrace(until time.Time) {
 		if n > 0 {
 			s.log.Info("grace period over: ended creator-bound segments whose creators did not come back", "segments", n)
 		}
-		close(done)
 	}
 	if d := time.Until(until); d > 0 {
 		s.log.Info("grace period: clients of the last serving process may reclaim their leases", "for", d.Round(time.Millisecond))
@@ -212,13 +206,6 @@ func (s *Server) StartGrace(until time.Time) {
 	} else {
 		end()
 	}
-}
-
-// GraceDone is closed when the grace period ended.
-func (s *Server) GraceDone() <-chan struct{} {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.graceDone
 }
 
 func (s *Server) isAdopted(seg *segment.Segment) bool {

@@ -62,7 +62,6 @@ type Server struct {
 	// by creator session, until their creator says hello again or the
 	// grace period ends.
 	restoredBound map[string][]*segment.Segment
-	graceDone     chan struct{}
 }
 
 // New makes a server for backend. version is reported by hello.
@@ -150,7 +149,7 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 	path := ln.Addr().String()
 	st, statErr := os.Stat(path)
 	defer func() {
-		if keepSocket || s.isParked() {
+		if keepSocket || s.isParking() {
 			return
 		}
 		if now, err := os.Stat(path); statErr == nil && err == nil && os.SameFile(st, now) {
@@ -206,7 +205,7 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 		}
 		s.startFD(fd)
 	}
-	if s.isParked() {
+	if s.isParking() {
 		// Handed over: the successor serves these connections and holds
 		// this memory; the process exits without freeing anything.
 		return nil
@@ -241,7 +240,7 @@ func (s *Server) sweep(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
-			if s.isParked() {
+			if s.isParking() {
 				continue
 			}
 			for _, name := range s.reg.Expire(now) {
@@ -537,7 +536,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if req.Role != "" {
 			role, err := parseRole(req.Role)
 			if err == nil {
-				err = c.reclaimRole(seg, role)
+				err = c.claim(seg, role) // the same checks as a first claim
 			}
 			if err != nil {
 				for range n {

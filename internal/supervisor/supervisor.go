@@ -572,6 +572,3 @@ func monotonicUsec() int64 {
 	unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
 	return ts.Nano() / 1000
 }
-
-// Restarts is how many times a serving process died and was replaced.
-func (s *Supervisor) Restarts() int { return s.restarts }
