@@ -611,16 +611,12 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		}
 		return &wire.Reply{}, -1
 	case wire.OpUnlink:
-		if seg, _, err := c.s.reg.Lookup(req.Name); err == nil && seg.IsChannel() && c.s.reg.Access(cred, seg, 0) == nil {
-			defer func() {
-				// Its ends learn it, once the name is gone.
-				if _, _, err := c.s.reg.Lookup(req.Name); err != nil {
-					c.s.markRemoved(seg)
-				}
-			}()
-		}
+		seg, _, _ := c.s.reg.Lookup(req.Name)
 		if err := c.s.reg.Unlink(cred, req.Name); err != nil {
 			return fail(fmt.Errorf("unlink: %w", err))
+		}
+		if seg != nil && seg.IsChannel() && !c.s.reg.Info(seg).Linked {
+			c.s.markRemoved(seg) // its ends learn it
 		}
 		return &wire.Reply{}, -1
 	case wire.OpStat:
