@@ -55,18 +55,27 @@ func New() (*Page, error) {
 // Map maps a page received from the daemon, read-only. It does not take
 // ownership of fd.
 func Map(fd int) (*Page, error) {
+	mem, err := mapPage(fd, 8, 1<<62, unix.PROT_READ)
+	if err != nil {
+		return nil, err
+	}
+	return &Page{mem: mem, fd: -1, v: (*atomic.Uint64)(unsafe.Pointer(&mem[0]))}, nil
+}
+
+// mapPage maps the page at fd, whose size must lie between least and most.
+func mapPage(fd int, least, most int64, prot int) ([]byte, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("epoch page: fstat: %w", err)
 	}
-	if st.Size < 8 {
+	if st.Size < least || st.Size > most {
 		return nil, fmt.Errorf("epoch page: %d bytes, want %d", st.Size, pageSize)
 	}
-	mem, err := unix.Mmap(fd, 0, pageSize, unix.PROT_READ, unix.MAP_SHARED)
+	mem, err := unix.Mmap(fd, 0, pageSize, prot, unix.MAP_SHARED)
 	if err != nil {
 		return nil, fmt.Errorf("epoch page: mmap: %w", err)
 	}
-	return &Page{mem: mem, fd: -1, v: (*atomic.Uint64)(unsafe.Pointer(&mem[0]))}, nil
+	return mem, nil
 }
 
 // FD is the daemon's descriptor of the page (-1 in a client).
@@ -92,16 +101,9 @@ func (p *Page) Close() error {
 // over (a daemon's supervisor keeps the page across restarts, so that
 // clients' cached opens stay valid). The Page owns fd.
 func Open(fd int) (*Page, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, fmt.Errorf("epoch page: fstat: %w", err)
-	}
-	if st.Size != pageSize {
-		return nil, fmt.Errorf("epoch page: %d bytes, want %d", st.Size, pageSize)
-	}
-	mem, err := unix.Mmap(fd, 0, pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	mem, err := mapPage(fd, pageSize, pageSize, unix.PROT_READ|unix.PROT_WRITE)
 	if err != nil {
-		return nil, fmt.Errorf("epoch page: mmap: %w", err)
+		return nil, err
 	}
 	return &Page{mem: mem, fd: fd, v: (*atomic.Uint64)(unsafe.Pointer(&mem[0]))}, nil
 }
