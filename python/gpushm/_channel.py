@@ -37,7 +37,7 @@ import weakref
 
 from . import _cuda, _mapping
 from ._client import Error, InvalidError, NotFoundError, SegmentInfo, error
-from ._tensors import Layout, dtype_of
+from ._tensors import Layout, dtype_of, layout_of
 from ._view import View
 
 # The control block (docs/protocol.md).
@@ -308,20 +308,11 @@ def open_channel(client, name, *, shape, dtype, nbytes, slots, role, device, dev
     meta, slot_bytes = None, None
     if making:
         if shape is not None or dtype is not None:
-            if dtype is None:
-                raise TypeError("gpushm: a channel with a shape needs a dtype")
-            dt = dtype_of(dtype)
-            if shape is None:
-                if nbytes is None or nbytes % dt.itemsize:
-                    raise ValueError(f"gpushm: a channel of {dt.name} without a shape needs nbytes, a multiple of {dt.itemsize}")
-                shape = (nbytes // dt.itemsize,)
-            if isinstance(shape, int):
-                shape = (shape,)
-            lay = Layout(dt, shape)
+            lay = layout_of(shape, dtype, nbytes, "a channel")
             if nbytes is not None and nbytes != lay.nbytes:
-                raise ValueError(f"gpushm: nbytes {nbytes} is not the {lay.nbytes} bytes of {dt.name}{list(lay.shape)}")
+                raise ValueError(f"gpushm: nbytes {nbytes} is not the {lay.nbytes} bytes of {lay.dtype.name}{list(lay.shape)}")
             slot_bytes = lay.nbytes
-            meta = {"kind": "channel", "dtype": dt.name, "shape": list(lay.shape)}
+            meta = {"kind": "channel", "dtype": lay.dtype.name, "shape": list(lay.shape)}
         else:
             slot_bytes = nbytes
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0:

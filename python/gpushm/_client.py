@@ -25,8 +25,8 @@ import weakref
 
 from . import _cuda, _dlpack, _mapping
 from ._tensors import _DTYPES
-from ._tensors import (Layout, bundle_files, bundle_meta, decode_bundle, dtype_of, encode_bundle, is_bundle,
-                       layout_from_meta)
+from ._tensors import (Layout, bundle_files, bundle_meta, decode_bundle, encode_bundle, is_bundle,
+                       layout_from_meta, layout_of)
 from ._view import View, view_of
 
 MAX_MESSAGE = 65536
@@ -636,20 +636,11 @@ class Client:
         long."""
         lay = None
         if shape is not None or dtype is not None:
-            if dtype is None:
-                raise TypeError("gpushm: create with shape needs a dtype")
-            dt = dtype_of(dtype)
-            if shape is None:
-                if nbytes is None or nbytes % dt.itemsize:
-                    raise ValueError(f"gpushm: create with dtype {dt.name} and no shape needs nbytes, a multiple of {dt.itemsize}")
-                shape = (nbytes // dt.itemsize,)
-            if isinstance(shape, int):
-                shape = (shape,)
-            lay = Layout(dt, shape)
+            lay = layout_of(shape, dtype, nbytes, "create")
             if nbytes is None:
                 nbytes = lay.nbytes
             elif nbytes < lay.nbytes:
-                raise ValueError(f"gpushm: nbytes {nbytes} is smaller than the {lay.nbytes} bytes of {dt.name}{list(lay.shape)}")
+                raise ValueError(f"gpushm: nbytes {nbytes} is smaller than the {lay.nbytes} bytes of {lay.dtype.name}{list(lay.shape)}")
             # The daemon allocates at least a byte; the meta keeps the shape.
             nbytes = max(nbytes, 1)
         elif nbytes is None:

@@ -319,3 +319,19 @@ def decode_bundle(prefix: bytes, size: int):
             raise ValueError(f"gpushm: bundle tensor {name!r}: {err}") from None
         out.append((name, lay))
     return metadata, out
+
+
+def layout_of(shape, dtype, nbytes, what: str) -> Layout:
+    """The Layout that shape and dtype ask for (what: "create", "a channel",
+    for the errors): an int shape is one dimension; no shape takes
+    nbytes / itemsize elements."""
+    if dtype is None:
+        raise TypeError(f"gpushm: {what} with a shape needs a dtype")
+    dt = dtype_of(dtype)
+    if shape is None:
+        if nbytes is None or nbytes % dt.itemsize:
+            raise ValueError(f"gpushm: {what} of {dt.name} without a shape needs nbytes, a multiple of {dt.itemsize}")
+        shape = (nbytes // dt.itemsize,)
+    if isinstance(shape, int):
+        shape = (shape,)
+    return Layout(dt, shape)
