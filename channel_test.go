@@ -428,3 +428,25 @@ func TestChannelBothEndsOneClient(t *testing.T) {
 		t.Fatalf("after the producer's close: %v, want io.EOF", err)
 	}
 }
+
+// A channel replaced by a rename is removed as one unlinked is.
+func TestChannelRenamedOver(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	rx, err := c.Channel(ctx, "r", gpushm.Consumer, &gpushm.ChannelOptions{Slots: 1, SlotBytes: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := c.CreateOnly(ctx, "p", 8, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Rename(ctx, "p", "r"); err != nil {
+		t.Fatal(err)
+	}
+	tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := rx.Recv(tctx, 0); !errors.Is(err, gpushm.ErrRemoved) {
+		t.Fatalf("recv on a channel renamed over: %v, want ErrRemoved", err)
+	}
+}

@@ -152,3 +152,22 @@ func sameJSON(a, b json.RawMessage) bool {
 	}
 	return reflect.DeepEqual(x, y)
 }
+
+// OnChannelRemoved sets what runs when a channel loses its name (unlink, or
+// a rename over it, by any path: the socket or the FUSE view), so that its
+// ends can be told. Set it before the registry is used.
+func (r *Registry) OnChannelRemoved(fn func(*Segment)) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.removed = fn
+}
+
+// channelRemoved tells the hook that s lost its name, if s is a channel.
+func (r *Registry) channelRemoved(s *Segment) {
+	r.mu.Lock()
+	fn := r.removed
+	r.mu.Unlock()
+	if fn != nil && s.slots > 0 {
+		fn(s)
+	}
+}

@@ -166,6 +166,7 @@ func (r *Registry) Rename(c Cred, from, to string, flags uint32) error {
 	r.noteLocked(src, -1)
 	r.mu.Unlock()
 	if dst != nil {
+		r.channelRemoved(dst)
 		return dst.free(mem)
 	}
 	return nil

@@ -206,6 +206,9 @@ type Registry struct {
 	journal    Journal
 	graceUntil time.Time
 	ctlAlloc   Allocator // control blocks of channels (host memory)
+	// removed, if set, is told of a channel whose name went (unlink,
+	// rename over it), outside the lock, before its memory is freed.
+	removed func(*Segment)
 }
 
 // New returns an empty registry allocating through alloc. changed, if not
@@ -552,6 +555,7 @@ func (r *Registry) Unlink(c Cred, name string) error {
 	r.changed()
 	mem := r.unlinkedLocked(s)
 	r.mu.Unlock()
+	r.channelRemoved(s)
 	return s.free(mem)
 }
 
@@ -578,6 +582,7 @@ func (r *Registry) Discard(s *Segment) error {
 	r.changed()
 	mem := r.unlinkedLocked(s)
 	r.mu.Unlock()
+	r.channelRemoved(s)
 	return free(mem)
 }
 

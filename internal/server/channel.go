@@ -221,7 +221,7 @@ func (s *Server) RepairChannels() {
 	}
 }
 
-// markRemoved tells a removed channel's ends.
+// markRemoved tells a removed channel's ends (the registry calls it).
 func (s *Server) markRemoved(seg *segment.Segment) {
 	s.withBlock(seg, func(blk *channel.Block) error {
 		blk.MarkRemoved()

@@ -96,6 +96,7 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		acceptWake:    acceptWake,
 	}
 	s.reg = segment.New(b, func() { s.epoch.Bump() })
+	s.reg.OnChannelRemoved(s.markRemoved)
 	return s, nil
 }
 
@@ -611,12 +612,8 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		}
 		return &wire.Reply{}, -1
 	case wire.OpUnlink:
-		seg, _, _ := c.s.reg.Lookup(req.Name)
 		if err := c.s.reg.Unlink(cred, req.Name); err != nil {
 			return fail(fmt.Errorf("unlink: %w", err))
-		}
-		if seg != nil && seg.IsChannel() && !c.s.reg.Info(seg).Linked {
-			c.s.markRemoved(seg) // its ends learn it
 		}
 		return &wire.Reply{}, -1
 	case wire.OpStat:
