@@ -10,7 +10,10 @@ require (
 	golang.org/x/sys v0.49.0
 )
 
-require github.com/coreos/go-systemd/v22 v22.7.0
+require (
+	github.com/coreos/go-systemd/v22 v22.7.0
+	golang.org/x/term v0.47.0
+)
 
 require (
 	github.com/VividCortex/ewma v1.2.0 // indirect

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -16,7 +17,8 @@ func main() {
 		if errors.As(err, &quiet) {
 			os.Exit(int(quiet))
 		}
-		fmt.Fprintf(os.Stderr, "gpushm: %v\n", err)
+		// The client's errors already say who speaks.
+		fmt.Fprintf(os.Stderr, "gpushm: %s\n", strings.TrimPrefix(err.Error(), "gpushm: "))
 		os.Exit(1)
 	}
 }

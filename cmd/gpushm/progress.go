@@ -25,7 +25,11 @@ func newProgress(what string, total int64) *progress {
 	if total < minProgress || !isTerminal(os.Stderr) {
 		return nil
 	}
-	p := mpb.New(mpb.WithOutput(os.Stderr), mpb.WithWidth(40), mpb.WithRefreshRate(150*time.Millisecond))
+	// mpb renders, and so completes a bar, only while it refreshes; it
+	// decides by itself whether the output is a terminal, so forcing the
+	// refresh keeps finish from waiting for ever should the two checks
+	// ever disagree (they once did, for /dev/null).
+	p := mpb.New(mpb.WithOutput(os.Stderr), mpb.WithWidth(40), mpb.WithRefreshRate(150*time.Millisecond), mpb.WithAutoRefresh())
 	bar := p.AddBar(total,
 		mpb.PrependDecorators(
 			decor.Name(what+" ", decor.WCSyncSpaceR),

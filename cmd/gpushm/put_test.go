@@ -2,13 +2,17 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/gpushm/gpushm/internal/safetensors"
 )
@@ -231,5 +235,127 @@ func TestPutDirBadInput(t *testing.T) {
 				t.Fatalf("info after the failed put:\n%s", out)
 			}
 		})
+	}
+}
+
+// TestProgressNeverWaits runs put and get of copies big enough for a
+// progress bar with standard error sent where no bar belongs (/dev/null, a
+// pipe, a file): each must finish, with the bytes intact. /dev/null is a
+// character device, which once passed for a terminal and left get waiting
+// for a bar that was never drawn.
+func TestProgressNeverWaits(t *testing.T) {
+	root := socketDir(t)
+	sock := filepath.Join(root, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+
+	// A sparse file past the bar's threshold, with marks to compare.
+	size := int64(minProgress + 4<<20)
+	file := filepath.Join(root, "big.bin")
+	f, err := os.Create(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, off := range []int64{0, size / 2, size - 8} {
+		f.WriteAt([]byte("gpushm!!"), off)
+	}
+	f.Close()
+	dir := filepath.Join(root, "ckpt")
+	os.Mkdir(dir, 0o755)
+	n := (size / 4) &^ 7
+	hdr := `{"w":{"dtype":"F32","shape":[` + strconv.FormatInt(n, 10) + `],"data_offsets":[0,` + strconv.FormatInt(4*n, 10) + `]}}`
+	hdr += strings.Repeat(" ", (8-len(hdr)%8)%8)
+	shard := filepath.Join(dir, "model.safetensors")
+	if err := os.WriteFile(shard, safetensorsFile(hdr, nil), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(shard, int64(8+len(hdr))+4*n); err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(dir, "config.json"), []byte(`{"model_type":"llama"}`), 0o644)
+
+	sinks := map[string]func(t *testing.T) (io.Writer, *os.File){
+		"devnull": func(t *testing.T) (io.Writer, *os.File) {
+			f, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return nil, f
+		},
+		"pipe": func(t *testing.T) (io.Writer, *os.File) { return new(bytes.Buffer), nil },
+		"file": func(t *testing.T) (io.Writer, *os.File) {
+			f, err := os.Create(filepath.Join(t.TempDir(), "stderr"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return nil, f
+		},
+	}
+	for sink, open := range sinks {
+		t.Run(sink, func(t *testing.T) {
+			run := func(stdin string, args ...string) {
+				t.Helper()
+				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+				defer cancel()
+				cmd := exec.CommandContext(ctx, os.Args[0], args...)
+				w, f := open(t)
+				if f != nil {
+					defer f.Close()
+					cmd.Stderr = f
+				} else {
+					cmd.Stderr = w
+				}
+				if stdin != "" {
+					in, err := os.Open(stdin)
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer in.Close()
+					cmd.Stdin = in
+				}
+				if err := cmd.Run(); err != nil {
+					t.Fatalf("gpushm %v with stderr to %s: %v (a wait on a progress bar?)", args, sink, err)
+				}
+			}
+			out := t.TempDir()
+			run("", "put", "file-"+sink, file)
+			run(file, "put", "stdin-"+sink, "-")
+			run("", "put", "dir-"+sink, dir)
+			run("", "get", "file-"+sink, filepath.Join(out, "file"))
+			run("", "get", "stdin-"+sink, filepath.Join(out, "stdin"))
+			run("", "get", "dir-"+sink, filepath.Join(out, "dir"))
+			for _, p := range [][2]string{{file, "file"}, {file, "stdin"}, {shard, "dir/model.safetensors"}} {
+				if !sameFile(t, p[0], filepath.Join(out, p[1])) {
+					t.Errorf("get %s: the bytes differ from %s", p[1], p[0])
+				}
+			}
+			mustRun(t, nil, "rm", "file-"+sink, "stdin-"+sink, "dir-"+sink)
+		})
+	}
+}
+
+// sameFile compares two files a chunk at a time.
+func sameFile(t *testing.T, a, b string) bool {
+	t.Helper()
+	fa, err := os.Open(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fa.Close()
+	fb, err := os.Open(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fb.Close()
+	ba, bb := make([]byte, 1<<20), make([]byte, 1<<20)
+	for {
+		na, ea := io.ReadFull(fa, ba)
+		nb, eb := io.ReadFull(fb, bb)
+		if na != nb || !bytes.Equal(ba[:na], bb[:nb]) {
+			return false
+		}
+		if ea != nil || eb != nil {
+			return ea == eb || (ea == io.ErrUnexpectedEOF && eb == io.ErrUnexpectedEOF && na == nb)
+		}
 	}
 }

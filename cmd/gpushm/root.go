@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/term"
 
 	"github.com/gpushm/gpushm"
 )
@@ -51,9 +52,10 @@ func dial(ctx context.Context) (*gpushm.Client, error) {
 	return gpushm.Dial(ctx, socketPath())
 }
 
+// isTerminal says whether f is a terminal. A character device is not enough:
+// /dev/null is one, and a progress bar drawn there would only slow the copy.
 func isTerminal(f *os.File) bool {
-	st, err := f.Stat()
-	return err == nil && st.Mode()&os.ModeCharDevice != 0
+	return term.IsTerminal(int(f.Fd()))
 }
 
 // resolveDevice reads a --device value: "" for the daemon's default, an
