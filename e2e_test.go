@@ -734,3 +734,63 @@ func TestMultiGPUOpen(t *testing.T) {
 		t.Fatalf("GPU 0 reader: %v", err)
 	}
 }
+
+// TestCUDAByUUID maps a cuda segment from processes that number the GPUs
+// their own way: CUDA_VISIBLE_DEVICES set to the segment's GPU by UUID (its
+// ordinal there is 0 whatever the daemon's), each GPU's UUID on a machine
+// with several (the daemon's device n becomes the child's 0), and a GPU
+// list that leaves the segment's GPU out, which must fail saying so.
+func TestCUDAByUUID(t *testing.T) {
+	d := testdaemon.Start(t, "cuda")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	inf, err := c.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, dev := range inf.Devices {
+		if dev.UUID == "" {
+			t.Fatalf("device %d has no UUID in info", dev.Index)
+		}
+		name := fmt.Sprintf("by-uuid-%d", dev.Index)
+		seg, err := c.Create(ctx, name, 4<<20, &gpushm.CreateOptions{Device: &dev.Index})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer seg.Close()
+		if seg.Info().UUID != dev.UUID {
+			t.Fatalf("segment on device %d says GPU %q, want %q", dev.Index, seg.Info().UUID, dev.UUID)
+		}
+		m, err := seg.Map()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := m.WriteAt(pattern(1, m.Size()), 0); err != nil {
+			t.Fatal(err)
+		}
+		cmd := child(t, d.Socket, "verify-and-write", "NAME="+name, "CUDA_VISIBLE_DEVICES="+dev.UUID)
+		if err := cmd.Run(); err != nil {
+			t.Fatalf("a process that sees only %s as its GPU 0: %v", dev.UUID, err)
+		}
+		got := make([]byte, m.Size())
+		m.ReadAt(got, 0)
+		if !bytes.Equal(got, pattern(2, m.Size())) {
+			t.Fatalf("device %d: the second process's write is not in the segment", dev.Index)
+		}
+		var others []string
+		for _, o := range inf.Devices {
+			if o.Index != dev.Index {
+				others = append(others, o.UUID)
+			}
+		}
+		if len(others) == 0 {
+			continue
+		}
+		cmd = child(t, d.Socket, "verify-and-write", "NAME="+name, "CUDA_VISIBLE_DEVICES="+strings.Join(others, ","))
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		if err := cmd.Run(); err == nil || !strings.Contains(stderr.String(), "is not among the") {
+			t.Fatalf("a process that cannot see %s: %v, stderr %q; want an error naming the GPU", dev.UUID, err, stderr.String())
+		}
+	}
+}

@@ -108,7 +108,7 @@ func mapSegment(fd int, info *SegmentInfo, readOnly bool, devices []int) (*Mappi
 		}
 		m.host = b
 	case wire.HandleCUDA:
-		dev, err := cuda.GetDevice(info.Device)
+		dev, err := homeDevice(info)
 		if err != nil {
 			return nil, err
 		}
@@ -137,6 +137,21 @@ func mapSegment(fd int, info *SegmentInfo, readOnly bool, devices []int) (*Mappi
 		return nil, fmt.Errorf("unknown handle type %q", info.HandleType)
 	}
 	return m, nil
+}
+
+// homeDevice is the GPU that holds a cuda segment, as this process numbers
+// it: the daemon names it by UUID, since a process in a container or under
+// CUDA_VISIBLE_DEVICES numbers the node's GPUs its own way. A daemon that
+// sends no UUID is taken to number them as this process does.
+func homeDevice(info *SegmentInfo) (*cuda.Device, error) {
+	ord := info.Device
+	if info.UUID != "" {
+		var err error
+		if ord, err = cuda.OrdinalOf(info.UUID); err != nil {
+			return nil, fmt.Errorf("segment %q lives on GPU %s (the daemon's device %d): %w", info.Name, info.UUID, info.Device, err)
+		}
+	}
+	return cuda.GetDevice(ord)
 }
 
 // accessList resolves the GPUs that will touch memory on home, checking

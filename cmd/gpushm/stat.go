@@ -33,6 +33,9 @@ protocol's field names (docs/protocol.md, "Segment object").`,
 			fmt.Printf("size:        %d (%s)\n", s.Size, formatSize(s.Size))
 			fmt.Printf("allocated:   %d (%s)\n", s.AllocSize, formatSize(s.AllocSize))
 			fmt.Printf("device:      %d\n", s.Device)
+			if s.UUID != "" {
+				fmt.Printf("gpu:         %s\n", s.UUID)
+			}
 			fmt.Printf("handle:      %s\n", s.HandleType)
 			fmt.Printf("owner:       %s (%d:%d)\n", owner(s.UID, s.GID), s.UID, s.GID)
 			fmt.Printf("mode:        %04o\n", s.Mode)

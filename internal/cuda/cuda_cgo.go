@@ -406,6 +406,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -621,8 +622,12 @@ func (d *Device) UUID() (string, error) {
 	if err := d.check(); err != nil {
 		return "", err
 	}
+	return uuidOf(d.dev)
+}
+
+func uuidOf(dev C.CUdevice) (string, error) {
 	var u C.CUuuid
-	if err := wrap("cuDeviceGetUuid", C.gs_cuDeviceGetUuid(&u, d.dev)); err != nil {
+	if err := wrap("cuDeviceGetUuid", C.gs_cuDeviceGetUuid(&u, dev)); err != nil {
 		return "", err
 	}
 	var b [16]byte
@@ -630,6 +635,49 @@ func (d *Device) UUID() (string, error) {
 		b[i] = byte(u.bytes[i])
 	}
 	return fmt.Sprintf("GPU-%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16]), nil
+}
+
+var uuids struct {
+	once sync.Once
+	m    map[string]int // UUID, lower case, to this process's ordinal
+	err  error
+}
+
+// OrdinalOf returns this process's ordinal of the GPU with that UUID
+// ("GPU-…", case ignored), or ErrInvalidDevice when the process cannot see
+// it (CUDA_VISIBLE_DEVICES, a container given other GPUs). Another process
+// may number the same GPU differently; the UUID is the same everywhere.
+// No context is made.
+func OrdinalOf(uuid string) (int, error) {
+	uuids.once.Do(func() {
+		n, err := DeviceCount()
+		if err != nil {
+			uuids.err = err
+			return
+		}
+		uuids.m = make(map[string]int, n)
+		for i := range n {
+			var dev C.CUdevice
+			if err := wrap("cuDeviceGet", C.gs_cuDeviceGet(&dev, C.int(i))); err != nil {
+				uuids.err = err
+				return
+			}
+			u, err := uuidOf(dev)
+			if err != nil {
+				uuids.err = err
+				return
+			}
+			uuids.m[strings.ToLower(u)] = i
+		}
+	})
+	if uuids.err != nil {
+		return -1, uuids.err
+	}
+	if i, ok := uuids.m[strings.ToLower(uuid)]; ok {
+		return i, nil
+	}
+	return -1, fmt.Errorf("cuda: GPU %s is not among the %d this process can see (CUDA_VISIBLE_DEVICES, or a container given other GPUs?): %w",
+		uuid, len(uuids.m), ErrInvalidDevice)
 }
 
 // TotalMem returns the device's total memory in bytes.

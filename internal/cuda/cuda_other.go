@@ -33,6 +33,9 @@ type Device struct{ ordinal int }
 // GetDevice fails with ErrNoDriver in this build.
 func GetDevice(int) (*Device, error) { return nil, errUnavailable }
 
+// OrdinalOf needs the CUDA driver.
+func OrdinalOf(string) (int, error) { return -1, errUnavailable }
+
 // Ordinal returns the device ordinal, or -1 for a nil Device.
 func (d *Device) Ordinal() int {
 	if d == nil {

@@ -44,6 +44,9 @@ type Server struct {
 	spin    time.Duration
 	obs     Observer
 	gpus    func(uid uint32) *wire.GPUReport
+	// uuids names each device by its GPU's UUID, which clients map by:
+	// a client in a container may number the same GPU differently.
+	uuids map[int]string
 
 	mu    sync.Mutex
 	conns map[*conn]struct{}
@@ -94,6 +97,12 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		supervisorPID: os.Getpid(),
 		wake:          wake,
 		acceptWake:    acceptWake,
+	}
+	if devs, err := b.Devices(); err == nil {
+		s.uuids = make(map[int]string, len(devs))
+		for _, d := range devs {
+			s.uuids[d.Index] = d.UUID
+		}
 	}
 	s.reg = segment.New(b, func() { s.epoch.Bump() })
 	s.reg.OnChannelRemoved(s.markRemoved)
@@ -621,7 +630,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if err != nil {
 			return fail(fmt.Errorf("stat: %w", err))
 		}
-		return &wire.Reply{Segment: toWire(inf)}, -1
+		return &wire.Reply{Segment: c.s.toWire(inf)}, -1
 	case wire.OpList:
 		return c.list(req), -1
 	case wire.OpChmod, wire.OpChown:
@@ -752,7 +761,7 @@ func (c *conn) list(req *wire.Request) *wire.Reply {
 	for {
 		rep := &wire.Reply{Segments: make([]wire.Segment, len(infos))}
 		for i, inf := range infos {
-			rep.Segments[i] = *toWire(inf)
+			rep.Segments[i] = *c.s.toWire(inf)
 		}
 		if more && len(infos) > 0 {
 			rep.Next = infos[len(infos)-1].Name
@@ -767,7 +776,7 @@ func (c *conn) list(req *wire.Request) *wire.Reply {
 }
 
 func (c *conn) segmentInfo(seg *segment.Segment) *wire.Segment {
-	return toWire(c.s.reg.Info(seg))
+	return c.s.toWire(c.s.reg.Info(seg))
 }
 
 func (c *conn) hold(seg *segment.Segment) {
@@ -797,12 +806,15 @@ func (c *conn) release(id uint64) bool {
 	return true
 }
 
-func toWire(inf segment.Info) *wire.Segment {
+func (s *Server) toWire(inf segment.Info) *wire.Segment {
 	w := &wire.Segment{
 		ID: inf.ID, Name: inf.Name, Size: inf.Size, AllocSize: inf.AllocSize,
 		Device: inf.Device, HandleType: inf.HandleType,
 		UID: inf.UID, GID: inf.GID, Mode: inf.Mode, Opens: inf.Opens,
 		Created: inf.Created.UnixNano(), Meta: inf.Meta, Orphan: inf.Orphan,
+	}
+	if inf.HandleType == wire.HandleCUDA {
+		w.UUID = s.uuids[inf.Device]
 	}
 	if inf.Slots > 0 {
 		w.Channel = &wire.Channel{Slots: inf.Slots, SlotBytes: inf.SlotBytes, SlotStride: inf.Stride,

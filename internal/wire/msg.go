@@ -191,11 +191,16 @@ const (
 
 // Segment is the public state of one segment.
 type Segment struct {
-	ID         uint64          `json:"id"`
-	Name       string          `json:"name"`
-	Size       int64           `json:"size"`
-	AllocSize  int64           `json:"alloc_size"`
-	Device     int             `json:"device"`
+	ID        uint64 `json:"id"`
+	Name      string `json:"name"`
+	Size      int64  `json:"size"`
+	AllocSize int64  `json:"alloc_size"`
+	Device    int    `json:"device"`
+	// UUID names a cuda segment's GPU ("GPU-…", as nvidia-smi prints
+	// it). Device is the daemon's ordinal, which a client that sees
+	// another set of GPUs (a container, CUDA_VISIBLE_DEVICES) numbers
+	// differently: clients map by UUID.
+	UUID       string          `json:"uuid,omitempty"`
 	HandleType string          `json:"handle_type"`
 	UID        uint32          `json:"uid"`
 	GID        uint32          `json:"gid"`

@@ -113,6 +113,9 @@ class SegmentInfo:
     opens: int
     created: int  # Unix nanoseconds
     meta: object = None
+    # The GPU of a cuda segment by UUID: the daemon's device number may not
+    # be this process's (a container, CUDA_VISIBLE_DEVICES).
+    uuid: str = None
 
     @classmethod
     def from_wire(cls, d: dict) -> SegmentInfo:
@@ -195,6 +198,7 @@ class Client:
         # restarted connection back its temporary segments by it.
         self._session = os.urandom(16).hex()
         self._reconnects = 0
+        self._devices = None  # the daemon's devices by UUID, for _daemon_device
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -533,6 +537,23 @@ class Client:
                 "supervisor_pid": rep.get("supervisor_pid", 0), "restarts": rep.get("restarts", 0),
                 "grace_seconds": rep.get("grace_seconds", 0.0)}
 
+    def _daemon_device(self, local: int) -> int:
+        """The daemon's number for this process's GPU local: the daemon may
+        see the node's GPUs in another order (a container,
+        CUDA_VISIBLE_DEVICES), so they are matched by UUID. A daemon that
+        reports no UUIDs is taken to number them as this process does."""
+        uuid = _cuda.uuid_of(local)
+        if uuid is None:
+            raise ValueError(f"gpushm: this process has no GPU {local}")
+        devs = self._devices
+        if devs is None:
+            devs = self._devices = {(d.get("uuid") or "").lower(): d["index"] for d in self.info()["devices"]}
+        if not any(devs):
+            return local
+        if uuid not in devs:
+            raise ValueError(f"gpushm: this process's GPU {local} ({uuid}) is not one the daemon serves")
+        return devs[uuid]
+
     @property
     def reconnects(self) -> int:
         """How many times this client reconnected to a daemon that went away
@@ -686,7 +707,7 @@ class Client:
         try:
             lay = Layout(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                          tensor.data_ptr() - base)
-            fields = {"name": name, "size": int(alloc), "device": int(dev), "mode": int(mode),
+            fields = {"name": name, "size": int(alloc), "device": self._daemon_device(int(dev)), "mode": int(mode),
                       "meta": lay.meta()}
             fields.update(_lifetime(temporary, ttl))
             rep, _ = self._call("publish", _send_fd=fd, **fields)
@@ -715,7 +736,7 @@ class Client:
             lo, span = lay.lo, lay.hi - lay.lo
             lay = Layout(lay.dtype, lay.shape, lay.strides, -lo)
             if device is None and src.on_gpu and self.backend == "cuda":
-                device = src.device_id
+                device = self._daemon_device(src.device_id)
             seg = self._create(name, max(span, 1), lay.meta(), device, mode, False, temporary, ttl)
             try:
                 _copy(seg._m, 0, src, src.ptr + lo, span)
@@ -742,7 +763,7 @@ class Client:
                     raise ValueError(f"gpushm: put_tensors {name!r}: tensor {key!r} is not C-contiguous; call .contiguous() (torch) or numpy.ascontiguousarray first")
                 entries.append((key, lay))
                 if device is None and b.on_gpu and self.backend == "cuda":
-                    device = b.device_id
+                    device = self._daemon_device(b.device_id)
             prefix, begins, total = encode_bundle(entries, metadata)
             seg = self._create(name, total, bundle_meta(len(prefix) - 8, len(entries)), device, mode, False)
             try:

@@ -42,6 +42,7 @@ _SIGNATURES = {
     "cuInit": (c_uint,),
     "cuGetErrorName": (c_int, POINTER(c_char_p)),
     "cuDeviceGet": (POINTER(c_int), c_int),
+    "cuDeviceGetCount": (POINTER(c_int),),
     "cuDevicePrimaryCtxRetain": (POINTER(c_void_p), c_int),
     "cuCtxPushCurrent_v2": (c_void_p,),
     "cuCtxPopCurrent_v2": (POINTER(c_void_p),),
@@ -76,6 +77,10 @@ _CHANNEL_SIGNATURES = {
 }
 
 
+# A GPU's UUID, looked up when a cuda segment is first mapped.
+_UUID_SIGNATURE = (("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), (POINTER(ctypes.c_char * 16), c_int))
+
+
 class CUDAError(RuntimeError):
     """A CUDA driver call failed; .result is the CUresult."""
 
@@ -106,15 +111,20 @@ class _Driver:
         if self._channel_calls:
             return
         for attr, (names, args) in _CHANNEL_SIGNATURES.items():
-            for name in names:
-                fn = getattr(self._lib, name, None)
-                if fn is not None:
-                    break
-            else:
-                raise CUDAError(f"gpushm: libcuda.so.1 lacks {names[0]}: channels need stream memory operations (a driver for CUDA 12 or later)")
-            fn.argtypes, fn.restype = args, c_int
-            setattr(self, attr, fn)
+            self._optional(attr, names, args, "channels need stream memory operations (a driver for CUDA 12 or later)")
         self._channel_calls = True
+
+    def _optional(self, attr, names, args, why):
+        """Looks up a call by its newest name first."""
+        for name in names:
+            fn = getattr(self._lib, name, None)
+            if fn is not None:
+                break
+        else:
+            raise CUDAError(f"gpushm: libcuda.so.1 lacks {names[0]}: {why}")
+        fn.argtypes, fn.restype = args, c_int
+        setattr(self, attr, fn)
+        return fn
 
     def check(self, call, r):
         if r:
@@ -145,6 +155,55 @@ def device(ordinal: int) -> Device:
             d = _devices.get(ordinal) or Device(ordinal)
             _devices[ordinal] = d
     return d
+
+
+_ordinals: dict[str, int] | None = None
+
+
+def _visible() -> dict[str, int]:
+    """UUID (lower case) to ordinal of every GPU this process can see."""
+    global _ordinals
+    if _ordinals is None:
+        cu = driver()
+        get_uuid = getattr(cu, "cuDeviceGetUuid", None) or cu._optional(
+            "cuDeviceGetUuid", *_UUID_SIGNATURE, "a GPU's UUID needs CUDA 11 or later")
+        n = c_int()
+        cu.check("cuDeviceGetCount", cu.cuDeviceGetCount(ctypes.byref(n)))
+        found = {}
+        for i in range(n.value):
+            dev, raw = c_int(), (ctypes.c_char * 16)()
+            cu.check("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), i))
+            cu.check("cuDeviceGetUuid", get_uuid(ctypes.byref(raw), dev))
+            found[format_uuid(bytes(raw))] = i
+        _ordinals = found
+    return _ordinals
+
+
+def ordinal_of(uuid: str) -> int:
+    """This process's ordinal of the GPU with that UUID ("GPU-...", as
+    nvidia-smi prints it). The daemon names a segment's GPU by UUID because a
+    process in a container or under CUDA_VISIBLE_DEVICES numbers the node's
+    GPUs its own way. Raises CUDAError when this process cannot see it."""
+    vis = _visible()
+    i = vis.get(uuid.lower())
+    if i is None:
+        raise CUDAError(f"gpushm: GPU {uuid} is not among the {len(vis)} this process can see "
+                        "(CUDA_VISIBLE_DEVICES, or a container given other GPUs?)")
+    return i
+
+
+def uuid_of(ordinal: int) -> str | None:
+    """The UUID (lower case) of this process's GPU ordinal, None if none."""
+    for u, i in _visible().items():
+        if i == ordinal:
+            return u
+    return None
+
+
+def format_uuid(b: bytes) -> str:
+    """A CUuuid as nvidia-smi prints it, in lower case."""
+    h = b.hex()
+    return f"gpu-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 def available() -> bool:

@@ -92,7 +92,8 @@ class Mapping:
             elif info.handle_type == "cuda_fd":
                 # Tensors live on the first GPU that asked for access: the
                 # address is valid there through the mapping (UVA).
-                access = list(devices) if devices else [info.device]
+                home = _cuda.ordinal_of(info.uuid) if info.uuid else info.device
+                access = list(devices) if devices else [home]
                 self.dev = _cuda.device(access[0])
                 self.ptr = self.dev.import_map(fd, self.alloc, readonly, access)
             else:

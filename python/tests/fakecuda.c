@@ -48,13 +48,61 @@ CUresult cuGetErrorName(CUresult r, const char **s) {
 	}
 	return INVALID_VALUE;
 }
+// The visible GPUs: FAKECUDA_UUIDS lists their UUIDs in this process's
+// order ("GPU-…,GPU-…", as CUDA_VISIBLE_DEVICES reorders them); one GPU of
+// a fixed UUID when it is unset.
+static int ngpus = -1;
+static char gpu_uuid[8][16];
+static int parse_hex(const char *s, unsigned char *out) {
+	int n = 0;
+	for (; *s && *s != ',' && n < 32; s++) {
+		int v = *s >= '0' && *s <= '9' ? *s - '0' : *s >= 'a' && *s <= 'f' ? *s - 'a' + 10 : *s >= 'A' && *s <= 'F' ? *s - 'A' + 10 : -1;
+		if (v < 0) continue; // the dashes
+		if (n % 2 == 0) out[n / 2] = v << 4; else out[n / 2] |= v;
+		n++;
+	}
+	return n == 32;
+}
+static void load_gpus(void) {
+	if (ngpus >= 0) return;
+	const char *e = getenv("FAKECUDA_UUIDS");
+	if (e == NULL) {
+		ngpus = 1;
+		memcpy(gpu_uuid[0], "\x5e\xed\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x01", 16);
+		return;
+	}
+	ngpus = 0;
+	for (const char *p = e; *p && ngpus < 8;) {
+		if (strncmp(p, "GPU-", 4) == 0) p += 4;
+		if (parse_hex(p, (unsigned char *)gpu_uuid[ngpus])) ngpus++;
+		while (*p && *p != ',') p++;
+		if (*p == ',') p++;
+	}
+}
+CUresult cuDeviceGetCount(int *n) { load_gpus(); *n = ngpus; return OK; }
 CUresult cuDeviceGet(int *d, int ordinal) {
-	if (ordinal != 0) return 101; // CUDA_ERROR_INVALID_DEVICE
-	*d = 0;
+	load_gpus();
+	if (ordinal < 0 || ordinal >= ngpus) return 101; // CUDA_ERROR_INVALID_DEVICE
+	*d = ordinal;
+	return OK;
+}
+CUresult cuDeviceGetUuid_v2(char *u, int dev) {
+	load_gpus();
+	if (dev < 0 || dev >= ngpus) return 101;
+	memcpy(u, gpu_uuid[dev], 16);
 	return OK;
 }
 static int the_ctx;
-CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = &the_ctx; return dev == 0 ? OK : INVALID_VALUE; }
+static int last_access_dev = -1;
+long fake_last_access_device(void) { return last_access_dev; }
+static int last_ctx_dev = -1;
+long fake_last_ctx_device(void) { return last_ctx_dev; }
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) {
+	load_gpus();
+	*ctx = &the_ctx;
+	last_ctx_dev = dev;
+	return dev >= 0 && dev < ngpus ? OK : INVALID_VALUE;
+}
 CUresult cuCtxPushCurrent_v2(void *ctx) { if (ctx != &the_ctx) return INVALID_CONTEXT; ctx_depth++; return OK; }
 CUresult cuCtxPopCurrent_v2(void **ctx) { if (ctx_depth <= 0) return INVALID_CONTEXT; ctx_depth--; if (ctx) *ctx = &the_ctx; return OK; }
 CUresult cuCtxSynchronize(void) { NEED_CTX(); calls_sync++; return OK; }
@@ -102,7 +150,9 @@ CUresult cuMemMap(uint64_t p, size_t size, size_t off, uint64_t h, unsigned long
 }
 CUresult cuMemSetAccess(uint64_t p, size_t size, const CUmemAccessDesc *d, size_t n) {
 	NEED_CTX();
-	if (n != 1 || d->location.type != 1 || d->location.id != 0 || (d->flags != 1 && d->flags != 3)) return INVALID_VALUE;
+	load_gpus();
+	if (n != 1 || d->location.type != 1 || d->location.id < 0 || d->location.id >= ngpus || (d->flags != 1 && d->flags != 3)) return INVALID_VALUE;
+	last_access_dev = d->location.id;
 	return mprotect((void *)(uintptr_t)p, size, d->flags == 3 ? PROT_READ | PROT_WRITE : PROT_READ) ? INVALID_VALUE : OK;
 }
 CUresult cuMemUnmap(uint64_t p, size_t size) {

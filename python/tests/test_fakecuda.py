@@ -132,6 +132,65 @@ def test_cuda_errors_name_the_call(daemon, fake_libdir, name):
                                 "gpushm: cuMemImportFromShareableHandle: CUDA_ERROR_INVALID_VALUE 1"]
 
 
+A, B = "GPU-aaaaaaaa-0000-0000-0000-00000000000a", "GPU-bbbbbbbb-0000-0000-0000-00000000000b"
+
+# The daemon says a segment lives on the GPU of UUID B (its device 0).
+ON_B = """
+C.SegmentInfo.from_wire = classmethod(lambda cls, d: _orig(dict(d, handle_type="cuda_fd", uuid="%s") if d.get("handle_type") == "memfd" else d))
+""" % B
+
+
+def test_cuda_segment_maps_on_its_gpu_by_uuid(daemon, fake_libdir, name):
+    """A process that numbers the node's GPUs its own way (a container,
+    CUDA_VISIBLE_DEVICES) maps a segment on the GPU the daemon named by
+    UUID, whatever the ordinals, and says so clearly when it cannot see it."""
+    code = ON_B + textwrap.dedent("""
+        seg = c.create(name, shape=(4,), dtype="float32")
+        print(seg.device, fake.fake_last_access_device(), seg.__dlpack_device__())
+    """)
+    env = {"LD_LIBRARY_PATH": fake_libdir, "FAKECUDA_UUIDS": f"{A},{B}"}
+    out = child(daemon.socket, PRELUDE + code, name, env=env)
+    assert out.split("\n")[0] == "1 1 (2, 1)", out
+    # B first: the same segment is this process's GPU 0.
+    env["FAKECUDA_UUIDS"] = f"{B},{A}"
+    out = child(daemon.socket, PRELUDE + code, name + "2", env=env)
+    assert out.split("\n")[0] == "0 0 (2, 0)", out
+    # A process that cannot see B gets an error that says so, and nothing is left mapped.
+    env["FAKECUDA_UUIDS"] = A
+    out = child(daemon.socket, PRELUDE + ON_B + textwrap.dedent("""
+        try:
+            c.create(name, shape=(4,), dtype="float32")
+        except gpushm.CUDAError as e:
+            print(e)
+        assert live() == {"handles": 0, "reserved": 0, "mapped": 0, "allocs": 0, "ctx_depth": 0}, live()
+        assert not [s for s in c.list() if s.name == name and s.opens]
+    """), name + "3", env=env)
+    assert "GPU %s is not among the 1 this process can see" % B in out, out
+
+
+def test_daemon_device_by_uuid(daemon, fake_libdir, name):
+    """A tensor on this process's GPU 0 goes to the daemon's number for the
+    same GPU, matched by UUID."""
+    env = {"LD_LIBRARY_PATH": fake_libdir, "FAKECUDA_UUIDS": f"{A},{B}"}
+    out = child(daemon.socket, PRELUDE + textwrap.dedent("""
+        c.info = lambda: {"devices": [{"index": 0, "uuid": "%s"}, {"index": 1, "uuid": "%s"}]}
+        print(c._daemon_device(0), c._daemon_device(1))
+        c2 = gpushm.connect()
+        c2.info = lambda: {"devices": [{"index": 0, "uuid": "%s"}]}
+        try:
+            c2._daemon_device(0)
+        except ValueError as e:
+            print(e)
+        c3 = gpushm.connect()       # a daemon that reports no UUID
+        c3.info = lambda: {"devices": [{"index": 0}]}
+        print(c3._daemon_device(1))
+    """ % (B, A, B)), name, env=env)
+    lines = out.splitlines()
+    assert lines[0] == "1 0", out
+    assert lines[1] == "gpushm: this process's GPU 0 (%s) is not one the daemon serves" % A.lower(), out
+    assert lines[2] == "1", out
+
+
 CHANNEL_END = """
 import time
 S = [None, 7, 9, 11, 13]

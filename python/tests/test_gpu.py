@@ -293,3 +293,32 @@ def test_gpu_from_pretrained(gclient, gpu_daemon, name, torch, tmp_path):
     gclient.put_tensors(name + "single", {"w": torch.ones(2, device="cuda")})
     with pytest.raises(ValueError, match="has no config.json"):
         gtf.from_pretrained(name + "single", client=gclient)
+
+
+def test_torch_by_uuid(gpu_daemon, gclient, name, torch):
+    """A process that sees the segment's GPU under CUDA_VISIBLE_DEVICES=<its
+    UUID> (its GPU 0, whatever the daemon's number) maps it there; one that
+    cannot see it gets an error naming the GPU. And share() of a tensor puts
+    the segment on the tensor's own GPU, matched by UUID."""
+    for dev in gclient.info()["devices"]:
+        uuid, n = dev["uuid"], dev["index"]
+        seg = gclient.create(f"{name}-{n}", shape=(1024,), dtype="float32", device=n)
+        assert seg.info.uuid == uuid
+        torch.from_dlpack(seg).copy_(torch.arange(1024, dtype=torch.float32, device=f"cuda:{seg.device}"))
+        torch.cuda.synchronize()
+        out = child(gpu_daemon.socket, """
+            import sys, torch, gpushm
+            seg = gpushm.connect().open(sys.argv[1])
+            t = torch.from_dlpack(seg)
+            assert seg.device == 0 and t.device.index == 0, (seg.device, t.device)
+            assert (t == torch.arange(1024, dtype=torch.float32, device="cuda")).all()
+            u = gpushm.connect().share(sys.argv[1] + "-shared", t * 2)
+            print(u.info.uuid)
+        """, f"{name}-{n}", env={"CUDA_VISIBLE_DEVICES": uuid})
+        assert out.strip().lower() == uuid.lower(), out
+        others = [d["uuid"] for d in gclient.info()["devices"] if d["index"] != n]
+        if others:
+            r = subprocess.run([__import__("sys").executable, "-c", "import sys, gpushm; gpushm.connect().open(sys.argv[1])", f"{name}-{n}"],
+                               env=dict(env_for(gpu_daemon.socket), CUDA_VISIBLE_DEVICES=",".join(others)),
+                               capture_output=True, text=True)
+            assert r.returncode != 0 and "is not among the" in r.stderr, r.stderr
