@@ -17,6 +17,10 @@ import (
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
+// BrokenError says which message was the first that a dead producer did
+// not finish (its Seq); errors.Is(err, ErrBroken) matches it.
+type BrokenError = channel.BrokenError
+
 // Role is a channel end: one producer and one consumer per channel.
 type Role string
 
@@ -35,8 +39,8 @@ var (
 	ErrFull = channel.ErrFull
 	// ErrRemoved: the channel was removed ('gpushm rm').
 	ErrRemoved = channel.ErrRemoved
-	// ErrBroken: the producer died before it finished the next message;
-	// the stream ends there.
+	// ErrBroken: the producer died before it finished a message (a
+	// *BrokenError says which); see Recv.
 	ErrBroken = channel.ErrBroken
 )
 
@@ -77,6 +81,7 @@ type Channel struct {
 	mu     sync.Mutex
 	out    *Message // taken or being written, not yet Done
 	last   uint64   // the producer's last message + 1
+	seen   uint64   // the consumer's: the last break it was told of
 	closed bool
 }
 
@@ -165,6 +170,8 @@ func (ch *Channel) attach(fd, ctlFD int, readOnly bool, devices []int) error {
 	ch.m, ch.ctl, ch.blk = m, ctl, blk
 	if ch.role == Producer {
 		ch.last = blk.Head()
+	} else {
+		ch.seen = blk.Seen()
 	}
 	return nil
 }
@@ -231,6 +238,16 @@ func (ch *Channel) Send(ctx context.Context, stream uintptr) (*Message, error) {
 // reads it on the same stream, then call Done with it. At the end of the
 // stream (the producer closed or died after sending it all) it returns
 // io.EOF.
+//
+// A producer that dies before its writes of a message are done cuts that
+// message off, and every one it sent after it. The consumer is told once,
+// with a *BrokenError (ErrBroken) naming the first: from Recv, when it
+// would take it, or when it took it before the producer died (on a cuda
+// channel, Recv returns before the producer's GPU has written the
+// message); or from the Done of a message cut off. Results of work queued
+// on messages from that one on are not to be used. After that, Recv skips
+// the messages cut off, and goes on with what a next producer sends, or
+// io.EOF.
 func (ch *Channel) Recv(ctx context.Context, stream uintptr) (*Message, error) {
 	if ch.role != Consumer {
 		return nil, errors.New("gpushm: Recv on a producer's channel")
@@ -241,22 +258,50 @@ func (ch *Channel) Recv(ctx context.Context, stream uintptr) (*Message, error) {
 		return nil, err
 	}
 	timeout, done := waitArgs(ctx)
-	k, err := ch.blk.WaitMessage(timeout, done)
-	if errors.Is(err, channel.ErrEOF) {
-		return nil, io.EOF
-	}
-	if err != nil {
-		return nil, ch.waitErr(ctx, err)
-	}
-	slot := int(k % uint64(ch.slots))
-	if s := ch.stream(stream); s != nil {
-		if err := s.WaitValue64(ch.ctlDev+uint64(channel.FilledOffset(slot)), k+1); err != nil {
-			return nil, fmt.Errorf("gpushm: channel %q: %w", ch.name, err)
+	for {
+		k, skip, err := ch.blk.WaitMessage(timeout, done, ch.m.dev == nil, ch.seen)
+		if errors.Is(err, channel.ErrEOF) {
+			return nil, io.EOF
 		}
+		var cut *channel.BrokenError
+		if errors.As(err, &cut) {
+			ch.seen = cut.Count
+		}
+		if err != nil {
+			return nil, ch.waitErr(ctx, err)
+		}
+		slot := int(k % uint64(ch.slots))
+		s := ch.stream(stream)
+		if skip {
+			// Released unread, in the order of the slot's other releases.
+			if err := ch.release(s, k, slot); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		if s != nil {
+			if err := s.WaitValue64(ch.ctlDev+uint64(channel.FilledOffset(slot)), k+1); err != nil {
+				return nil, fmt.Errorf("gpushm: channel %q: %w", ch.name, err)
+			}
+		}
+		msg := &Message{ch: ch, seq: k, slot: slot}
+		ch.out = msg
+		return msg, nil
 	}
-	msg := &Message{ch: ch, seq: k, slot: slot}
-	ch.out = msg
-	return msg, nil
+}
+
+// release gives message k's slot back to the producer (the consumer).
+func (ch *Channel) release(s *cuda.Stream, k uint64, slot int) error {
+	if s != nil {
+		if err := s.WriteValue64(ch.ctlDev+uint64(channel.DrainedOffset(slot)), k+1); err != nil {
+			return fmt.Errorf("gpushm: channel %q: %w", ch.name, err)
+		}
+	} else {
+		ch.blk.MarkDrained(slot, k+1)
+	}
+	ch.blk.Released(k)
+	ch.last = k + 1
+	return nil
 }
 
 func (ch *Channel) usable() error {
@@ -273,8 +318,15 @@ func (ch *Channel) waitErr(ctx context.Context, err error) error {
 	if errors.Is(err, channel.ErrCanceled) {
 		return ctx.Err()
 	}
-	if errors.Is(err, channel.ErrTimeout) && ctx.Err() != nil {
-		return ctx.Err()
+	if errors.Is(err, channel.ErrTimeout) {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		// The block's wait ends at the deadline, maybe before the
+		// context's timer fires.
+		if d, ok := ctx.Deadline(); ok && !time.Now().Before(d) {
+			return context.DeadlineExceeded
+		}
 	}
 	return fmt.Errorf("gpushm: channel %q: %w", ch.name, err)
 }
@@ -302,7 +354,9 @@ func (m *Message) DevicePtr() uint64 {
 // Done hands the message over: the producer's is sent (its stream marks
 // the slot filled once the work queued before it is done), the consumer's
 // is released (its stream marks the slot drained). stream must be the one
-// given to Send or Recv, or one ordered after it.
+// given to Send or Recv, or one ordered after it. A consumer's Done
+// returns a *BrokenError (ErrBroken) when the message was cut off by its
+// producer's death (see Recv); the slot is released all the same.
 func (m *Message) Done(stream uintptr) error {
 	ch := m.ch
 	ch.mu.Lock()
@@ -311,24 +365,25 @@ func (m *Message) Done(stream uintptr) error {
 		return fmt.Errorf("gpushm: channel %q: message %d is not out", ch.name, m.seq)
 	}
 	ch.out = nil
-	if s := ch.stream(stream); s != nil {
-		off := channel.FilledOffset(m.slot)
-		if ch.role == Consumer {
-			off = channel.DrainedOffset(m.slot)
+	s := ch.stream(stream)
+	if ch.role == Consumer {
+		if err := ch.release(s, m.seq, m.slot); err != nil {
+			return err
 		}
-		if err := s.WriteValue64(ch.ctlDev+uint64(off), m.seq+1); err != nil {
+		if cut := ch.blk.Untold(m.seq, ch.seen); cut != nil {
+			ch.seen = cut.Count
+			return fmt.Errorf("gpushm: channel %q: %w", ch.name, cut)
+		}
+		return nil
+	}
+	if s != nil {
+		if err := s.WriteValue64(ch.ctlDev+uint64(channel.FilledOffset(m.slot)), m.seq+1); err != nil {
 			return fmt.Errorf("gpushm: channel %q: %w", ch.name, err)
 		}
-	} else if ch.role == Producer {
+	} else {
 		ch.blk.MarkFilled(m.slot, m.seq+1)
-	} else {
-		ch.blk.MarkDrained(m.slot, m.seq+1)
 	}
-	if ch.role == Producer {
-		ch.blk.Sent(m.seq)
-	} else {
-		ch.blk.Released(m.seq)
-	}
+	ch.blk.Sent(m.seq)
 	ch.last = m.seq + 1
 	return nil
 }

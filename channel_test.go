@@ -58,7 +58,9 @@ func (g *gpuStage) handle() uintptr { return g.stream.Handle() }
 // channelChild is a channel end in a process of its own: "chan-producer"
 // sends COUNT messages and closes; "chan-consumer" receives until EOF and
 // checks each; "chan-hold" receives one message, says so, and waits to be
-// killed holding it.
+// killed holding it; "chan-unwritten" (host memory) sends COUNT messages,
+// then hands two more over whose writes never run, says so, and waits to
+// be killed.
 func channelChild(ctx context.Context, c *gpushm.Client, mode string) error {
 	name := os.Getenv("NAME")
 	count, _ := strconv.Atoi(os.Getenv("COUNT"))
@@ -76,6 +78,27 @@ func channelChild(ctx context.Context, c *gpushm.Client, mode string) error {
 		stream = g.handle()
 	}
 	switch mode {
+	case "chan-unwritten":
+		ch, err := c.Channel(ctx, name, gpushm.Producer, &gpushm.ChannelOptions{Slots: slots, SlotBytes: size})
+		if err != nil {
+			return err
+		}
+		for i := range uint64(count + 2) {
+			m, err := ch.Send(ctx, 0)
+			if err != nil {
+				return fmt.Errorf("send %d: %w", i, err)
+			}
+			if i >= uint64(count) {
+				m.HandOverUnwritten()
+				continue
+			}
+			copy(m.Bytes(), message(m.Seq(), size))
+			if err := m.Done(0); err != nil {
+				return err
+			}
+		}
+		fmt.Println("sent")
+		time.Sleep(time.Hour)
 	case "chan-producer":
 		ch, err := c.Channel(ctx, name, gpushm.Producer, &gpushm.ChannelOptions{Slots: slots, SlotBytes: size})
 		if err != nil {
@@ -335,6 +358,63 @@ func TestChannelProducerDies(t *testing.T) {
 	}
 	if got != 8 {
 		t.Fatalf("%d messages from the killed producer, want the 8 that filled the slots", got)
+	}
+}
+
+// A producer killed after handing over messages whose writes never ran
+// (a GPU producer's CPU runs ahead of its stream): the consumer accepts
+// every message before the first of them, is told of that one, once, and
+// then gets the end of the stream.
+func TestChannelProducerDiesWithWritesInFlight(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	rx, err := c.Channel(ctx, "ch", gpushm.Consumer, &gpushm.ChannelOptions{Slots: 4, SlotBytes: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx := child(t, d.Socket, "chan-unwritten", "NAME=ch", "COUNT=5", "SIZE=64", "SLOTS=4")
+	out, err := tx.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Process.Kill()
+	tctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	for i := range uint64(5) {
+		m, err := rx.Recv(tctx, 0)
+		if err != nil {
+			t.Fatalf("message %d: %v", i, err)
+		}
+		if m.Seq() != i || !bytes.Equal(m.Bytes(), message(i, 64)) {
+			t.Fatalf("message %d (seq %d): wrong bytes", i, m.Seq())
+		}
+		if err := m.Done(0); err != nil {
+			t.Fatalf("release %d: %v", i, err)
+		}
+	}
+	if line, _ := bufio.NewReader(out).ReadString('\n'); line != "sent\n" {
+		t.Fatalf("producer said %q", line)
+	}
+	// Handed over, not written: not read while the producer lives.
+	short, cancelShort := context.WithTimeout(ctx, 50*time.Millisecond)
+	_, err = rx.Recv(short, 0)
+	cancelShort()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("message 5 before its writes: %v, want a timeout", err)
+	}
+	tx.Process.Kill()
+	tx.Wait()
+	_, err = rx.Recv(tctx, 0)
+	var cut *gpushm.BrokenError
+	if !errors.As(err, &cut) || !errors.Is(err, gpushm.ErrBroken) || cut.Seq != 5 {
+		t.Fatalf("after the producer died: %v, want a BrokenError for message 5", err)
+	}
+	if _, err := rx.Recv(tctx, 0); !errors.Is(err, io.EOF) {
+		t.Fatalf("then: %v, want io.EOF (told once; the messages cut off skipped)", err)
 	}
 }
 

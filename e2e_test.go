@@ -187,7 +187,7 @@ func childMain(mode string) error {
 		}
 		fmt.Println("ready")
 		time.Sleep(time.Hour)
-	case "chan-producer", "chan-consumer", "chan-hold":
+	case "chan-producer", "chan-consumer", "chan-hold", "chan-unwritten":
 		return channelChild(ctx, c, mode)
 	case "readonly":
 		seg, err := c.Open(ctx, os.Getenv("NAME"), &gpushm.OpenOptions{ReadOnly: true})

@@ -43,6 +43,8 @@ const (
 	offRx        = 272
 	offBroken    = 320
 	offRemoved   = 328
+	offBrokenEnd = 336
+	offBreaks    = 344
 	offRxEvent   = 384
 	offTxEvent   = 448
 	offFilled    = 1024
@@ -50,6 +52,19 @@ const (
 )
 
 const magic = "GPUSHMC1"
+
+// Cut marks a filled flag that the daemon wrote for a message its dead
+// producer never finished: Cut | (k+1) for message k. A stream's wait for
+// k+1 or less (cyclic greater-or-equal: the difference is below 2^63) is
+// met, so no GPU waits for ever, and no producer writes such a value
+// (message numbers stay below 2^62), so the flag tells itself apart from a
+// finished message's. The mark goes when the next producer attaches.
+const Cut = 1 << 62
+
+// Reached reports whether a flag holding v meets a stream's wait for at
+// least want: CU_STREAM_WAIT_VALUE_GEQ's cyclic comparison, which the CPU
+// makes the same way where no stream waits (host memory).
+func Reached(v, want uint64) bool { return int64(v-want) >= 0 }
 
 // Role states.
 const (
@@ -123,6 +138,61 @@ func (k *Block) Taken() uint64  { return k.u64(offTaken).Load() }
 func (k *Block) Tail() uint64   { return k.u64(offTail).Load() }
 func (k *Block) Broken() uint64 { return k.u64(offBroken).Load() }
 
+// A Break is the record of the last producer that died before its
+// messages were whole: messages First to End-1 are cut off. Count numbers
+// the breaks (0: none yet), so that a consumer can tell whether it was
+// told of this one.
+type Break struct {
+	First, End, Count uint64
+}
+
+// Break reads the record of the last break. Count is read first and the
+// rest after it: the daemon writes it last.
+func (k *Block) Break() Break {
+	n := k.u64(offBreaks).Load()
+	b := k.u64(offBroken).Load()
+	if n == 0 || b == 0 {
+		return Break{}
+	}
+	return Break{First: b - 1, End: k.u64(offBrokenEnd).Load(), Count: n}
+}
+
+// BrokenError is the error of a consumer told of a break: message Seq and
+// every one after it that the dead producer sent are cut off.
+type BrokenError struct {
+	Seq   uint64 // the first message cut off
+	Count uint64 // the break's number (Break.Count)
+}
+
+func (e *BrokenError) Error() string {
+	return fmt.Sprintf("channel: the producer died before it finished message %d; "+
+		"results of work on messages from %d on are not to be used", e.Seq, e.Seq)
+}
+
+// Is makes a BrokenError match ErrBroken.
+func (e *BrokenError) Is(target error) bool { return target == ErrBroken }
+
+// Untold returns the break that a consumer which knows of breaks up to
+// seen was not told of, if it cut off message m or one before it (m:
+// the message the consumer releases, or the next it would take); nil if
+// none.
+func (k *Block) Untold(m, seen uint64) *BrokenError {
+	if b := k.Break(); b.Count != 0 && b.Count != seen && b.First <= m {
+		return &BrokenError{Seq: b.First, Count: b.Count}
+	}
+	return nil
+}
+
+// Seen is what a consumer attaching now knows of breaks: every break but
+// one whose cut-off messages it has still to meet.
+func (k *Block) Seen() uint64 {
+	b := k.Break()
+	if b.Count != 0 && k.Taken() < b.End {
+		return b.Count - 1
+	}
+	return b.Count
+}
+
 // Filled and Drained are the GPU flags of slot i.
 func (k *Block) Filled(i int) uint64  { return k.u64(offFilled + 8*i).Load() }
 func (k *Block) Drained(i int) uint64 { return k.u64(offDrained + 8*i).Load() }
@@ -163,12 +233,17 @@ func (k *Block) Attach(r Role, pid int, start uint64) {
 	off := k.roleOff(r)
 	k.u32(off + 4).Store(uint32(pid))
 	k.u64(off + 8).Store(start)
-	if b := k.u64(offBroken).Load(); r == Tx && b != 0 {
-		// The messages its dead predecessor cut off are withdrawn, so the
-		// consumer never takes one as valid: the new producer writes over
-		// them.
-		k.u64(offHead).Store(b - 1)
-		k.u64(offBroken).Store(0)
+	if r == Tx {
+		// The messages a dead predecessor cut off keep their numbers (the
+		// consumer skips them), and this producer goes on after them; but
+		// a cut mark would meet the consumer's stream waits on this
+		// producer's messages too. The plain value still meets every wait
+		// on the cut-off messages themselves.
+		for i := range k.Slots() {
+			if f := k.u64(offFilled + 8*i); f.Load()&Cut != 0 {
+				f.Store(f.Load() &^ Cut)
+			}
+		}
 	}
 	k.u32(off).Store(StateAttached)
 	k.wakeOther(r)
@@ -191,35 +266,16 @@ func (k *Block) Wake(off int) {
 
 // Detach ends r's holding. A producer that leaves cleanly ends the stream
 // after what it sent (the consumer gets EOF once it has taken it all); with
-// died, the messages it sent but whose writes the block does not show as
-// done are cut off, and every flag a consumer's stream may wait on is
-// written, so that no GPU waits forever. A consumer that goes drops the
-// messages it took but did not release, and every drained flag is written
-// for the producer's stream.
+// died, the messages it sent from the first one whose writes the block
+// does not show as done are cut off (see cut). A consumer that goes drops
+// the messages it took but did not release, and every drained flag is
+// written for the producer's stream.
 func (k *Block) Detach(r Role, died bool) {
 	off := k.roleOff(r)
 	slots := k.Slots()
 	if r == Tx {
-		head := k.Head()
 		if died {
-			// The first sent message not marked filled: its producer's
-			// GPU work may never have run.
-			broken := uint64(0)
-			for m := max(k.Taken(), head-min(head, uint64(slots))); m < head; m++ {
-				if k.Filled(int(m%uint64(slots))) < m+1 {
-					broken = m + 1
-					break
-				}
-			}
-			if broken != 0 {
-				k.u64(offBroken).Store(broken)
-			}
-			for m := head - min(head, uint64(slots)); m < head; m++ {
-				f := k.u64(offFilled + 8*int(m%uint64(slots)))
-				if f.Load() < m+1 {
-					f.Store(m + 1)
-				}
-			}
+			k.cut()
 		}
 		k.u32(off).Store(StateGone)
 	} else {
@@ -234,6 +290,56 @@ func (k *Block) Detach(r Role, died bool) {
 		k.u32(off).Store(StateNone)
 	}
 	k.wakeOther(r)
+}
+
+// cut records a dead producer's break: the first message it sent whose
+// writes are not done, and every one it sent after it, are cut off. Their
+// flags get the Cut mark, which meets every stream wait on them, so no
+// GPU waits for ever; the consumer learns of the break from the record
+// (Untold), at its next call or as it releases a message.
+//
+// Which messages are done is read from the filled flags alone. A
+// producer's stream writes filled[i] = k+1 after message k's writes, and
+// the messages of one slot are written in turn (a message's writes wait
+// for the consumer's release of the slot's message before it, which came
+// after that message's flag), so a flag holding v says that the slot's
+// messages below v are done and its next one is not (a producer's stream
+// runs its work in order, too). This holds however
+// far a producer's CPU ran ahead of its GPU, and whether the consumer took
+// (or released) a message before the producer died or not.
+//
+// The process that died must not write the block any more: its GPU work
+// ends with it, as the driver tears its contexts down when the process's
+// last descriptor of the device closes, before the process is reaped and
+// its pidfd says it exited.
+func (k *Block) cut() {
+	head := k.Head()
+	slots := uint64(k.Slots())
+	first := head
+	for i := range slots {
+		v := k.Filled(int(i)) &^ Cut
+		first = min(first, v+(i+slots-v%slots)%slots) // slot i's first message from v on
+	}
+	if first == head {
+		return // every message sent is whole
+	}
+	brk := first + 1
+	if old := k.Break(); old.Count != 0 && k.Taken() < old.End {
+		// The consumer has not gone past the last break yet: the record
+		// covers both, from the first one's first message (this
+		// producer's whole messages before its own first unfinished one
+		// are cut off too).
+		brk = old.First + 1
+	}
+	k.u64(offBroken).Store(brk)
+	k.u64(offBrokenEnd).Store(head)
+	k.u64(offBreaks).Add(1)
+	for i := range min(slots, head) {
+		last := head - 1 - (head-1-i)%slots // the slot's last message sent
+		if f := k.u64(offFilled + 8*int(i)); f.Load() < last+1 {
+			f.Store(Cut | (last + 1))
+		}
+	}
 }
 
 // Removed reports whether the channel was removed (unlinked).
@@ -262,9 +368,9 @@ var ErrFull = errors.New("channel: every slot holds a message the consumer has n
 // ErrTimeout: a wait ran past its time.
 var ErrTimeout = errors.New("channel: timed out")
 
-// ErrBroken: the message was cut short by its producer's death; its
-// contents are undefined.
-var ErrBroken = errors.New("channel: the producer died before this message was written")
+// ErrBroken: a message was cut off by its producer's death; its contents
+// are undefined (a *BrokenError says which).
+var ErrBroken = errors.New("channel: the producer died before a message was written")
 
 // WaitSlot waits (the producer) until message Head may be written: a slot
 // is free, and with needConsumer a consumer is attached. It returns the
@@ -293,16 +399,33 @@ func (k *Block) Sent(m uint64) {
 	k.Wake(offRxEvent)
 }
 
-// WaitMessage waits (the consumer) for the next message and takes it,
-// returning its number; io.EOF-like ErrEOF when the stream ended.
-func (k *Block) WaitMessage(timeout time.Duration, done <-chan struct{}) (uint64, error) {
-	m, err := k.wait(offRxEvent, timeout, done, func() (uint64, bool, error) {
+// WaitMessage waits (the consumer) for message Taken and takes it,
+// returning its number; ErrEOF when the stream ended. host says that no
+// stream waits for the message's filled flag: the CPU waits for it (host
+// memory). seen is the last break the consumer was told of: a break it
+// was not told of that cut off a message it took, or the next one, is a
+// *BrokenError; a message cut off by one it was told of is returned with
+// skip, for the caller to release at once.
+func (k *Block) WaitMessage(timeout time.Duration, done <-chan struct{}, host bool, seen uint64) (m uint64, skip bool, err error) {
+	slots := uint64(k.Slots())
+	m, err = k.wait(offRxEvent, timeout, done, func() (uint64, bool, error) {
 		taken := k.Taken()
-		if b := k.Broken(); b != 0 && taken+1 >= b {
-			return 0, false, ErrBroken
+		head := k.Head()
+		// The flag before the break: the daemon records a break before it
+		// marks the flags.
+		ready := head > taken && (!host || Reached(k.Filled(int(taken%slots)), taken+1))
+		if e := k.Untold(taken, seen); e != nil {
+			return 0, false, e
 		}
-		if k.Head() > taken {
+		if b := k.Break(); head > taken && b.Count != 0 && b.First <= taken && taken < b.End {
+			skip = true
 			return taken, true, nil
+		}
+		if ready {
+			return taken, true, nil
+		}
+		if head > taken {
+			return 0, false, ErrTimeout // its producer's writes are not done yet
 		}
 		if k.Removed() {
 			return 0, false, ErrRemoved
@@ -313,10 +436,10 @@ func (k *Block) WaitMessage(timeout time.Duration, done <-chan struct{}) (uint64
 		return 0, false, ErrTimeout
 	})
 	if err != nil {
-		return 0, err
+		return 0, false, err
 	}
 	k.u64(offTaken).Store(m + 1)
-	return m, nil
+	return m, skip, nil
 }
 
 // Released returns message k's slot to the producer (the consumer, once

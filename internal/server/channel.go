@@ -188,7 +188,12 @@ func (s *Server) watch(seg *segment.Segment, role channel.Role, h channel.Holder
 		s.withBlock(seg, func(blk *channel.Block) error {
 			if now := blk.Holder(role); now.State == channel.StateAttached && now.PID == h.PID && now.Start == h.Start {
 				s.log.Info("channel end exited; its role ends", "segment", seg.ID(), "role", role, "pid", h.PID)
+				before := blk.Break()
 				blk.Detach(role, true)
+				if b := blk.Break(); b.Count != before.Count {
+					s.log.Warn("a dead producer's messages are cut off; the consumer is told", "segment", seg.ID(),
+						"pid", h.PID, "first", b.First, "end", b.End)
+				}
 			}
 			return nil
 		})

@@ -47,10 +47,20 @@ _MAGIC = b"GPUSHMC1"
 _OFF_VERSION, _OFF_SLOTS, _OFF_SLOT_BYTES, _OFF_STRIDE = 8, 12, 16, 24
 _OFF_HEAD, _OFF_TAKEN, _OFF_TAIL = 64, 128, 192
 _OFF_TX, _OFF_RX = 256, 272  # u32 state, u32 pid, u64 start
-_OFF_BROKEN, _OFF_REMOVED = 320, 328
+_OFF_BROKEN, _OFF_REMOVED, _OFF_BROKEN_END, _OFF_BREAKS = 320, 328, 336, 344
 _OFF_RX_EVENT, _OFF_TX_EVENT = 384, 448
 _OFF_FILLED, _OFF_DRAINED = 1024, 1536
 _ATTACHED, _GONE = 1, 2
+# The mark of a filled flag the daemon wrote for a message its dead
+# producer never finished (docs/protocol.md, "Channels").
+_CUT = 1 << 62
+_U64 = (1 << 64) - 1
+
+
+def _reached(v, want):
+    """Whether a flag holding v meets a stream's wait for want: the cyclic
+    greater-or-equal of CU_STREAM_WAIT_VALUE_GEQ."""
+    return (v - want) & _U64 < 1 << 63
 
 TX, RX = "tx", "rx"
 _ROLES = {"tx": TX, "producer": TX, "rx": RX, "consumer": RX}
@@ -71,10 +81,13 @@ class ChannelRemovedError(Error):
 
 
 class BrokenMessageError(Error):
-    """The producer died before it finished writing the next message; the
-    stream ends there (its contents are undefined)."""
+    """The producer died before it finished writing message .seq: that
+    message and every one it sent after it were cut off (their contents are
+    undefined, and so are the results of work queued on them). Raised once
+    per break; recv then skips the messages cut off."""
 
     code = "EBADMSG"
+    seq = None
 
 
 class NoConsumerError(Error, BrokenPipeError):
@@ -418,7 +431,10 @@ class Message:
         stream marks the slot filled once the work queued before is done),
         the consumer's released (its stream marks the slot drained). stream
         defaults to the one send() or recv() used; another must be ordered
-        after the work on the message."""
+        after the work on the message. The consumer's raises
+        BrokenMessageError (after the release) if its producer died before
+        it finished this message or one before it (see Channel.recv); so
+        does leaving the with block."""
         ch = self._ch
         if ch is None:
             raise ValueError(f"gpushm: message {self.seq} was handed over already")
@@ -513,6 +529,7 @@ class Channel:
         self._head, self._taken, self._tail = _u64(ctl + _OFF_HEAD), _u64(ctl + _OFF_TAKEN), _u64(ctl + _OFF_TAIL)
         self._tx_state, self._rx_state = _u32(ctl + _OFF_TX), _u32(ctl + _OFF_RX)
         self._broken, self._removed = _u64(ctl + _OFF_BROKEN), _u64(ctl + _OFF_REMOVED)
+        self._broken_end, self._breaks = _u64(ctl + _OFF_BROKEN_END), _u64(ctl + _OFF_BREAKS)
         self._rx_ev, self._tx_ev = _u32(ctl + _OFF_RX_EVENT), _u32(ctl + _OFF_TX_EVENT)
         self._rx_ev_addr, self._tx_ev_addr = ctl + _OFF_RX_EVENT, ctl + _OFF_TX_EVENT
         self._filled, self._drained = _u64s(ctl + _OFF_FILLED, self.slots), _u64s(ctl + _OFF_DRAINED, self.slots)
@@ -530,8 +547,14 @@ class Channel:
         self.views = tuple(View(m, Layout(dt, shape, None, i * self._stride)) for i in range(self.slots))
         self._tensors = [wrap(v) for v in self.views]
         self._stream = _current_stream(self.framework, m.dev.ordinal) if m.dev is not None else None
+        # The consumer's: the last break it was told of. One whose messages
+        # it has still to meet is news to it.
+        self._seen = 0
         if role == TX:
             st.last = self._head.value
+        else:
+            first, end, count = self._break()
+            self._seen = count - 1 if count and self._taken.value < end else count
         st.leased = True  # from here on, dropping the channel ends the role
         client._channels.add(self)
         _ENDS.add(self)
@@ -635,43 +658,85 @@ class Channel:
         stream (default: the framework's current stream) waits, on the GPU,
         until the producer's writes of it are done; queue the work that
         reads it on it. Raises EOFError once the producer is gone (closed,
-        or died) and every message it sent was received; BrokenMessageError
-        at a message its dead producer never finished; ChannelRemovedError
+        or died) and every message it sent was received; ChannelRemovedError
         on a removed channel; TimeoutError after timeout seconds (None:
-        wait forever; 0: not at all)."""
+        wait forever; 0: not at all).
+
+        A producer that dies before its writes of a message are done cuts
+        that message off, and every one it sent after it: BrokenMessageError
+        names the first (.seq), once, raised by recv when it would hand it
+        out or when it handed it out before the producer died (on a GPU,
+        recv returns before the producer's GPU wrote the message), or by
+        the release of a message cut off. Results of work queued on
+        messages from that one on are not to be used. Then recv skips the
+        messages cut off and goes on with a next producer's, or EOFError."""
         if self.role != RX:
             raise ValueError(f"gpushm: channel {self.name!r}: recv on the producer's end")
         with self._lock:
             self._usable()
-            k = self._wait_message(timeout)
-            self._taken.value = k + 1
-            slot = k % self.slots
-            s = None
-            if self._dev is not None:
-                s = self._stream() if stream is None else stream_handle(stream)
-                self._st.pending_wait = True
-                self._wait_value(s, self._ctl_dev + _OFF_FILLED + 8 * slot, k + 1)
-            msg = self._out = Message(self, k, slot, self._tensors[slot], s)
-            return msg
+            while True:
+                k, skip = self._wait_message(timeout)
+                self._taken.value = k + 1
+                slot = k % self.slots
+                s = None
+                if self._dev is not None:
+                    s = self._stream() if stream is None else stream_handle(stream)
+                if skip:
+                    self._release(k, slot, s)  # unread, in the order of the slot's other releases
+                    continue
+                if s is not None:
+                    self._st.pending_wait = True
+                    self._wait_value(s, self._ctl_dev + _OFF_FILLED + 8 * slot, k + 1)
+                msg = self._out = Message(self, k, slot, self._tensors[slot], s)
+                return msg
+
+    def _break(self):
+        """(first, end, count) of the last break: messages first to end - 1
+        were cut off by a dead producer; count numbers the breaks (0:
+        none). count is read first: the daemon writes it last."""
+        count = self._breaks.value
+        b = self._broken.value
+        if not count or not b:
+            return 0, 0, 0
+        return b - 1, self._broken_end.value, count
+
+    def _untold(self, m):
+        """Raises BrokenMessageError for the break this consumer was not
+        told of, if it cut off message m or one before it."""
+        first, end, count = self._break()
+        if count and count != self._seen and first <= m:
+            self._seen = count
+            e = _err(BrokenMessageError, f"channel {self.name!r}: the producer died before it finished message "
+                                         f"{first}; results of work on messages from {first} on are not to be used")
+            e.seq = first
+            raise e
+        return first, end, count
 
     def _wait_message(self, timeout):
-        head_w, taken_w, tx_state, removed, broken, ev = (self._head, self._taken, self._tx_state, self._removed,
-                                                          self._broken, self._rx_ev)
+        """(k, skip): message k = taken is ready; with skip, it is one cut
+        off by a break this consumer was told of."""
+        head_w, taken_w, tx_state, removed, ev = self._head, self._taken, self._tx_state, self._removed, self._rx_ev
+        host, slots, filled = self._dev is None, self.slots, self._filled
         spin_until, deadline = None, None
         while True:
             seen = ev.value
             taken = taken_w.value
-            b = broken.value
-            if b and taken + 1 >= b:
-                raise _err(BrokenMessageError, f"channel {self.name!r}: the producer died before it finished "
-                                               f"message {taken}; the stream ends there")
-            if head_w.value > taken:
-                return taken
-            if removed.value:
-                raise _err(ChannelRemovedError, f"channel {self.name!r} was removed")
-            if tx_state.value == _GONE:
-                raise EOFError(f"gpushm: channel {self.name!r}: the producer is gone and every message it sent "
-                               f"was received")
+            head = head_w.value
+            # On host memory the CPU waits for the flag a stream would wait
+            # for; it is read before the break (the daemon records a break
+            # before it marks the flags).
+            ready = head > taken and (not host or _reached(filled[taken % slots], taken + 1))
+            first, end, count = self._untold(taken)
+            if head > taken and count and first <= taken < end:
+                return taken, True
+            if ready:
+                return taken, False
+            if head <= taken:
+                if removed.value:
+                    raise _err(ChannelRemovedError, f"channel {self.name!r} was removed")
+                if tx_state.value == _GONE:
+                    raise EOFError(f"gpushm: channel {self.name!r}: the producer is gone and every message it sent "
+                                   f"was received")
             if self._closed:
                 raise ValueError(f"gpushm: channel {self.name!r} was closed while recv waited")
             now = time.perf_counter_ns()
@@ -721,15 +786,21 @@ class Channel:
                 ev.value = (ev.value + 1) & 0xFFFFFFFF
                 _futex_wake(self._rx_ev_addr)
             else:
-                if self._dev is not None:
-                    self._write_value(s, self._ctl_dev + _OFF_DRAINED + 8 * slot, k + 1)
-                else:
-                    self._drained[slot] = k + 1
-                self._tail.value = k + 1
-                st.last = k + 1
-                ev = self._tx_ev
-                ev.value = (ev.value + 1) & 0xFFFFFFFF
-                _futex_wake(self._tx_ev_addr)
+                self._release(k, slot, s)
+                self._untold(k)
+
+    def _release(self, k, slot, s):
+        """Gives message k's slot back to the producer (the consumer; the
+        lock is held)."""
+        if self._dev is not None:
+            self._write_value(s, self._ctl_dev + _OFF_DRAINED + 8 * slot, k + 1)
+        else:
+            self._drained[slot] = k + 1
+        self._tail.value = k + 1
+        self._st.last = k + 1
+        ev = self._tx_ev
+        ev.value = (ev.value + 1) & 0xFFFFFFFF
+        _futex_wake(self._tx_ev_addr)
 
     def _abandon(self, msg):
         with self._lock:
