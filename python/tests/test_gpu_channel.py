@@ -156,6 +156,50 @@ def test_producer_killed_with_gpu_work_in_flight(gpu_daemon, name, torch):
     c.close()
 
 
+def test_producer_killed_after_the_consumer_took_its_unwritten_messages(gpu_daemon, name, torch):
+    """recv returns before the producer's GPU wrote a message (the stream
+    waits, not the CPU): the consumer takes and releases messages 3 and 4
+    while their writes are still queued; the producer dies. The next recv
+    names message 3, the first unwritten; the work queued on 0 to 2 saw
+    them whole; the consumer's stream never hangs."""
+    p = Peer(gpu_daemon.socket, """
+        import sys, time, torch, gpushm
+        tx = gpushm.connect().channel(sys.argv[1], shape=(1024,), dtype="float32", slots=4)
+        print("open", flush=True)
+        for k in range(3):
+            with tx.send() as t:
+                t.fill_(k)
+        torch.cuda.synchronize()          # only to set the stage: 0, 1 and 2 are written
+        for k in range(3, 5):
+            with tx.send() as t:
+                torch.cuda._sleep(20_000_000_000)   # seconds of GPU time before each write
+                t.fill_(k)
+        print("sent", flush=True)
+        time.sleep(600)
+    """, name)
+    p.expect("open")
+    c = gpushm.connect(gpu_daemon.socket)
+    rx = c.channel(name)
+    whole = []
+    for k in range(5):
+        m = rx.recv(timeout=30)
+        assert m.seq == k
+        with m as t:                      # no synchronization: checked on the GPU
+            whole.append((t == k).all())
+    p.expect("sent")
+    os.kill(p.p.pid, signal.SIGKILL)
+    p.p.wait()
+    with pytest.raises(gpushm.BrokenMessageError, match="died before it finished message 3;") as e:
+        rx.recv(timeout=30)
+    assert e.value.seq == 3
+    with pytest.raises(EOFError):
+        rx.recv(timeout=30)
+    torch.cuda.synchronize()              # nothing the consumer queued waits forever
+    assert [bool(w.item()) for w in whole[:3]] == [True, True, True]
+    rx.close()
+    c.close()
+
+
 def test_consumer_on_a_second_gpu(gpu_daemon, name, torch):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs two GPUs; this machine has {torch.cuda.device_count()}")
