@@ -930,8 +930,9 @@ func TestSurviveReclaim(t *testing.T) {
 
 // idleMain makes a temporary segment of the given name, holding 1000
 // float32 (0, 1, 2, ...), and then makes no call until told: "check" reads
-// its mapping and opens the name again (a call, which reconnects), "exit"
-// exits without closing anything, as a process that ends does.
+// its mapping and opens the name again (a call, which reconnects), "close"
+// closes the client and lives on, "exit" exits without closing anything,
+// as a process that ends does.
 func idleMain(name string) error {
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, os.Getenv("GPUSHM_SOCKET"))
@@ -959,6 +960,12 @@ func idleMain(name string) error {
 				continue
 			}
 			fmt.Printf("ok reconnects=%d\n", c.Reconnects())
+		case "close":
+			if err := c.Close(); err != nil {
+				fmt.Printf("fail close: %v\n", err)
+				continue
+			}
+			fmt.Println("ok closed")
 		case "exit":
 			os.Exit(0)
 		}
@@ -1140,6 +1147,30 @@ func TestSurviveKilledCreator(t *testing.T) {
 	if inf, err := d.info(); err != nil || inf.Grace < time.Minute {
 		t.Fatalf("info = %+v, %v: the grace period must still run", inf, err)
 	}
+	d.stop(t)
+}
+
+// TestSurviveCloseAfterCrash: a client that closes after a restart of the
+// serving process, without a call in between, ends its temporary segment
+// then, not when its process exits.
+func TestSurviveCloseAfterCrash(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	d := startSupervised(t, os.Args[0], sock, "--grace", "10m")
+	cc := startIdle(t, sock, "closed")
+	inf, err := d.info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	syscall.Kill(inf.PID, syscall.SIGKILL)
+	d.waitServing(t, inf.PID)
+	if got := listAtQuiet(sock); !slices.Equal(got, []string{"closed"}) {
+		t.Fatalf("after the restart: %v", got)
+	}
+	if got := cc.ask(t, 0, "close"); got != "ok closed" {
+		t.Fatalf("close: %s", got)
+	}
+	waitNamesAt(t, sock, nil, "after the client closed (its process lives on)")
 	d.stop(t)
 }
 
