@@ -83,7 +83,8 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 	}
 	p := c.process()
 	if !p.Known() {
-		return fmt.Errorf("identify process %d: its start time cannot be read in /proc: %w", c.cred.PID, syscall.EPERM)
+		// A role is ended by its process's exit, which needs its name.
+		return fmt.Errorf("identify process %d: its start time cannot be read in /proc (a process of a pid namespace the daemon cannot see?)", c.cred.PID)
 	}
 	pid, start := p.PID, p.Start
 	err := c.s.withBlock(seg, func(blk *channel.Block) error {
