@@ -240,6 +240,7 @@ func (c *Client) Close() error {
 		errs = append(errs, sh.unmap())
 	}
 	c.mu.Lock()
+	c.endLostConnLocked()
 	errs = append(errs, c.conn.Close())
 	c.broken = errors.New("gpushm: client closed")
 	for _, p := range c.oldEpochs {
@@ -249,6 +250,32 @@ func (c *Client) Close() error {
 	c.mu.Unlock()
 	c.epoch.Load().Close()
 	return errors.Join(errs...)
+}
+
+// endLostConnLocked ends the temporary segments of a connection that a
+// crash of the daemon's serving process took since the last call: the new
+// serving process keeps them for as long as this process lives, waiting
+// for its session. Saying hello with it on a new connection, about to be
+// closed, takes them back to end with that connection. If the daemon does
+// not answer in time, they end when this process exits.
+func (c *Client) endLostConnLocked() {
+	if c.broken != nil || c.reconnect <= 0 || !c.conn.HungUp() {
+		return
+	}
+	conn, err := wire.Dial(c.socket)
+	if err != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), min(c.reconnect, 5*time.Second))
+	defer cancel()
+	old := c.conn
+	c.conn = conn
+	if err := c.helloLocked(ctx); err != nil {
+		c.conn = old
+		conn.Close()
+		return
+	}
+	old.Close()
 }
 
 // roundTrip sends req and waits for its reply. A reply carrying an error is

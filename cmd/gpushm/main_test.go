@@ -37,6 +37,13 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if name := os.Getenv("GPUSHM_TEST_IDLE"); name != "" {
+		if err := idleMain(name); err != nil {
+			fmt.Fprintf(os.Stderr, "idle client: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if k := os.Getenv("GPUSHM_TEST_CHAOS"); k != "" {
 		n, _ := strconv.Atoi(k)
 		if err := chaosClientMain(n); err != nil {

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -826,7 +827,7 @@ func holderMain() error {
 // TestSurviveReclaim: a client keeps using its mapping while the serving
 // process is down, and after the restart reclaims its lease and its
 // temporary segment; the temporary segment of a client that died while
-// the daemon was down ends when the grace period does.
+// the daemon was down ends at once, not when the grace period does.
 func TestSurviveReclaim(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
@@ -857,7 +858,6 @@ func TestSurviveReclaim(t *testing.T) {
 	if got := holder.ask(t, 0, "op"); got != "ok reconnects=1" {
 		t.Fatalf("holder after the restart: %s", got)
 	}
-	// During the grace period both temporary segments are kept ...
 	names := func() []string {
 		c, err := gpushm.Dial(context.Background(), sock)
 		if err != nil {
@@ -874,11 +874,39 @@ func TestSurviveReclaim(t *testing.T) {
 		}
 		return out
 	}
-	if got := names(); !slices.Equal(got, []string{"held", "held-temp", "victim", "victim-temp"}) {
-		t.Fatalf("during the grace period: %v", got)
+	// The dead client's temporary segment ends as soon as the new serving
+	// process sees its creator gone, without waiting for the grace period;
+	// the live client's stays, then and after the grace period.
+	waitNames := func(want []string, why string) {
+		t.Helper()
+		for deadline := time.Now().Add(20 * time.Second); ; {
+			got := names()
+			if slices.Equal(got, want) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %v, want %v", why, got, want)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
 	}
-	// ... then the dead client's ends, the live client's stays.
-	time.Sleep(2500 * time.Millisecond)
+	waitNames([]string{"held", "held-temp", "victim"}, "after the restart")
+	if inf, err := d.info(); err != nil || inf.Grace <= 0 {
+		t.Fatalf("info = %+v, %v: the grace period must still run (2s): the creator's death, not the grace period, ends its segment", inf, err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		inf, err := d.info()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if inf.Grace <= 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("grace period still running after 30s: %s left", inf.Grace)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	if got := names(); !slices.Equal(got, []string{"held", "held-temp", "victim"}) {
 		t.Fatalf("after the grace period: %v, want [held held-temp victim]", got)
 	}
@@ -897,6 +925,252 @@ func TestSurviveReclaim(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	d.stop(t)
+}
+
+// idleMain makes a temporary segment of the given name, holding 1000
+// float32 (0, 1, 2, ...), and then makes no call until told: "check" reads
+// its mapping and opens the name again (a call, which reconnects), "close"
+// closes the client and lives on, "exit" exits without closing anything,
+// as a process that ends does.
+func idleMain(name string) error {
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, os.Getenv("GPUSHM_SOCKET"))
+	if err != nil {
+		return err
+	}
+	seg, err := c.Create(ctx, name, int64(len(idleBytes)), &gpushm.CreateOptions{Temporary: true})
+	if err != nil {
+		return err
+	}
+	m, err := seg.Map()
+	if err != nil {
+		return err
+	}
+	if _, err := m.WriteAt(idleBytes, 0); err != nil {
+		return err
+	}
+	fmt.Println("ok ready")
+	sc := bufio.NewScanner(os.Stdin)
+	for sc.Scan() {
+		switch sc.Text() {
+		case "check":
+			if err := checkIdle(ctx, c, name, m); err != nil {
+				fmt.Printf("fail %v\n", err)
+				continue
+			}
+			fmt.Printf("ok reconnects=%d\n", c.Reconnects())
+		case "close":
+			if err := c.Close(); err != nil {
+				fmt.Printf("fail close: %v\n", err)
+				continue
+			}
+			fmt.Println("ok closed")
+		case "exit":
+			os.Exit(0)
+		}
+	}
+	return nil
+}
+
+// idleBytes are the float32 numbers 0 to 999, little-endian.
+var idleBytes = func() []byte {
+	b := make([]byte, 4000)
+	for i := range 1000 {
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(float32(i)))
+	}
+	return b
+}()
+
+// checkIdle checks that name is still the segment mapped at m, with its
+// bytes, through the mapping and through a new open.
+func checkIdle(ctx context.Context, c *gpushm.Client, name string, m *gpushm.Mapping) error {
+	got := make([]byte, len(idleBytes))
+	if _, err := m.ReadAt(got, 0); err != nil || !bytes.Equal(got, idleBytes) {
+		return fmt.Errorf("own mapping: bytes differ (%v)", err)
+	}
+	inf, err := c.Stat(ctx, name)
+	if err != nil {
+		return err
+	}
+	if inf.Lifetime != "connection" {
+		return fmt.Errorf("%s: lifetime %q, want connection", name, inf.Lifetime)
+	}
+	seg, err := c.Open(ctx, name, &gpushm.OpenOptions{ReadOnly: true})
+	if err != nil {
+		return err
+	}
+	defer seg.Close()
+	m2, err := seg.Map()
+	if err != nil {
+		return err
+	}
+	if _, err := m2.ReadAt(got, 0); err != nil || !bytes.Equal(got, idleBytes) {
+		return fmt.Errorf("%s opened again: bytes differ (%v)", name, err)
+	}
+	return nil
+}
+
+// startIdle starts an idle client (idleMain) and waits until its segment
+// exists.
+func startIdle(t *testing.T, sock, name string) *chaosClient {
+	t.Helper()
+	cc := startChaosClient(t, sock, 0, "GPUSHM_TEST_IDLE="+name)
+	if line, _ := cc.out.ReadString('\n'); strings.TrimSpace(line) != "ok ready" {
+		t.Fatalf("idle client %s: %q\n%s", name, line, cc.errs.String())
+	}
+	return cc
+}
+
+// waitNamesAt waits until the daemon at sock names exactly want.
+func waitNamesAt(t *testing.T, sock string, want []string, why string) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		got := listAtQuiet(sock)
+		if slices.Equal(got, want) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: the daemon names %v, want %v", why, got, want)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestSurviveIdle: a client makes a temporary segment and then sits idle,
+// making no call, for 60 seconds through 5 SIGKILLs of the serving
+// process, each followed by a grace period (1 s) that runs out long before
+// the client calls again. Its segment stays, with its bytes, because its
+// process lives; its next call works; when it exits, the segment goes.
+func TestSurviveIdle(t *testing.T) {
+	idle, kills := 60*time.Second, 5
+	if testing.Short() {
+		idle = 10 * time.Second
+	}
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	d := startSupervised(t, os.Args[0], sock, "--grace", "1s")
+	cc := startIdle(t, sock, "idle-share")
+	// check reads the segment from another process (this one), on a
+	// connection of its own.
+	check := func(when string) {
+		t.Helper()
+		ctx := context.Background()
+		c, err := gpushm.Dial(ctx, sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetReconnect(0)
+		seg, err := c.Open(ctx, "idle-share", &gpushm.OpenOptions{ReadOnly: true})
+		if err != nil {
+			t.Fatalf("%s: open idle-share: %v", when, err)
+		}
+		defer seg.Close()
+		m, err := seg.Map()
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, len(idleBytes))
+		if _, err := m.ReadAt(got, 0); err != nil || !bytes.Equal(got, idleBytes) {
+			t.Fatalf("%s: idle-share's bytes differ (%v)", when, err)
+		}
+	}
+	for i := range kills {
+		time.Sleep(idle / time.Duration(kills))
+		inf, err := d.info()
+		if err != nil {
+			t.Fatal(err)
+		}
+		syscall.Kill(inf.PID, syscall.SIGKILL)
+		d.waitServing(t, inf.PID)
+		// Past the grace period, which used to end the segment.
+		for deadline := time.Now().Add(30 * time.Second); ; {
+			inf, err := d.info()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if inf.Grace <= 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("grace period still running after 30s: %s left", inf.Grace)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		check(fmt.Sprintf("after restart %d and its grace period", i+1))
+	}
+	// The client's first call since the segment was made: it reconnects
+	// once, and finds its segment.
+	if got := cc.ask(t, 0, "check"); got != "ok reconnects=1" {
+		t.Fatalf("idle client's next call: %s", got)
+	}
+	if got := listAtQuiet(sock); !slices.Equal(got, []string{"idle-share"}) {
+		t.Fatalf("before the client exits: %v", got)
+	}
+	fmt.Fprintln(cc.in, "exit")
+	if err := cc.cmd.Wait(); err != nil {
+		t.Fatalf("idle client: %v\n%s", err, cc.errs.String())
+	}
+	waitNamesAt(t, sock, nil, "after the idle client exited")
+	d.stop(t)
+}
+
+// TestSurviveKilledCreator: a creator killed (SIGKILL) around a restart of
+// the serving process, which never reconnects, loses its temporary
+// segment as soon as the new serving process can tell, long before the
+// grace period (10 minutes here) ends: one killed while no serving process
+// ran, one after the new one started. A live idle creator keeps its own.
+func TestSurviveKilledCreator(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	d := startSupervised(t, os.Args[0], sock, "--grace", "10m")
+	during := startIdle(t, sock, "killed-during")
+	after := startIdle(t, sock, "killed-after")
+	startIdle(t, sock, "alive")
+	inf, err := d.info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Stop the supervisor for a moment, so that the first creator surely
+	// dies while no serving process runs.
+	d.cmd.Process.Signal(syscall.SIGSTOP)
+	syscall.Kill(inf.PID, syscall.SIGKILL)
+	during.cmd.Process.Kill()
+	during.cmd.Wait()
+	d.cmd.Process.Signal(syscall.SIGCONT)
+	d.waitServing(t, inf.PID)
+	waitNamesAt(t, sock, []string{"alive", "killed-after"}, "after the restart")
+	after.cmd.Process.Kill()
+	after.cmd.Wait()
+	waitNamesAt(t, sock, []string{"alive"}, "after the second creator was killed")
+	if inf, err := d.info(); err != nil || inf.Grace < time.Minute {
+		t.Fatalf("info = %+v, %v: the grace period must still run", inf, err)
+	}
+	d.stop(t)
+}
+
+// TestSurviveCloseAfterCrash: a client that closes after a restart of the
+// serving process, without a call in between, ends its temporary segment
+// then, not when its process exits.
+func TestSurviveCloseAfterCrash(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	d := startSupervised(t, os.Args[0], sock, "--grace", "10m")
+	cc := startIdle(t, sock, "closed")
+	inf, err := d.info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	syscall.Kill(inf.PID, syscall.SIGKILL)
+	d.waitServing(t, inf.PID)
+	if got := listAtQuiet(sock); !slices.Equal(got, []string{"closed"}) {
+		t.Fatalf("after the restart: %v", got)
+	}
+	if got := cc.ask(t, 0, "close"); got != "ok closed" {
+		t.Fatalf("close: %s", got)
+	}
+	waitNamesAt(t, sock, nil, "after the client closed (its process lives on)")
 	d.stop(t)
 }
 

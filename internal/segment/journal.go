@@ -32,6 +32,11 @@ type Record struct {
 	// Session is the creator's client session, for a bound segment: the
 	// creator reclaims it by that after a restart.
 	Session string `json:"session,omitempty"`
+	// CreatorPID and CreatorStart name a bound segment's creator process
+	// (see Process): a restarted daemon ends the segment when that process
+	// has exited, and keeps it for as long as it lives. Absent: unknown.
+	CreatorPID   int    `json:"creator_pid,omitempty"`
+	CreatorStart uint64 `json:"creator_start,omitempty"`
 	// Origin names the request that created the segment (session/id), so
 	// that a client retrying a create whose reply it lost gets this one.
 	Origin string `json:"origin,omitempty"`
@@ -85,6 +90,9 @@ func (s *Segment) recordLocked() Record {
 		Created: s.created.UnixNano(), Modified: s.modified.UnixNano(),
 		TTL: int64(s.ttl), Bound: s.bound, Session: s.session, Origin: s.origin, Orphan: s.orphan,
 		Slots: s.slots, SlotBytes: s.slotBytes,
+	}
+	if s.bound {
+		rec.CreatorPID, rec.CreatorStart = s.creator.PID, s.creator.Start
 	}
 	if s.mem != nil {
 		rec.Alloc = s.mem.Size()
@@ -195,7 +203,8 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			uid: rec.UID, gid: rec.GID, mode: rec.Mode & 0o777, meta: rec.Meta,
 			linked: rec.Linked, mem: it.Memory, ready: closedChan,
 			ttl: time.Duration(rec.TTL), idle: time.Unix(0, rec.Idle), bound: rec.Bound,
-			session: rec.Session, origin: rec.Origin, saved: true,
+			session: rec.Session, creator: Process{PID: rec.CreatorPID, Start: rec.CreatorStart},
+			origin: rec.Origin, saved: true,
 			slots: rec.Slots, slotBytes: rec.SlotBytes,
 			doubt: true, wasInUse: rec.InUse && rec.TTL > 0,
 		}
@@ -334,15 +343,35 @@ func (r *Registry) inUseLocked(s *Segment) {
 	}
 }
 
-// Bound lists every creator-bound segment, with its session.
-func (r *Registry) Bound() map[*Segment]string {
+// BoundSegment is a creator-bound segment and who made it.
+type BoundSegment struct {
+	Segment *Segment
+	Session string
+	Creator Process
+}
+
+// Bound lists every creator-bound segment.
+func (r *Registry) Bound() []BoundSegment {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := map[*Segment]string{}
+	var out []BoundSegment
 	for _, s := range r.byName {
 		if s.bound && !s.gone {
-			out[s] = s.session
+			out = append(out, BoundSegment{Segment: s, Session: s.session, Creator: s.creator})
 		}
 	}
 	return out
+}
+
+// Rebind records p as the creator of the bound segment s: the process
+// whose connection it ends with now (a client that came back after a
+// restart). It journals the change, so that the next restart waits for p.
+func (r *Registry) Rebind(s *Segment, p Process) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !s.bound || s.gone || s.creator == p {
+		return
+	}
+	s.creator = p
+	r.noteLocked(s, -1)
 }

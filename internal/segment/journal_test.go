@@ -3,7 +3,6 @@ package segment
 import (
 	"errors"
 	"fmt"
-	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -156,7 +155,8 @@ func TestRestoreAndGrace(t *testing.T) {
 	r.Create(alice, CreateOptions{Name: "keep", Size: 10, Mode: 0o640, UseMode: true, Meta: []byte(`{"k":1}`)})
 	open, _, _ := r.Create(alice, CreateOptions{Name: "gone-but-open", Size: 10, Open: true})
 	r.Unlink(alice, "gone-but-open")
-	r.Create(alice, CreateOptions{Name: "bound", Size: 10, Bound: true, Session: "s1"})
+	creator := Process{PID: 4242, Start: 777}
+	r.Create(alice, CreateOptions{Name: "bound", Size: 10, Bound: true, Session: "s1", Creator: creator})
 	r.Create(alice, CreateOptions{Name: "ttl-open", Size: 10, TTL: time.Millisecond})
 	ttlLease, _ := r.Acquire(alice, "ttl-open", false)
 	// The server dies here: its registry is lost, the journal is not.
@@ -183,8 +183,16 @@ func TestRestoreAndGrace(t *testing.T) {
 	if err := r2.Resize(s, 99999); !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), "restarted") {
 		t.Fatalf("resize during the grace period = %v, want ErrBusy", err)
 	}
-	if b := r2.Bound(); len(b) != 1 || slices.Collect(maps.Values(b))[0] != "s1" {
-		t.Fatalf("Bound() = %v, want one segment of session s1", b)
+	b := r2.Bound()
+	if len(b) != 1 || b[0].Session != "s1" || b[0].Creator != creator {
+		t.Fatalf("Bound() = %+v, want one segment of session s1 made by %+v", b, creator)
+	}
+	// The creator came back as another process: the next restart waits
+	// for that one.
+	next := Process{PID: 4343, Start: 888}
+	r2.Rebind(b[0].Segment, next)
+	if got := j2.recs[b[0].Segment.ID()]; got.CreatorPID != next.PID || got.CreatorStart != next.Start {
+		t.Fatalf("journaled creator after Rebind: pid %d start %d, want %+v", got.CreatorPID, got.CreatorStart, next)
 	}
 	// A client reclaims its lease on the unlinked segment by id.
 	if _, err := r2.Reclaim(eve, open.ID(), 1, false); !errors.Is(err, ErrPermission) {

@@ -37,6 +37,18 @@ type Cred struct {
 	UID, GID uint32
 }
 
+// Process names one process for as long as it lives: its pid and its
+// start time (the kernel's, in clock ticks after boot), so that a process
+// that reuses the pid later is not taken for it. The zero Process, or one
+// without a start time, is unknown.
+type Process struct {
+	PID   int
+	Start uint64
+}
+
+// Known reports whether p names a process.
+func (p Process) Known() bool { return p.PID > 0 && p.Start > 0 }
+
 // Root is the credential of the superuser.
 var Root = Cred{}
 
@@ -88,6 +100,9 @@ type CreateOptions struct {
 	// Session identifies the creating client across reconnections: a
 	// bound segment's creator reclaims it by this after a restart.
 	Session string
+	// Creator is the creating process, journaled for a bound segment: a
+	// restarted daemon keeps the segment while that process lives.
+	Creator Process
 	// Origin names the creating request (session and request id); a
 	// create with the same Origin finds the segment it made, as created,
 	// so that a retried request has the outcome of the first.
@@ -167,11 +182,13 @@ type Segment struct {
 	ttl   time.Duration
 	idle  time.Time
 	bound bool
-	// Durability (journal.go): session and origin identify the creator;
-	// saved says the journal holds a record; doubt marks a segment restored
-	// after a restart whose leases may still be reclaimed, and wasInUse one
-	// whose TTL clock was stopped then; orphan says why it cannot be served.
+	// Durability (journal.go): session, creator and origin identify who
+	// made the segment (its client, its process, its request); saved says
+	// the journal holds a record; doubt marks a segment restored after a
+	// restart whose leases may still be reclaimed, and wasInUse one whose
+	// TTL clock was stopped then; orphan says why it cannot be served.
 	session  string
+	creator  Process
 	origin   string
 	saved    bool
 	doubt    bool
@@ -350,6 +367,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		idle:      now,
 		bound:     o.Bound,
 		session:   o.Session,
+		creator:   o.Creator,
 		origin:    o.Origin,
 		slots:     o.Slots,
 		slotBytes: o.SlotBytes,

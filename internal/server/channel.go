@@ -1,11 +1,8 @@
 package server
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
-	"os"
-	"strconv"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -58,34 +55,16 @@ func initControl(slots int, slotBytes int64) func(segment.Memory) error {
 	}
 }
 
-// procStart is a process's start time (clock ticks after boot, field 22
-// of /proc/PID/stat): with the pid, it names one process, not whatever
-// reuses the pid later.
-func procStart(pid int) (uint64, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, err
-	}
-	// The command name (field 2) is in parentheses and may hold spaces.
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0, fmt.Errorf("/proc/%d/stat: unreadable", pid)
-	}
-	f := bytes.Fields(b[i+1:])
-	if len(f) < 20 {
-		return 0, fmt.Errorf("/proc/%d/stat: unreadable", pid)
-	}
-	return strconv.ParseUint(string(f[19]), 10, 64)
+// holderProcess is the process a role's holder names.
+func holderProcess(h channel.Holder) segment.Process {
+	return segment.Process{PID: h.PID, Start: h.Start}
 }
 
 // alive reports whether the process that holds a role is still the one
 // recorded.
 func alive(h channel.Holder) bool {
-	if h.PID <= 0 {
-		return false
-	}
-	start, err := procStart(h.PID)
-	return err == nil && start == h.Start
+	p := holderProcess(h)
+	return p.Known() && identify(p.PID) == p
 }
 
 func parseRole(s string) (channel.Role, error) {
@@ -102,12 +81,13 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 	if !seg.IsChannel() {
 		return fmt.Errorf("%q is not a channel: %w", c.s.reg.Info(seg).Name, syscall.EINVAL)
 	}
-	pid := int(c.cred.PID)
-	start, err := procStart(pid)
-	if err != nil {
-		return fmt.Errorf("identify process %d: %w", pid, err)
+	p := c.process()
+	if !p.Known() {
+		// A role is ended by its process's exit, which needs its name.
+		return fmt.Errorf("identify process %d: its start time cannot be read in /proc (a process of a pid namespace the daemon cannot see?)", c.cred.PID)
 	}
-	err = c.s.withBlock(seg, func(blk *channel.Block) error {
+	pid, start := p.PID, p.Start
+	err := c.s.withBlock(seg, func(blk *channel.Block) error {
 		h := blk.Holder(role)
 		if h.State == channel.StateAttached && (h.PID != pid || h.Start != start) {
 			if alive(h) {
@@ -171,20 +151,9 @@ func (c *conn) unclaim(seg *segment.Segment, role channel.Role, died bool) {
 }
 
 // watch ends role on seg when the process h exits, if it still holds it
-// then. The watcher lives until the process exits.
+// then; at once if it has exited already.
 func (s *Server) watch(seg *segment.Segment, role channel.Role, h channel.Holder) {
-	pidfd, err := unix.PidfdOpen(h.PID, 0)
-	if err != nil {
-		return // gone already, or pidfds unsupported: connections end roles
-	}
-	go func() {
-		defer unix.Close(pidfd)
-		fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
-		for {
-			if _, err := unix.Poll(fds, -1); err != unix.EINTR {
-				break
-			}
-		}
+	end := func() {
 		s.withBlock(seg, func(blk *channel.Block) error {
 			if now := blk.Holder(role); now.State == channel.StateAttached && now.PID == h.PID && now.Start == h.Start {
 				s.log.Info("channel end exited; its role ends", "segment", seg.ID(), "role", role, "pid", h.PID)
@@ -197,7 +166,17 @@ func (s *Server) watch(seg *segment.Segment, role channel.Role, h channel.Holder
 			}
 			return nil
 		})
-	}()
+	}
+	type roleKey struct {
+		id   uint64
+		role channel.Role
+	}
+	err := s.onExit(holderProcess(h), roleKey{seg.ID(), role}, end)
+	if errors.Is(err, errExited) || err != nil && !alive(h) {
+		end()
+	}
+	// A live process that cannot be watched (no pidfds): its connection
+	// ends the role.
 }
 
 // RepairChannels checks every channel's roles after a restart: a role whose
@@ -205,24 +184,22 @@ func (s *Server) watch(seg *segment.Segment, role channel.Role, h channel.Holder
 // until it exits (its client reclaims it when it reconnects).
 func (s *Server) RepairChannels() {
 	for _, seg := range s.reg.Channels() {
+		held := map[channel.Role]channel.Holder{}
 		s.withBlock(seg, func(blk *channel.Block) error {
 			if _, _, _, err := blk.Check(); err != nil {
 				s.log.Error("channel control block", "segment", seg.ID(), "err", err)
 				return nil
 			}
 			for _, role := range []channel.Role{channel.Tx, channel.Rx} {
-				h := blk.Holder(role)
-				if h.State != channel.StateAttached {
-					continue
-				}
-				if alive(h) {
-					s.watch(seg, role, h)
-				} else {
-					blk.Detach(role, true)
+				if h := blk.Holder(role); h.State == channel.StateAttached {
+					held[role] = h
 				}
 			}
 			return nil
 		})
+		for role, h := range held {
+			s.watch(seg, role, h) // ends the role now if its process is gone
+		}
 	}
 }
 

@@ -118,11 +118,15 @@ func (s *Server) Resume() {
 	s.parked = nil
 	s.parking = false
 	close(s.resumed)
-	s.mu.Unlock()
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	exited := s.exitedParked
+	s.exitedParked = nil
 	for _, c := range parked {
 		s.goServe(c)
+	}
+	s.mu.Unlock()
+	// Processes that exited while parked: what they held ends now.
+	for _, fn := range exited {
+		fn()
 	}
 }
 
@@ -168,36 +172,77 @@ func (s *Server) Adopt(fd int, state json.RawMessage) error {
 	return nil
 }
 
+// restoredSeg is a creator-bound segment restored after a restart, waiting
+// for its creator to say hello again.
+type restoredSeg struct {
+	seg     *segment.Segment
+	creator segment.Process
+	// watched says the creator's exit is watched: the segment ends then,
+	// not when the grace period does.
+	watched bool
+}
+
 // StartGrace begins the grace period after a restart, until until (now or
-// earlier: none): restored creator-bound segments wait for their creators
-// to say hello again, restored leases for their holders to reclaim them.
-// When it ends, what was not reclaimed ends too. Call after Restore and
+// earlier: none): restored leases wait for their holders to reclaim them,
+// and what was not reclaimed when it ends, ends. A restored creator-bound
+// segment waits for its creator's session to say hello again for as long
+// as the creator's process lives, and ends as soon as it exits (at once if
+// it exited while the daemon was down); only a segment whose creator
+// cannot be watched (a process of another pid namespace, or one recorded
+// before creators were) ends with the grace period. Call after Restore and
 // Adopt, before Serve.
 func (s *Server) StartGrace(until time.Time) {
-	bound := map[string][]*segment.Segment{}
-	for seg, session := range s.reg.Bound() {
-		if !s.isAdopted(seg) {
-			bound[session] = append(bound[session], seg)
+	bound := map[string][]restoredSeg{}
+	creators := map[segment.Process]bool{}
+	for _, b := range s.reg.Bound() {
+		if s.isAdopted(b.Segment) {
+			continue
+		}
+		known := b.Creator.Known()
+		bound[b.Session] = append(bound[b.Session], restoredSeg{seg: b.Segment, creator: b.Creator, watched: known})
+		if known {
+			creators[b.Creator] = true
 		}
 	}
 	s.mu.Lock()
 	s.restoredBound = bound
 	s.mu.Unlock()
+	type boundKey struct{}
+	for p := range creators {
+		err := s.onExit(p, boundKey{}, func() { s.endRestoredBound(p, "its creator exited") })
+		switch {
+		case errors.Is(err, errExited):
+			s.endRestoredBound(p, "its creator exited while the daemon was down")
+		case err != nil:
+			s.log.Warn("cannot watch the creator of temporary segments; they end with the grace period unless it comes back", "pid", p.PID, "err", err)
+			s.unwatch(p)
+		}
+	}
 	end := func() {
 		s.mu.Lock()
-		left := s.restoredBound
-		s.restoredBound = nil
-		s.mu.Unlock()
-		n := 0
-		for _, segs := range left {
-			for _, seg := range segs {
-				s.reg.Discard(seg)
-				n++
+		var left []*segment.Segment
+		for session, segs := range s.restoredBound {
+			kept := segs[:0]
+			for _, r := range segs {
+				if r.watched {
+					kept = append(kept, r)
+				} else {
+					left = append(left, r.seg)
+				}
+			}
+			if len(kept) > 0 {
+				s.restoredBound[session] = kept
+			} else {
+				delete(s.restoredBound, session)
 			}
 		}
+		s.mu.Unlock()
+		for _, seg := range left {
+			s.reg.Discard(seg)
+		}
 		s.reg.EndGrace()
-		if n > 0 {
-			s.log.Info("grace period over: ended creator-bound segments whose creators did not come back", "segments", n)
+		if len(left) > 0 {
+			s.log.Info("grace period over: ended creator-bound segments whose creators did not come back and could not be watched", "segments", len(left))
 		}
 	}
 	if d := time.Until(until); d > 0 {
@@ -205,6 +250,51 @@ func (s *Server) StartGrace(until time.Time) {
 		time.AfterFunc(d, end)
 	} else {
 		end()
+	}
+}
+
+// endRestoredBound ends the restored creator-bound segments that p made
+// and that no connection took back.
+func (s *Server) endRestoredBound(p segment.Process, why string) {
+	var ended []*segment.Segment
+	s.mu.Lock()
+	for session, segs := range s.restoredBound {
+		kept := segs[:0]
+		for _, r := range segs {
+			if r.creator == p {
+				ended = append(ended, r.seg)
+			} else {
+				kept = append(kept, r)
+			}
+		}
+		if len(kept) > 0 {
+			s.restoredBound[session] = kept
+		} else {
+			delete(s.restoredBound, session)
+		}
+	}
+	s.mu.Unlock()
+	for _, seg := range ended {
+		// Discard leaves a name alone that now names another segment.
+		if err := s.reg.Discard(seg); err != nil {
+			s.log.Error("end creator-bound segment", "segment", seg.ID(), "err", err)
+		}
+	}
+	if len(ended) > 0 {
+		s.log.Info("ended temporary segments: "+why, "pid", p.PID, "segments", len(ended))
+	}
+}
+
+// unwatch leaves p's restored creator-bound segments to the grace period.
+func (s *Server) unwatch(p segment.Process) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, segs := range s.restoredBound {
+		for i := range segs {
+			if segs[i].creator == p {
+				segs[i].watched = false
+			}
+		}
 	}
 }
 
@@ -222,23 +312,29 @@ func (s *Server) isAdopted(seg *segment.Segment) bool {
 }
 
 // takeBound gives a client saying hello with session its restored
-// creator-bound segments (those it owns, or all for root).
-func (s *Server) takeBound(session string, uid uint32) []*segment.Segment {
+// creator-bound segments (those it owns, or all for root). They are bound
+// to its connection from now on, and to its process p across the next
+// restart.
+func (s *Server) takeBound(session string, uid uint32, p segment.Process) []*segment.Segment {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	segs := s.restoredBound[session]
-	var mine, rest []*segment.Segment
-	for _, seg := range segs {
-		if uid == 0 || s.reg.Info(seg).UID == uid {
-			mine = append(mine, seg)
+	var mine []*segment.Segment
+	var rest []restoredSeg
+	for _, r := range segs {
+		if uid == 0 || s.reg.Info(r.seg).UID == uid {
+			mine = append(mine, r.seg)
 		} else {
-			rest = append(rest, seg)
+			rest = append(rest, r)
 		}
 	}
 	if len(rest) > 0 {
 		s.restoredBound[session] = rest
 	} else {
 		delete(s.restoredBound, session)
+	}
+	s.mu.Unlock()
+	for _, seg := range mine {
+		s.reg.Rebind(seg, p)
 	}
 	return mine
 }
@@ -247,9 +343,9 @@ func (s *Server) takeBound(session string, uid uint32) []*segment.Segment {
 // connection; nothing else claims it, since the grace period has not
 // started yet.
 func (s *Server) takeBoundID(id uint64) *segment.Segment {
-	for seg := range s.reg.Bound() {
-		if seg.ID() == id {
-			return seg
+	for _, b := range s.reg.Bound() {
+		if b.Segment.ID() == id {
+			return b.Segment
 		}
 	}
 	return nil

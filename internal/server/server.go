@@ -62,9 +62,16 @@ type Server struct {
 	parked        []*conn
 	resumed       chan struct{}
 	// restoredBound are creator-bound segments restored after a restart,
-	// by creator session, until their creator says hello again or the
-	// grace period ends.
-	restoredBound map[string][]*segment.Segment
+	// by creator session, until their creator says hello again or its
+	// process exits (or, for a creator that cannot be watched, the grace
+	// period ends).
+	restoredBound map[string][]restoredSeg
+
+	// Processes watched for their exit (process.go), and what their exits
+	// left to do while the server was parked.
+	exits        map[segment.Process]*exitWatch
+	watchers     sync.WaitGroup
+	exitedParked []func()
 }
 
 // New makes a server for backend. version is reported by hello.
@@ -230,6 +237,7 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 	}
 	s.mu.Unlock()
 	s.wg.Wait()
+	s.stopWatching()
 	err = s.reg.Close()
 	s.epoch.Close()
 	unix.Close(s.wake)
@@ -358,6 +366,18 @@ type conn struct {
 	// ctlFD is a channel's control block, sent in a packet of its own
 	// right after the reply that announced it (-1: none).
 	ctlFD int
+	// proc is the client's process, read once (process).
+	proc     segment.Process
+	procRead bool
+}
+
+// process is the process at the other end of the connection (its pid
+// from SO_PEERCRED), or an unknown one if it cannot be named.
+func (c *conn) process() segment.Process {
+	if !c.procRead {
+		c.proc, c.procRead = identify(int(c.cred.PID)), true
+	}
+	return c.proc
 }
 
 // maxTTL bounds ttl_seconds: a year is longer than any idle segment should
@@ -517,7 +537,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		c.hello = true
 		if req.Session != "" && c.session == "" {
 			c.session = req.Session
-			c.bound = append(c.bound, c.s.takeBound(req.Session, c.cred.UID)...)
+			c.bound = append(c.bound, c.s.takeBound(req.Session, c.cred.UID, c.process())...)
 		}
 		return &wire.Reply{Version: wire.Version, Server: c.s.version, Backend: c.s.backend.Name(), Epoch: true}, c.s.epoch.FD()
 	case wire.OpInfo:
@@ -697,7 +717,9 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 	switch req.Lifetime {
 	case "":
 	case wire.LifetimeConnection:
-		o.Bound = true
+		// The creator is journaled, so that after a restart the segment
+		// waits for exactly this process.
+		o.Bound, o.Creator = true, c.process()
 	default:
 		return o, fmt.Errorf("lifetime %q (want \"connection\" or none): %w", req.Lifetime, syscall.EINVAL)
 	}

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -24,6 +25,7 @@ type Conn struct {
 	fd        int
 	closeOnce sync.Once
 	closeErr  error
+	closed    atomic.Bool
 	buf       []byte
 	oob       []byte
 	spin      time.Duration
@@ -119,10 +121,27 @@ func (c *Conn) Shutdown() error {
 // when no Send or Recv is in flight (use Shutdown to end those first).
 func (c *Conn) Close() error {
 	c.closeOnce.Do(func() {
+		c.closed.Store(true)
 		unix.Shutdown(c.fd, unix.SHUT_RDWR)
 		c.closeErr = unix.Close(c.fd)
 	})
 	return c.closeErr
+}
+
+// HungUp reports, without waiting, whether the peer closed the connection
+// (or it was closed here).
+func (c *Conn) HungUp() bool {
+	if c.closed.Load() {
+		return true
+	}
+	fds := []unix.PollFd{{Fd: int32(c.fd), Events: unix.POLLIN | unix.POLLRDHUP}}
+	for {
+		_, err := unix.Poll(fds, 0)
+		if err == unix.EINTR {
+			continue
+		}
+		return err != nil || fds[0].Revents&(unix.POLLHUP|unix.POLLRDHUP|unix.POLLERR) != 0
+	}
 }
 
 // Send writes one packet with an optional descriptor (fd < 0 for none).

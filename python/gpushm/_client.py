@@ -18,6 +18,7 @@ import errno
 import itertools
 import json
 import os
+import select
 import socket
 import threading
 import time
@@ -276,10 +277,42 @@ class Client:
         with self._lock:
             if self._closed:
                 return
+            if self._broken is None and self._pid == os.getpid():
+                self._end_lost_connection()
             self._closed = True
             self._broken = "the client was closed"
             self._pending.clear()
             self._sock.close()
+
+    def _end_lost_connection(self):
+        """Ends the temporary segments of a connection that a crash of the
+        daemon's serving process took since the last call: the new serving
+        process keeps them for as long as this process lives, waiting for
+        this session. A hello with it on a new connection, closed at once,
+        takes them back to end with it. If the daemon does not answer in
+        time, they end when this process exits. The lock is held."""
+        if self._reconnect <= 0 or not self._hung_up():
+            return
+        try:
+            new = self._dial()
+        except OSError:
+            return
+        new.settimeout(min(self._reconnect, 5.0))
+        self._sock.close()
+        self._sock = new
+        try:
+            _, fd = self._exchange("hello", {"version": VERSION, "session": self._session}, -1)
+            if fd >= 0:
+                os.close(fd)
+        except OSError:
+            pass
+
+    def _hung_up(self):
+        """Whether the daemon closed this client's connection, without
+        waiting."""
+        p = select.poll()
+        p.register(self._sock, select.POLLIN | select.POLLRDHUP)
+        return any(ev & (select.POLLHUP | select.POLLRDHUP | select.POLLERR) for _, ev in p.poll(0))
 
     # ---- round trips --------------------------------------------------
 

@@ -62,7 +62,8 @@ def test_client_rides_through_a_crash(sdaemon):
     new = c.create("after", 100)
     assert new.created
     # A peer that dies while the daemon is down loses its temporary
-    # segment when the grace period ends; ours stays.
+    # segment as soon as the new serving process sees it gone, without
+    # waiting for the grace period; ours stays, then and after it.
     peer = Peer(sdaemon.socket, """
         import sys, gpushm, numpy as np
         c = gpushm.connect()
@@ -77,19 +78,110 @@ def test_client_rides_through_a_crash(sdaemon):
     peer.p.wait()
     wait_new_pid(sdaemon.socket, pid)
     assert c.stat("temp").name == "temp"     # reclaimed again, after a second crash
-    names = {s.name for s in c.list()}
-    assert {"kept", "temp", "after", "peer-temp"} <= names
-    time.sleep(2.5)
+    wait_names(sdaemon.socket, lambda names: {"kept", "temp", "after"} <= names and "peer-temp" not in names,
+               "the dead peer's temporary segment ends at once")
+    time.sleep(2.5)                          # the grace period ends
     names = {s.name for s in c.list()}
     assert "temp" in names and "peer-temp" not in names
     assert np.asarray(temp.memoryview()).view(np.int32).tolist() == list(range(16))
     c.close()
     # Our connection is gone: our temporary segment with it.
-    with gpushm.connect(sdaemon.socket) as c2:
-        deadline = time.monotonic() + 5
-        while "temp" in {s.name for s in c2.list()}:
-            assert time.monotonic() < deadline, "temporary segment outlived its client"
+    wait_names(sdaemon.socket, lambda names: "temp" not in names, "temporary segment outlived its client")
+
+
+def wait_names(sock, cond, why, timeout=30):
+    """Waits until cond holds of the set of names the daemon lists."""
+    deadline = time.monotonic() + timeout
+    with gpushm.connect(sock, reconnect=0) as c:
+        while True:
+            names = {s.name for s in c.list()}
+            if cond(names):
+                return names
+            assert time.monotonic() < deadline, f"{why}: the daemon names {sorted(names)}"
             time.sleep(0.02)
+
+
+def grace_left(sock):
+    with gpushm.connect(sock, reconnect=0) as c:
+        return c.info()["grace_seconds"]
+
+
+IDLE = """
+    import sys, gpushm, numpy as np
+    c = gpushm.connect()
+    seg = c.share(sys.argv[1], np.arange(1000, dtype=np.float32))
+    print("ok", flush=True)
+    for line in sys.stdin:                  # idle: no call until asked
+        cmd = line.strip()
+        if cmd == "check":
+            mine = np.asarray(seg.memoryview()).view(np.float32)
+            again = np.asarray(c.open(sys.argv[1], readonly=True).memoryview()).view(np.float32)
+            assert c.stat(sys.argv[1]).size == 4000
+            ok = (mine == np.arange(1000, dtype=np.float32)).all() and (again == mine).all()
+            print(f"ok reconnects={c.reconnects}" if ok else "bytes differ", flush=True)
+        elif cmd == "close":
+            c.close()
+            print("ok closed", flush=True)
+"""
+
+
+def test_idle_share_survives_restarts(sdaemon):
+    """A client shares a temporary segment and makes no call for 60 s, while
+    the serving process is SIGKILLed 5 times, each grace period (2 s)
+    running out long before its next call: the segment stays, with its
+    bytes, because the client's process lives. Its next call works, and
+    when it exits the segment goes."""
+    peer = Peer(sdaemon.socket, IDLE, "idle-share")
+    peer.expect("ok")
+    want = np.arange(1000, dtype=np.float32)
+    for i in range(5):
+        time.sleep(12)
+        pid = serving_pid(sdaemon.socket)
+        os.kill(pid, signal.SIGKILL)
+        wait_new_pid(sdaemon.socket, pid)
+        deadline = time.monotonic() + 30
+        while grace_left(sdaemon.socket) > 0:
+            assert time.monotonic() < deadline, "grace period still running after 30s"
+            time.sleep(0.05)
+        with gpushm.connect(sdaemon.socket, reconnect=0) as c:
+            got = np.asarray(c.open("idle-share", readonly=True).memoryview()).view(np.float32)
+            assert (got == want).all(), f"restart {i + 1}: the bytes changed"
+    peer.send("check")
+    peer.expect("ok reconnects=1")
+    peer.close()                             # exits: its connection ends
+    wait_names(sdaemon.socket, lambda names: "idle-share" not in names, "the segment outlived its client's process")
+
+
+@pytest.fixture
+def long_grace():
+    """A daemon whose grace period (10 minutes) outlasts every test: what
+    ends a temporary segment here is not the grace period."""
+    d = Daemon("host", "--grace", "600s")
+    yield d
+    d.stop()
+
+
+def test_killed_creator_loses_its_share_at_once(long_grace):
+    sock = long_grace.socket
+    during = Peer(sock, IDLE, "killed-during")
+    after = Peer(sock, IDLE, "killed-after")
+    alive = Peer(sock, IDLE, "alive")
+    for p in (during, after, alive):
+        p.expect("ok")
+    pid = serving_pid(sock)
+    os.kill(pid, signal.SIGKILL)
+    during.p.kill()                          # likely before the restart
+    during.p.wait()
+    wait_new_pid(sock, pid)
+    wait_names(sock, lambda names: names == {"alive", "killed-after"}, "after the restart")
+    after.p.kill()                           # after it, never reconnected
+    after.p.wait()
+    wait_names(sock, lambda names: names == {"alive"}, "after the second creator was killed")
+    assert grace_left(sock) > 60
+    alive.send("close")                      # no call since the crash
+    alive.expect("ok closed")
+    wait_names(sock, lambda names: not names, "after the live client closed")
+    alive.close()
 
 
 def test_retried_requests_have_one_outcome(sdaemon):
