@@ -97,6 +97,10 @@ type CreateOptions struct {
 	Slots     int
 	SlotBytes int64
 	Control   func(Memory) error
+	// Uncommitted holds the name for a segment that only its creator may
+	// open until Commit (commit.go); it ends with its creator as a Bound
+	// segment does. It needs Open, and no ExistOK, Pin, Memory or Slots.
+	Uncommitted bool
 }
 
 // Info is a snapshot of a segment's state.
@@ -133,6 +137,8 @@ type Info struct {
 	Slots     int
 	SlotBytes int64
 	Stride    int64
+	// Uncommitted: its creator is still filling it (commit.go).
+	Uncommitted bool
 }
 
 // Segment is one allocation in the registry.
@@ -180,6 +186,10 @@ type Segment struct {
 	// A channel's layout (slots > 0); its memory is a ChannelMemory.
 	slots     int
 	slotBytes int64
+	// Committing (commit.go): uncommitted until its creator commits it;
+	// commitOrigin names the request that did.
+	uncommitted  bool
+	commitOrigin string
 }
 
 // ID is unique for the registry's lifetime; IDs are never reused.
@@ -209,6 +219,9 @@ type Registry struct {
 	// removed, if set, is told of a channel whose name went (unlink,
 	// rename over it), outside the lock, before its memory is freed.
 	removed func(*Segment)
+	// waiters is closed, and set to nil, at the next change that may end
+	// an open's wait for a commit (commit.go); nil while nobody waits.
+	waiters chan struct{}
 }
 
 // New returns an empty registry allocating through alloc. changed, if not
@@ -217,12 +230,18 @@ func New(alloc Allocator, changed func()) *Registry {
 	if changed == nil {
 		changed = func() {}
 	}
-	return &Registry{
-		alloc:   alloc,
-		byName:  make(map[string]*Segment),
-		byID:    make(map[uint64]*Segment),
-		changed: changed,
+	r := &Registry{
+		alloc:  alloc,
+		byName: make(map[string]*Segment),
+		byID:   make(map[uint64]*Segment),
 	}
+	// Whatever makes a name stop naming its segment may also end an open's
+	// wait for a commit (commit.go).
+	r.changed = func() {
+		changed()
+		r.wakeLocked()
+	}
+	return r
 }
 
 // ValidName reports why name cannot name a segment, or nil.
@@ -260,6 +279,9 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 			return nil, false, err
 		}
 		o.Size = size
+	}
+	if o.Uncommitted && (!o.Open || o.ExistOK || o.Pin || o.Memory != nil || o.Slots != 0 || o.AllowEmpty) {
+		return nil, false, fmt.Errorf("%w: an uncommitted segment is created open, and not with exist_ok, as a channel or from published memory", ErrBadOption)
 	}
 	if o.Size < 0 || o.Size == 0 && !o.AllowEmpty {
 		return nil, false, fmt.Errorf("%w: %d (must be positive)", ErrBadSize, o.Size)
@@ -302,6 +324,9 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		}
 		if !o.ExistOK {
 			return nil, false, fmt.Errorf("%w: %q", ErrExist, o.Name)
+		}
+		if existing.uncommitted {
+			return nil, false, uncommittedError(existing)
 		}
 		if existing.slots != o.Slots || existing.slotBytes != o.SlotBytes {
 			return nil, false, fmt.Errorf("%w: %q is %s, not %s", ErrExist, o.Name,
@@ -353,6 +378,8 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		origin:    o.Origin,
 		slots:     o.Slots,
 		slotBytes: o.SlotBytes,
+
+		uncommitted: o.Uncommitted,
 	}
 	r.byName[o.Name] = s
 	r.mu.Unlock()
@@ -400,6 +427,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		s.pins = 1
 	}
 	r.noteLocked(s, fd)
+	r.wakeLocked() // a name came to be: opens waiting for it look again
 	return s, true, nil
 }
 
@@ -467,6 +495,9 @@ func (r *Registry) Acquire(c Cred, name string, readOnly bool) (*Segment, error)
 	s, err := r.find(name)
 	if err != nil {
 		return nil, err
+	}
+	if s.uncommitted {
+		return nil, uncommittedError(s)
 	}
 	if err := r.acquireLocked(c, s, readOnly); err != nil {
 		return nil, err
@@ -630,6 +661,8 @@ func (r *Registry) infoLocked(s *Segment) Info {
 		Doubt:      s.doubt,
 		Slots:      s.slots,
 		SlotBytes:  s.slotBytes,
+
+		Uncommitted: s.uncommitted,
 	}
 	if s.slots > 0 {
 		inf.Stride = channelStride(s.slotBytes)
