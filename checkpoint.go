@@ -91,8 +91,9 @@ type PutOptions struct {
 // PutCheckpoint creates name as one bundle segment holding the
 // checkpoint: a safetensors header naming every tensor of every shard, the
 // shards' data, the small files and what it takes to write the shards back
-// byte for byte (docs/protocol.md, "Metadata conventions"). On any failure
-// the segment is removed.
+// byte for byte (docs/protocol.md, "Metadata conventions"). The segment is
+// created uncommitted and committed once full, so nobody opens it half
+// written; on any failure, or if this process dies first, it goes.
 func (c *Client) PutCheckpoint(ctx context.Context, name string, ck *Checkpoint, o *PutOptions) (st CopyStats, err error) {
 	if o == nil {
 		o = &PutOptions{}
@@ -101,16 +102,14 @@ func (c *Client) PutCheckpoint(ctx context.Context, name string, ck *Checkpoint,
 	if err != nil {
 		return st, err
 	}
-	seg, err := c.Create(ctx, name, ck.p.Size, &CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta})
+	seg, err := c.Create(ctx, name, ck.p.Size, &CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, Uncommitted: true})
 	if err != nil {
 		return st, err
 	}
 	defer func() {
+		// Closed uncommitted, after a failure, the segment goes.
 		if cerr := seg.Close(); err == nil {
 			err = cerr
-		}
-		if err != nil {
-			c.Unlink(context.Background(), name)
 		}
 	}()
 	m, err := seg.Map()
@@ -130,7 +129,7 @@ func (c *Client) PutCheckpoint(ctx context.Context, name string, ck *Checkpoint,
 	if err != nil {
 		return st, fmt.Errorf("gpushm: put %s: %w", name, err)
 	}
-	return st, nil
+	return st, seg.Commit(ctx)
 }
 
 // GetCheckpoint writes a checkpoint directory's bundle back as the

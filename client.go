@@ -291,7 +291,8 @@ func (c *Client) roundTrip(ctx context.Context, req *wire.Request) (*wire.Reply,
 // safe for every operation: a create or publish that the first attempt
 // applied is found again by its id (the daemon records which request made
 // a segment), and an unlink or rename that finds its name gone had been
-// applied by the first attempt. A close needs no retry: the lease ended
+// applied by the first attempt, and a commit that the first attempt applied
+// is answered as that one was. A close needs no retry: the lease ended
 // with the connection.
 func (c *Client) roundTripFD(ctx context.Context, req *wire.Request, sendFD int) (*wire.Reply, int, error) {
 	c.mu.Lock()
@@ -301,7 +302,12 @@ func (c *Client) roundTripFD(ctx context.Context, req *wire.Request, sendFD int)
 	}
 	c.nextID++
 	req.ID = c.nextID
+	start, wait := time.Now(), req.Wait
 	for retried := false; ; retried = true {
+		if retried && wait > 0 {
+			// An open waiting for a commit waits what is left of its time.
+			req.Wait = max(wait-time.Since(start).Seconds(), 0.001)
+		}
 		rep, fd, err := c.exchangeLocked(ctx, req, sendFD)
 		if !errors.Is(err, errLost) {
 			if retried && (req.Op == wire.OpUnlink || req.Op == wire.OpRename) && errors.Is(err, syscall.ENOENT) {
@@ -600,11 +606,19 @@ type CreateOptions struct {
 	Temporary bool
 	// TTL ends the segment once it has been unopened for this long.
 	TTL time.Duration
+	// Uncommitted makes a segment that nobody else can open until this
+	// client commits it (Segment.Commit): fill it, then commit it, and no
+	// reader ever sees it half written. It takes its name at once (a
+	// second create of the name fails with EEXIST), is listed as
+	// uncommitted, and goes if this client closes it, or its connection
+	// ends, before the commit. Not with ExistOK, nor with CreateOnly.
+	Uncommitted bool
 }
 
 func (o *CreateOptions) request(name string, size int64, open bool) *wire.Request {
 	r := &wire.Request{Op: wire.OpCreate, Name: name, Size: size, Device: o.Device,
-		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: open, TTL: o.TTL.Seconds()}
+		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: open, TTL: o.TTL.Seconds(),
+		Uncommitted: o.Uncommitted}
 	if o.Temporary {
 		r.Lifetime = wire.LifetimeConnection
 	}
@@ -616,7 +630,12 @@ func (c *Client) Create(ctx context.Context, name string, size int64, o *CreateO
 	if o == nil {
 		o = &CreateOptions{}
 	}
-	return c.openWith(ctx, o.request(name, size, true), cacheKey{name: name}, nil)
+	key := cacheKey{name: name}
+	if o.Uncommitted {
+		// Not openable by name until committed: Commit caches it then.
+		key.uncommitted = true
+	}
+	return c.openWith(ctx, o.request(name, size, true), key, nil)
 }
 
 // CreateOnly makes a segment without opening it; created is false when
@@ -641,6 +660,15 @@ type OpenOptions struct {
 	// one cuMemSetAccess call, reaching the segment's GPU over NVLink or PCIe
 	// peer access. Empty means the segment's own GPU.
 	Devices []int
+	// Wait > 0 waits, at most this long (and at most an hour), for the name
+	// to name a committed segment: one that does not exist yet, or that
+	// its writer has not committed yet (CreateOptions.Uncommitted). The
+	// open fails with ETIMEDOUT when the time is up, and with ENOENT when
+	// the writer it waited for went without committing. Without Wait such
+	// an open fails at once (ENOENT, or EAGAIN for an uncommitted one).
+	// The wait ends sooner if ctx does; this client sends nothing else
+	// meanwhile.
+	Wait time.Duration
 }
 
 // Open opens a segment by name. If this client already holds the same name
@@ -662,7 +690,20 @@ func (c *Client) Open(ctx context.Context, name string, o *OpenOptions) (*Segmen
 		return &Segment{sh: sh}, nil
 	}
 	c.cmu.Unlock()
-	return c.openWith(ctx, &wire.Request{Op: wire.OpOpen, Name: name, ReadOnly: o.ReadOnly}, key, o.Devices)
+	req := &wire.Request{Op: wire.OpOpen, Name: name, ReadOnly: o.ReadOnly}
+	if o.Wait != 0 {
+		wait := o.Wait
+		if dl, ok := ctx.Deadline(); ok {
+			// Let the daemon answer before ctx ends: a cancelled request
+			// leaves the connection unusable.
+			wait = min(wait, time.Until(dl)-time.Until(dl)/10)
+		}
+		if wait <= 0 {
+			return nil, fmt.Errorf("gpushm: open %q: wait %s: %w", name, o.Wait, syscall.EINVAL)
+		}
+		req.Wait = wait.Seconds()
+	}
+	return c.openWith(ctx, req, key, o.Devices)
 }
 
 func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey, devices []int) (*Segment, error) {
@@ -681,7 +722,9 @@ func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey, 
 		closeFD(fd)
 		return nil, errors.New("gpushm: client closed")
 	}
-	c.cache[key] = sh
+	if !key.uncommitted {
+		c.cache[key] = sh
+	}
 	c.open[sh] = struct{}{}
 	return &Segment{sh: sh}, nil
 }
@@ -690,6 +733,9 @@ type cacheKey struct {
 	name     string
 	readOnly bool
 	devices  string // the access list, as devicesKey writes it
+	// uncommitted: a segment this client created uncommitted, kept out of
+	// the cache until it commits it.
+	uncommitted bool
 }
 
 func devicesKey(devs []int) string {
@@ -749,6 +795,37 @@ func (s *Segment) ID() uint64 { return s.sh.info.ID }
 // Size is the size asked for at creation.
 func (s *Segment) Size() int64 { return s.sh.info.Size }
 
+// Commit makes a segment this client created uncommitted
+// (CreateOptions.Uncommitted) openable by its name, for everyone its mode
+// allows; opens waiting for it (OpenOptions.Wait) get it now. Finish the
+// writes first: on a GPU, the copies of this package are done when they
+// return, but work queued on a stream of your own must be synchronized
+// before Commit. A second commit fails (EINVAL), as does one by any other
+// client (EPERM), and one of a segment whose name was removed meanwhile
+// (ENOENT, or EEXIST when the name names another segment now).
+func (s *Segment) Commit(ctx context.Context) error {
+	if s.closed {
+		return errors.New("gpushm: commit of a closed segment")
+	}
+	sh, c := s.sh, s.sh.c
+	ep := c.epoch.Load().Load()
+	if _, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpCommit, Segment: sh.info.ID}); err != nil {
+		return fmt.Errorf("gpushm: commit %q: %w", sh.info.Name, err)
+	}
+	c.cmu.Lock()
+	defer c.cmu.Unlock()
+	if sh.key.uncommitted && !c.closed {
+		// The name names this segment from now on, as long as the epoch
+		// read before the commit stays.
+		sh.key.uncommitted = false
+		sh.epoch = ep
+		if c.cache[sh.key] == nil {
+			c.cache[sh.key] = sh
+		}
+	}
+	return nil
+}
+
 // Map maps the segment into this process, once; later calls, and Segments
 // sharing the lease, get the same Mapping.
 func (s *Segment) Map() (*Mapping, error) {
@@ -777,8 +854,9 @@ func (s *Segment) Map() (*Mapping, error) {
 }
 
 // Close ends this Segment. When it was the last one sharing its lease, the
-// memory is unmapped and the daemon is told. Using a Mapping after that is a
-// use after free.
+// memory is unmapped and the daemon is told; a segment this client created
+// uncommitted and did not commit then goes. Using a Mapping after that is
+// a use after free.
 func (s *Segment) Close() error {
 	if s.closed {
 		return nil

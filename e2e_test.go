@@ -53,6 +53,10 @@ func childMain(mode string) error {
 	switch mode {
 	case "ops":
 		return opsChild(ctx, c)
+	case "wait-read":
+		return waitReadChild(ctx, c)
+	case "uncommitted":
+		return uncommittedChild(ctx, c)
 	case "verify-and-write":
 		// Open by name, check the creator's bytes, write our own.
 		seg, err := c.Open(ctx, os.Getenv("NAME"), nil)

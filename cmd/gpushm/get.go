@@ -2,8 +2,10 @@ package main
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"os"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -17,6 +19,7 @@ func getCmd() *cobra.Command {
 		raw      bool
 		copyOpts copyFlags
 		verbose  bool
+		wait     time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "get NAME FILE|DIR",
@@ -28,7 +31,11 @@ in parallel, each through a pinned buffer and its own CUDA stream.
 A bundle made by 'gpushm put NAME DIR' is written back as that directory:
 its shard files byte for byte, and its small files. DIR must not exist or
 must be empty; if anything fails, what was written is removed. --raw writes
-the segment's bytes to one file instead, as '-' does.`,
+the segment's bytes to one file instead, as '-' does.
+
+A segment still being written ('gpushm put' in progress, listed as
+incomplete) is refused; --wait waits that long for it to be complete, or
+for the name to appear.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, path := args[0], args[1]
@@ -43,10 +50,18 @@ the segment's bytes to one file instead, as '-' does.`,
 			}
 			defer c.Close()
 			start := time.Now()
-			info, err := c.Stat(ctx, name)
+			if wait < 0 {
+				return fmt.Errorf("--wait %s: want a positive duration", wait)
+			}
+			seg, err := c.Open(ctx, name, &gpushm.OpenOptions{ReadOnly: true, Wait: wait})
+			if errors.Is(err, syscall.EAGAIN) {
+				return fmt.Errorf("%w ('gpushm get --wait 1m %s %s' waits for it)", err, name, path)
+			}
 			if err != nil {
 				return err
 			}
+			defer seg.Close()
+			info := seg.Info()
 			if meta, ok, _ := checkpoint.ParseMeta(info.Meta, info.Size); ok && meta.Source == "dir" && !raw && path != "-" {
 				bar := newProgress("get "+name, info.Size)
 				co.Progress = bar.fn()
@@ -58,11 +73,6 @@ the segment's bytes to one file instead, as '-' does.`,
 				report("get", name, st.Bytes, time.Since(start), st, verbose)
 				return nil
 			}
-			seg, err := c.Open(ctx, name, &gpushm.OpenOptions{ReadOnly: true})
-			if err != nil {
-				return err
-			}
-			defer seg.Close()
 			m, err := seg.Map()
 			if err != nil {
 				return err
@@ -89,6 +99,7 @@ the segment's bytes to one file instead, as '-' does.`,
 	}
 	cmd.Flags().BoolVar(&raw, "raw", false, "write a checkpoint bundle's bytes as one file, not as its directory")
 	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "print how the copy went")
+	cmd.Flags().DurationVar(&wait, "wait", 0, "wait this long (e.g. 30s, 5m; at most 1h) for a segment being written, or not there yet")
 	copyOpts.register(cmd)
 	return cmd
 }

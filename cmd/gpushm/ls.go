@@ -22,8 +22,11 @@ func lsCmd() *cobra.Command {
 		Long: `List segments. LIFETIME says how each ends: "-" when removed, "creator"
 with its creator's connection, "ttl" after that long unopened, and
 "orphaned" for one that survived a restart in a state the daemon could not
-prove (see 'gpushm stat NAME'; 'gpushm rm NAME' frees it), and "channel of N"
-for a channel of N slots (removed with 'gpushm rm', like a segment).
+prove (see 'gpushm stat NAME'; 'gpushm rm NAME' frees it), "channel of N"
+for a channel of N slots (removed with 'gpushm rm', like a segment), and
+"incomplete" for one still being written ('gpushm put' in progress): it
+cannot be opened until its writer commits it, and goes if the writer ends
+first.
 
 With --json it prints one JSON array of segment objects with the protocol's
 field names (docs/protocol.md).`,
@@ -91,6 +94,8 @@ func lifetime(s *gpushm.SegmentInfo) string {
 	switch {
 	case s.Orphan != "":
 		return "orphaned"
+	case s.Uncommitted:
+		return "incomplete"
 	case s.Channel != nil && s.Lifetime != "connection" && s.TTL == 0:
 		return fmt.Sprintf("channel of %d", s.Channel.Slots)
 	case s.Lifetime == "connection":

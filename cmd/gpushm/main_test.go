@@ -30,6 +30,13 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if name := os.Getenv("GPUSHM_TEST_WRITER"); name != "" {
+		if err := writerMain(name); err != nil {
+			fmt.Fprintf(os.Stderr, "writer: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if os.Getenv("GPUSHM_TEST_HOLDER") != "" {
 		if err := holderMain(); err != nil {
 			fmt.Fprintf(os.Stderr, "holder: %v\n", err)

@@ -42,8 +42,12 @@ on standard error.
 
 Several copiers read in parallel, each through two pinned buffers and its
 own CUDA stream; chunks the page cache does not hold are read with O_DIRECT
-where the file system allows it. A progress bar shows on a terminal. If
-anything fails, the segment is removed.`,
+where the file system allows it. A progress bar shows on a terminal.
+
+The segment is created uncommitted and committed once it is full: until
+then 'gpushm ls' lists it as incomplete, and opens and 'gpushm get' refuse
+it (or wait for it, with --wait). If anything fails, or put is killed, the
+segment goes with it.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, path := args[0], args[1]
@@ -178,20 +182,19 @@ func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnl
 	return nil
 }
 
-// put creates name and fills it from f, a regular file, with parallel
-// reads; on any failure the segment goes.
+// put creates name uncommitted and fills it from f, a regular file, with
+// parallel reads, then commits it; on any failure the segment goes.
 func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size int64, o *gpushm.CreateOptions, co *gpushm.CopyOptions) (st gpushm.CopyStats, err error) {
+	o.Uncommitted = true
 	seg, err := c.Create(ctx, name, size, o)
 	if err != nil {
 		return st, err
 	}
 	defer func() {
+		// Closed uncommitted, after a failure, the segment goes.
 		cerr := seg.Close()
 		if err == nil {
 			err = cerr
-		}
-		if err != nil {
-			c.Unlink(context.Background(), name)
 		}
 	}()
 	m, err := seg.Map()
@@ -205,7 +208,7 @@ func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size in
 	if err != nil {
 		return st, fmt.Errorf("put %s: %w", name, err)
 	}
-	return st, nil
+	return st, seg.Commit(ctx)
 }
 
 // openSource opens path, or spools stdin for "-", and tells its size.

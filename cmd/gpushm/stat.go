@@ -46,6 +46,9 @@ protocol's field names (docs/protocol.md, "Segment object").`,
 			if ch := s.Channel; ch != nil {
 				fmt.Printf("channel:     %d slots of %s (every %s)\n", ch.Slots, formatSize(ch.SlotBytes), formatSize(ch.SlotStride))
 			}
+			if s.Uncommitted {
+				fmt.Printf("incomplete:  still being written; opens and 'gpushm get' refuse it until its writer commits it, and it goes if the writer ends first\n")
+			}
 			if s.Orphan != "" {
 				fmt.Printf("orphaned:    %s ('gpushm rm %s' frees it)\n", s.Orphan, s.Name)
 			}

@@ -72,6 +72,10 @@ func (r *Registry) Pin(c Cred, s *Segment, want uint32) error {
 	if err := r.accessLocked(c, s, want); err != nil {
 		return err
 	}
+	if s.uncommitted {
+		// Its creator is still filling it through a mapping of its own.
+		return uncommittedError(s)
+	}
 	s.pins++
 	return nil
 }
@@ -124,6 +128,14 @@ func (r *Registry) Rename(c Cred, from, to string, flags uint32) error {
 	if err := mayRemove(c, src); err != nil {
 		r.mu.Unlock()
 		return err
+	}
+	// An uncommitted segment is committed under the name it was made with,
+	// so it keeps that name; replacing it is removing it, as unlink may.
+	for _, s := range []*Segment{src, dst} {
+		if s != nil && s.uncommitted && (s == src || flags&RenameExchange != 0) {
+			r.mu.Unlock()
+			return fmt.Errorf("rename: %q is not committed yet: %w", s.name, syscall.EBUSY)
+		}
 	}
 	if src == dst {
 		r.mu.Unlock()

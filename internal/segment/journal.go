@@ -46,6 +46,12 @@ type Record struct {
 	// control block's descriptor.
 	Slots     int   `json:"slots,omitempty"`
 	SlotBytes int64 `json:"slot_bytes,omitempty"`
+	// Uncommitted: its creator had not committed it (commit.go). After a
+	// restart it stays so, and goes with its creator as a Bound segment
+	// does. CommitOrigin names the request that committed it, so that a
+	// retried commit has the first one's outcome.
+	Uncommitted  bool   `json:"uncommitted,omitempty"`
+	CommitOrigin string `json:"commit_origin,omitempty"`
 }
 
 // Journal receives every change of state that must outlive the process:
@@ -90,8 +96,9 @@ func (s *Segment) recordLocked() Record {
 		Created: s.created.UnixNano(), Modified: s.modified.UnixNano(),
 		TTL: int64(s.ttl), Bound: s.bound, Session: s.session, Origin: s.origin, Orphan: s.orphan,
 		Slots: s.slots, SlotBytes: s.slotBytes,
+		Uncommitted: s.uncommitted, CommitOrigin: s.commitOrigin,
 	}
-	if s.bound {
+	if s.bound || s.uncommitted {
 		rec.CreatorPID, rec.CreatorStart = s.creator.PID, s.creator.Start
 	}
 	if s.mem != nil {
@@ -207,12 +214,13 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			origin: rec.Origin, saved: true,
 			slots: rec.Slots, slotBytes: rec.SlotBytes,
 			doubt: true, wasInUse: rec.InUse && rec.TTL > 0,
+			uncommitted: rec.Uncommitted, commitOrigin: rec.CommitOrigin,
 		}
 		if s.size > memSize(s.mem) {
 			s.size = memSize(s.mem)
 		}
 		if problem != "" {
-			s.orphan, s.bound, s.ttl = problem, false, 0
+			s.orphan, s.bound, s.ttl, s.uncommitted = problem, false, 0, false
 			if !known {
 				// Newly orphaned: named for what it is, findable by ls. An
 				// orphan already removed (unlinked) stays unnamed.
@@ -343,20 +351,21 @@ func (r *Registry) inUseLocked(s *Segment) {
 	}
 }
 
-// BoundSegment is a creator-bound segment and who made it.
+// BoundSegment is a segment that ends with its creator, and who made it.
 type BoundSegment struct {
 	Segment *Segment
 	Session string
 	Creator Process
 }
 
-// Bound lists every creator-bound segment.
+// Bound lists every segment that ends with its creator: creator-bound
+// segments and uncommitted ones.
 func (r *Registry) Bound() []BoundSegment {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var out []BoundSegment
 	for _, s := range r.byName {
-		if s.bound && !s.gone {
+		if (s.bound || s.uncommitted) && !s.gone {
 			out = append(out, BoundSegment{Segment: s, Session: s.session, Creator: s.creator})
 		}
 	}

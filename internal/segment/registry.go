@@ -112,6 +112,10 @@ type CreateOptions struct {
 	Slots     int
 	SlotBytes int64
 	Control   func(Memory) error
+	// Uncommitted holds the name for a segment that only its creator may
+	// open until Commit (commit.go); it ends with its creator as a Bound
+	// segment does. It needs Open, and no ExistOK, Pin, Memory or Slots.
+	Uncommitted bool
 }
 
 // Info is a snapshot of a segment's state.
@@ -148,6 +152,8 @@ type Info struct {
 	Slots     int
 	SlotBytes int64
 	Stride    int64
+	// Uncommitted: its creator is still filling it (commit.go).
+	Uncommitted bool
 }
 
 // Segment is one allocation in the registry.
@@ -197,6 +203,10 @@ type Segment struct {
 	// A channel's layout (slots > 0); its memory is a ChannelMemory.
 	slots     int
 	slotBytes int64
+	// Committing (commit.go): uncommitted until its creator commits it;
+	// commitOrigin names the request that did.
+	uncommitted  bool
+	commitOrigin string
 }
 
 // ID is unique for the registry's lifetime; IDs are never reused.
@@ -226,6 +236,9 @@ type Registry struct {
 	// removed, if set, is told of a channel whose name went (unlink,
 	// rename over it), outside the lock, before its memory is freed.
 	removed func(*Segment)
+	// waiters is closed, and set to nil, at the next change that may end
+	// an open's wait for a commit (commit.go); nil while nobody waits.
+	waiters chan struct{}
 }
 
 // New returns an empty registry allocating through alloc. changed, if not
@@ -234,12 +247,18 @@ func New(alloc Allocator, changed func()) *Registry {
 	if changed == nil {
 		changed = func() {}
 	}
-	return &Registry{
-		alloc:   alloc,
-		byName:  make(map[string]*Segment),
-		byID:    make(map[uint64]*Segment),
-		changed: changed,
+	r := &Registry{
+		alloc:  alloc,
+		byName: make(map[string]*Segment),
+		byID:   make(map[uint64]*Segment),
 	}
+	// Whatever makes a name stop naming its segment may also end an open's
+	// wait for a commit (commit.go).
+	r.changed = func() {
+		changed()
+		r.wakeLocked()
+	}
+	return r
 }
 
 // ValidName reports why name cannot name a segment, or nil.
@@ -277,6 +296,9 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 			return nil, false, err
 		}
 		o.Size = size
+	}
+	if o.Uncommitted && (!o.Open || o.ExistOK || o.Pin || o.Memory != nil || o.Slots != 0 || o.AllowEmpty) {
+		return nil, false, fmt.Errorf("%w: an uncommitted segment is created open, and not with exist_ok, as a channel or from published memory", ErrBadOption)
 	}
 	if o.Size < 0 || o.Size == 0 && !o.AllowEmpty {
 		return nil, false, fmt.Errorf("%w: %d (must be positive)", ErrBadSize, o.Size)
@@ -319,6 +341,9 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		}
 		if !o.ExistOK {
 			return nil, false, fmt.Errorf("%w: %q", ErrExist, o.Name)
+		}
+		if existing.uncommitted {
+			return nil, false, uncommittedError(existing)
 		}
 		if existing.slots != o.Slots || existing.slotBytes != o.SlotBytes {
 			return nil, false, fmt.Errorf("%w: %q is %s, not %s", ErrExist, o.Name,
@@ -371,6 +396,8 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		origin:    o.Origin,
 		slots:     o.Slots,
 		slotBytes: o.SlotBytes,
+
+		uncommitted: o.Uncommitted,
 	}
 	r.byName[o.Name] = s
 	r.mu.Unlock()
@@ -418,6 +445,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		s.pins = 1
 	}
 	r.noteLocked(s, fd)
+	r.wakeLocked() // a name came to be: opens waiting for it look again
 	return s, true, nil
 }
 
@@ -485,6 +513,9 @@ func (r *Registry) Acquire(c Cred, name string, readOnly bool) (*Segment, error)
 	s, err := r.find(name)
 	if err != nil {
 		return nil, err
+	}
+	if s.uncommitted {
+		return nil, uncommittedError(s)
 	}
 	if err := r.acquireLocked(c, s, readOnly); err != nil {
 		return nil, err
@@ -648,6 +679,8 @@ func (r *Registry) infoLocked(s *Segment) Info {
 		Doubt:      s.doubt,
 		Slots:      s.slots,
 		SlotBytes:  s.slotBytes,
+
+		Uncommitted: s.uncommitted,
 	}
 	if s.slots > 0 {
 		inf.Stride = channelStride(s.slotBytes)

@@ -29,6 +29,9 @@ type ConnState struct {
 	Leases  map[uint64]int      `json:"leases,omitempty"`
 	Bound   []uint64            `json:"bound,omitempty"`
 	Roles   map[uint64][]string `json:"roles,omitempty"`
+	// Pending is a request read and not answered yet: an open waiting
+	// for a commit, its wait shortened by the time already waited.
+	Pending json.RawMessage `json:"pending,omitempty"`
 }
 
 // ParkedConn is one parked connection: its socket (the Server's, valid
@@ -73,6 +76,7 @@ func (s *Server) Park() ([]ParkedConn, error) {
 	}
 	s.parking = true
 	s.resumed = make(chan struct{})
+	s.stopWaitsLocked()
 	s.mu.Unlock()
 	s.wakeAccept()
 	var one [8]byte
@@ -87,7 +91,8 @@ func (s *Server) Park() ([]ParkedConn, error) {
 	defer s.mu.Unlock()
 	out := make([]ParkedConn, 0, len(s.parked))
 	for _, c := range s.parked {
-		st := ConnState{Hello: c.hello, Session: c.session, Leases: map[uint64]int{}, Roles: map[uint64][]string{}}
+		st := ConnState{Hello: c.hello, Session: c.session, Leases: map[uint64]int{}, Roles: map[uint64][]string{},
+			Pending: c.pending}
 		for id, l := range c.leases {
 			st.Leases[id] = l.n
 		}
@@ -117,6 +122,7 @@ func (s *Server) Resume() {
 	parked := s.parked
 	s.parked = nil
 	s.parking = false
+	s.waitStop = make(chan struct{})
 	close(s.resumed)
 	exited := s.exitedParked
 	s.exitedParked = nil
@@ -145,7 +151,7 @@ func (s *Server) Adopt(fd int, state json.RawMessage) error {
 		return err
 	}
 	c := &conn{s: s, wc: wc, hello: st.Hello, session: st.Session, leases: make(map[uint64]*lease),
-		roles: make(map[uint64]map[channel.Role]bool)}
+		roles: make(map[uint64]map[channel.Role]bool), pending: st.Pending}
 	for id, n := range st.Leases {
 		seg, err := s.reg.Reclaim(segment.Root, id, n, true)
 		if err != nil {

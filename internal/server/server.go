@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -64,7 +65,7 @@ type Server struct {
 	// restoredBound are creator-bound segments restored after a restart,
 	// by creator session, until their creator says hello again or its
 	// process exits (or, for a creator that cannot be watched, the grace
-	// period ends).
+	// period ends). Uncommitted segments are among them.
 	restoredBound map[string][]restoredSeg
 
 	// Processes watched for their exit (process.go), and what their exits
@@ -72,6 +73,10 @@ type Server struct {
 	exits        map[segment.Process]*exitWatch
 	watchers     sync.WaitGroup
 	exitedParked []func()
+	// waitStop is closed when opens waiting for a commit must stop: the
+	// server parks or stops (commit.go).
+	waitStop chan struct{}
+	waiting  atomic.Int64 // opens waiting for a commit
 }
 
 // New makes a server for backend. version is reported by hello.
@@ -104,6 +109,7 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		supervisorPID: os.Getpid(),
 		wake:          wake,
 		acceptWake:    acceptWake,
+		waitStop:      make(chan struct{}),
 	}
 	if devs, err := b.Devices(); err == nil {
 		s.uuids = make(map[int]string, len(devs))
@@ -231,6 +237,7 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 		ln.Close()
 	}
 	s.mu.Lock()
+	s.stopWaitsLocked()
 	for c := range s.conns {
 		// Wake the connection's goroutine; it closes the socket itself.
 		c.wc.Shutdown()
@@ -369,6 +376,10 @@ type conn struct {
 	// proc is the client's process, read once (process).
 	proc     segment.Process
 	procRead bool
+	// pending is a request read but not answered when the server parked
+	// (an open waiting for a commit): it is answered before the next one
+	// is read, here after Resume or by the successor.
+	pending []byte
 }
 
 // process is the process at the other end of the connection (its pid
@@ -421,7 +432,16 @@ func (c *conn) serve() (parked bool) {
 		if c.s.isParking() {
 			return true
 		}
-		b, inFD, err := c.wc.Recv()
+		var (
+			b    []byte
+			inFD = -1
+			err  error
+		)
+		if c.pending != nil {
+			b, c.pending = c.pending, nil
+		} else {
+			b, inFD, err = c.wc.Recv()
+		}
 		if errors.Is(err, wire.ErrWoken) {
 			continue
 		}
@@ -464,6 +484,10 @@ func (c *conn) serve() (parked bool) {
 		}
 		c.ctlFD = -1
 		rep, fd := c.dispatch(req, inFD)
+		if rep == nil {
+			// Parked while waiting: c.pending has the request.
+			return true
+		}
 		rep.ID = req.ID
 		code := ""
 		if rep.Error != nil {
@@ -492,7 +516,7 @@ func (c *conn) serve() (parked bool) {
 func opLabel(op string) string {
 	switch op {
 	case wire.OpHello, wire.OpInfo, wire.OpCreate, wire.OpOpen, wire.OpClose, wire.OpUnlink, wire.OpStat, wire.OpList,
-		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish, wire.OpReclaim:
+		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish, wire.OpReclaim, wire.OpCommit:
 		return op
 	}
 	return "unknown"
@@ -559,6 +583,9 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if n > maxReclaim {
 			return fail(fmt.Errorf("reclaim: count %d, limit %d: %w", n, maxReclaim, syscall.EINVAL))
 		}
+		if err := c.mayReclaim(req.Segment); err != nil {
+			return fail(fmt.Errorf("reclaim: %w", err))
+		}
 		seg, err := c.s.reg.Reclaim(cred, req.Segment, n, req.ReadOnly)
 		if err != nil {
 			return fail(fmt.Errorf("reclaim: %w", err))
@@ -592,7 +619,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if err != nil {
 			return fail(fmt.Errorf("create: %w", err))
 		}
-		if created && o.Bound && !slices.Contains(c.bound, seg) {
+		if created && (o.Bound || o.Uncommitted) && !slices.Contains(c.bound, seg) {
 			c.bound = append(c.bound, seg)
 		}
 		rep := &wire.Reply{Created: created, Segment: c.segmentInfo(seg)}
@@ -615,7 +642,16 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if req.Role == string(channel.Tx) && req.ReadOnly {
 			return fail(fmt.Errorf("open %q: a producer writes: role \"tx\" cannot be read-only: %w", req.Name, syscall.EINVAL))
 		}
-		seg, err := c.s.reg.Acquire(cred, req.Name, req.ReadOnly)
+		var seg *segment.Segment
+		var err error
+		if req.Wait != 0 {
+			seg, err = c.acquireWait(cred, req)
+		} else {
+			seg, err = c.s.reg.Acquire(cred, req.Name, req.ReadOnly)
+		}
+		if errors.Is(err, errParked) {
+			return nil, -1
+		}
 		if err != nil {
 			return fail(fmt.Errorf("open: %w", err))
 		}
@@ -674,6 +710,8 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			return fail(fmt.Errorf("%s: %w", req.Op, err))
 		}
 		return &wire.Reply{Segment: c.segmentInfo(seg)}, -1
+	case wire.OpCommit:
+		return c.commit(req)
 	case wire.OpRename:
 		if err := c.s.reg.Rename(cred, req.Name, req.To, 0); err != nil {
 			return fail(fmt.Errorf("rename: %w", err))
@@ -699,6 +737,7 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 		Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: req.ReadOnly,
 		Session: c.session,
 		Slots:   req.Slots, SlotBytes: req.SlotBytes,
+		Uncommitted: req.Uncommitted,
 	}
 	if req.Slots != 0 || req.SlotBytes != 0 {
 		if req.Slots == 0 {
@@ -709,11 +748,9 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 	if req.Role != "" && !req.Open {
 		return o, fmt.Errorf("a role is taken by opening: %w", syscall.EINVAL)
 	}
-	if c.session != "" {
-		// A client that lost the reply resends the request, id and all, on
-		// a new connection: this finds what the first attempt made.
-		o.Origin = c.session + "/" + strconv.FormatUint(req.ID, 10)
-	}
+	// A client that lost the reply resends the request, id and all, on a
+	// new connection: this finds what the first attempt made.
+	o.Origin = c.origin(req)
 	switch req.Lifetime {
 	case "":
 	case wire.LifetimeConnection:
@@ -723,11 +760,24 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 	default:
 		return o, fmt.Errorf("lifetime %q (want \"connection\" or none): %w", req.Lifetime, syscall.EINVAL)
 	}
+	if o.Uncommitted {
+		// It ends with its creator too, and waits for it across a restart.
+		o.Creator = c.process()
+	}
 	if req.TTL < 0 || req.TTL > maxTTL.Seconds() {
 		return o, fmt.Errorf("ttl_seconds %g (want 0 to %g): %w", req.TTL, maxTTL.Seconds(), syscall.EINVAL)
 	}
 	o.TTL = time.Duration(req.TTL * float64(time.Second))
 	return o, nil
+}
+
+// origin names req across reconnections of its client ("" for a client
+// without a session).
+func (c *conn) origin(req *wire.Request) string {
+	if c.session == "" {
+		return ""
+	}
+	return c.session + "/" + strconv.FormatUint(req.ID, 10)
 }
 
 // publish names memory the client allocated and sent: the daemon keeps the
@@ -738,8 +788,8 @@ func (c *conn) publish(req *wire.Request, fd int) (*wire.Reply, int) {
 		dev = *req.Device
 	}
 	o, err := c.createOptions(req, dev)
-	if err == nil && (req.ExistOK || req.Open) {
-		err = fmt.Errorf("exist_ok and open do not apply: %w", syscall.EINVAL)
+	if err == nil && (req.ExistOK || req.Open || req.Uncommitted) {
+		err = fmt.Errorf("exist_ok, open and uncommitted do not apply: %w", syscall.EINVAL)
 	}
 	if err == nil {
 		err = segment.ValidName(req.Name)
@@ -825,6 +875,7 @@ func (c *conn) release(id uint64) bool {
 	if err := c.s.reg.Release(l.seg); err != nil {
 		c.s.log.Error("release", "segment", id, "err", err)
 	}
+	c.endUncommitted(l.seg)
 	return true
 }
 
@@ -834,6 +885,7 @@ func (s *Server) toWire(inf segment.Info) *wire.Segment {
 		Device: inf.Device, HandleType: inf.HandleType,
 		UID: inf.UID, GID: inf.GID, Mode: inf.Mode, Opens: inf.Opens,
 		Created: inf.Created.UnixNano(), Meta: inf.Meta, Orphan: inf.Orphan,
+		Uncommitted: inf.Uncommitted,
 	}
 	if inf.HandleType == wire.HandleCUDA {
 		w.UUID = s.uuids[inf.Device]

@@ -17,6 +17,8 @@ var codes = map[string]syscall.Errno{
 	"ENOMEM":       syscall.ENOMEM,
 	"ENOSPC":       syscall.ENOSPC,
 	"EBUSY":        syscall.EBUSY,
+	"EAGAIN":       syscall.EAGAIN,
+	"ETIMEDOUT":    syscall.ETIMEDOUT,
 	"EMFILE":       syscall.EMFILE,
 	"ENODEV":       syscall.ENODEV,
 	"ENOSYS":       syscall.ENOSYS,

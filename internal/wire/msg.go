@@ -37,6 +37,8 @@ const (
 	// OpReclaim takes back leases a client held before the daemon
 	// restarted.
 	OpReclaim = "reclaim"
+	// OpCommit makes a segment created uncommitted openable by its name.
+	OpCommit = "commit"
 )
 
 // Lifetimes a create may ask for.
@@ -77,6 +79,11 @@ type Request struct {
 	Slots     int    `json:"slots,omitempty"`
 	SlotBytes int64  `json:"slot_bytes,omitempty"`
 	Role      string `json:"role,omitempty"`
+	// Uncommitted (create) makes a segment that only its creator may open
+	// until it commits it (OpCommit); Wait (open) is how long, in seconds,
+	// to wait for the name to name a committed segment.
+	Uncommitted bool    `json:"uncommitted,omitempty"`
+	Wait        float64 `json:"wait,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -220,6 +227,9 @@ type Segment struct {
 	Orphan string `json:"orphan,omitempty"`
 	// Channel describes a channel (docs/protocol.md, "Channels").
 	Channel *Channel `json:"channel,omitempty"`
+	// Uncommitted: its creator is still filling it; it cannot be opened
+	// until the creator commits it.
+	Uncommitted bool `json:"uncommitted,omitempty"`
 }
 
 // Channel is a channel's layout.

@@ -83,9 +83,19 @@ class BusyError(Error):
     channel's producer or consumer role that another process holds)."""
 
 
+class NotCommittedError(Error, BlockingIOError):
+    """EAGAIN: the segment is still being written; its writer has not
+    committed it (open it with wait= to wait for that)."""
+
+
+class WaitTimeoutError(Error, TimeoutError):
+    """ETIMEDOUT: an open's wait for a commit ran out."""
+
+
 _ERRORS = {"ENOENT": NotFoundError, "EEXIST": ExistsError, "EACCES": PermissionDeniedError,
            "EPERM": PermissionDeniedError, "ENOMEM": OutOfMemoryError, "EINVAL": InvalidError,
-           "ENAMETOOLONG": InvalidError, "ENODEV": InvalidError, "EBUSY": BusyError}
+           "ENAMETOOLONG": InvalidError, "ENODEV": InvalidError, "EBUSY": BusyError,
+           "EAGAIN": NotCommittedError, "ETIMEDOUT": WaitTimeoutError}
 
 
 def error(code: str, message: str) -> Error:
@@ -117,13 +127,14 @@ class SegmentInfo:
     # The GPU of a cuda segment by UUID: the daemon's device number may not
     # be this process's (a container, CUDA_VISIBLE_DEVICES).
     uuid: str = None
+    uncommitted: bool = False  # still being written: not openable until committed
 
     @classmethod
     def from_wire(cls, d: dict) -> SegmentInfo:
         return cls(*[d.get(k, dflt) for k, dflt in _INFO_FIELDS])
 
 
-_INFO_FIELDS = [(f.name, None if f.default is not dataclasses.MISSING else 0) for f in dataclasses.fields(SegmentInfo)]
+_INFO_FIELDS = [(f.name, f.default if f.default is not dataclasses.MISSING else 0) for f in dataclasses.fields(SegmentInfo)]
 
 
 # ---- the client -----------------------------------------------------------
@@ -357,7 +368,11 @@ class Client:
         it with the others, and ends it."""
         rid = next(self._ids)
         retried = False
+        start, wait = time.monotonic(), fields.get("wait")
         while True:
+            if retried and wait:
+                # An open waiting for a commit waits what is left of its time.
+                fields["wait"] = max(wait - (time.monotonic() - start), 0.001)
             try:
                 rep, fd = self._exchange(op, fields, send_fd, rid)
             except _Lost as lost:
@@ -436,7 +451,11 @@ class Client:
         b = json.dumps(req, separators=(",", ":")).encode()
         if len(b) > MAX_MESSAGE:
             raise ValueError(f"gpushm: {op} request is {len(b)} bytes, over the protocol's {MAX_MESSAGE} (meta too large?)")
+        waits = fields.get("wait") and self._timeout is not None
         try:
+            if waits:
+                # The daemon answers a waiting open when the wait is over.
+                self._sock.settimeout(self._timeout + fields["wait"])
             if send_fd >= 0:
                 self._sock.sendmsg([b], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [send_fd]))])
             else:
@@ -448,6 +467,8 @@ class Client:
                 # A reply to a request given up on: discard it.
                 if fd >= 0:
                     os.close(fd)
+            if waits:
+                self._sock.settimeout(self._timeout)
         except _Lost:
             raise
         except (BrokenPipeError, ConnectionResetError) as e:
@@ -638,7 +659,7 @@ class Client:
         """Removes the name now; the memory goes when the last user is done."""
         self._call("unlink", name=name)
 
-    def open(self, name: str, readonly: bool = False, *, devices=None) -> Segment:
+    def open(self, name: str, readonly: bool = False, *, devices=None, wait: float | None = None) -> Segment:
         """Opens a segment by name. A name this client already has mapped is
         served from the mapping, without a message, as long as the daemon's
         epoch says no name has changed since.
@@ -646,7 +667,15 @@ class Client:
         devices lists the GPUs that will use a cuda segment (default: its
         own GPU); all get access in one cuMemSetAccess call, reaching the
         segment's GPU over NVLink, and tensors made from it are on the first
-        one listed."""
+        one listed.
+
+        wait (seconds, at most 3600) waits for the name to name a committed
+        segment: one that does not exist yet, or that its writer is still
+        filling (create(uncommitted=True)). It raises WaitTimeoutError when
+        the time is up, and NotFoundError when the writer it waited for went
+        without committing. Without wait such an open raises at once
+        (NotFoundError, or NotCommittedError). This client sends nothing
+        else while it waits."""
         if self._closed:
             raise ValueError("gpushm: open on a closed client")
         readonly = bool(readonly)
@@ -654,10 +683,15 @@ class Client:
         m = self._by_name.get((name, readonly, devs))
         if m is not None and m.epoch == self._epoch.value and self._pid == os.getpid():
             return Segment(m, False)
+        fields = {"readonly": True} if readonly else {}
+        if wait is not None:
+            if not 0 < wait <= 3600:
+                raise ValueError(f"gpushm: open {name!r}: wait {wait!r}: want more than 0 and at most 3600 seconds")
+            fields["wait"] = float(wait)
         # Read the epoch before asking: a name changing after this makes the
         # entry look stale early, never fresh late.
         ep = self._epoch.value
-        rep, fd = self._call("open", name=name, **({"readonly": True} if readonly else {}))
+        rep, fd = self._call("open", name=name, **fields)
         return Segment(self._adopt(rep["segment"], fd, readonly, ep, devs), False)
 
     def _adopt(self, seg: dict, fd: int, readonly: bool, ep: int, devs=None):
@@ -672,12 +706,14 @@ class Client:
             m = _mapping.Mapping(self, info, fd, readonly, devs)
             self._by_id[(info.id, readonly, devs)] = m
         m.epoch = ep
-        self._by_name[(info.name, readonly, devs)] = m
+        if not info.uncommitted:
+            # Nobody, this client included, opens it by name until commit.
+            self._by_name[(info.name, readonly, devs)] = m
         return m
 
     def create(self, name: str, nbytes: int | None = None, *, shape=None, dtype=None, device: int | None = None,
                mode: int = 0o600, exist_ok: bool = False, temporary: bool = False,
-               ttl: float | None = None) -> Segment:
+               ttl: float | None = None, uncommitted: bool = False) -> Segment:
         """Creates a segment and opens it read-write.
 
         With shape and dtype it holds one tensor (nbytes defaults to what the
@@ -687,7 +723,14 @@ class Client:
         tensor is opened instead (.created tells which). temporary ends the
         segment when this client's connection closes (exit and crash
         included); ttl (seconds) ends it once nobody has had it open that
-        long."""
+        long.
+
+        uncommitted=True makes a segment nobody else can open until this
+        client commits it (Segment.commit()): fill it, commit it, and no
+        reader ever sees it half written. Its name is taken at once; it is
+        listed with .uncommitted set; and it goes if this client lets go of
+        it (every view of it gone, or close()) or its connection ends
+        before the commit. Not with exist_ok."""
         lay = None
         if shape is not None or dtype is not None:
             lay = layout_of(shape, dtype, nbytes, "create")
@@ -699,11 +742,15 @@ class Client:
             nbytes = max(nbytes, 1)
         elif nbytes is None:
             raise TypeError("gpushm: create needs nbytes, or shape and dtype")
-        return self._create(name, nbytes, lay.meta() if lay else None, device, mode, exist_ok, temporary, ttl)
+        return self._create(name, nbytes, lay.meta() if lay else None, device, mode, exist_ok, temporary, ttl,
+                            uncommitted)
 
-    def _create(self, name, nbytes, meta, device, mode, exist_ok, temporary=False, ttl=None) -> Segment:
+    def _create(self, name, nbytes, meta, device, mode, exist_ok, temporary=False, ttl=None,
+                uncommitted=False) -> Segment:
         fields = {"name": name, "size": int(nbytes), "mode": int(mode), "open": True}
         fields.update(_lifetime(temporary, ttl))
+        if uncommitted:
+            fields["uncommitted"] = True
         if device is not None:
             fields["device"] = int(device)
         if meta is not None:
@@ -770,11 +817,12 @@ class Client:
             lay = Layout(lay.dtype, lay.shape, lay.strides, -lo)
             if device is None and src.on_gpu and self.backend == "cuda":
                 device = self._daemon_device(src.device_id)
-            seg = self._create(name, max(span, 1), lay.meta(), device, mode, False, temporary, ttl)
+            seg = self._create(name, max(span, 1), lay.meta(), device, mode, False, temporary, ttl, True)
             try:
                 _copy(seg._m, 0, src, src.ptr + lo, span)
+                seg.commit()
             except BaseException:
-                self._abandon(name, seg)
+                self._abandon(seg)
                 raise
         return seg
 
@@ -798,14 +846,16 @@ class Client:
                 if device is None and b.on_gpu and self.backend == "cuda":
                     device = self._daemon_device(b.device_id)
             prefix, begins, total = encode_bundle(entries, metadata)
-            seg = self._create(name, total, bundle_meta(len(prefix) - 8, len(entries)), device, mode, False)
+            seg = self._create(name, total, bundle_meta(len(prefix) - 8, len(entries)), device, mode, False,
+                               uncommitted=True)
             try:
                 m = seg._m
                 seg.write(prefix, 0)
                 for (key, lay), b in zip(entries, borrowed):
                     _copy(m, begins[key], b, b.ptr, lay.nbytes)
+                seg.commit()
             except BaseException:
-                self._abandon(name, seg)
+                self._abandon(seg)
                 raise
         finally:
             for b in borrowed:
@@ -856,12 +906,24 @@ class Client:
         finally:
             seg.close()
 
-    def _abandon(self, name, seg):
+    def _commit(self, m):
+        """Commits the uncommitted segment m maps (Segment.commit)."""
+        if m.dev is not None:
+            # The writes of every stream of this process to it are done.
+            m.dev.synchronize()
+        ep = self._epoch.value
+        rep, _ = self._call("commit", segment=m.info.id)
+        m.info = SegmentInfo.from_wire(rep["segment"])
+        m.epoch = ep
+        self._by_name.setdefault((m.info.name, m.readonly, None), m)
+
+    def _abandon(self, seg):
+        """Ends a segment this client created uncommitted and could not
+        fill: the daemon removes it once its lease ends."""
+        m = seg._m
         seg.close()
-        try:
-            self.unlink(name)
-        except Exception:
-            pass
+        if m is not None and m.info.uncommitted:
+            m.lease.end()
 
 
 class Bundle(dict):
@@ -974,6 +1036,20 @@ class Segment(View):
 
     def __exit__(self, *exc):
         self.close()
+
+    def commit(self):
+        """Makes a segment created with uncommitted=True openable by its
+        name, for everyone its mode allows; opens waiting for it (wait=) get
+        it now. Work queued on this GPU by this process (torch kernels and
+        copies included) is waited for first. Raises InvalidError if it is
+        committed already, NotFoundError or ExistsError if its name was
+        removed (or taken by another segment) before the commit."""
+        m = self._mapping()
+        client = m.lease.client
+        if client is None:
+            raise ConnectionError(f"gpushm: commit {self.info.name!r}: this client no longer holds it (closed, or the daemon lost it)")
+        client._commit(m)
+        self.info = m.info
 
     def close(self):
         """Lets go of the segment. Tensors, arrays and views made from it

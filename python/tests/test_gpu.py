@@ -4,8 +4,13 @@ without the framework it needs; python/tests/gpu_run.sh runs them on the GPU
 machine."""
 
 import gc
+import hashlib
 import os
+import random
 import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
@@ -322,3 +327,78 @@ def test_torch_by_uuid(gpu_daemon, gclient, name, torch):
                                env=dict(env_for(gpu_daemon.socket), CUDA_VISIBLE_DEVICES=",".join(others)),
                                capture_output=True, text=True)
             assert r.returncode != 0 and "is not among the" in r.stderr, r.stderr
+
+
+def test_gpu_commit_waits_for_the_writers_kernels(gpu_daemon, name, torch):
+    # Readers wait for the name before the writer exists; the writer fills
+    # the segment with a slow kernel and commits without synchronizing:
+    # commit() must wait for the kernel, so no reader sees old bytes.
+    reader = """
+        import sys, torch, gpushm
+        c = gpushm.connect()
+        print("asking", flush=True)
+        t = torch.from_dlpack(c.open(sys.argv[1], readonly=True, wait=300))
+        print(int((t == 7).sum()), t.numel(), flush=True)
+    """
+    readers = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(reader), name],
+                                env=env_for(gpu_daemon.socket), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for _ in range(3)]
+    try:
+        for r in readers:
+            assert r.stdout.readline().strip() == "asking"
+        child(gpu_daemon.socket, """
+            import sys, torch, gpushm
+            c = gpushm.connect()
+            seg = c.create(sys.argv[1], shape=(64 << 20,), dtype="int32", device=0, mode=0o644, uncommitted=True)
+            t = torch.from_dlpack(seg)
+            torch.cuda._sleep(200_000_000)   # about 0.1 s of GPU time before the fill
+            t.fill_(7)
+            seg.commit()                     # no synchronize of our own
+        """, name)
+        for r in readers:
+            out, err = r.communicate(timeout=300)
+            assert r.returncode == 0, err
+            assert out.split() == [str(64 << 20)] * 2
+    finally:
+        for r in readers:
+            r.kill()
+            r.wait()
+    with gpushm.connect(gpu_daemon.socket) as c:
+        c.unlink(name)
+
+
+def test_gpu_killed_put_is_gone_or_whole(gpu_daemon, tmp_path):
+    src = tmp_path / "blob.bin"
+    src.write_bytes(os.urandom(256 << 20))
+    want = hashlib.sha256(src.read_bytes()).hexdigest()
+    env = dict(os.environ, GPUSHM_SOCKET=gpu_daemon.socket)
+    put = [os.environ["GPUSHM_BIN"], "put"]
+    t0 = time.monotonic()
+    subprocess.run(put + ["whole", str(src)], env=env, check=True)
+    took = time.monotonic() - t0
+    c = gpushm.connect(gpu_daemon.socket)
+    c.unlink("whole")
+    outcomes = {"whole": 0, "gone": 0}
+    for i in range(10):
+        p = subprocess.Popen(put + [f"k-{i}", str(src)], env=env, stderr=subprocess.DEVNULL)
+        time.sleep(random.uniform(0, took * 1.5))
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                seg = c.open(f"k-{i}", True)
+            except gpushm.NotFoundError:
+                outcomes["gone"] += 1
+                break
+            except gpushm.NotCommittedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+                continue
+            assert hashlib.sha256(seg.read()).hexdigest() == want, f"k-{i} is served half made"
+            seg.close()
+            c.unlink(f"k-{i}")
+            outcomes["whole"] += 1
+            break
+    print(f"10 killed puts of 256 MiB on cuda (a put runs {took:.2f}s): {outcomes}")
+    c.close()
