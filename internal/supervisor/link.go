@@ -182,27 +182,26 @@ func (l *Link) Initialized() error { return l.send(msg{T: tInit, PID: os.Getpid(
 // Receive reads the state the supervisor hands over, up to "go".
 func (l *Link) Receive() (*Start, error) {
 	st := &Start{}
-	ctl := map[uint64]int{} // control blocks, for the seg that follows
+	// A channel's control block comes in a message of its own right
+	// before its segment's (one descriptor a message); anything else
+	// between them makes it a stray, closed rather than given to another
+	// segment.
+	var ctl pending
+	defer ctl.drop()
 	for {
 		m, fd, err := recv(l.conn)
 		if err != nil {
 			st.close()
-			for _, fd := range ctl {
-				closeFD(fd)
-			}
 			return nil, fmt.Errorf("receive state: %w", err)
+		}
+		if m.T != tSeg {
+			ctl.drop()
 		}
 		switch m.T {
 		case tCtl:
-			closeFD(ctl[m.ID])
-			ctl[m.ID] = fd
+			ctl.set(m.ID, fd)
 		case tSeg:
-			h := Held{ID: m.ID, Rec: m.Rec, FD: fd, CtlFD: -1}
-			if c, ok := ctl[m.ID]; ok {
-				h.CtlFD = c
-				delete(ctl, m.ID)
-			}
-			st.Segments = append(st.Segments, h)
+			st.Segments = append(st.Segments, Held{ID: m.ID, Rec: m.Rec, FD: fd, CtlFD: ctl.take(m.ID)})
 		case tConn:
 			if fd < 0 {
 				continue
@@ -223,6 +222,39 @@ func (l *Link) Receive() (*Start, error) {
 			closeFD(fd)
 		}
 	}
+}
+
+// pending is a control block received for the segment message that
+// must follow it at once.
+type pending struct {
+	id uint64
+	fd int
+	ok bool
+}
+
+func (p *pending) set(id uint64, fd int) {
+	p.drop()
+	*p = pending{id: id, fd: fd, ok: fd >= 0}
+}
+
+// take returns the control block if it is id's (-1 if none), and drops
+// one that is another segment's.
+func (p *pending) take(id uint64) int {
+	if !p.ok || p.id != id {
+		p.drop()
+		return -1
+	}
+	fd := p.fd
+	*p = pending{}
+	return fd
+}
+
+// drop closes a control block that no segment message claimed.
+func (p *pending) drop() {
+	if p.ok {
+		closeFD(p.fd)
+	}
+	*p = pending{}
 }
 
 func (st *Start) close() {
@@ -271,8 +303,9 @@ func (l *Link) SendConn(fd int, state json.RawMessage) error {
 func (l *Link) Quiesced() error { return l.send(msg{T: tQuiesced}, -1) }
 
 // Put implements segment.Journal. A channel's control block goes first,
-// in a message of its own (one descriptor a message), then the record with
-// the data's descriptor: the supervisor applies them in that order.
+// in a message of its own (one descriptor a message), then at once the
+// record with the data's descriptor: the supervisor gives a control block
+// to the put that follows it only, and closes it if anything else comes.
 func (l *Link) Put(rec segment.Record, fd, ctlFD int) {
 	b, err := json.Marshal(rec)
 	if err != nil {
