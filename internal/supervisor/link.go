@@ -41,7 +41,17 @@ type msg struct {
 	Reason     string          `json:"reason,omitempty"`
 	Restarts   int             `json:"restarts,omitempty"`
 	PID        int             `json:"pid,omitempty"`
+	// Batch is a batch's changes, each a put or a del.
+	Batch []msg `json:"batch,omitempty"`
+	// Batches, in "go", says the supervisor applies batches; a serving
+	// process started by an older one sends their changes one by one.
+	Batches bool `json:"batches,omitempty"`
 }
+
+// maxControl bounds a control message: a batch holds two records of up to
+// a protocol message each. It stays under the socket's send buffer
+// (net.core.wmem_default, 208 KiB by default), the bound on one packet.
+const maxControl = 3 * wire.MaxMessage
 
 // Control message types.
 const (
@@ -55,8 +65,9 @@ const (
 	tStop    = "stop"    // graceful stop: close everything and exit
 	// server -> supervisor
 	tPut      = "put"      // a record, and the segment's new descriptor if any
-	tCtl      = "ctl"      // a channel's control block, for the put that follows (both directions)
+	tCtl      = "ctl"      // a channel's control block, for the put (or seg) right after it (both directions)
 	tDel      = "del"      // a segment was freed
+	tBatch    = "batch"    // puts and dels (no descriptors) that are one change: all or none
 	tInit     = "init"     // the backend is up; waiting for the state
 	tReady    = "ready"    // serving
 	tQuiesced = "quiesced" // every connection has been sent
@@ -67,8 +78,8 @@ func send(c *wire.Conn, m msg, fd int) error {
 	if err != nil {
 		return err
 	}
-	if len(b) > wire.MaxMessage {
-		return fmt.Errorf("control message %q of %d bytes exceeds %d", m.T, len(b), wire.MaxMessage)
+	if len(b) > maxControl {
+		return fmt.Errorf("control message %q of %d bytes exceeds %d", m.T, len(b), maxControl)
 	}
 	return c.Send(b, fd)
 }
@@ -99,6 +110,8 @@ type Link struct {
 	// stop at once. It must not return normally to the sender.
 	Lost func(error)
 	cmds chan string
+	// batches: the supervisor applies batches (it said so in "go").
+	batches bool
 }
 
 var _ segment.Journal = (*Link)(nil)
@@ -120,6 +133,7 @@ func Attach() (*Link, *net.UnixListener, int, error) {
 	if err != nil {
 		return nil, nil, -1, fmt.Errorf("control socket: %w", err)
 	}
+	conn.SetMaxMessage(maxControl)
 	lf := os.NewFile(fdListener, "listener")
 	fl, err := net.FileListener(lf)
 	lf.Close()
@@ -209,6 +223,7 @@ func (l *Link) Receive() (*Start, error) {
 			st.Conns = append(st.Conns, Parked{FD: fd, State: m.State})
 		case tGo:
 			st.NextID, st.Reason, st.Restarts, st.SupervisorPID = m.NextID, m.Reason, m.Restarts, m.PID
+			l.batches = m.Batches
 			if m.GraceUntil > 0 {
 				st.GraceUntil = time.Unix(0, m.GraceUntil)
 			}
@@ -329,6 +344,40 @@ func (l *Link) Put(rec segment.Record, fd, ctlFD int) {
 func (l *Link) Delete(id uint64) {
 	if err := l.send(msg{T: tDel, ID: id}, -1); err != nil {
 		l.Lost(fmt.Errorf("journal deletion of segment %d: %w", id, err))
+	}
+}
+
+// Batch implements segment.Journal: one message, which the supervisor
+// applies whole. A supervisor too old to know batches gets the changes one
+// by one, as it always did.
+func (l *Link) Batch(changes []segment.Change) {
+	m := msg{T: tBatch}
+	for _, c := range changes {
+		id := c.Record.ID
+		if !l.batches {
+			if c.Gone {
+				l.Delete(id)
+			} else {
+				l.Put(c.Record, -1, -1)
+			}
+			continue
+		}
+		if c.Gone {
+			m.Batch = append(m.Batch, msg{T: tDel, ID: id})
+			continue
+		}
+		b, err := json.Marshal(c.Record)
+		if err != nil {
+			l.Lost(fmt.Errorf("encode record %d: %w", id, err))
+			return
+		}
+		m.Batch = append(m.Batch, msg{T: tPut, ID: id, Rec: b})
+	}
+	if !l.batches {
+		return
+	}
+	if err := l.send(m, -1); err != nil {
+		l.Lost(fmt.Errorf("journal a batch of %d changes: %w", len(changes), err))
 	}
 }
 

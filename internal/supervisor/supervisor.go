@@ -407,6 +407,14 @@ func (s *Supervisor) apply(c *child, m ctl) {
 	case tDel:
 		closeFD(m.fd)
 		s.st.del(m.m.ID)
+	case tBatch:
+		closeFD(m.fd)
+		ops, err := batchOps(m.m.Batch)
+		if err != nil {
+			s.log.Error("serving process sent a bad batch; ignored", "pid", c.pid, "err", err)
+			return
+		}
+		s.st.batch(ops)
 	case tConn:
 		// Only during an upgrade; a stray one is closed.
 		closeFD(m.fd)
@@ -441,7 +449,7 @@ func (s *Supervisor) handState(c *child, conns []Parked, reason string) error {
 			return fmt.Errorf("hand over a connection: %w", err)
 		}
 	}
-	g := msg{T: tGo, NextID: s.st.nextID, Reason: reason, Restarts: s.restarts, PID: os.Getpid()}
+	g := msg{T: tGo, NextID: s.st.nextID, Reason: reason, Restarts: s.restarts, PID: os.Getpid(), Batches: true}
 	if time.Now().Before(s.grace) {
 		g.GraceUntil = s.grace.UnixNano()
 	}
@@ -499,6 +507,7 @@ func (s *Supervisor) spawn() (*child, error) {
 		unix.Close(fds[1])
 		return nil, err
 	}
+	ours.SetMaxMessage(maxControl)
 	theirs := os.NewFile(uintptr(fds[1]), "control")
 	defer theirs.Close()
 	cmd := exec.Command(s.cfg.Exe, s.cfg.Args...)
