@@ -18,10 +18,12 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/channel"
 	"github.com/gpushm/gpushm/internal/epoch"
 	"github.com/gpushm/gpushm/internal/fusefs"
 	"github.com/gpushm/gpushm/internal/metrics"
@@ -427,7 +429,7 @@ func restore(srv *server.Server, b backend.Backend, host *backend.Host, start *s
 				if it.Problem == "" {
 					it.Problem = "its memory descriptor is not usable: " + err.Error()
 				}
-				mem = rawMemory{fd: h.FD}
+				mem = rawMemory{fd: h.FD, size: alloc}
 			}
 			it.Memory = mem
 		}
@@ -458,11 +460,16 @@ func restoreChannel(host *backend.Host, it segment.Restored, ctlFD int) (segment
 	var ctl segment.Memory
 	if ctlFD >= 0 {
 		m, err := host.Restore(0, ctlFD, segment.ControlBytes)
+		if err == nil && it.Record.Slots > 0 {
+			if err = checkControl(ctlFD, it.Record); err != nil {
+				m = nil
+			}
+		}
 		if err != nil {
 			if problem == "" {
 				problem = "its control block is not usable: " + err.Error()
 			}
-			m = rawMemory{fd: ctlFD}
+			m = rawMemory{fd: ctlFD, size: segment.ControlBytes}
 		}
 		ctl = m
 	} else if problem == "" {
@@ -482,12 +489,39 @@ func restoreChannel(host *backend.Host, it segment.Restored, ctlFD int) (segment
 	return &segment.ChannelMemory{Data: it.Memory, Control: ctl}, problem
 }
 
+// checkControl checks that the control block at fd describes the channel
+// rec records: a block of another layout is another channel's.
+func checkControl(fd int, rec segment.Record) error {
+	b, err := unix.Mmap(fd, 0, channel.BlockBytes, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return fmt.Errorf("map: %w", err)
+	}
+	defer unix.Munmap(b)
+	blk, err := channel.Map(b)
+	if err != nil {
+		return err
+	}
+	slots, slotBytes, _, err := blk.Check()
+	if err != nil {
+		return err
+	}
+	if slots != rec.Slots || slotBytes != rec.SlotBytes {
+		return fmt.Errorf("it describes %d slots of %d bytes, the record %d slots of %d bytes", slots, slotBytes, rec.Slots, rec.SlotBytes)
+	}
+	return nil
+}
+
 // rawMemory holds a descriptor the backend could not use: an orphan's
-// memory, kept (not freed) until removed.
-type rawMemory struct{ fd int }
+// memory, kept (not freed) until removed. Its size is what the record
+// says, so that the record journaled for the orphan still says it has
+// memory and the supervisor goes on holding the descriptor.
+type rawMemory struct {
+	fd   int
+	size int64
+}
 
 func (m rawMemory) FD() (int, error) { return m.fd, nil }
-func (m rawMemory) Size() int64      { return 0 }
+func (m rawMemory) Size() int64      { return m.size }
 func (m rawMemory) Free() error      { return syscall.Close(m.fd) }
 
 // follow carries out the supervisor's commands.

@@ -23,8 +23,8 @@ import (
 // The test binary doubles as the gpushm binary: with GPUSHM_TEST_MAIN set it
 // runs main, so the CLI is tested as users run it, in separate processes.
 func TestMain(m *testing.M) {
-	if role := os.Getenv("GPUSHM_TEST_CHAN"); role != "" {
-		if err := chanEndMain(role); err != nil {
+	if role := os.Getenv("GPUSHM_TEST_CHANS"); role != "" {
+		if err := chansMain(role); err != nil {
 			fmt.Fprintf(os.Stderr, "channel %s: %v\n", role, err)
 			os.Exit(1)
 		}

@@ -179,6 +179,7 @@ func (m *fakeManager) edit(fn func([]stored) []stored) {
 type service struct {
 	cmd  *exec.Cmd
 	done chan struct{}
+	log  *syncBuffer
 }
 
 // start runs the service as systemd would: the stored descriptors from fd
@@ -205,8 +206,8 @@ func (m *fakeManager) start(sock string, args ...string) *service {
 		cmd.Env = append(cmd.Env, fmt.Sprintf("LISTEN_FDS=%d", len(files)), "LISTEN_FDNAMES="+strings.Join(names, ":"))
 	}
 	cmd.ExtraFiles = files
-	var log syncBuffer
-	cmd.Stderr = &log
+	log := &syncBuffer{}
+	cmd.Stderr = log
 	if err := cmd.Start(); err != nil {
 		m.t.Fatal(err)
 	}
@@ -229,7 +230,7 @@ func (m *fakeManager) start(sock string, args ...string) *service {
 	case <-time.After(60 * time.Second):
 		m.t.Fatalf("no READY=1 within 60s\n%s", log.String())
 	}
-	return &service{cmd, done}
+	return &service{cmd, done, log}
 }
 
 // crash kills the service's main process (the supervisor), as a crash or
@@ -624,4 +625,194 @@ func recvOne(t *testing.T, sock, name string) {
 	if _, err := rx.Recv(ctx, 0); !errors.Is(err, io.EOF) {
 		t.Fatalf("after the only message: %v, want io.EOF", err)
 	}
+}
+
+// TestSurviveSystemdChannels: several channels of different sizes come
+// back from systemd's fd store with their own memory and control blocks
+// (seg-ID and ctl-ID) after the supervisor's death, and a rename over an
+// existing name comes back as it was acknowledged; then a stream on each
+// goes on through a kill -9 of the serving process, an upgrade and the
+// death of the whole service.
+func TestSurviveSystemdChannels(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	m := newFakeManager(t, dir)
+	svc := m.start(sock, "--grace", "30s")
+	specs := []chanSpec{{"A", 4, 4096}, {"B", 2, 65536}, {"C", 4, 4096}, {"D", 3, 12345}}
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	leaveMessages(t, c, specs)
+	// A rename over an existing name: y, unopened, is freed with it.
+	for i, name := range []string{"x", "y"} {
+		mustRun(t, nil, "--socket", sock, "create", name, "64K")
+		writeAll(t, sock, name, byte(i+1))
+	}
+	x, err := c.Stat(ctx, "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	y, err := c.Stat(ctx, "y")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Rename(ctx, "x", "y"); err != nil {
+		t.Fatal(err)
+	}
+	m.waitGone(t, fmt.Sprintf("seg-%d", y.ID))
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		n := 0
+		for _, name := range m.names() {
+			if strings.HasPrefix(name, "ctl-") {
+				n++
+			}
+		}
+		if n == len(specs) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the store holds %d control blocks, want %d: %v", n, len(specs), m.names())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+
+	crash(t, svc, sock)
+	svc = m.start(sock, "--grace", "30s")
+	// y is x, with x's bytes; x's name is gone.
+	if inf, err := c.Stat(ctx, "y"); err != nil || inf.ID != x.ID || inf.Orphan != "" {
+		t.Fatalf("y after the rename and the restart: %+v, %v; want segment %d", inf, err, x.ID)
+	}
+	if _, err := c.Stat(ctx, "x"); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("x after the rename and the restart: %v, want ENOENT", err)
+	}
+	if got := listAtQuiet(sock); !slices.Equal(got, []string{"A", "B", "C", "D", "y"}) {
+		t.Fatalf("after the restart: %v, want the channels and y", got)
+	}
+	seg, err := c.Open(ctx, "y", &gpushm.OpenOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mp, err := seg.Map()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, mp.Size())
+	mp.ReadAt(b, 0)
+	if !bytes.Equal(b, bytes.Repeat([]byte{1}, len(b))) {
+		t.Fatal("y does not hold x's bytes after the rename and the restart")
+	}
+	seg.Close()
+	mustRun(t, nil, "--socket", sock, "rm", "y")
+	checkChannels(t, sock, specs, nil, nil)
+	takeLeftMessages(t, c, specs)
+
+	tx := startChans(t, sock, "tx", specs)
+	rx := startChans(t, sock, "rx", specs)
+	txAt, rxAt := tx.progress(t, specs, nil, false), rx.progress(t, specs, nil, false)
+	for _, step := range []string{"kill", "upgrade", "crash"} {
+		inf := infoAt(t, sock)
+		switch step {
+		case "kill":
+			syscall.Kill(inf.PID, syscall.SIGKILL)
+		case "upgrade":
+			svc.cmd.Process.Signal(syscall.SIGHUP)
+		case "crash":
+			crash(t, svc, sock)
+			svc = m.start(sock, "--grace", "30s")
+		}
+		for deadline := time.Now().Add(60 * time.Second); infoAt(t, sock).PID == inf.PID; {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: still served by %d after 60s", step, inf.PID)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		txAt, rxAt = tx.progress(t, specs, txAt, step != "upgrade"), rx.progress(t, specs, rxAt, step != "upgrade")
+		checkChannels(t, sock, specs, tx, rx)
+	}
+	sent, got := tx.counts(t, "stop"), rx.counts(t, "wait")
+	for _, spec := range specs {
+		if s, g := sent[spec.name], got[spec.name]; s.first != uint64(spec.slots) || s.first != g.first || s.next != g.next {
+			t.Fatalf("%s: sent messages %d to %d, received %d to %d", spec.name, s.first, s.next-1, g.first, g.next-1)
+		}
+	}
+	for _, p := range []*chanProc{tx, rx} {
+		if err := p.cmd.Wait(); err != nil {
+			t.Fatalf("%s: %v\n%s", p.role, err, p.errs.String())
+		}
+	}
+	svc.cmd.Process.Signal(syscall.SIGTERM)
+	<-svc.done
+	if !svc.cmd.ProcessState.Success() {
+		t.Fatalf("service exit after SIGTERM: %v\n%s", svc.cmd.ProcessState, svc.log.String())
+	}
+	checkDaemonLog(t, svc.log.String())
+}
+
+// TestSurviveOrphanKeepsItsDescriptors: a channel that comes back
+// unusable (here its memory descriptor is a pipe) is kept as an orphan
+// with both its descriptors, through further restarts, until removed:
+// the next restart says the same of it, not that its control block went.
+func TestSurviveOrphanKeepsItsDescriptors(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	m := newFakeManager(t, dir)
+	svc := m.start(sock, "--grace", "1s")
+	sendOne(t, sock, "ch")
+	m.waitFor(t, "ctl-1")
+	crash(t, svc, sock)
+	var pipe [2]int
+	if err := unix.Pipe2(pipe[:], unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(pipe[1])
+	m.edit(func(st []stored) []stored {
+		for i, s := range st {
+			if s.name == "seg-1" {
+				unix.Close(s.fd)
+				st[i].fd = pipe[0]
+			}
+		}
+		return st
+	})
+	for round := range 2 {
+		svc = m.start(sock, "--grace", "1s")
+		inf := infoAt(t, sock)
+		segs := listAt(t, sock)
+		if len(segs) != 1 || segs[0].Name != "orphaned-1" || !strings.Contains(segs[0].Orphan, "its memory descriptor is not usable") {
+			t.Fatalf("restart %d: %+v, want channel 1 as an orphan whose memory descriptor is not usable", round, segs)
+		}
+		// The supervisor applies changes in order: once a later segment's
+		// descriptor is stored, the orphan's record has been applied.
+		name := fmt.Sprintf("later-%d", round)
+		mustRun(t, nil, "--socket", sock, "create", name, "4K")
+		later, err := statAt(sock, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.waitFor(t, fmt.Sprintf("seg-%d", later.ID))
+		if got := m.names(); !slices.Contains(got, "seg-1") || !slices.Contains(got, "ctl-1") {
+			t.Fatalf("restart %d (serving process %d): the orphan's descriptors left the store: %v", round, inf.PID, got)
+		}
+		mustRun(t, nil, "--socket", sock, "rm", name)
+		crash(t, svc, sock)
+	}
+	svc = m.start(sock, "--grace", "1s")
+	mustRun(t, nil, "--socket", sock, "rm", "orphaned-1")
+	m.waitGone(t, "seg-1")
+	m.waitGone(t, "ctl-1")
+	svc.cmd.Process.Signal(syscall.SIGTERM)
+	<-svc.done
+}
+
+func statAt(sock, name string) (*gpushm.SegmentInfo, error) {
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, sock)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	return c.Stat(ctx, name)
 }

@@ -154,20 +154,27 @@ func (r *Registry) Rename(c Cred, from, to string, flags uint32) error {
 		r.byName[from], r.byName[to] = dst, src
 		src.name, dst.name = to, from
 		r.changed()
+		r.beginBatchLocked()
 		r.noteLocked(src, -1)
 		r.noteLocked(dst, -1)
+		r.endBatchLocked()
 		r.mu.Unlock()
 		return nil
 	case dst != nil && flags&RenameNoReplace != 0:
 		r.mu.Unlock()
 		return fmt.Errorf("%w: %q", ErrExist, to)
 	}
-	var mem Memory
 	if dst != nil {
 		if err := mayRemove(c, dst); err != nil {
 			r.mu.Unlock()
 			return err
 		}
+	}
+	// The target's end and the move are one change to the journal: a
+	// restart after it finds both done, or neither.
+	r.beginBatchLocked()
+	var mem Memory
+	if dst != nil {
 		dst.linked = false
 		mem = r.unlinkedLocked(dst)
 	}
@@ -176,6 +183,7 @@ func (r *Registry) Rename(c Cred, from, to string, flags uint32) error {
 	src.name = to
 	r.changed()
 	r.noteLocked(src, -1)
+	r.endBatchLocked()
 	r.mu.Unlock()
 	if dst != nil {
 		r.channelRemoved(dst)

@@ -67,6 +67,19 @@ type Journal interface {
 	Put(rec Record, fd, ctlFD int)
 	// Delete forgets a segment whose memory was freed.
 	Delete(id uint64)
+	// Batch records, as one change, what one operation did to several
+	// segments (a rename over an existing name, an exchange of two
+	// names): a restarted daemon sees all of it or none of it, never a
+	// state in between. No new descriptor travels in a batch.
+	Batch(changes []Change)
+}
+
+// Change is one part of a Batch: a segment's record as it is now, as Put
+// takes it (with no new descriptor), or, with Gone, that segment
+// Record.ID was freed, as Delete.
+type Change struct {
+	Record Record
+	Gone   bool
 }
 
 // SetJournal makes the registry durable: from now on every change goes to
@@ -113,15 +126,31 @@ func (s *Segment) recordLocked() Record {
 
 // noteLocked tells the journal about s as it is now: a Put (with fd, when
 // its memory is new) while it lives, a Delete once it is gone.
+// Inside a batch (beginBatchLocked) the change is held for the batch.
 func (r *Registry) noteLocked(s *Segment, fd int) {
 	if r.journal == nil {
 		return
 	}
 	if s.gone {
 		if s.saved {
-			r.journal.Delete(s.id)
+			if r.batching {
+				r.batch = append(r.batch, Change{Record: Record{ID: s.id}, Gone: true})
+			} else {
+				r.journal.Delete(s.id)
+			}
 			s.saved = false
 		}
+		return
+	}
+	s.saved = true
+	if r.batching {
+		if fd >= 0 {
+			// A batch is one control message, which carries no
+			// descriptor: an operation that makes new memory must not
+			// batch.
+			panic("segment: new memory in a journal batch")
+		}
+		r.batch = append(r.batch, Change{Record: s.recordLocked()})
 		return
 	}
 	ctl := -1
@@ -129,7 +158,27 @@ func (r *Registry) noteLocked(s *Segment, fd int) {
 		ctl = controlFD(s.mem)
 	}
 	r.journal.Put(s.recordLocked(), fd, ctl)
-	s.saved = true
+}
+
+// beginBatchLocked starts holding the journal's changes, so that an
+// operation that changes several segments records them as one
+// (endBatchLocked). mu is held from begin to end.
+func (r *Registry) beginBatchLocked() { r.batching = true }
+
+// endBatchLocked sends the changes held since beginBatchLocked: one alone
+// as itself, several as one Batch.
+func (r *Registry) endBatchLocked() {
+	cs := r.batch
+	r.batching, r.batch = false, nil
+	switch {
+	case r.journal == nil || len(cs) == 0:
+	case len(cs) > 1:
+		r.journal.Batch(cs)
+	case cs[0].Gone:
+		r.journal.Delete(cs[0].Record.ID)
+	default:
+		r.journal.Put(cs[0].Record, -1, -1)
+	}
 }
 
 // durableFD is mem's descriptor when a journal must receive it, else -1;

@@ -26,22 +26,45 @@ func newJournal() *fakeJournal {
 func (j *fakeJournal) Put(rec Record, fd, ctl int) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
+	j.log = append(j.log, j.putLocked(rec, fd))
+}
+
+func (j *fakeJournal) putLocked(rec Record, fd int) string {
 	j.recs[rec.ID] = rec
 	if fd >= 0 {
 		j.fds[rec.ID] = fd
 	} else if rec.Alloc == 0 {
 		delete(j.fds, rec.ID)
 	}
-	j.log = append(j.log, fmt.Sprintf("put %s linked=%v fd=%v", rec.Name, rec.Linked, fd >= 0))
+	return fmt.Sprintf("put %s linked=%v fd=%v", rec.Name, rec.Linked, fd >= 0)
 }
 
 func (j *fakeJournal) Delete(id uint64) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
+	j.log = append(j.log, j.deleteLocked(id))
+}
+
+func (j *fakeJournal) deleteLocked(id uint64) string {
 	name := j.recs[id].Name
 	delete(j.recs, id)
 	delete(j.fds, id)
-	j.log = append(j.log, "del "+name)
+	return "del " + name
+}
+
+// Batch is one entry of the log, as it is one message to a supervisor.
+func (j *fakeJournal) Batch(cs []Change) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	var parts []string
+	for _, c := range cs {
+		if c.Gone {
+			parts = append(parts, j.deleteLocked(c.Record.ID))
+		} else {
+			parts = append(parts, j.putLocked(c.Record, -1))
+		}
+	}
+	j.log = append(j.log, "batch["+strings.Join(parts, "; ")+"]")
 }
 
 func (j *fakeJournal) take() []string {
@@ -308,4 +331,81 @@ func TestRetriedCreateFindsItsSegment(t *testing.T) {
 	if f.liveCount() != 1 {
 		t.Fatalf("%d allocations, want 1", f.liveCount())
 	}
+}
+
+// TestJournalRenameIsOneChange: a rename that changes two segments (over
+// an existing name, freed or kept open; an exchange) reaches the journal
+// as one batch, and a registry rebuilt from the journal has the names as
+// the rename left them.
+func TestJournalRenameIsOneChange(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	j := newJournal()
+	r.SetJournal(j)
+	create := func(name string, open bool) *Segment {
+		t.Helper()
+		s, _, err := r.Create(alice, CreateOptions{Name: name, Size: 10, Open: open, Meta: []byte(`{"was":"` + name + `"}`)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	a, b, c := create("a", false), create("b", false), create("c", true)
+	create("d", false)
+	j.take()
+	steps := []struct {
+		name     string
+		from, to string
+		flags    uint32
+		want     []string
+	}{
+		{"over a name nobody has open", "a", "b", 0, []string{"batch[del b; put b linked=true fd=false]"}},
+		{"over a name still open", "b", "c", 0, []string{"batch[put c linked=false fd=false; put c linked=true fd=false]"}},
+		{"exchange", "c", "d", RenameExchange, []string{"batch[put d linked=true fd=false; put c linked=true fd=false]"}},
+		{"to a free name", "d", "e", 0, []string{"put e linked=true fd=false"}},
+	}
+	for _, st := range steps {
+		if err := r.Rename(alice, st.from, st.to, st.flags); err != nil {
+			t.Fatalf("%s: rename %s to %s: %v", st.name, st.from, st.to, err)
+		}
+		if got := j.take(); !slices.Equal(got, st.want) {
+			t.Fatalf("%s: journaled %q, want %q", st.name, got, st.want)
+		}
+	}
+	if _, ok := j.recs[b.ID()]; ok {
+		t.Fatal("the segment renamed over while unopened is still in the journal")
+	}
+	// What a restarted daemon makes of the journal: "a" renamed to b, to
+	// c, exchanged with d and moved to e; "d" now named "c"; the first
+	// "c" kept unnamed for its lease.
+	r2, _, orphans := restart(t, f, j, time.Hour)
+	if len(orphans) != 0 {
+		t.Fatalf("orphans after the restart: %v", orphans)
+	}
+	for name, want := range map[string]string{"e": `{"was":"a"}`, "c": `{"was":"d"}`} {
+		inf, err := r2.Stat(name)
+		if err != nil || string(inf.Meta) != want {
+			t.Fatalf("%s after the restart: %+v, %v; want meta %s", name, inf, err, want)
+		}
+	}
+	for _, name := range []string{"a", "b", "d"} {
+		if _, err := r2.Stat(name); !errors.Is(err, ErrNotFound) {
+			t.Fatalf("%s after the restart: %v, want ErrNotFound", name, err)
+		}
+	}
+	if _, err := r2.Reclaim(alice, c.ID(), 1, false); err != nil {
+		t.Fatalf("reclaim of the unnamed, still open segment: %v", err)
+	}
+	if got := r2.Info(mustSeg(t, r2, "e")).ID; got != a.ID() {
+		t.Fatalf("e is segment %d, want %d", got, a.ID())
+	}
+}
+
+func mustSeg(t *testing.T, r *Registry, name string) *Segment {
+	t.Helper()
+	s, _, err := r.Lookup(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }

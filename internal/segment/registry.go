@@ -231,6 +231,8 @@ type Registry struct {
 	limits  Limits
 	// journal, when set, receives every durable change (journal.go).
 	journal    Journal
+	batching   bool     // changes go to batch, not yet to journal
+	batch      []Change // held for one Batch (journal.go)
 	graceUntil time.Time
 	ctlAlloc   Allocator // control blocks of channels (host memory)
 	// removed, if set, is told of a channel whose name went (unlink,

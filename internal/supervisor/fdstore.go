@@ -129,6 +129,14 @@ func (f *fdStore) del(st *State, id uint64) {
 	f.check(f.remove(ctlName(id)))
 }
 
+func (f *fdStore) batch(st *State, ops []journalOp, dropped []uint64) {
+	f.append(st, journalOp{Op: "batch", Ops: ops})
+	for _, id := range dropped {
+		f.check(f.remove(segName(id)))
+		f.check(f.remove(ctlName(id)))
+	}
+}
+
 func ctlName(id uint64) string { return "ctl-" + strconv.FormatUint(id, 10) }
 
 func (f *fdStore) check(err error) {

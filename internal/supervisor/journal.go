@@ -18,21 +18,25 @@ import (
 //	uint32 length (little-endian) | uint32 CRC-32C of the payload | payload
 //
 // where the payload is one JSON object: {"op":"put","id":N,"rec":{...}},
-// {"op":"del","id":N} or {"op":"next","id":N} (the highest id given out).
+// {"op":"del","id":N}, {"op":"next","id":N} (the highest id given out), or
+// {"op":"batch","ops":[...]}, puts and dels that are one change (a rename
+// over an existing name): a frame is written whole or is torn, so a batch
+// is replayed whole or not at all.
 // A torn write leaves a short or mismatched last frame; reading stops at
 // the first frame that does not check out and says where.
 const journalMagic = "GPUSHMJ1"
 
-// maxFrame bounds one frame's payload: a record is at most a protocol
-// message (64 KiB) plus its framing.
-const maxFrame = 128 << 10
+// maxFrame bounds one frame's payload: a control message (a record, or a
+// batch of them) plus its framing.
+const maxFrame = maxControl + 64<<10
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 type journalOp struct {
 	Op  string          `json:"op"`
-	ID  uint64          `json:"id"`
+	ID  uint64          `json:"id,omitempty"`
 	Rec json.RawMessage `json:"rec,omitempty"`
+	Ops []journalOp     `json:"ops,omitempty"` // a batch's puts and dels
 }
 
 // appendFrame appends one frame for op to b.
@@ -98,23 +102,55 @@ func decodeJournal(b []byte) (recs map[uint64]json.RawMessage, nextID uint64, er
 		if err := json.Unmarshal(payload, &op); err != nil {
 			return recs, nextID, &JournalError{int64(off), "bad frame: " + err.Error()}
 		}
+		ops := []journalOp{op}
 		switch op.Op {
-		case "put":
-			if !isObject(op.Rec) {
-				return recs, nextID, &JournalError{int64(off), "put without a record"}
+		case "batch":
+			if len(op.Ops) == 0 {
+				return recs, nextID, &JournalError{int64(off), "empty batch"}
 			}
-			recs[op.ID] = op.Rec
-			nextID = max(nextID, op.ID)
-		case "del":
-			delete(recs, op.ID)
+			ops = op.Ops
 		case "next":
 			nextID = max(nextID, op.ID)
-		default:
-			return recs, nextID, &JournalError{int64(off), "unknown op " + strconv.Quote(op.Op)}
+			ops = nil
+		}
+		// Every part is checked before any is applied: a batch counts
+		// whole or not at all.
+		for _, p := range ops {
+			if why := checkOp(p); why != "" {
+				return recs, nextID, &JournalError{int64(off), why}
+			}
+		}
+		for _, p := range ops {
+			if p.Op == "put" {
+				recs[p.ID] = p.Rec
+				nextID = max(nextID, p.ID)
+			} else {
+				delete(recs, p.ID)
+			}
 		}
 		off += 8 + n
 	}
 	return recs, nextID, nil
+}
+
+// checkOp says what is wrong with a put or del (of a batch or alone).
+func checkOp(op journalOp) string {
+	switch op.Op {
+	case "put":
+		if !isObject(op.Rec) {
+			return "put without a record"
+		}
+	case "del":
+	default:
+		return "unknown op " + strconv.Quote(op.Op)
+	}
+	if op.ID == 0 {
+		return op.Op + " without a segment id"
+	}
+	if len(op.Ops) > 0 {
+		return op.Op + " with parts"
+	}
+	return ""
 }
 
 func isObject(b json.RawMessage) bool {

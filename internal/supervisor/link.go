@@ -41,7 +41,17 @@ type msg struct {
 	Reason     string          `json:"reason,omitempty"`
 	Restarts   int             `json:"restarts,omitempty"`
 	PID        int             `json:"pid,omitempty"`
+	// Batch is a batch's changes, each a put or a del.
+	Batch []msg `json:"batch,omitempty"`
+	// Batches, in "go", says the supervisor applies batches; a serving
+	// process started by an older one sends their changes one by one.
+	Batches bool `json:"batches,omitempty"`
 }
+
+// maxControl bounds a control message: a batch holds two records of up to
+// a protocol message each. It stays under the socket's send buffer
+// (net.core.wmem_default, 208 KiB by default), the bound on one packet.
+const maxControl = 3 * wire.MaxMessage
 
 // Control message types.
 const (
@@ -55,8 +65,9 @@ const (
 	tStop    = "stop"    // graceful stop: close everything and exit
 	// server -> supervisor
 	tPut      = "put"      // a record, and the segment's new descriptor if any
-	tCtl      = "ctl"      // a channel's control block, for the put that follows (both directions)
+	tCtl      = "ctl"      // a channel's control block, for the put (or seg) right after it (both directions)
 	tDel      = "del"      // a segment was freed
+	tBatch    = "batch"    // puts and dels (no descriptors) that are one change: all or none
 	tInit     = "init"     // the backend is up; waiting for the state
 	tReady    = "ready"    // serving
 	tQuiesced = "quiesced" // every connection has been sent
@@ -67,8 +78,8 @@ func send(c *wire.Conn, m msg, fd int) error {
 	if err != nil {
 		return err
 	}
-	if len(b) > wire.MaxMessage {
-		return fmt.Errorf("control message %q of %d bytes exceeds %d", m.T, len(b), wire.MaxMessage)
+	if len(b) > maxControl {
+		return fmt.Errorf("control message %q of %d bytes exceeds %d", m.T, len(b), maxControl)
 	}
 	return c.Send(b, fd)
 }
@@ -99,6 +110,8 @@ type Link struct {
 	// stop at once. It must not return normally to the sender.
 	Lost func(error)
 	cmds chan string
+	// batches: the supervisor applies batches (it said so in "go").
+	batches bool
 }
 
 var _ segment.Journal = (*Link)(nil)
@@ -120,6 +133,7 @@ func Attach() (*Link, *net.UnixListener, int, error) {
 	if err != nil {
 		return nil, nil, -1, fmt.Errorf("control socket: %w", err)
 	}
+	conn.SetMaxMessage(maxControl)
 	lf := os.NewFile(fdListener, "listener")
 	fl, err := net.FileListener(lf)
 	lf.Close()
@@ -182,27 +196,26 @@ func (l *Link) Initialized() error { return l.send(msg{T: tInit, PID: os.Getpid(
 // Receive reads the state the supervisor hands over, up to "go".
 func (l *Link) Receive() (*Start, error) {
 	st := &Start{}
-	ctl := map[uint64]int{} // control blocks, for the seg that follows
+	// A channel's control block comes in a message of its own right
+	// before its segment's (one descriptor a message); anything else
+	// between them makes it a stray, closed rather than given to another
+	// segment.
+	var ctl pending
+	defer ctl.drop()
 	for {
 		m, fd, err := recv(l.conn)
 		if err != nil {
 			st.close()
-			for _, fd := range ctl {
-				closeFD(fd)
-			}
 			return nil, fmt.Errorf("receive state: %w", err)
+		}
+		if m.T != tSeg {
+			ctl.drop()
 		}
 		switch m.T {
 		case tCtl:
-			closeFD(ctl[m.ID])
-			ctl[m.ID] = fd
+			ctl.set(m.ID, fd)
 		case tSeg:
-			h := Held{ID: m.ID, Rec: m.Rec, FD: fd, CtlFD: -1}
-			if c, ok := ctl[m.ID]; ok {
-				h.CtlFD = c
-				delete(ctl, m.ID)
-			}
-			st.Segments = append(st.Segments, h)
+			st.Segments = append(st.Segments, Held{ID: m.ID, Rec: m.Rec, FD: fd, CtlFD: ctl.take(m.ID)})
 		case tConn:
 			if fd < 0 {
 				continue
@@ -210,6 +223,7 @@ func (l *Link) Receive() (*Start, error) {
 			st.Conns = append(st.Conns, Parked{FD: fd, State: m.State})
 		case tGo:
 			st.NextID, st.Reason, st.Restarts, st.SupervisorPID = m.NextID, m.Reason, m.Restarts, m.PID
+			l.batches = m.Batches
 			if m.GraceUntil > 0 {
 				st.GraceUntil = time.Unix(0, m.GraceUntil)
 			}
@@ -223,6 +237,39 @@ func (l *Link) Receive() (*Start, error) {
 			closeFD(fd)
 		}
 	}
+}
+
+// pending is a control block received for the segment message that
+// must follow it at once.
+type pending struct {
+	id uint64
+	fd int
+	ok bool
+}
+
+func (p *pending) set(id uint64, fd int) {
+	p.drop()
+	*p = pending{id: id, fd: fd, ok: fd >= 0}
+}
+
+// take returns the control block if it is id's (-1 if none), and drops
+// one that is another segment's.
+func (p *pending) take(id uint64) int {
+	if !p.ok || p.id != id {
+		p.drop()
+		return -1
+	}
+	fd := p.fd
+	*p = pending{}
+	return fd
+}
+
+// drop closes a control block that no segment message claimed.
+func (p *pending) drop() {
+	if p.ok {
+		closeFD(p.fd)
+	}
+	*p = pending{}
 }
 
 func (st *Start) close() {
@@ -271,8 +318,9 @@ func (l *Link) SendConn(fd int, state json.RawMessage) error {
 func (l *Link) Quiesced() error { return l.send(msg{T: tQuiesced}, -1) }
 
 // Put implements segment.Journal. A channel's control block goes first,
-// in a message of its own (one descriptor a message), then the record with
-// the data's descriptor: the supervisor applies them in that order.
+// in a message of its own (one descriptor a message), then at once the
+// record with the data's descriptor: the supervisor gives a control block
+// to the put that follows it only, and closes it if anything else comes.
 func (l *Link) Put(rec segment.Record, fd, ctlFD int) {
 	b, err := json.Marshal(rec)
 	if err != nil {
@@ -296,6 +344,40 @@ func (l *Link) Put(rec segment.Record, fd, ctlFD int) {
 func (l *Link) Delete(id uint64) {
 	if err := l.send(msg{T: tDel, ID: id}, -1); err != nil {
 		l.Lost(fmt.Errorf("journal deletion of segment %d: %w", id, err))
+	}
+}
+
+// Batch implements segment.Journal: one message, which the supervisor
+// applies whole. A supervisor too old to know batches gets the changes one
+// by one, as it always did.
+func (l *Link) Batch(changes []segment.Change) {
+	m := msg{T: tBatch}
+	for _, c := range changes {
+		id := c.Record.ID
+		if !l.batches {
+			if c.Gone {
+				l.Delete(id)
+			} else {
+				l.Put(c.Record, -1, -1)
+			}
+			continue
+		}
+		if c.Gone {
+			m.Batch = append(m.Batch, msg{T: tDel, ID: id})
+			continue
+		}
+		b, err := json.Marshal(c.Record)
+		if err != nil {
+			l.Lost(fmt.Errorf("encode record %d: %w", id, err))
+			return
+		}
+		m.Batch = append(m.Batch, msg{T: tPut, ID: id, Rec: b})
+	}
+	if !l.batches {
+		return
+	}
+	if err := l.send(m, -1); err != nil {
+		l.Lost(fmt.Errorf("journal a batch of %d changes: %w", len(changes), err))
 	}
 }
 

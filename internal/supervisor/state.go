@@ -2,6 +2,8 @@ package supervisor
 
 import (
 	"encoding/json"
+	"errors"
+	"fmt"
 	"slices"
 	"syscall"
 )
@@ -29,6 +31,9 @@ type entry struct {
 type mirror interface {
 	put(st *State, id uint64, e *entry, fdChanged bool)
 	del(st *State, id uint64)
+	// batch records ops as one change; dropped are the ids whose
+	// descriptors it closed.
+	batch(st *State, ops []journalOp, dropped []uint64)
 }
 
 func newState() *State { return &State{entries: map[uint64]*entry{}} }
@@ -51,14 +56,22 @@ func (st *State) FDs() int {
 // held, unless the record says the segment has no memory any more) and of
 // ctl, a channel's control block (-1: none new).
 func (st *State) put(id uint64, rec json.RawMessage, fd, ctl int) {
+	e, changed := st.set(id, rec, fd, ctl)
+	if st.mirror != nil {
+		st.mirror.put(st, id, e, changed)
+	}
+}
+
+// set is put without telling the mirror; changed says the descriptors
+// held for id changed.
+func (st *State) set(id uint64, rec json.RawMessage, fd, ctl int) (e *entry, changed bool) {
 	st.nextID = max(st.nextID, id)
-	e := st.entries[id]
+	e = st.entries[id]
 	if e == nil {
 		e = &entry{fd: -1, ctl: -1}
 		st.entries[id] = e
 	}
 	e.rec = append(json.RawMessage(nil), rec...)
-	changed := false
 	if ctl >= 0 {
 		closeFD(e.ctl)
 		e.ctl, changed = ctl, true
@@ -71,24 +84,70 @@ func (st *State) put(id uint64, rec json.RawMessage, fd, ctl int) {
 		closeFD(e.ctl)
 		e.fd, e.ctl, changed = -1, -1, true
 	}
-	if st.mirror != nil {
-		st.mirror.put(st, id, e, changed)
-	}
+	return e, changed
 }
 
 // del forgets id and closes its descriptor: this process's share of the
 // memory is released.
 func (st *State) del(id uint64) {
+	if st.forget(id) && st.mirror != nil {
+		st.mirror.del(st, id)
+	}
+}
+
+// forget is del without telling the mirror; it reports whether id was held.
+func (st *State) forget(id uint64) bool {
 	e := st.entries[id]
 	if e == nil {
-		return
+		return false
 	}
 	delete(st.entries, id)
 	closeFD(e.fd)
 	closeFD(e.ctl)
-	if st.mirror != nil {
-		st.mirror.del(st, id)
+	return true
+}
+
+// batch applies ops (puts and dels, checked by batchOps) as one change:
+// the mirror writes them as one frame of its journal.
+func (st *State) batch(ops []journalOp) {
+	var dropped []uint64
+	for _, op := range ops {
+		switch op.Op {
+		case "put":
+			if _, changed := st.set(op.ID, op.Rec, -1, -1); changed {
+				dropped = append(dropped, op.ID)
+			}
+		case "del":
+			if st.forget(op.ID) {
+				dropped = append(dropped, op.ID)
+			}
+		}
 	}
+	if st.mirror != nil {
+		st.mirror.batch(st, ops, dropped)
+	}
+}
+
+// batchOps checks a batch from a serving process: every part a put of a
+// record or a del, of a segment id.
+func batchOps(parts []msg) ([]journalOp, error) {
+	if len(parts) == 0 {
+		return nil, errors.New("an empty batch")
+	}
+	ops := make([]journalOp, 0, len(parts))
+	for _, p := range parts {
+		switch {
+		case p.ID == 0:
+			return nil, fmt.Errorf("a %q without a segment id", p.T)
+		case p.T == tPut && isObject(p.Rec):
+			ops = append(ops, journalOp{Op: "put", ID: p.ID, Rec: p.Rec})
+		case p.T == tDel && p.Rec == nil:
+			ops = append(ops, journalOp{Op: "del", ID: p.ID})
+		default:
+			return nil, fmt.Errorf("segment %d: %q is not a put of a record or a del", p.ID, p.T)
+		}
+	}
+	return ops, nil
 }
 
 // release closes every descriptor held, without telling the mirror: what

@@ -61,8 +61,8 @@ type child struct {
 	err     error         // its exit status, once exited
 	started time.Time
 	pid     int
-	ready   bool           // it said it serves
-	ctl     map[uint64]int // control blocks received, for the put that follows
+	ready   bool    // it said it serves
+	ctl     pending // a control block received, for the put that follows it
 }
 
 type ctl struct {
@@ -194,6 +194,7 @@ func (s *Supervisor) serving(c *child) {
 func (s *Supervisor) restart(ctx context.Context) error {
 	old := s.cur
 	<-old.exited
+	old.ctl.drop()
 	ran := time.Since(old.started)
 	s.log.Error("serving process died; restarting it", "pid", old.pid, "status", errString(old.err), "ran", ran.Round(time.Millisecond))
 	s.restarts++
@@ -289,6 +290,7 @@ func (s *Supervisor) upgrade(ctx context.Context) {
 				// The old one died while parking; the new one takes over
 				// as after a crash.
 				s.log.Error("serving process died during the upgrade", "pid", old.pid)
+				old.ctl.drop()
 				for _, p := range conns {
 					closeFD(p.FD)
 				}
@@ -383,18 +385,18 @@ func (s *Supervisor) waitReady(ctx context.Context, c, other *child) error {
 
 // apply acts on one message from a serving process.
 func (s *Supervisor) apply(c *child, m ctl) {
+	if m.m.T != tPut && c.ctl.ok {
+		// Link.Put sends the control block and its record back to back;
+		// a serving process that died between the two leaves a control
+		// block of a change it never acknowledged.
+		s.log.Warn("a channel's control block came without its record; closed", "pid", c.pid, "id", c.ctl.id)
+		c.ctl.drop()
+	}
 	switch m.m.T {
 	case tCtl:
-		if prev, ok := c.ctl[m.m.ID]; ok {
-			closeFD(prev)
-		}
-		c.ctl[m.m.ID] = m.fd
+		c.ctl.set(m.m.ID, m.fd)
 	case tPut:
-		ctl, ok := c.ctl[m.m.ID]
-		if !ok {
-			ctl = -1
-		}
-		delete(c.ctl, m.m.ID)
+		ctl := c.ctl.take(m.m.ID)
 		if m.m.ID == 0 || !isObject(m.m.Rec) {
 			s.log.Error("serving process sent a bad record; ignored", "pid", c.pid, "id", m.m.ID)
 			closeFD(m.fd)
@@ -405,6 +407,14 @@ func (s *Supervisor) apply(c *child, m ctl) {
 	case tDel:
 		closeFD(m.fd)
 		s.st.del(m.m.ID)
+	case tBatch:
+		closeFD(m.fd)
+		ops, err := batchOps(m.m.Batch)
+		if err != nil {
+			s.log.Error("serving process sent a bad batch; ignored", "pid", c.pid, "err", err)
+			return
+		}
+		s.st.batch(ops)
 	case tConn:
 		// Only during an upgrade; a stray one is closed.
 		closeFD(m.fd)
@@ -418,6 +428,7 @@ func (s *Supervisor) drain(c *child) {
 	for m := range c.msgs {
 		s.apply(c, m)
 	}
+	c.ctl.drop()
 }
 
 // handState sends c the state, the parked connections and "go".
@@ -438,7 +449,7 @@ func (s *Supervisor) handState(c *child, conns []Parked, reason string) error {
 			return fmt.Errorf("hand over a connection: %w", err)
 		}
 	}
-	g := msg{T: tGo, NextID: s.st.nextID, Reason: reason, Restarts: s.restarts, PID: os.Getpid()}
+	g := msg{T: tGo, NextID: s.st.nextID, Reason: reason, Restarts: s.restarts, PID: os.Getpid(), Batches: true}
 	if time.Now().Before(s.grace) {
 		g.GraceUntil = s.grace.UnixNano()
 	}
@@ -496,6 +507,7 @@ func (s *Supervisor) spawn() (*child, error) {
 		unix.Close(fds[1])
 		return nil, err
 	}
+	ours.SetMaxMessage(maxControl)
 	theirs := os.NewFile(uintptr(fds[1]), "control")
 	defer theirs.Close()
 	cmd := exec.Command(s.cfg.Exe, s.cfg.Args...)
@@ -510,7 +522,7 @@ func (s *Supervisor) spawn() (*child, error) {
 		return nil, fmt.Errorf("start serving process %s: %w", s.cfg.Exe, err)
 	}
 	c := &child{cmd: cmd, conn: ours, msgs: make(chan ctl, 64), exited: make(chan struct{}),
-		started: time.Now(), pid: cmd.Process.Pid, ctl: map[uint64]int{}}
+		started: time.Now(), pid: cmd.Process.Pid}
 	go func() {
 		defer close(c.msgs)
 		for {

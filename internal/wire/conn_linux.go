@@ -41,6 +41,11 @@ var ErrWoken = errors.New("woken")
 // between requests, so that it can hand them to another process.
 func (c *Conn) SetWake(fd int) { c.wake = fd }
 
+// SetMaxMessage sets the largest packet Recv accepts (MaxMessage unless
+// set), for a connection that is not the client protocol's. Call it before
+// the first Recv.
+func (c *Conn) SetMaxMessage(n int) { c.buf = make([]byte, n+1) }
+
 // SetSpin makes Recv poll without blocking for up to d before it sleeps in
 // the kernel. A reply that arrives within d is then seen without a wake-up
 // of a sleeping thread, which on virtual machines costs tens of
@@ -167,9 +172,10 @@ func (c *Conn) Send(b []byte, fd int) error {
 
 // Recv reads one packet. The returned slice is valid until the next Recv.
 // fd is -1 when the packet carried no descriptor. A packet over MaxMessage
-// bytes, or one carrying more than one descriptor, is consumed whole (its
-// descriptors closed) and reported as an error wrapping ErrProto; the
-// connection stays usable. io.EOF means the peer hung up (or Shutdown).
+// bytes (or what SetMaxMessage set), or one carrying more than one
+// descriptor, is consumed whole (its descriptors closed) and reported as an
+// error wrapping ErrProto; the connection stays usable. io.EOF means the
+// peer hung up (or Shutdown).
 func (c *Conn) Recv() (b []byte, fd int, err error) {
 	var n, oobn, flags int
 	block := unix.MSG_DONTWAIT
@@ -230,11 +236,11 @@ func (c *Conn) Recv() (b []byte, fd int, err error) {
 	if len(fds) == 1 {
 		fd = fds[0]
 	}
-	if flags&unix.MSG_TRUNC != 0 || n > MaxMessage {
+	if max := len(c.buf) - 1; flags&unix.MSG_TRUNC != 0 || n > max {
 		if fd >= 0 {
 			unix.Close(fd)
 		}
-		return nil, -1, fmt.Errorf("%w: message exceeds %d bytes", ErrProto, MaxMessage)
+		return nil, -1, fmt.Errorf("%w: message exceeds %d bytes", ErrProto, max)
 	}
 	return c.buf[:n], fd, nil
 }

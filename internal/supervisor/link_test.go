@@ -1,0 +1,329 @@
+package supervisor
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// controlPair is a supervisor and a serving process's Link joined by a
+// control socket, as spawn and Attach make them.
+func controlPair(t *testing.T, st *State) (*Supervisor, *child, *Link) {
+	t.Helper()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	theirs, err := wire.NewConn(fds[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	ours, err := wire.NewConn(fds[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	theirs.SetMaxMessage(maxControl)
+	ours.SetMaxMessage(maxControl)
+	t.Cleanup(func() { theirs.Close(); ours.Close() })
+	l := &Link{conn: theirs, cmds: make(chan string, 4), Lost: func(err error) { t.Errorf("lost the supervisor: %v", err) }}
+	s := New(Config{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}, st)
+	return s, &child{conn: ours, pid: 1}, l
+}
+
+// applyQueued applies what the serving process sent so far and returns
+// the types of the messages: it sends a marker and reads up to it.
+func applyQueued(t *testing.T, s *Supervisor, c *child, l *Link) []string {
+	t.Helper()
+	if err := l.send(msg{T: tReady}, -1); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for {
+		m, fd, err := recv(c.conn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.T == tReady {
+			return got
+		}
+		got = append(got, m.T)
+		s.apply(c, ctl{m, fd})
+	}
+}
+
+// memfd makes a memfd of size bytes, sealed as the host backend seals.
+func memfd(t *testing.T, size int64) int {
+	t.Helper()
+	fd, err := unix.MemfdCreate("t", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Ftruncate(fd, size); err != nil {
+		t.Fatal(err)
+	}
+	return fd
+}
+
+func ino(t *testing.T, fd int) uint64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		t.Fatalf("fstat %d: %v", fd, err)
+	}
+	return st.Ino
+}
+
+// TestHandStatePairsControlBlocks: several channels of different sizes,
+// handed to a new serving process, each come back with their own memory
+// and their own control block; a control block no segment message
+// claims is closed, not given to the next segment.
+func TestHandStatePairsControlBlocks(t *testing.T) {
+	st := newState()
+	type seg struct {
+		id        uint64
+		size      int64
+		data, ctl uint64 // inodes
+		channel   bool
+	}
+	segs := []*seg{{id: 1, size: 16384, channel: true}, {id: 2, size: 131072, channel: true}, {id: 3, size: 8192}, {id: 4, size: 16384, channel: true}}
+	for _, sg := range segs {
+		fd := memfd(t, sg.size)
+		sg.data = ino(t, fd)
+		ctl := -1
+		if sg.channel {
+			ctl = memfd(t, 4096)
+			sg.ctl = ino(t, ctl)
+		}
+		st.put(sg.id, json.RawMessage(fmt.Sprintf(`{"id":%d,"alloc":%d}`, sg.id, sg.size)), fd, ctl)
+	}
+	s, c, l := controlPair(t, st)
+	// A stray control block first, as a confused sender might send.
+	stray := memfd(t, 4096)
+	if err := send(c.conn, msg{T: tCtl, ID: 3}, stray); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(stray)
+	if err := s.handState(c, nil, "restart"); err != nil {
+		t.Fatal(err)
+	}
+	// After "go" the link reads commands until the socket closes, at the
+	// end of the test.
+	l.Lost = func(error) {}
+	start, err := l.Receive()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer start.close()
+	if len(start.Segments) != len(segs) {
+		t.Fatalf("%d segments handed over, want %d", len(start.Segments), len(segs))
+	}
+	for i, h := range start.Segments {
+		sg := segs[i]
+		if h.ID != sg.id || ino(t, h.FD) != sg.data {
+			t.Fatalf("segment %d came back as %d with another segment's memory", sg.id, h.ID)
+		}
+		switch {
+		case sg.channel && (h.CtlFD < 0 || ino(t, h.CtlFD) != sg.ctl):
+			t.Fatalf("channel %d did not get its own control block (fd %d)", sg.id, h.CtlFD)
+		case !sg.channel && h.CtlFD >= 0:
+			t.Fatalf("segment %d, not a channel, got a control block", sg.id)
+		}
+	}
+	if _, err := unix.FcntlInt(0, unix.F_GETFD, 0); err != nil {
+		t.Fatalf("standard input was closed by the handover: %v", err)
+	}
+}
+
+// TestApplyPairsControlBlocks: the supervisor gives a control block only
+// to the put that follows it, for the same segment.
+func TestApplyPairsControlBlocks(t *testing.T) {
+	st := newState()
+	s, c, l := controlPair(t, st)
+	host, err := backend.NewHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := host.Allocate(0, 8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer data.Free()
+	fd, _ := data.FD()
+	ctl := memfd(t, 4096)
+	defer unix.Close(ctl)
+	// A control block, then a put of another segment: not paired.
+	l.send(msg{T: tCtl, ID: 7}, ctl)
+	l.Put(segment.Record{ID: 8, Alloc: 8192}, fd, -1)
+	// A control block, then its own put: paired.
+	l.Put(segment.Record{ID: 9, Alloc: 8192, Slots: 2, SlotBytes: 4096}, fd, ctl)
+	applyQueued(t, s, c, l)
+	if e := st.entries[8]; e == nil || e.fd < 0 || e.ctl >= 0 {
+		t.Fatalf("segment 8: %+v, want memory and no control block", e)
+	}
+	if e := st.entries[9]; e == nil || e.ctl < 0 || ino(t, e.ctl) != ino(t, ctl) {
+		t.Fatalf("segment 9: %+v, want its control block", e)
+	}
+}
+
+// TestRenameOverIsOneJournalWrite: a rename over an existing name is one
+// control message and one frame of the fd store's journal; every cut of
+// that frame replays as the state before the rename, the whole frame as
+// the state after, never one in between.
+func TestRenameOverIsOneJournalWrite(t *testing.T) {
+	notify := filepath.Join(t.TempDir(), "notify")
+	ns, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Bind(ns, &unix.SockaddrUnix{Name: notify}); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		// Play systemd: take what is stored, keep nothing.
+		buf, oob := make([]byte, 4096), make([]byte, unix.CmsgSpace(4*4))
+		for {
+			_, oobn, _, _, err := unix.Recvmsg(ns, buf, oob, unix.MSG_CMSG_CLOEXEC)
+			if err != nil {
+				return
+			}
+			if cmsgs, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil {
+				for _, c := range cmsgs {
+					fds, _ := unix.ParseUnixRights(&c)
+					for _, fd := range fds {
+						unix.Close(fd)
+					}
+				}
+			}
+		}
+	}()
+	t.Cleanup(func() { unix.Shutdown(ns, unix.SHUT_RDWR); unix.Close(ns) })
+	t.Setenv("NOTIFY_SOCKET", notify)
+
+	st := newState()
+	s, c, l := controlPair(t, st)
+	l.batches = true
+	listener, epoch := os.NewFile(uintptr(memfd(t, 1)), "listener"), os.NewFile(uintptr(memfd(t, 4096)), "epoch")
+	defer listener.Close()
+	defer epoch.Close()
+	store, err := newFDStore(st, s.log, listener, epoch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.mirror = store
+	defer unix.Close(store.journal)
+
+	host, err := backend.NewHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := segment.New(host, nil)
+	reg.SetJournal(l)
+	defer func() { reg.Detach(); reg.Close() }()
+	// Records as large as they may be: the batch carries two.
+	big := func(name string) json.RawMessage {
+		return json.RawMessage(fmt.Sprintf(`{"name":%q,"pad":"%0*d"}`, name, 32700, 0))
+	}
+	for _, name := range []string{"a", "b", "c"} {
+		if _, _, err := reg.Create(segment.Root, segment.CreateOptions{Name: name, Size: 4096, Meta: big(name), Open: name == "c"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := applyQueued(t, s, c, l); len(got) != 3 {
+		t.Fatalf("creates sent %v", got)
+	}
+	journal := func() []byte {
+		b := make([]byte, store.written)
+		if _, err := unix.Pread(store.journal, b, 0); err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	names := func(b []byte) map[string]string {
+		recs, _, _ := decodeJournal(b)
+		out := map[string]string{}
+		for _, rec := range recs {
+			var r segment.Record
+			if err := json.Unmarshal(rec, &r); err != nil {
+				t.Fatal(err)
+			}
+			var meta struct{ Name string }
+			json.Unmarshal(r.Meta, &meta)
+			if r.Linked {
+				out[r.Name] = meta.Name
+			} else {
+				out["unnamed "+r.Name] = meta.Name
+			}
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		from, to      string
+		before, after map[string]string
+	}{
+		// b nobody has open: freed with the rename.
+		{"a", "b", map[string]string{"a": "a", "b": "b", "c": "c"}, map[string]string{"b": "a", "c": "c"}},
+		// c open: kept unnamed.
+		{"b", "c", map[string]string{"b": "a", "c": "c"}, map[string]string{"c": "a", "unnamed c": "c"}},
+	} {
+		before := journal()
+		if got := names(before); !equalMaps(got, tc.before) {
+			t.Fatalf("before rename %s %s: %v, want %v", tc.from, tc.to, got, tc.before)
+		}
+		if err := reg.Rename(segment.Root, tc.from, tc.to, 0); err != nil {
+			t.Fatal(err)
+		}
+		if got := applyQueued(t, s, c, l); len(got) != 1 || got[0] != tBatch {
+			t.Fatalf("rename %s over %s sent %v, want one batch", tc.from, tc.to, got)
+		}
+		after := journal()
+		if got := names(after); !equalMaps(got, tc.after) {
+			t.Fatalf("after rename %s %s: %v, want %v", tc.from, tc.to, got, tc.after)
+		}
+		// Cuts in the frame's header and its last bytes, and a sample
+		// between (every cut decodes the whole journal).
+		for n := len(before); n < len(after); n = nextCut(n, len(before), len(after)) {
+			if got := names(after[:n]); !equalMaps(got, tc.before) {
+				t.Fatalf("rename %s %s cut at byte %d of its frame replays as %v, want %v", tc.from, tc.to, n-len(before), got, tc.before)
+			}
+		}
+	}
+	// A supervisor too old for batches gets the changes one by one.
+	l.batches = false
+	reg.Create(segment.Root, segment.CreateOptions{Name: "d", Size: 4096})
+	applyQueued(t, s, c, l)
+	if err := reg.Rename(segment.Root, "d", "c", 0); err != nil {
+		t.Fatal(err)
+	}
+	if got := applyQueued(t, s, c, l); len(got) != 2 || got[0] != tDel || got[1] != tPut {
+		t.Fatalf("rename for an old supervisor sent %v, want [del put]", got)
+	}
+}
+
+func nextCut(n, from, to int) int {
+	if n-from < 16 || to-n <= 16 {
+		return n + 1
+	}
+	return min(n+997, to-16)
+}
+
+func equalMaps(a, b map[string]string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if w, ok := b[k]; !ok || w != v {
+			return false
+		}
+	}
+	return true
+}
