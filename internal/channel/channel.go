@@ -342,6 +342,32 @@ func (k *Block) cut() {
 	}
 }
 
+// Recut writes the Cut mark again where a flag of the last break's
+// messages fell below it, and reports whether the break still stands for
+// a producer to come (false once a producer holds the channel again, or
+// there is no break). The dead producer's GPU work may outlive the
+// moment its death is seen by a little: a late write of an older
+// message's flag would lower a mark under a consumer's stream wait, which
+// would then wait for ever. The daemon calls Recut for a while after a
+// break.
+func (k *Block) Recut() bool {
+	if k.Holder(Tx).State == StateAttached {
+		return false
+	}
+	b := k.Break()
+	if b.Count == 0 {
+		return false
+	}
+	slots := uint64(k.Slots())
+	for i := range min(slots, b.End) {
+		last := b.End - 1 - (b.End-1-i)%slots
+		if f := k.u64(offFilled + 8*int(i)); f.Load() < last+1 {
+			f.Store(Cut | (last + 1))
+		}
+	}
+	return true
+}
+
 // Removed reports whether the channel was removed (unlinked).
 func (k *Block) Removed() bool { return k.u64(offRemoved).Load() != 0 }
 

@@ -306,3 +306,37 @@ func TestReachedIsCyclic(t *testing.T) {
 		}
 	}
 }
+
+// A dead producer's GPU work may run a little past the moment its death is
+// seen: a late write of an older message's flag lowers the cut mark under
+// a consumer's stream wait, and Recut puts it back until a producer holds
+// the channel again.
+func TestRecutUndoesLateWrites(t *testing.T) {
+	k := newBlock(t, 4)
+	k.Attach(Rx, 2, 2)
+	k.Attach(Tx, 1, 1)
+	send(k, 10, 5) // messages 5 to 9 handed over, their writes queued
+	k.Detach(Tx, true)
+	b := k.Break()
+	if b.First != 5 || b.End != 10 {
+		t.Fatalf("Break = %+v, want messages 5 to 9 cut off", b)
+	}
+	// Message 9 is slot 1's: its consumer stream waits for flag 10.
+	if !Reached(k.Filled(1), 10) {
+		t.Fatalf("after the cut, slot 1's flag %#x does not meet a wait for 10", k.Filled(1))
+	}
+	k.MarkFilled(1, 6) // the dead producer's late write of message 5's flag
+	if Reached(k.Filled(1), 10) {
+		t.Fatalf("the late write left flag %#x, which the test expected below the mark", k.Filled(1))
+	}
+	if !k.Recut() {
+		t.Fatal("Recut = false with the break standing and no producer")
+	}
+	if !Reached(k.Filled(1), 10) {
+		t.Fatalf("after Recut, slot 1's flag %#x still does not meet a wait for 10", k.Filled(1))
+	}
+	k.Attach(Tx, 3, 3)
+	if k.Recut() {
+		t.Fatal("Recut = true with a producer holding the channel again")
+	}
+}

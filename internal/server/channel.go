@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -98,7 +99,9 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 				return fmt.Errorf("%w: channel %q has a %s already (pid %d); a channel has one of each",
 					segment.ErrBusy, c.s.reg.Info(seg).Name, what, h.PID)
 			}
-			blk.Detach(role, true)
+			c.s.roleMu.Lock()
+			c.s.detach(seg, blk, role, true, h.PID)
+			c.s.roleMu.Unlock()
 		}
 		blk.Attach(role, pid, start)
 		return nil
@@ -137,14 +140,30 @@ func (c *conn) unclaim(seg *segment.Segment, role channel.Role, died bool) {
 		return
 	}
 	pid := int(c.cred.PID)
+	var later []channel.Holder
 	err := c.s.withBlock(seg, func(blk *channel.Block) error {
+		c.s.roleMu.Lock()
+		defer c.s.roleMu.Unlock()
 		for _, r := range end {
-			if h := blk.Holder(r); h.State == channel.StateAttached && h.PID == pid {
-				blk.Detach(r, died)
+			h := blk.Holder(r)
+			if h.State != channel.StateAttached || h.PID != pid {
+				continue
 			}
+			if died && r == channel.Tx && alive(h) {
+				// The socket closes as the process exits, before the
+				// driver has surely stopped its GPU work: the cut waits
+				// for the exit (watch), or a moment for a process that
+				// lives on without its connection.
+				later = append(later, h)
+				continue
+			}
+			c.s.detach(seg, blk, r, died, h.PID)
 		}
 		return nil
 	})
+	for _, h := range later {
+		time.AfterFunc(deadRoleWait, func() { c.s.endDeadRole(seg, channel.Tx, h) })
+	}
 	if err != nil {
 		c.s.log.Debug("end channel role", "segment", seg.ID(), "err", err)
 	}
@@ -153,20 +172,7 @@ func (c *conn) unclaim(seg *segment.Segment, role channel.Role, died bool) {
 // watch ends role on seg when the process h exits, if it still holds it
 // then; at once if it has exited already.
 func (s *Server) watch(seg *segment.Segment, role channel.Role, h channel.Holder) {
-	end := func() {
-		s.withBlock(seg, func(blk *channel.Block) error {
-			if now := blk.Holder(role); now.State == channel.StateAttached && now.PID == h.PID && now.Start == h.Start {
-				s.log.Info("channel end exited; its role ends", "segment", seg.ID(), "role", role, "pid", h.PID)
-				before := blk.Break()
-				blk.Detach(role, true)
-				if b := blk.Break(); b.Count != before.Count {
-					s.log.Warn("a dead producer's messages are cut off; the consumer is told", "segment", seg.ID(),
-						"pid", h.PID, "first", b.First, "end", b.End)
-				}
-			}
-			return nil
-		})
-	}
+	end := func() { s.endDeadRole(seg, role, h) }
 	type roleKey struct {
 		id   uint64
 		role channel.Role
@@ -177,6 +183,51 @@ func (s *Server) watch(seg *segment.Segment, role channel.Role, h channel.Holder
 	}
 	// A live process that cannot be watched (no pidfds): its connection
 	// ends the role.
+}
+
+// deadRoleWait is how long a producer whose connection ended while its
+// process lives keeps its role before it ends as dead; cutGuard is how
+// long a break's cut marks are kept against late writes (Block.Recut).
+const (
+	deadRoleWait = 2 * time.Second
+	cutGuard     = 10 * time.Second
+)
+
+// endDeadRole ends role on seg as its holder h died, if h holds it still.
+func (s *Server) endDeadRole(seg *segment.Segment, role channel.Role, h channel.Holder) {
+	s.withBlock(seg, func(blk *channel.Block) error {
+		s.roleMu.Lock()
+		defer s.roleMu.Unlock()
+		if now := blk.Holder(role); now.State == channel.StateAttached && now.PID == h.PID && now.Start == h.Start {
+			s.log.Info("channel end exited; its role ends", "segment", seg.ID(), "role", role, "pid", h.PID)
+			s.detach(seg, blk, role, true, h.PID)
+		}
+		return nil
+	})
+}
+
+// detach ends role on blk; a producer's death that cuts messages off is
+// logged, and its cut marks guarded for a while. Call with roleMu held.
+func (s *Server) detach(seg *segment.Segment, blk *channel.Block, role channel.Role, died bool, pid int) {
+	before := blk.Break()
+	blk.Detach(role, died)
+	b := blk.Break()
+	if b.Count == before.Count {
+		return
+	}
+	s.log.Warn("a dead producer's messages are cut off; the consumer is told", "segment", seg.ID(),
+		"pid", pid, "first", b.First, "end", b.End)
+	go func() {
+		for deadline := time.Now().Add(cutGuard); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			standing := false
+			if err := s.withBlock(seg, func(blk *channel.Block) error {
+				standing = blk.Recut()
+				return nil
+			}); err != nil || !standing {
+				return
+			}
+		}
+	}()
 }
 
 // RepairChannels checks every channel's roles after a restart: a role whose

@@ -77,6 +77,9 @@ type Server struct {
 	// server parks or stops (commit.go).
 	waitStop chan struct{}
 	waiting  atomic.Int64 // opens waiting for a commit
+	// roleMu orders the ends of channel roles: a connection's end, its
+	// process's exit and a new claim may each find the same holder.
+	roleMu sync.Mutex
 }
 
 // New makes a server for backend. version is reported by hello.
