@@ -12,7 +12,6 @@ import (
 	"os/signal"
 	"runtime"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -67,6 +66,14 @@ whose pid 'gpushm info' shows); to stop for good, send SIGTERM. Under systemd
 'systemctl restart' keeps every segment in systemd's fd store, and
 'systemctl stop' frees them.
 
+Limits are on by default, so that no user can starve the others: each
+user other than root may hold --user-connections connections,
+--user-segments segments and --user-quota bytes, and the daemon as a whole
+--max-segments segments and --max-connections connections, sized from its
+descriptor limit (raised to the hard limit at start). A request over a
+limit is refused with an error naming the limit and its numbers
+(docs/security.md).
+
 --backend auto (the default) uses CUDA when libcuda.so.1 loads and a device
 with VMM and POSIX file descriptor handles is present, and host memory
 (memfd) otherwise. It refuses to start when another daemon serves the
@@ -88,6 +95,7 @@ socket, and replaces a stale socket file.`,
 				return fmt.Errorf("--grace %s: want 0 or more", o.grace)
 			}
 			o.backend, o.devices, o.spin = backendName, devices, spin
+			o.nofile = raiseNOFILE()
 			switch {
 			case supervisor.Attached():
 				return runServing(cmd.Context(), log.With("role", "server"), o, true)
@@ -104,8 +112,11 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	f.StringVar(&o.socketGroup, "socket-group", "", "let only this group connect (socket mode 0660; default: every user, 0666)")
 	f.StringVar(&o.maxMemory, "max-memory", "", "cap what segments may hold on each device: a size (64G) or a share of the device (90%)")
-	f.StringVar(&o.userQuota, "user-quota", "", "cap the bytes each non-root user's segments may hold (all devices)")
-	f.IntVar(&o.userSegments, "user-segments", 0, "cap how many segments each non-root user may hold (0: no cap)")
+	f.StringVar(&o.userQuota, "user-quota", "auto", "cap the bytes each non-root user's segments may hold: a share of each device (30%), a size for all devices together (64G), 0 (no cap), or auto: 50% of each GPU, 25% of host memory")
+	f.StringVar(&o.userSegments, "user-segments", "auto", "cap how many segments each non-root user may hold: a number, 0 (no cap), or auto: 4096 (or a quarter of --max-segments, if less)")
+	f.StringVar(&o.userConnections, "user-connections", "auto", "cap how many connections each non-root user may hold open: a number, 0 (no cap), or auto: 1024 (or a quarter of --max-connections, if less)")
+	f.StringVar(&o.maxSegments, "max-segments", "auto", "cap the segments the daemon holds, for all users and root (a channel counts as 2): a number, 0 (no cap), or auto: half the descriptor limit (ulimit -n)")
+	f.StringVar(&o.maxConnections, "max-connections", "auto", "cap the connections the daemon serves, for all users and root: a number, 0 (no cap), or auto: the descriptor limit less --max-segments and a sixteenth kept for the daemon")
 	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
 	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
 	f.StringVar(&o.nvml, "nvml", "auto", "GPU figures for info and metrics from NVML: auto (when libnvidia-ml.so.1 loads and works), require (refuse to start without it) or off")
@@ -126,56 +137,16 @@ type daemonOptions struct {
 	mount       string
 	maxMemory   string
 	userQuota   string
-	// userSegments caps each non-root user's segment count.
-	userSegments int
-	supervise    bool
-	grace        time.Duration
-	fdStore      bool
+	// Count limits: a number, "auto" or "0" (limits.go).
+	userSegments, userConnections string
+	maxSegments, maxConnections   string
+	supervise                     bool
+	grace                         time.Duration
+	fdStore                       bool
 	// nvml is auto, require or off; nvmlLibrary what to dlopen.
 	nvml, nvmlLibrary string
-}
-
-// limits turns the quota flags into registry limits for b's devices.
-func (o daemonOptions) limits(b backend.Backend) (segment.Limits, error) {
-	var l segment.Limits
-	if o.userSegments < 0 {
-		return l, fmt.Errorf("--user-segments %d: want 0 or more", o.userSegments)
-	}
-	l.UserSegments = o.userSegments
-	if o.userQuota != "" {
-		n, err := parseSize(o.userQuota)
-		if err != nil {
-			return l, fmt.Errorf("--user-quota: %w", err)
-		}
-		l.UserBytes = n
-	}
-	if o.maxMemory != "" {
-		devs, err := b.Devices()
-		if err != nil {
-			return l, err
-		}
-		l.DeviceBytes = map[int]int64{}
-		for _, d := range devs {
-			n, err := sizeOrShare(o.maxMemory, int64(d.TotalBytes))
-			if err != nil {
-				return l, fmt.Errorf("--max-memory: %w", err)
-			}
-			l.DeviceBytes[d.Index] = n
-		}
-	}
-	return l, nil
-}
-
-// sizeOrShare reads "64G" as bytes and "90%" as that share of total.
-func sizeOrShare(s string, total int64) (int64, error) {
-	if p, ok := strings.CutSuffix(strings.TrimSpace(s), "%"); ok {
-		f, err := strconv.ParseFloat(p, 64)
-		if err != nil || f <= 0 || f > 100 {
-			return 0, fmt.Errorf("%q: want a share between 0%% and 100%%", s)
-		}
-		return int64(f / 100 * float64(total)), nil
-	}
-	return parseSize(s)
+	// nofile is the process's descriptor limit, raised to its hard limit.
+	nofile int
 }
 
 // runSupervisor holds the socket, the epoch page and every segment's
@@ -267,11 +238,12 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 	if err != nil {
 		return err
 	}
-	lim, err := o.limits(b)
+	lim, err := o.limits(b, o.nofile)
 	if err != nil {
 		return err
 	}
-	srv.Registry().SetLimits(lim)
+	srv.Registry().SetLimits(lim.seg)
+	srv.SetConnLimits(lim.conn)
 	// Channels' control blocks are host memory whatever the backend.
 	host, err := backend.NewHost()
 	if err != nil {
@@ -382,9 +354,8 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 	}()
 	defer ex.stop()
 
-	var nofile syscall.Rlimit
-	syscall.Getrlimit(syscall.RLIMIT_NOFILE, &nofile)
-	log.Info("serving", "socket", path, "backend", b.Name(), "version", version, "pid", os.Getpid(), "max_fds", nofile.Cur)
+	log.Info("serving", "socket", path, "backend", b.Name(), "version", version, "pid", os.Getpid(), "max_fds", o.nofile)
+	logLimits(log, lim)
 	if link != nil {
 		if err := link.Ready(); err != nil {
 			return err
@@ -646,5 +617,27 @@ func listenRetry(addr string) (net.Listener, error) {
 			return listenMetrics(addr) // its error says what to do
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// logLimits says which limits are in force.
+func logLimits(log *slog.Logger, l daemonLimits) {
+	args := []any{"max_segments", l.seg.Segments, "max_connections", l.conn.Total,
+		"user_segments", l.seg.UserSegments, "user_connections", l.conn.PerUser}
+	if l.seg.UserBytes > 0 {
+		args = append(args, "user_bytes", l.seg.UserBytes)
+	}
+	for d, n := range l.seg.UserDeviceBytes {
+		args = append(args, "user_bytes_device_"+strconv.Itoa(d), n)
+	}
+	if l.shareNote != "" {
+		args = append(args, "user_quota", l.shareNote)
+	}
+	for d, n := range l.seg.DeviceBytes {
+		args = append(args, "max_bytes_device_"+strconv.Itoa(d), n)
+	}
+	log.Info("limits", args...)
+	if l.seg.Segments == 0 {
+		log.Warn("no --max-segments: the supervisor, which holds a descriptor of every segment, may run out of descriptors")
 	}
 }

@@ -37,6 +37,14 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if uid := os.Getenv("GPUSHM_TEST_NEIGHBOUR"); uid != "" {
+		n, _ := strconv.Atoi(uid)
+		if err := neighbourMain(n); err != nil {
+			fmt.Fprintf(os.Stderr, "client as uid %d: %v\n", n, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if os.Getenv("GPUSHM_TEST_HOLDER") != "" {
 		if err := holderMain(); err != nil {
 			fmt.Fprintf(os.Stderr, "holder: %v\n", err)
@@ -333,6 +341,8 @@ func TestQuotaFlagsAndLifetimes(t *testing.T) {
 	mustRun(t, nil, "create", "over-user-quota", "2M")
 	mustFail(t, "quota exceeded", "create", "bigger", "1G")
 	mustFail(t, "want a share between", "daemon", "--socket", sock+"2", "--backend", "host", "--max-memory", "150%")
+	mustFail(t, "leave fewer than", "daemon", "--socket", sock+"2", "--backend", "host", "--max-segments", "1000000000", "--max-connections", "1")
+	mustFail(t, "--user-connections \"x\": want a number", "daemon", "--socket", sock+"2", "--backend", "host", "--user-connections", "x")
 	mustRun(t, nil, "chmod", "0644", "t")
 	mustRun(t, nil, "chown", "65534:65534", "t")
 	mustRun(t, nil, "mv", "t", "u")

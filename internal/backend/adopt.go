@@ -67,9 +67,19 @@ func (h *Host) Adopt(device int, fd int, size int64) (segment.Memory, error) {
 	if size <= 0 || st.Size < size {
 		return nil, fmt.Errorf("publish: the file has %d bytes, %d asked: %w", st.Size, size, syscall.EINVAL)
 	}
+	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	if err != nil {
+		return nil, fmt.Errorf("publish: fcntl: %w", err)
+	}
+	if fl&unix.O_ACCMODE != unix.O_RDWR {
+		// The daemon writes through it (the FUSE view) and hands out
+		// read-write opens of it.
+		return nil, fmt.Errorf("publish: the descriptor is not open for reading and writing: %w", syscall.EINVAL)
+	}
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW); err != nil {
 		return nil, fmt.Errorf("publish: cannot seal its size (a memfd made with MFD_ALLOW_SEALING is needed): %v: %w", err, syscall.EINVAL)
 	}
+	restrict(fd)
 	return &hostMemory{fd: fd, size: size}, nil
 }
 
@@ -134,5 +144,6 @@ func (h *Host) Restore(device int, fd int, alloc int64) (segment.Memory, error) 
 	if alloc <= 0 || st.Size < alloc {
 		return nil, fmt.Errorf("the memfd has %d bytes, the record says %d", st.Size, alloc)
 	}
+	restrict(fd) // made by an older daemon, perhaps
 	return &hostMemory{fd: fd, size: alloc}, nil
 }

@@ -36,12 +36,15 @@ func New() (*Page, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("epoch page: ftruncate: %w", err)
 	}
-	// Clients get a copy of this fd; seals stop one from resizing the page
-	// under the daemon (a SIGBUS) or mapping it writable.
+	// Seals stop anyone holding a descriptor from resizing the page under
+	// the daemon (a SIGBUS). Clients get a read-only descriptor of it
+	// (opened again through /proc/self/fd), which cannot be mapped
+	// writable.
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
 		unix.Close(fd)
 		return nil, fmt.Errorf("epoch page: seal: %w", err)
 	}
+	restrict(fd)
 	mem, err := unix.Mmap(fd, 0, pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		unix.Close(fd)
@@ -101,9 +104,15 @@ func (p *Page) Close() error {
 // over (a daemon's supervisor keeps the page across restarts, so that
 // clients' cached opens stay valid). The Page owns fd.
 func Open(fd int) (*Page, error) {
+	restrict(fd) // made by an older daemon, perhaps
 	mem, err := mapPage(fd, pageSize, pageSize, unix.PROT_READ|unix.PROT_WRITE)
 	if err != nil {
 		return nil, err
 	}
 	return &Page{mem: mem, fd: fd, v: (*atomic.Uint64)(unsafe.Pointer(&mem[0]))}, nil
 }
+
+// restrict leaves the page's permission bits to its owner: a memfd is made
+// with mode 0777, and whoever holds a read-only descriptor of it could
+// open it again, writable, through /proc/self/fd/N if the bits let them.
+func restrict(fd int) { unix.Fchmod(fd, 0o600) }

@@ -238,7 +238,11 @@ func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64) (
 	fd := -1
 	if grow := r.roundSize(s.device, capacity) - memSize(mem); grow > 0 {
 		r.mu.Lock()
-		err := r.checkLimitsLocked(Cred{UID: s.uid, GID: s.gid}, s.device, grow, false)
+		descs := 0
+		if mem == nil {
+			descs = 1 // an empty file gets memory, and a descriptor to hold it
+		}
+		err := r.checkLimitsLocked(Cred{UID: s.uid, GID: s.gid}, s.device, grow, descs, false)
 		r.mu.Unlock()
 		if err != nil {
 			return nil, err

@@ -15,8 +15,16 @@ type Limits struct {
 	DeviceBytes map[int]int64
 	// UserBytes bounds the bytes one uid's segments hold, on all devices.
 	UserBytes int64
+	// UserDeviceBytes bounds the bytes one uid's segments hold on each
+	// device.
+	UserDeviceBytes map[int]int64
 	// UserSegments bounds how many segments one uid holds.
 	UserSegments int
+	// Segments bounds the segments the daemon holds, for all users, root
+	// included. A channel counts as two: it is held by two descriptors
+	// (its slots and its control block), and what this limit protects is
+	// the descriptor table of the daemon's processes.
+	Segments int
 }
 
 // ErrQuota is a quota refusal.
@@ -30,73 +38,141 @@ func (r *Registry) SetLimits(l Limits) {
 	r.limits = l
 }
 
-// usageLocked sums what dev (or, with dev < 0, every device) and uid hold,
-// in bytes and segments.
-func (r *Registry) usageLocked() (devBytes map[int]int64, userBytes map[uint32]int64, userSegs map[uint32]int) {
+// Limits returns the quotas in force.
+func (r *Registry) Limits() Limits {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.limits
+}
+
+// descriptors is how many descriptors hold s's memory: what it counts
+// against Limits.Segments.
+func (s *Segment) descriptors() int {
+	if s.slots > 0 {
+		return 2
+	}
+	return 1
+}
+
+// usageLocked sums what each device and uid hold, in bytes and segments.
+func (r *Registry) usageLocked() (devBytes map[int]int64, userBytes map[uint32]int64, userSegs map[uint32]int, total int) {
 	devBytes, userBytes, userSegs = map[int]int64{}, map[uint32]int64{}, map[uint32]int{}
-	count := func(s *Segment, bytes int64) {
+	r.eachHeldLocked(func(s *Segment, bytes int64, descs int) {
 		devBytes[s.device] += bytes
 		userBytes[s.uid] += bytes
 		userSegs[s.uid]++
-	}
-	for _, s := range r.byID {
-		count(s, memSize(s.mem))
-	}
-	for _, s := range r.byName {
-		if s.creating {
-			count(s, r.roundSize(s.device, s.size))
-		} else if s.mem == nil {
-			count(s, 0) // an empty file still counts as a segment
-		}
-	}
+		total += descs
+	})
 	return
 }
 
-// checkLimitsLocked refuses, with ENOSPC saying what was asked, what is used
-// and what the limit is, an allocation of bytes more on device for c's uid
-// (and, with newSegment, one more segment). Root is subject to the device
-// limits only.
-func (r *Registry) checkLimitsLocked(c Cred, device int, bytes int64, newSegment bool) error {
+// eachHeldLocked calls fn for every segment that counts against the
+// limits, with the bytes and descriptors it holds.
+func (r *Registry) eachHeldLocked(fn func(s *Segment, bytes int64, descs int)) {
+	for _, s := range r.byID {
+		fn(s, memSize(s.mem), s.descriptors())
+	}
+	for _, s := range r.byName {
+		if s.creating {
+			fn(s, r.roundSize(s.device, s.size), s.descriptors())
+		} else if s.mem == nil {
+			fn(s, 0, 0) // an empty file still counts as a segment, holding nothing
+		}
+	}
+}
+
+// tally is what one create is checked against.
+type tally struct {
+	dev      int64 // bytes on the device, all users
+	user     int64 // the uid's bytes, all devices
+	userDev  int64 // the uid's bytes on the device
+	userSegs int   // the uid's segments
+	descs    int   // descriptors held, all users
+}
+
+// tallyLocked sums, in one pass and without allocating, what checking an
+// allocation on device for uid needs: it runs on every create.
+func (r *Registry) tallyLocked(uid uint32, device int) tally {
+	var t tally
+	r.eachHeldLocked(func(s *Segment, bytes int64, descs int) {
+		t.descs += descs
+		if s.device == device {
+			t.dev += bytes
+		}
+		if s.uid == uid {
+			t.user += bytes
+			t.userSegs++
+			if s.device == device {
+				t.userDev += bytes
+			}
+		}
+	})
+	return t
+}
+
+// checkLimitsLocked refuses, with ENOSPC naming the limit and saying what
+// was asked, what is used and what the limit is, an allocation of bytes
+// more on device for c's uid, held by descs more descriptors (and, with
+// newSegment, one more segment). Root is held to the limits of the device
+// and of the daemon only.
+func (r *Registry) checkLimitsLocked(c Cred, device int, bytes int64, descs int, newSegment bool) error {
 	l := r.limits
-	if len(l.DeviceBytes) == 0 && l.UserBytes == 0 && l.UserSegments == 0 {
+	if len(l.DeviceBytes) == 0 && l.UserBytes == 0 && len(l.UserDeviceBytes) == 0 && l.UserSegments == 0 && l.Segments == 0 {
 		return nil
 	}
-	dev, user, segs := r.usageLocked()
-	if max := l.DeviceBytes[device]; max > 0 && dev[device]+bytes > max {
-		return fmt.Errorf("%w: device %d: asked %d bytes, %d in use, limit %d", ErrQuota, device, bytes, dev[device], max)
+	t := r.tallyLocked(c.UID, device)
+	if max := l.DeviceBytes[device]; max > 0 && t.dev+bytes > max {
+		return fmt.Errorf("%w: bytes on device %d (all users): asked %d bytes, %d in use, limit %d", ErrQuota, device, bytes, t.dev, max)
+	}
+	if descs > 0 && l.Segments > 0 && t.descs+descs > l.Segments {
+		return fmt.Errorf("%w: segments of the daemon (all users; a channel counts as 2): asked for %d, %d held, limit %d", ErrQuota, descs, t.descs, l.Segments)
 	}
 	if c.UID == 0 {
 		return nil
 	}
-	if l.UserBytes > 0 && user[c.UID]+bytes > l.UserBytes {
-		return fmt.Errorf("%w: uid %d: asked %d bytes, %d in use, limit %d", ErrQuota, c.UID, bytes, user[c.UID], l.UserBytes)
+	if max := l.UserDeviceBytes[device]; max > 0 && t.userDev+bytes > max {
+		return fmt.Errorf("%w: bytes per user on device %d: uid %d: asked %d bytes, %d in use, limit %d", ErrQuota, device, c.UID, bytes, t.userDev, max)
 	}
-	if newSegment && l.UserSegments > 0 && segs[c.UID]+1 > l.UserSegments {
-		return fmt.Errorf("%w: uid %d: asked for a segment, %d held, limit %d", ErrQuota, c.UID, segs[c.UID], l.UserSegments)
+	if l.UserBytes > 0 && t.user+bytes > l.UserBytes {
+		return fmt.Errorf("%w: bytes per user: uid %d: asked %d bytes, %d in use, limit %d", ErrQuota, c.UID, bytes, t.user, l.UserBytes)
+	}
+	if newSegment && l.UserSegments > 0 && t.userSegs+1 > l.UserSegments {
+		return fmt.Errorf("%w: segments per user: uid %d: asked for a segment, %d held, limit %d", ErrQuota, c.UID, t.userSegs, l.UserSegments)
 	}
 	return nil
 }
 
 // QuotaUse is one limit in force and its use.
 type QuotaUse struct {
-	Kind  string // "device_bytes", "user_bytes", "user_segments"
-	Scope string // device index or uid
+	Kind  string // "device_bytes", "segments", "user_bytes", "user_device_bytes", "user_segments"
+	Scope string // device index, uid, uid/device, or "" for the daemon
 	Used  int64
 	Limit int64
 }
 
 // Quotas lists every limit in force with its use: device limits for each
-// limited device, user limits for each uid holding something.
+// limited device, the daemon's segment limit, user limits for each uid
+// holding something.
 func (r *Registry) Quotas() []QuotaUse {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	l := r.limits
-	dev, user, segs := r.usageLocked()
+	dev, user, segs, total := r.usageLocked()
 	var out []QuotaUse
 	for d, max := range l.DeviceBytes {
 		if max > 0 {
 			out = append(out, QuotaUse{"device_bytes", strconv.Itoa(d), dev[d], max})
 		}
+	}
+	if l.Segments > 0 {
+		out = append(out, QuotaUse{"segments", "", int64(total), int64(l.Segments)})
+	}
+	var userDev map[string]int64
+	if len(l.UserDeviceBytes) > 0 {
+		userDev = map[string]int64{}
+		r.eachHeldLocked(func(s *Segment, bytes int64, _ int) {
+			userDev[strconv.FormatUint(uint64(s.uid), 10)+"/"+strconv.Itoa(s.device)] += bytes
+		})
 	}
 	for uid := range segs {
 		if uid == 0 {
@@ -105,6 +181,12 @@ func (r *Registry) Quotas() []QuotaUse {
 		scope := strconv.FormatUint(uint64(uid), 10)
 		if l.UserBytes > 0 {
 			out = append(out, QuotaUse{"user_bytes", scope, user[uid], l.UserBytes})
+		}
+		for d, max := range l.UserDeviceBytes {
+			if max > 0 {
+				s := scope + "/" + strconv.Itoa(d)
+				out = append(out, QuotaUse{"user_device_bytes", s, userDev[s], max})
+			}
 		}
 		if l.UserSegments > 0 {
 			out = append(out, QuotaUse{"user_segments", scope, int64(segs[uid]), int64(l.UserSegments)})

@@ -370,7 +370,14 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	if o.Memory != nil {
 		need = o.Memory.Size()
 	}
-	if err := r.checkLimitsLocked(c, o.Device, need, true); err != nil {
+	descs := 1
+	if o.Slots > 0 {
+		descs = 2
+	}
+	if o.Size == 0 && o.Memory == nil {
+		descs = 0 // an empty file holds no memory
+	}
+	if err := r.checkLimitsLocked(c, o.Device, need, descs, true); err != nil {
 		r.mu.Unlock()
 		return nil, false, err
 	}

@@ -396,3 +396,45 @@ func TestExpire(t *testing.T) {
 		t.Fatalf("forever has TTL %v", inf.TTL)
 	}
 }
+
+func TestDaemonAndDeviceQuotas(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	r.SetLimits(Limits{Segments: 3, UserDeviceBytes: map[int]int64{0: 8 << 10}})
+	// The per-device share, for a user: 8 KiB on device 0.
+	if _, _, err := r.Create(alice, CreateOptions{Name: "a0", Size: 8 << 10}); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err := r.Create(alice, CreateOptions{Name: "a1", Size: 1})
+	if !errors.Is(err, syscall.ENOSPC) || !strings.Contains(err.Error(), "bytes per user on device 0") ||
+		!strings.Contains(err.Error(), "8192 in use, limit 8192") {
+		t.Fatalf("over the device share = %v", err)
+	}
+	// The daemon's count holds for root too: 3 segments in all.
+	for _, name := range []string{"r0", "r1"} {
+		if _, _, err := r.Create(Root, CreateOptions{Name: name, Size: 1 << 20}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, _, err = r.Create(Root, CreateOptions{Name: "r2", Size: 1})
+	if !errors.Is(err, ErrQuota) || !strings.Contains(err.Error(), "segments of the daemon") || !strings.Contains(err.Error(), "3 held, limit 3") {
+		t.Fatalf("over the daemon's segments = %v", err)
+	}
+	if n := f.liveCount(); n != 3 {
+		t.Fatalf("%d allocations live, want 3: refusals allocate nothing", n)
+	}
+	// A freed segment makes room.
+	if err := r.Unlink(Root, "r0"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := r.Create(Root, CreateOptions{Name: "r2", Size: 1}); err != nil {
+		t.Fatalf("after an unlink: %v", err)
+	}
+	var kinds []string
+	for _, q := range r.Quotas() {
+		kinds = append(kinds, q.Kind+":"+q.Scope)
+	}
+	if got := strings.Join(kinds, " "); got != "segments: user_device_bytes:"+fmt.Sprint(alice.UID)+"/0" {
+		t.Fatalf("Quotas = %s", got)
+	}
+}

@@ -151,7 +151,7 @@ func (s *Server) Adopt(fd int, state json.RawMessage) error {
 		return err
 	}
 	c := &conn{s: s, wc: wc, hello: st.Hello, session: st.Session, leases: make(map[uint64]*lease),
-		roles: make(map[uint64]map[channel.Role]bool), pending: st.Pending}
+		roles: make(map[uint64]map[channel.Role]bool), pending: st.Pending, adopted: true}
 	for id, n := range st.Leases {
 		seg, err := s.reg.Reclaim(segment.Root, id, n, true)
 		if err != nil {

@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/channel"
 	"github.com/gpushm/gpushm/internal/epoch"
 	"github.com/gpushm/gpushm/internal/segment"
@@ -52,6 +53,21 @@ type Server struct {
 	mu    sync.Mutex
 	conns map[*conn]struct{}
 	wg    sync.WaitGroup
+
+	// Limits (limits.go): connections counted by uid, the refuser that
+	// answers those turned away, and a spare descriptor to give up when
+	// the process runs out.
+	connLimits ConnLimits
+	nconns     int
+	userConns  map[uint32]int
+	refuser    *refuser
+	spare      int
+	// epochRO is a read-only descriptor of the epoch page, for clients
+	// (-1 until the first hello).
+	epochRO int
+	// trimLast and trimmed are what the process had allocated at the last
+	// sweep and at the last trim (limits.go); only the sweep touches them.
+	trimLast, trimmed uint64
 
 	// Durability (park.go): who supervises this process, and the state of
 	// a handover to a successor.
@@ -113,6 +129,9 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		wake:          wake,
 		acceptWake:    acceptWake,
 		waitStop:      make(chan struct{}),
+		userConns:     make(map[uint32]int),
+		spare:         -1,
+		epochRO:       -1,
 	}
 	if devs, err := b.Devices(); err == nil {
 		s.uuids = make(map[int]string, len(devs))
@@ -130,6 +149,22 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 func (s *Server) SetEpoch(p *epoch.Page) {
 	s.epoch.Close()
 	s.epoch = p
+}
+
+// epochReadOnly is the descriptor of the epoch page that hello sends: one
+// that cannot be mapped writable, so that no client can move the epoch
+// under the others.
+func (s *Server) epochReadOnly() (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.epochRO < 0 {
+		fd, err := backend.ReadOnlyFD(s.epoch.FD())
+		if err != nil {
+			return -1, fmt.Errorf("epoch page: %w", err)
+		}
+		s.epochRO = fd
+	}
+	return s.epochRO, nil
 }
 
 // SetSupervisor records the process holding the segments for this one and
@@ -196,6 +231,28 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 	lnfd := int(lnf.Fd())
 	stop := context.AfterFunc(ctx, s.wakeAccept)
 	defer stop()
+	if _, err := s.epochReadOnly(); err != nil {
+		return err
+	}
+	ref, err := newRefuser(s.log)
+	if err != nil {
+		return err
+	}
+	refDone := make(chan struct{})
+	defer func() { <-refDone }()
+	go func() {
+		defer close(refDone)
+		ref.run(ctx)
+	}()
+	s.mu.Lock()
+	s.refuser = ref
+	s.mu.Unlock()
+	s.spare = spareFD()
+	defer func() {
+		if s.spare >= 0 {
+			unix.Close(s.spare)
+		}
+	}()
 	sweepDone := make(chan struct{})
 	defer func() { <-sweepDone }()
 	go func() {
@@ -222,8 +279,10 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 			case errors.Is(err, syscall.EAGAIN), errors.Is(err, syscall.EINTR), errors.Is(err, syscall.ECONNABORTED):
 				continue
 			case errors.Is(err, syscall.EMFILE), errors.Is(err, syscall.ENFILE):
-				s.log.Warn("out of file descriptors; refusing connections for a moment (raise the limit with 'ulimit -n')", "err", err)
-				time.Sleep(100 * time.Millisecond)
+				if !s.refuseAtFDLimit(lnfd) {
+					s.log.Warn("out of file descriptors; refusing connections for a moment (raise the limit with 'ulimit -n')", "err", err)
+					time.Sleep(100 * time.Millisecond)
+				}
 				continue
 			}
 			acceptErr = fmt.Errorf("accept: %w", err)
@@ -249,6 +308,9 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 	s.wg.Wait()
 	s.stopWatching()
 	err = s.reg.Close()
+	if s.epochRO >= 0 {
+		unix.Close(s.epochRO)
+	}
 	s.epoch.Close()
 	unix.Close(s.wake)
 	unix.Close(s.acceptWake)
@@ -274,6 +336,7 @@ func (s *Server) sweep(ctx context.Context) {
 			for _, name := range s.reg.Expire(now) {
 				s.log.Info("expired", "segment", name)
 			}
+			s.trim()
 		}
 	}
 }
@@ -329,6 +392,15 @@ func (s *Server) run(c *conn) error {
 	}
 	c.cred = cred
 	s.mu.Lock()
+	if err := s.admitLocked(c); err != nil {
+		ref := s.refuser
+		s.mu.Unlock()
+		if ref == nil {
+			return err
+		}
+		ref.refuse(c.wc, err)
+		return nil
+	}
 	if s.parking {
 		// Accepted as the server parked: the successor serves it.
 		s.parked = append(s.parked, c)
@@ -383,6 +455,12 @@ type conn struct {
 	// (an open waiting for a commit): it is answered before the next one
 	// is read, here after Resume or by the successor.
 	pending []byte
+	// temp are descriptors made for the reply being answered (read-only
+	// ones), closed once it is sent.
+	temp []int
+	// adopted: the connection was served by a predecessor, which admitted
+	// it (limits.go).
+	adopted bool
 }
 
 // process is the process at the other end of the connection (its pid
@@ -429,6 +507,7 @@ func (c *conn) serve() (parked bool) {
 			}
 		}
 		c.wc.Close()
+		c.s.leave(c)
 		log.Debug("disconnected", "released", n, "ended", len(c.bound))
 	}()
 	for {
@@ -491,6 +570,8 @@ func (c *conn) serve() (parked bool) {
 			// Parked while waiting: c.pending has the request.
 			return true
 		}
+		temp := c.temp
+		c.temp = nil
 		rep.ID = req.ID
 		code := ""
 		if rep.Error != nil {
@@ -503,6 +584,9 @@ func (c *conn) serve() (parked bool) {
 		err = c.send(rep, fd)
 		if err == nil && rep.Control {
 			err = c.send(&wire.Reply{ID: req.ID, ControlFD: true}, c.ctlFD)
+		}
+		for _, fd := range temp {
+			unix.Close(fd)
 		}
 		if err != nil {
 			log.Debug("write", "err", err)
@@ -566,7 +650,11 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			c.session = req.Session
 			c.bound = append(c.bound, c.s.takeBound(req.Session, c.cred.UID, c.process())...)
 		}
-		return &wire.Reply{Version: wire.Version, Server: c.s.version, Backend: c.s.backend.Name(), Epoch: true}, c.s.epoch.FD()
+		fd, err := c.s.epochReadOnly()
+		if err != nil {
+			return fail(err)
+		}
+		return &wire.Reply{Version: wire.Version, Server: c.s.version, Backend: c.s.backend.Name(), Epoch: true}, fd
 	case wire.OpInfo:
 		devs, err := c.s.backend.Devices()
 		if err != nil {
@@ -925,6 +1013,9 @@ func (c *conn) handOut(seg *segment.Segment, req *wire.Request) (int, error) {
 		if req.Role != "" {
 			return -1, fmt.Errorf("%q is not a channel: no role to take: %w", req.Name, syscall.EINVAL)
 		}
+		if req.ReadOnly {
+			return c.readOnlyData(fd)
+		}
 		return fd, nil
 	}
 	ctl := -1
@@ -934,6 +1025,18 @@ func (c *conn) handOut(seg *segment.Segment, req *wire.Request) (int, error) {
 	})
 	if err != nil {
 		return -1, err
+	}
+	if req.ReadOnly || req.Role == string(channel.Rx) {
+		// A consumer reads the slots; it writes only the control block.
+		if fd, err = c.readOnlyData(fd); err != nil {
+			return -1, err
+		}
+	}
+	if req.Role == "" {
+		// Opened to look: no end writes through this control block.
+		if ctl, err = c.readOnly(ctl); err != nil {
+			return -1, err
+		}
 	}
 	if req.Role != "" {
 		role, err := parseRole(req.Role)
@@ -946,4 +1049,26 @@ func (c *conn) handOut(seg *segment.Segment, req *wire.Request) (int, error) {
 	}
 	c.ctlFD = ctl
 	return fd, nil
+}
+
+// readOnlyData is the descriptor a read-only open of memory at fd sends:
+// on the host backend a descriptor of the memfd that cannot be mapped
+// writable or written; on cuda fd itself, since an exported CUDA handle
+// carries no access mode (docs/security.md).
+func (c *conn) readOnlyData(fd int) (int, error) {
+	if c.s.backend.HandleType() != wire.HandleMemfd {
+		return fd, nil
+	}
+	return c.readOnly(fd)
+}
+
+// readOnly is a read-only descriptor of the memfd fd, closed once the
+// reply is sent.
+func (c *conn) readOnly(fd int) (int, error) {
+	ro, err := backend.ReadOnlyFD(fd)
+	if err != nil {
+		return -1, err
+	}
+	c.temp = append(c.temp, ro)
+	return ro, nil
 }

@@ -1,0 +1,163 @@
+package main
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/server"
+)
+
+// Default limits (docs/security.md, "Limits"): what one user other than
+// root may hold, sized for a node shared by several teams, and what the
+// daemon as a whole may hold, sized from its descriptor limit.
+const (
+	defaultUserSegments    = 4096
+	defaultUserConnections = 1024
+	// defaultUserShareGPU and defaultUserShareHost are the share of each
+	// GPU's memory, and of the host's memory, one user may hold: a GPU
+	// node is for GPU work, and one user may well load a model into half
+	// a GPU; host memory is everyone's, the kernel's and the daemon's.
+	defaultUserShareGPU  = 50
+	defaultUserShareHost = 25
+)
+
+// raiseNOFILE raises this process's soft descriptor limit to its hard
+// limit, and returns the limit in force. Both daemon processes call it:
+// every segment costs the serving process and the supervisor a descriptor
+// each, and every connection costs the serving process one.
+func raiseNOFILE() int {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return 1024
+	}
+	if lim.Cur < lim.Max {
+		up := lim
+		up.Cur = up.Max
+		if syscall.Setrlimit(syscall.RLIMIT_NOFILE, &up) == nil {
+			lim = up
+		}
+	}
+	return int(min(lim.Cur, 1<<31-1))
+}
+
+// descriptorReserve is how many of nofile descriptors the limits leave to
+// the daemon itself: listening and control sockets, the epoch page, the
+// GPU driver's device files, the FUSE device, metrics connections,
+// descriptors made for one reply, and the processes of channel ends that
+// it watches.
+func descriptorReserve(nofile int) int { return max(128, nofile/16) }
+
+// daemonLimits are the limits a serving process enforces, resolved from
+// the flags for this node.
+type daemonLimits struct {
+	seg  segment.Limits
+	conn server.ConnLimits
+	// shareNote says how the user byte quota was chosen, for the log.
+	shareNote string
+}
+
+// limits resolves the limit flags for b's devices and a descriptor limit
+// of nofile.
+func (o daemonOptions) limits(b backend.Backend, nofile int) (daemonLimits, error) {
+	var l daemonLimits
+	l.conn.Descriptors = nofile
+	reserve := descriptorReserve(nofile)
+	maxSegs, err := countFlag("--max-segments", o.maxSegments, nofile/2)
+	if err != nil {
+		return l, err
+	}
+	maxConns, err := countFlag("--max-connections", o.maxConnections, max(0, nofile-maxSegs-reserve))
+	if err != nil {
+		return l, err
+	}
+	if maxSegs > 0 && maxConns > 0 && maxSegs+maxConns+reserve > nofile {
+		return l, fmt.Errorf("--max-segments %d and --max-connections %d leave fewer than %d of the %d descriptors this process may open to the daemon itself: lower them, or raise the limit (ulimit -n, systemd's LimitNOFILE=)",
+			maxSegs, maxConns, reserve, nofile)
+	}
+	l.seg.Segments, l.conn.Total = maxSegs, maxConns
+	autoUserSegs := defaultUserSegments
+	if maxSegs > 0 {
+		autoUserSegs = min(autoUserSegs, max(1, maxSegs/4))
+	}
+	if l.seg.UserSegments, err = countFlag("--user-segments", o.userSegments, autoUserSegs); err != nil {
+		return l, err
+	}
+	autoUserConns := defaultUserConnections
+	if maxConns > 0 {
+		autoUserConns = min(autoUserConns, max(1, maxConns/4))
+	}
+	if l.conn.PerUser, err = countFlag("--user-connections", o.userConnections, autoUserConns); err != nil {
+		return l, err
+	}
+
+	devs, err := b.Devices()
+	if err != nil {
+		return l, err
+	}
+	quota := strings.TrimSpace(o.userQuota)
+	switch quota {
+	case "", "auto":
+		share := defaultUserShareGPU
+		if b.Name() == "host" {
+			share = defaultUserShareHost
+		}
+		quota = strconv.Itoa(share) + "%"
+		l.shareNote = "auto: " + quota + " of each device"
+	}
+	if strings.HasSuffix(quota, "%") {
+		l.seg.UserDeviceBytes = map[int]int64{}
+		for _, d := range devs {
+			n, err := sizeOrShare(quota, int64(d.TotalBytes))
+			if err != nil {
+				return l, fmt.Errorf("--user-quota: %w", err)
+			}
+			l.seg.UserDeviceBytes[d.Index] = n
+		}
+	} else if quota != "0" {
+		n, err := parseSize(quota)
+		if err != nil {
+			return l, fmt.Errorf("--user-quota: %w", err)
+		}
+		l.seg.UserBytes = n
+	}
+	if o.maxMemory != "" {
+		l.seg.DeviceBytes = map[int]int64{}
+		for _, d := range devs {
+			n, err := sizeOrShare(o.maxMemory, int64(d.TotalBytes))
+			if err != nil {
+				return l, fmt.Errorf("--max-memory: %w", err)
+			}
+			l.seg.DeviceBytes[d.Index] = n
+		}
+	}
+	return l, nil
+}
+
+// countFlag reads a count limit: a number, "auto" for auto, or 0 for none.
+func countFlag(name, s string, auto int) (int, error) {
+	s = strings.TrimSpace(s)
+	if s == "" || s == "auto" {
+		return auto, nil
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("%s %q: want a number, 0 (no limit) or auto", name, s)
+	}
+	return n, nil
+}
+
+// sizeOrShare reads "64G" as bytes and "90%" as that share of total.
+func sizeOrShare(s string, total int64) (int64, error) {
+	if p, ok := strings.CutSuffix(strings.TrimSpace(s), "%"); ok {
+		f, err := strconv.ParseFloat(p, 64)
+		if err != nil || f <= 0 || f > 100 {
+			return 0, fmt.Errorf("%q: want a share between 0%% and 100%%", s)
+		}
+		return int64(f / 100 * float64(total)), nil
+	}
+	return parseSize(s)
+}
