@@ -452,7 +452,10 @@ func (c *conn) serve() (parked bool) {
 			if errors.Is(err, wire.ErrProto) || errors.Is(err, wire.ErrFDDropped) {
 				log.Debug("bad message", "err", err)
 				c.s.obs.Observe("invalid", wire.Code(err), 0)
-				if c.send(&wire.Reply{Error: errReply(err)}, -1) != nil {
+				// Whatever is wrong with the packet, a client waits for the
+				// reply with its id: answer with it if it can be read.
+				id, _ := wire.RequestID(b)
+				if c.send(&wire.Reply{ID: id, Error: errReply(err)}, -1) != nil {
 					return false
 				}
 				continue
@@ -477,6 +480,8 @@ func (c *conn) serve() (parked bool) {
 			var id uint64
 			if req != nil {
 				id = req.ID
+			} else {
+				id, _ = wire.RequestID(b)
 			}
 			err = c.send(&wire.Reply{ID: id, Error: errReply(err)}, -1)
 			c.s.obs.Observe("invalid", "EPROTO", time.Since(start))

@@ -1,11 +1,14 @@
 package wire
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 
 	jsonv2 "github.com/go-json-experiment/json"
+	"github.com/go-json-experiment/json/jsontext"
 )
 
 // Version is the protocol version spoken by this package.
@@ -270,6 +273,54 @@ func DecodeRequest(b []byte) (*Request, error) {
 		return &r, fmt.Errorf("%w: meta is %d bytes, limit %d", ErrProto, len(r.Meta), MaxMeta)
 	}
 	return &r, nil
+}
+
+// RequestID reads the id of a packet that DecodeRequest may refuse: the
+// first top-level member "id" that is a uint64, read as far into the
+// packet as the JSON holds together (a truncated packet, trailing data or
+// a bad field after the id do not hide it). ok is false when the packet
+// holds no readable id; the reply then carries 0.
+func RequestID(b []byte) (id uint64, ok bool) {
+	s := scanRequest(b)
+	return s.id, s.idOK
+}
+
+type scanned struct {
+	id   uint64
+	idOK bool
+	null string // the first member other than meta that is null
+}
+
+// scanRequest reads a packet's top-level members leniently (duplicate
+// names and invalid UTF-8 allowed), stopping at the first syntax error.
+func scanRequest(b []byte) scanned {
+	var s scanned
+	dec := jsontext.NewDecoder(bytes.NewReader(b), jsontext.AllowDuplicateNames(true), jsontext.AllowInvalidUTF8(true))
+	if tok, err := dec.ReadToken(); err != nil || tok.Kind() != '{' {
+		return s
+	}
+	seenID := false
+	for dec.PeekKind() == '"' {
+		tok, err := dec.ReadToken()
+		if err != nil {
+			return s
+		}
+		name := tok.String() // the token is valid only until the next read
+		if dec.PeekKind() == 'n' && name != "meta" && s.null == "" {
+			s.null = name
+		}
+		v, err := dec.ReadValue()
+		if err != nil {
+			return s
+		}
+		if name == "id" && !seenID {
+			seenID = true
+			if n, err := strconv.ParseUint(string(v), 10, 64); err == nil && v.Kind() == '0' {
+				s.id, s.idOK = n, true
+			}
+		}
+	}
+	return s
 }
 
 // DecodeReply parses one reply packet. Unknown fields are ignored, so that
