@@ -49,7 +49,7 @@ type Info struct {
 	SupervisorPID int           `json:"supervisor_pid"`
 	Restarts      int           `json:"restarts"`
 	Grace         time.Duration `json:"-"`
-	GraceSeconds  float64       `json:"grace_seconds"`
+	GraceSeconds  float64       `json:"grace_seconds,omitempty"`
 }
 
 // Usage is what the daemon holds.
@@ -505,10 +505,13 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 		return nil, fmt.Errorf("gpushm: info: %w", err)
 	}
 	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices, GPU: rep.GPU,
-		PID: rep.PID, SupervisorPID: rep.SupervisorPID, Restarts: rep.Restarts,
+		PID: rep.PID, SupervisorPID: rep.SupervisorPID,
 		Grace: time.Duration(rep.Grace * float64(time.Second)), GraceSeconds: rep.Grace}
 	if rep.Usage != nil {
 		inf.Usage = *rep.Usage
+	}
+	if rep.Restarts != nil {
+		inf.Restarts = *rep.Restarts
 	}
 	return inf, nil
 }
@@ -648,7 +651,7 @@ func (c *Client) CreateOnly(ctx context.Context, name string, size int64, o *Cre
 	if err != nil {
 		return nil, false, err
 	}
-	return rep.Segment, rep.Created, nil
+	return rep.Segment, rep.Created != nil && *rep.Created, nil
 }
 
 // OpenOptions are the optional parts of an open.

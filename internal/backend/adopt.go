@@ -56,21 +56,40 @@ func (c *CUDA) Adopt(device int, fd int, size int64) (segment.Memory, error) {
 
 // Adopt takes a memfd of at least size bytes as a segment's memory, sealing
 // its size so that its publisher cannot shrink it under other mappings.
+// Like every host segment's, its allocation is size rounded up to a page:
+// a shorter file grows to it (with zeros) before it is sealed.
 func (h *Host) Adopt(device int, fd int, size int64) (segment.Memory, error) {
 	if _, err := h.Capacity(device); err != nil {
 		return nil, err
 	}
+	if size <= 0 {
+		return nil, fmt.Errorf("publish: size %d (must be positive): %w", size, syscall.EINVAL)
+	}
+	g := h.Granularity()
+	alloc := (size + g - 1) / g * g
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("publish: fstat: %w", err)
 	}
-	if size <= 0 || st.Size < size {
+	if st.Size < size {
 		return nil, fmt.Errorf("publish: the file has %d bytes, %d asked: %w", st.Size, size, syscall.EINVAL)
+	}
+	if st.Size < alloc {
+		if err := unix.Ftruncate(fd, alloc); err != nil {
+			return nil, fmt.Errorf("publish: the file has %d bytes and cannot grow to whole pages (%d): %v: %w", st.Size, alloc, err, syscall.EINVAL)
+		}
 	}
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW); err != nil {
 		return nil, fmt.Errorf("publish: cannot seal its size (a memfd made with MFD_ALLOW_SEALING is needed): %v: %w", err, syscall.EINVAL)
 	}
-	return &hostMemory{fd: fd, size: size}, nil
+	// Checked again once sealed: the publisher may have shrunk it since.
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("publish: fstat: %w", err)
+	}
+	if st.Size < alloc {
+		return nil, fmt.Errorf("publish: the file shrank to %d bytes: %w", st.Size, syscall.EINVAL)
+	}
+	return &hostMemory{fd: fd, size: alloc}, nil
 }
 
 // Restore takes back the descriptor of a segment this daemon made (or was

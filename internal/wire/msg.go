@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 
 	jsonv2 "github.com/go-json-experiment/json"
@@ -108,18 +109,21 @@ type Reply struct {
 	// PID is the process serving the socket; SupervisorPID the one
 	// holding the segments' descriptors across its restarts (equal to PID
 	// when the daemon runs unsupervised). Restarts counts serving
-	// processes that died and were replaced; Grace is how long, in
-	// seconds, clients of a replaced process may still reclaim leases.
+	// processes that died and were replaced (always in info, 0 included);
+	// Grace is how long, in seconds, clients of a replaced process may
+	// still reclaim leases (absent when they may not).
 	PID           int     `json:"pid,omitempty"`
 	SupervisorPID int     `json:"supervisor_pid,omitempty"`
-	Restarts      int     `json:"restarts,omitempty"`
+	Restarts      *int    `json:"restarts,omitempty"`
 	Grace         float64 `json:"grace_seconds,omitempty"`
 	// GPU is what the daemon knows of the node's GPUs.
 	GPU *GPUReport `json:"gpu,omitempty"`
 
 	// create, open, stat
 	Segment *Segment `json:"segment,omitempty"`
-	Created bool     `json:"created,omitempty"`
+	// Created (create, publish) says whether this request allocated; it is
+	// sent false too, when create with exist_ok found the segment.
+	Created *bool `json:"created,omitempty"`
 	// FD says that a descriptor for Segment is attached (create with open, open).
 	FD bool `json:"fd,omitempty"`
 	// Control says that a second packet follows with a channel's control
@@ -255,9 +259,13 @@ func (e *Error) Error() string { return e.Message + " (" + e.Code + ")" }
 var ErrProto = errors.New("protocol error")
 
 // DecodeRequest parses one packet. It is strict: unknown or duplicate
-// fields, invalid UTF-8, trailing data, a missing op and oversized packets
-// are protocol errors, so that a client's typo fails loudly instead of being
-// ignored.
+// fields, fields of the wrong type (null included, except for meta, where
+// null means none), fields the operation does not use unless zero, invalid
+// UTF-8, trailing data, a missing op and oversized packets are protocol
+// errors, so that a client's typo fails loudly instead of being ignored.
+//
+// The request is returned with most errors, for its ID; when the packet is
+// too broken for that, RequestID still finds the ID if it can.
 func DecodeRequest(b []byte) (*Request, error) {
 	if err := checkSize(b); err != nil {
 		return nil, err
@@ -266,11 +274,22 @@ func DecodeRequest(b []byte) (*Request, error) {
 	if err := jsonv2.Unmarshal(b, &r, jsonv2.RejectUnknownMembers(true)); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrProto, err)
 	}
+	// The decoder reads null as "leave the field alone", which would make
+	// a null name an empty one. Few packets spell null, so only those pay
+	// for a second look.
+	if bytes.Contains(b, []byte("null")) {
+		if name := scanRequest(b).null; name != "" {
+			return &r, fmt.Errorf("%w: %q is null", ErrProto, name)
+		}
+		if string(r.Meta) == "null" {
+			r.Meta = nil
+		}
+	}
 	if r.Op == "" {
 		return &r, fmt.Errorf("%w: missing op", ErrProto)
 	}
-	if len(r.Meta) > MaxMeta {
-		return &r, fmt.Errorf("%w: meta is %d bytes, limit %d", ErrProto, len(r.Meta), MaxMeta)
+	if err := checkUnused(&r); err != nil {
+		return &r, err
 	}
 	return &r, nil
 }
@@ -321,6 +340,76 @@ func scanRequest(b []byte) scanned {
 		}
 	}
 	return s
+}
+
+// used lists the fields each operation reads, beyond id and op. A field
+// outside its operation's list must be absent or zero, so that a client
+// that sends one by mistake (a size with open, a mode with stat) learns
+// that the daemon ignored it. Operations missing here are not checked.
+var used = map[string][]string{
+	OpHello:   {"version", "session"},
+	OpInfo:    {},
+	OpCreate:  {"name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "lifetime", "ttl_seconds", "slots", "slot_bytes", "role", "uncommitted"},
+	OpOpen:    {"name", "readonly", "role", "wait"},
+	OpClose:   {"segment", "role"},
+	OpUnlink:  {"name"},
+	OpStat:    {"name"},
+	OpList:    {"after", "limit"},
+	OpChmod:   {"name", "mode"},
+	OpChown:   {"name", "uid", "gid"},
+	OpRename:  {"name", "to"},
+	OpPublish: {"name", "size", "device", "mode", "meta", "lifetime", "ttl_seconds"},
+	OpReclaim: {"segment", "count", "readonly", "role"},
+	OpCommit:  {"segment"},
+}
+
+// setFields are the request's optional fields that hold something other
+// than their zero value, by their names on the wire.
+func setFields(r *Request) []string {
+	var set []string
+	add := func(name string, nonzero bool) {
+		if nonzero {
+			set = append(set, name)
+		}
+	}
+	add("version", r.Version != 0)
+	add("name", r.Name != "")
+	add("size", r.Size != 0)
+	add("device", r.Device != nil && *r.Device != 0)
+	add("mode", r.Mode != nil && *r.Mode != 0)
+	add("meta", len(r.Meta) > 0)
+	add("exist_ok", r.ExistOK)
+	add("open", r.Open)
+	add("readonly", r.ReadOnly)
+	add("segment", r.Segment != 0)
+	add("after", r.After != "")
+	add("limit", r.Limit != 0)
+	add("lifetime", r.Lifetime != "")
+	add("ttl_seconds", r.TTL != 0)
+	add("uid", r.UID != nil && *r.UID != 0)
+	add("gid", r.GID != nil && *r.GID != 0)
+	add("to", r.To != "")
+	add("session", r.Session != "")
+	add("count", r.Count != 0)
+	add("slots", r.Slots != 0)
+	add("slot_bytes", r.SlotBytes != 0)
+	add("role", r.Role != "")
+	add("uncommitted", r.Uncommitted)
+	add("wait", r.Wait != 0)
+	return set
+}
+
+func checkUnused(r *Request) error {
+	fields, known := used[r.Op]
+	if !known {
+		return nil // an unknown op is the server's to refuse (ENOSYS)
+	}
+	for _, f := range setFields(r) {
+		if !slices.Contains(fields, f) {
+			return fmt.Errorf("%w: %s does not take %q", ErrProto, r.Op, f)
+		}
+	}
+	return nil
 }
 
 // DecodeReply parses one reply packet. Unknown fields are ignored, so that

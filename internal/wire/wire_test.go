@@ -32,8 +32,20 @@ func TestDecodeRequest(t *testing.T) {
 		{"array", `[]`, false},
 		{"wrong type", `{"id":"1","op":"open"}`, false},
 		{"negative id", `{"id":-1,"op":"open"}`, false},
-		{"huge meta", `{"id":1,"op":"create","meta":"` + strings.Repeat("x", MaxMeta) + `"}`, false},
+		{"huge meta (the server refuses it)", `{"id":1,"op":"create","meta":"` + strings.Repeat("x", MaxMeta) + `"}`, true},
 		{"oversized", `{"id":1,"op":"create","name":"` + strings.Repeat("x", MaxMessage) + `"}`, false},
+		{"null name", `{"id":1,"op":"stat","name":null}`, false},
+		{"null device", `{"id":1,"op":"create","name":"x","size":1,"device":null}`, false},
+		{"null meta is none", `{"id":1,"op":"create","name":"x","size":1,"meta":null}`, true},
+		{"a string holding null", `{"id":1,"op":"stat","name":"null"}`, true},
+		{"open with size", `{"id":1,"op":"open","name":"x","size":4096}`, false},
+		{"stat with mode", `{"id":1,"op":"stat","name":"x","mode":420}`, false},
+		{"info with name", `{"id":1,"op":"info","name":"x"}`, false},
+		{"list with readonly", `{"id":1,"op":"list","readonly":true}`, false},
+		{"hello with name", `{"id":1,"op":"hello","version":1,"name":"x"}`, false},
+		{"publish with exist_ok", `{"id":1,"op":"publish","name":"x","size":1,"exist_ok":true}`, false},
+		{"unused but zero", `{"id":1,"op":"stat","name":"x","mode":0,"size":0,"readonly":false,"after":""}`, true},
+		{"unknown op is not checked", `{"id":1,"op":"explode","name":"x","size":1}`, true},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -45,6 +57,13 @@ func TestDecodeRequest(t *testing.T) {
 				t.Fatalf("error %v does not wrap ErrProto", err)
 			}
 		})
+	}
+}
+
+func TestDecodeRequestNullMeta(t *testing.T) {
+	r, err := DecodeRequest([]byte(`{"id":1,"op":"create","name":"x","size":1,"meta":null}`))
+	if err != nil || r.Meta != nil {
+		t.Fatalf("meta null = %q, %v; want no meta", r.Meta, err)
 	}
 }
 
