@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -107,6 +108,26 @@ func clientReconnect() time.Duration {
 	return DefaultReconnect
 }
 
+// DefaultTimeout bounds how long a client waits for each reply (and for
+// the daemon to take each request), so that a daemon that never answers
+// cannot hang it: after a timeout the connection is unusable and the
+// operation fails with an error matching os.ErrDeadlineExceeded. Far longer
+// than any operation takes; a context's deadline can shorten it.
+// GPUSHM_TIMEOUT (a Go duration or a number of seconds, "0" to wait for
+// ever) overrides it.
+const DefaultTimeout = 60 * time.Second
+
+func clientTimeout() time.Duration {
+	v := os.Getenv("GPUSHM_TIMEOUT")
+	if d, err := time.ParseDuration(v); err == nil && d >= 0 {
+		return d
+	}
+	if s, err := strconv.ParseFloat(v, 64); err == nil && s >= 0 && s < 1e9 {
+		return time.Duration(s * float64(time.Second))
+	}
+	return DefaultTimeout
+}
+
 // Client is a connection to the daemon. When the daemon restarts (its
 // serving process crashed or was upgraded), the client reconnects on the
 // next operation, reclaims the leases of the segments it has open and its
@@ -124,6 +145,7 @@ type Client struct {
 	nextID     uint64
 	broken     error
 	reconnect  time.Duration
+	timeout    time.Duration
 	oldEpochs  []*epoch.Page // pages of earlier connections, unmapped at Close
 	reconnects int
 
@@ -140,7 +162,8 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 	if socket == "" {
 		socket = DefaultSocket()
 	}
-	conn, err := wire.Dial(socket)
+	timeout := clientTimeout()
+	conn, err := wire.DialTimeout(socket, timeout)
 	if err != nil {
 		return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (is 'gpushm daemon' running?): %w", socket, err)
 	}
@@ -152,6 +175,7 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 		conn:      conn,
 		session:   hex.EncodeToString(sid[:]),
 		reconnect: clientReconnect(),
+		timeout:   timeout,
 		cache:     make(map[cacheKey]*shared),
 		open:      make(map[*shared]struct{}),
 	}
@@ -195,6 +219,21 @@ func (c *Client) Reconnects() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.reconnects
+}
+
+// SetTimeout sets how long the client waits for each reply before it gives
+// up on the connection (0: for ever); see DefaultTimeout.
+func (c *Client) SetTimeout(d time.Duration) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.broken != nil {
+		return c.broken
+	}
+	if err := c.conn.SetTimeout(d); err != nil {
+		return fmt.Errorf("gpushm: %w", err)
+	}
+	c.timeout = d
+	return nil
 }
 
 // SetReconnect sets how long an operation waits for a daemon that went
@@ -340,7 +379,7 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 	deadline := time.Now().Add(c.reconnect)
 	wait := 2 * time.Millisecond
 	for {
-		conn, err := wire.Dial(c.socket)
+		conn, err := wire.DialTimeout(c.socket, c.timeout)
 		if err == nil {
 			conn.SetSpin(clientSpin())
 			c.conn = conn
@@ -413,7 +452,7 @@ func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD i
 		if ctx.Err() == nil && isHangup(err) {
 			return nil, -1, fmt.Errorf("%w: %v", errLost, err)
 		}
-		return nil, -1, c.fail(ctx, err)
+		return nil, -1, c.fail(ctx, c.timedOut(req, err))
 	}
 	for {
 		b, fd, err := c.conn.Recv()
@@ -421,12 +460,19 @@ func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD i
 			if ctx.Err() == nil && isHangup(err) {
 				return nil, -1, fmt.Errorf("%w: %v", errLost, err)
 			}
-			return nil, -1, c.fail(ctx, err)
+			return nil, -1, c.fail(ctx, c.timedOut(req, err))
 		}
 		rep, derr := wire.DecodeReply(b)
 		if derr != nil {
 			closeFD(fd)
 			return nil, -1, c.fail(ctx, derr)
+		}
+		if rep.ID == 0 && rep.Error != nil && req.ID != 0 {
+			// The daemon could not read this request's id. Requests go
+			// one at a time, so the error answers this one: it is not a
+			// stale reply to skip.
+			closeFD(fd)
+			return nil, -1, rep.Error
 		}
 		if rep.ID != req.ID {
 			// A reply to a request given up on; the protocol never sends
@@ -469,6 +515,16 @@ func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD i
 		}
 		return rep, fd, nil
 	}
+}
+
+// timedOut says what a timeout means, and how to change it; other errors
+// pass as they are.
+func (c *Client) timedOut(req *wire.Request, err error) error {
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		return err
+	}
+	return fmt.Errorf("gpushm: %s: the daemon at %s did not answer within %s (stuck? GPUSHM_TIMEOUT or SetTimeout sets the limit): %w",
+		req.Op, c.socket, c.timeout, err)
 }
 
 // isHangup tells a connection the daemon ended from other failures.

@@ -93,10 +93,24 @@ func FromUnixConn(uc *net.UnixConn) (*Conn, error) {
 }
 
 // Dial connects to a daemon's socket.
-func Dial(path string) (*Conn, error) {
+func Dial(path string) (*Conn, error) { return DialTimeout(path, 0) }
+
+// DialTimeout is Dial with every wait bounded by d (0: none), as after
+// SetTimeout; the connect too, which waits while the daemon's backlog of
+// connections is full.
+func DialTimeout(path string, d time.Duration) (*Conn, error) {
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, os.NewSyscallError("socket", err)
+	}
+	c, err := NewConn(fd)
+	if err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	if err := c.SetTimeout(d); err != nil {
+		c.Close()
+		return nil, err
 	}
 	for {
 		err = unix.Connect(fd, &unix.SockaddrUnix{Name: path})
@@ -104,14 +118,12 @@ func Dial(path string) (*Conn, error) {
 			break
 		}
 	}
-	if err != nil {
-		unix.Close(fd)
-		return nil, &net.OpError{Op: "dial", Net: "unixpacket", Addr: &net.UnixAddr{Name: path, Net: "unixpacket"}, Err: os.NewSyscallError("connect", err)}
+	if err == unix.EAGAIN && d > 0 {
+		err = fmt.Errorf("the daemon accepted no connection within %s: %w", d, os.ErrDeadlineExceeded)
 	}
-	c, err := NewConn(fd)
 	if err != nil {
-		unix.Close(fd)
-		return nil, err
+		c.Close()
+		return nil, &net.OpError{Op: "dial", Net: "unixpacket", Addr: &net.UnixAddr{Name: path, Net: "unixpacket"}, Err: os.NewSyscallError("connect", err)}
 	}
 	return c, nil
 }

@@ -326,3 +326,31 @@ func TestConnTimeout(t *testing.T) {
 		t.Fatalf("Send to a peer that reads nothing = %v, want a timeout", err)
 	}
 }
+
+func TestDialTimeout(t *testing.T) {
+	path := t.TempDir() + "/s.sock"
+	ln, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(ln)
+	if err := unix.Bind(ln, &unix.SockaddrUnix{Name: path}); err != nil {
+		t.Fatal(err)
+	}
+	// A listener that accepts nothing: its backlog fills, and connect
+	// then waits.
+	if err := unix.Listen(ln, 0); err != nil {
+		t.Fatal(err)
+	}
+	var err2 error
+	for range 4 {
+		var c *Conn
+		if c, err2 = DialTimeout(path, 100*time.Millisecond); err2 != nil {
+			break
+		}
+		defer c.Close()
+	}
+	if !errors.Is(err2, os.ErrDeadlineExceeded) {
+		t.Fatalf("DialTimeout to a full backlog = %v, want a timeout", err2)
+	}
+}
