@@ -562,6 +562,12 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 	if req.Op == wire.OpPublish {
 		return c.publish(req, inFD)
 	}
+	if req.Role == string(channel.Rx) {
+		// A channel's consumer reads the slots and writes only its control
+		// block, a descriptor of its own: it asks for read access, whether
+		// it says readonly or not, and is served as a read-only open.
+		req.ReadOnly = true
+	}
 	cred := segment.Cred{UID: c.cred.UID, GID: c.cred.GID}
 	switch req.Op {
 	case wire.OpHello:
@@ -603,7 +609,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if err := c.mayReclaim(req.Segment); err != nil {
 			return fail(fmt.Errorf("reclaim: %w", err))
 		}
-		seg, err := c.s.reg.Reclaim(cred, req.Segment, n, readAccess(req))
+		seg, err := c.s.reg.Reclaim(cred, req.Segment, n, req.ReadOnly)
 		if err != nil {
 			return fail(fmt.Errorf("reclaim: %w", err))
 		}
@@ -664,7 +670,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if req.Wait != 0 {
 			seg, err = c.acquireWait(cred, req)
 		} else {
-			seg, err = c.s.reg.Acquire(cred, req.Name, readAccess(req))
+			seg, err = c.s.reg.Acquire(cred, req.Name, req.ReadOnly)
 		}
 		if errors.Is(err, errParked) {
 			return nil, -1
@@ -737,13 +743,6 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 	return fail(fmt.Errorf("unknown operation %q: %w", req.Op, syscall.ENOSYS))
 }
 
-// readAccess reports whether req asks only for read access: readonly, or
-// a channel's consumer, which reads the slots and writes only the control
-// block (a descriptor of its own).
-func readAccess(req *wire.Request) bool {
-	return req.ReadOnly || req.Role == string(channel.Rx)
-}
-
 // ownerID reads chown's uid or gid: absent is -1 (unchanged). The values a
 // kernel takes as ids are 0 to 2^32-2; 2^32-1 is chown(2)'s "unchanged",
 // which the protocol spells by leaving the field out.
@@ -770,7 +769,7 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 	o := segment.CreateOptions{
 		Name: req.Name, Size: req.Size, Device: dev,
 		Mode: deref(req.Mode), UseMode: req.Mode != nil,
-		Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: readAccess(req),
+		Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: req.ReadOnly,
 		Session: c.session,
 		Slots:   req.Slots, SlotBytes: req.SlotBytes,
 		Uncommitted: req.Uncommitted,
