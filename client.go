@@ -448,6 +448,14 @@ func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD i
 		stop := context.AfterFunc(ctx, func() { c.conn.Shutdown() })
 		defer stop()
 	}
+	if req.Wait > 0 && c.timeout > 0 {
+		// The daemon answers an open that waits for a commit when the wait
+		// ends: the timeout starts after it.
+		if err := c.conn.SetTimeout(c.limit(req)); err != nil {
+			return nil, -1, c.fail(ctx, err)
+		}
+		defer c.conn.SetTimeout(c.timeout)
+	}
 	if err := c.conn.Send(b, sendFD); err != nil {
 		if ctx.Err() == nil && isHangup(err) {
 			return nil, -1, fmt.Errorf("%w: %v", errLost, err)
@@ -524,7 +532,12 @@ func (c *Client) timedOut(req *wire.Request, err error) error {
 		return err
 	}
 	return fmt.Errorf("gpushm: %s: the daemon at %s did not answer within %s (stuck? GPUSHM_TIMEOUT or SetTimeout sets the limit): %w",
-		req.Op, c.socket, c.timeout, err)
+		req.Op, c.socket, c.limit(req), err)
+}
+
+// limit is how long the client waits for req's reply.
+func (c *Client) limit(req *wire.Request) time.Duration {
+	return c.timeout + time.Duration(req.Wait*float64(time.Second))
 }
 
 // isHangup tells a connection the daemon ended from other failures.

@@ -13,6 +13,7 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/epoch"
+	"github.com/gpushm/gpushm/internal/testdaemon"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -138,5 +139,36 @@ func TestClientTakesAnErrorWithIDZeroAsItsAnswer(t *testing.T) {
 	// The connection is in step: the next reply is the next request's.
 	if _, err := c.Stat(ctx, "y"); !errors.Is(err, syscall.ENOENT) {
 		t.Fatalf("next Stat = %v, want ENOENT", err)
+	}
+}
+
+func TestClientWaitsPastItsTimeoutForACommit(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	w := dial(t, d.Socket)
+	r := dial(t, d.Socket)
+	if err := r.SetTimeout(300 * time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	seg, err := w.Create(ctx, "late", 4096, &gpushm.CreateOptions{Uncommitted: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer seg.Close()
+	// The daemon answers an open that waits when the wait ends: the
+	// reader's timeout must start after it.
+	committed := make(chan error, 1)
+	time.AfterFunc(time.Second, func() { committed <- seg.Commit(ctx) })
+	got, err := r.Open(ctx, "late", &gpushm.OpenOptions{Wait: time.Minute})
+	if cerr := <-committed; cerr != nil {
+		t.Fatalf("Commit: %v", cerr)
+	}
+	if err != nil {
+		t.Fatalf("Open waiting for a commit 1 s away, with a 300 ms timeout: %v", err)
+	}
+	got.Close()
+	// And the timeout is the plain one again afterwards.
+	if _, err := r.Stat(ctx, "late"); err != nil {
+		t.Fatal(err)
 	}
 }
