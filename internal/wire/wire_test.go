@@ -354,3 +354,43 @@ func TestDialTimeout(t *testing.T) {
 		t.Fatalf("DialTimeout to a full backlog = %v, want a timeout", err2)
 	}
 }
+
+// TestEveryFieldIsChecked keeps the unused-field rule whole as fields are
+// added: each of Request's fields but id and op is reported by setFields
+// when it holds something, and used by at least one operation.
+func TestEveryFieldIsChecked(t *testing.T) {
+	all := map[string]bool{}
+	for _, fields := range used {
+		for _, f := range fields {
+			all[f] = true
+		}
+	}
+	rt := reflect.TypeFor[Request]()
+	for i := range rt.NumField() {
+		name, _, _ := strings.Cut(rt.Field(i).Tag.Get("json"), ",")
+		if name == "id" || name == "op" || name == "-" {
+			continue
+		}
+		var r Request
+		v := reflect.ValueOf(&r).Elem().Field(i)
+		switch v.Kind() {
+		case reflect.Pointer:
+			v.Set(reflect.New(v.Type().Elem()))
+			v.Elem().Set(reflect.ValueOf(1).Convert(v.Type().Elem()))
+		case reflect.Slice:
+			v.SetBytes([]byte(`{}`))
+		case reflect.String:
+			v.SetString("x")
+		case reflect.Bool:
+			v.SetBool(true)
+		default:
+			v.Set(reflect.ValueOf(1).Convert(v.Type()))
+		}
+		if got := setFields(&r); len(got) != 1 || got[0] != name {
+			t.Errorf("setFields with %s set = %v", name, got)
+		}
+		if !all[name] {
+			t.Errorf("no operation uses %s", name)
+		}
+	}
+}
