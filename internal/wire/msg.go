@@ -5,7 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
+	"math/bits"
 	"strconv"
 
 	jsonv2 "github.com/go-json-experiment/json"
@@ -342,61 +342,98 @@ func scanRequest(b []byte) scanned {
 	return s
 }
 
-// used lists the fields each operation reads, beyond id and op. A field
-// outside its operation's list must be absent or zero, so that a client
-// that sends one by mistake (a size with open, a mode with stat) learns
-// that the daemon ignored it. Operations missing here are not checked.
-var used = map[string][]string{
-	OpHello:   {"version", "session"},
-	OpInfo:    {},
-	OpCreate:  {"name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "lifetime", "ttl_seconds", "slots", "slot_bytes", "role", "uncommitted"},
-	OpOpen:    {"name", "readonly", "role", "wait"},
-	OpClose:   {"segment", "role"},
-	OpUnlink:  {"name"},
-	OpStat:    {"name"},
-	OpList:    {"after", "limit"},
-	OpChmod:   {"name", "mode"},
-	OpChown:   {"name", "uid", "gid"},
-	OpRename:  {"name", "to"},
-	OpPublish: {"name", "size", "device", "mode", "meta", "lifetime", "ttl_seconds"},
-	OpReclaim: {"segment", "count", "readonly", "role"},
-	OpCommit:  {"segment"},
+// The request's fields beyond id and op, one bit each; fieldNames has
+// their names on the wire.
+const (
+	fVersion uint32 = 1 << iota
+	fName
+	fSize
+	fDevice
+	fMode
+	fMeta
+	fExistOK
+	fOpen
+	fReadOnly
+	fSegment
+	fAfter
+	fLimit
+	fLifetime
+	fTTL
+	fUID
+	fGID
+	fTo
+	fSession
+	fCount
+	fSlots
+	fSlotBytes
+	fRole
+	fUncommitted
+	fWait
+	fieldCount = iota
+)
+
+var fieldNames = [fieldCount]string{
+	"version", "name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "segment",
+	"after", "limit", "lifetime", "ttl_seconds", "uid", "gid", "to", "session", "count", "slots",
+	"slot_bytes", "role", "uncommitted", "wait",
 }
 
-// setFields are the request's optional fields that hold something other
-// than their zero value, by their names on the wire.
-func setFields(r *Request) []string {
-	var set []string
-	add := func(name string, nonzero bool) {
+// used is the fields each operation reads. A field outside its
+// operation's set must be absent or zero, so that a client that sends one
+// by mistake (a size with open, a mode with stat) learns that the daemon
+// would ignore it. Operations missing here are not checked.
+var used = map[string]uint32{
+	OpHello:   fVersion | fSession,
+	OpInfo:    0,
+	OpCreate:  fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted,
+	OpOpen:    fName | fReadOnly | fRole | fWait,
+	OpClose:   fSegment | fRole,
+	OpUnlink:  fName,
+	OpStat:    fName,
+	OpList:    fAfter | fLimit,
+	OpChmod:   fName | fMode,
+	OpChown:   fName | fUID | fGID,
+	OpRename:  fName | fTo,
+	OpPublish: fName | fSize | fDevice | fMode | fMeta | fLifetime | fTTL,
+	OpReclaim: fSegment | fCount | fReadOnly | fRole,
+	OpCommit:  fSegment,
+}
+
+// setFields is the set of r's fields that hold something other than
+// their zero value. Straight tests, no list: decoding is on every round
+// trip.
+func setFields(r *Request) uint32 {
+	var m uint32
+	set := func(f uint32, nonzero bool) {
 		if nonzero {
-			set = append(set, name)
+			m |= f
 		}
 	}
-	add("version", r.Version != 0)
-	add("name", r.Name != "")
-	add("size", r.Size != 0)
-	add("device", r.Device != nil && *r.Device != 0)
-	add("mode", r.Mode != nil && *r.Mode != 0)
-	add("meta", len(r.Meta) > 0)
-	add("exist_ok", r.ExistOK)
-	add("open", r.Open)
-	add("readonly", r.ReadOnly)
-	add("segment", r.Segment != 0)
-	add("after", r.After != "")
-	add("limit", r.Limit != 0)
-	add("lifetime", r.Lifetime != "")
-	add("ttl_seconds", r.TTL != 0)
-	add("uid", r.UID != nil && *r.UID != 0)
-	add("gid", r.GID != nil && *r.GID != 0)
-	add("to", r.To != "")
-	add("session", r.Session != "")
-	add("count", r.Count != 0)
-	add("slots", r.Slots != 0)
-	add("slot_bytes", r.SlotBytes != 0)
-	add("role", r.Role != "")
-	add("uncommitted", r.Uncommitted)
-	add("wait", r.Wait != 0)
-	return set
+	set(fVersion, r.Version != 0)
+	set(fName, r.Name != "")
+	set(fSize, r.Size != 0)
+	set(fDevice, r.Device != nil && *r.Device != 0)
+	set(fMode, r.Mode != nil && *r.Mode != 0)
+	set(fMeta, len(r.Meta) > 0)
+	set(fExistOK, r.ExistOK)
+	set(fOpen, r.Open)
+	set(fReadOnly, r.ReadOnly)
+	set(fSegment, r.Segment != 0)
+	set(fAfter, r.After != "")
+	set(fLimit, r.Limit != 0)
+	set(fLifetime, r.Lifetime != "")
+	set(fTTL, r.TTL != 0)
+	set(fUID, r.UID != nil && *r.UID != 0)
+	set(fGID, r.GID != nil && *r.GID != 0)
+	set(fTo, r.To != "")
+	set(fSession, r.Session != "")
+	set(fCount, r.Count != 0)
+	set(fSlots, r.Slots != 0)
+	set(fSlotBytes, r.SlotBytes != 0)
+	set(fRole, r.Role != "")
+	set(fUncommitted, r.Uncommitted)
+	set(fWait, r.Wait != 0)
+	return m
 }
 
 func checkUnused(r *Request) error {
@@ -404,10 +441,8 @@ func checkUnused(r *Request) error {
 	if !known {
 		return nil // an unknown op is the server's to refuse (ENOSYS)
 	}
-	for _, f := range setFields(r) {
-		if !slices.Contains(fields, f) {
-			return fmt.Errorf("%w: %s does not take %q", ErrProto, r.Op, f)
-		}
+	if extra := setFields(r) &^ fields; extra != 0 {
+		return fmt.Errorf("%w: %s does not take %q", ErrProto, r.Op, fieldNames[bits.TrailingZeros32(extra)])
 	}
 	return nil
 }
