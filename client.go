@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -49,7 +50,7 @@ type Info struct {
 	SupervisorPID int           `json:"supervisor_pid"`
 	Restarts      int           `json:"restarts"`
 	Grace         time.Duration `json:"-"`
-	GraceSeconds  float64       `json:"grace_seconds"`
+	GraceSeconds  float64       `json:"grace_seconds,omitempty"`
 }
 
 // Usage is what the daemon holds.
@@ -107,6 +108,26 @@ func clientReconnect() time.Duration {
 	return DefaultReconnect
 }
 
+// DefaultTimeout bounds how long a client waits for each reply (and for
+// the daemon to take each request), so that a daemon that never answers
+// cannot hang it: after a timeout the connection is unusable and the
+// operation fails with an error matching os.ErrDeadlineExceeded. Far longer
+// than any operation takes; a context's deadline can shorten it.
+// GPUSHM_TIMEOUT (a Go duration or a number of seconds, "0" to wait for
+// ever) overrides it.
+const DefaultTimeout = 60 * time.Second
+
+func clientTimeout() time.Duration {
+	v := os.Getenv("GPUSHM_TIMEOUT")
+	if d, err := time.ParseDuration(v); err == nil && d >= 0 {
+		return d
+	}
+	if s, err := strconv.ParseFloat(v, 64); err == nil && s >= 0 && s < 1e9 {
+		return time.Duration(s * float64(time.Second))
+	}
+	return DefaultTimeout
+}
+
 // Client is a connection to the daemon. When the daemon restarts (its
 // serving process crashed or was upgraded), the client reconnects on the
 // next operation, reclaims the leases of the segments it has open and its
@@ -124,6 +145,7 @@ type Client struct {
 	nextID     uint64
 	broken     error
 	reconnect  time.Duration
+	timeout    time.Duration
 	oldEpochs  []*epoch.Page // pages of earlier connections, unmapped at Close
 	reconnects int
 
@@ -140,7 +162,8 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 	if socket == "" {
 		socket = DefaultSocket()
 	}
-	conn, err := wire.Dial(socket)
+	timeout := clientTimeout()
+	conn, err := wire.DialTimeout(socket, timeout)
 	if err != nil {
 		return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (is 'gpushm daemon' running?): %w", socket, err)
 	}
@@ -152,6 +175,7 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 		conn:      conn,
 		session:   hex.EncodeToString(sid[:]),
 		reconnect: clientReconnect(),
+		timeout:   timeout,
 		cache:     make(map[cacheKey]*shared),
 		open:      make(map[*shared]struct{}),
 	}
@@ -195,6 +219,21 @@ func (c *Client) Reconnects() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.reconnects
+}
+
+// SetTimeout sets how long the client waits for each reply before it gives
+// up on the connection (0: for ever); see DefaultTimeout.
+func (c *Client) SetTimeout(d time.Duration) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.broken != nil {
+		return c.broken
+	}
+	if err := c.conn.SetTimeout(d); err != nil {
+		return fmt.Errorf("gpushm: %w", err)
+	}
+	c.timeout = d
+	return nil
 }
 
 // SetReconnect sets how long an operation waits for a daemon that went
@@ -340,7 +379,7 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 	deadline := time.Now().Add(c.reconnect)
 	wait := 2 * time.Millisecond
 	for {
-		conn, err := wire.Dial(c.socket)
+		conn, err := wire.DialTimeout(c.socket, c.timeout)
 		if err == nil {
 			conn.SetSpin(clientSpin())
 			c.conn = conn
@@ -409,11 +448,19 @@ func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD i
 		stop := context.AfterFunc(ctx, func() { c.conn.Shutdown() })
 		defer stop()
 	}
+	if req.Wait > 0 && c.timeout > 0 {
+		// The daemon answers an open that waits for a commit when the wait
+		// ends: the timeout starts after it.
+		if err := c.conn.SetTimeout(c.limit(req)); err != nil {
+			return nil, -1, c.fail(ctx, err)
+		}
+		defer c.conn.SetTimeout(c.timeout)
+	}
 	if err := c.conn.Send(b, sendFD); err != nil {
 		if ctx.Err() == nil && isHangup(err) {
 			return nil, -1, fmt.Errorf("%w: %v", errLost, err)
 		}
-		return nil, -1, c.fail(ctx, err)
+		return nil, -1, c.fail(ctx, c.timedOut(req, err))
 	}
 	for {
 		b, fd, err := c.conn.Recv()
@@ -421,12 +468,19 @@ func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD i
 			if ctx.Err() == nil && isHangup(err) {
 				return nil, -1, fmt.Errorf("%w: %v", errLost, err)
 			}
-			return nil, -1, c.fail(ctx, err)
+			return nil, -1, c.fail(ctx, c.timedOut(req, err))
 		}
 		rep, derr := wire.DecodeReply(b)
 		if derr != nil {
 			closeFD(fd)
 			return nil, -1, c.fail(ctx, derr)
+		}
+		if rep.ID == 0 && rep.Error != nil && req.ID != 0 {
+			// The daemon could not read this request's id. Requests go
+			// one at a time, so the error answers this one: it is not a
+			// stale reply to skip.
+			closeFD(fd)
+			return nil, -1, rep.Error
 		}
 		if rep.ID != req.ID {
 			// A reply to a request given up on; the protocol never sends
@@ -471,6 +525,21 @@ func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD i
 	}
 }
 
+// timedOut says what a timeout means, and how to change it; other errors
+// pass as they are.
+func (c *Client) timedOut(req *wire.Request, err error) error {
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		return err
+	}
+	return fmt.Errorf("gpushm: %s: the daemon at %s did not answer within %s (stuck? GPUSHM_TIMEOUT or SetTimeout sets the limit): %w",
+		req.Op, c.socket, c.limit(req), err)
+}
+
+// limit is how long the client waits for req's reply.
+func (c *Client) limit(req *wire.Request) time.Duration {
+	return c.timeout + time.Duration(req.Wait*float64(time.Second))
+}
+
 // isHangup tells a connection the daemon ended from other failures.
 func isHangup(err error) bool {
 	return errors.Is(err, io.EOF) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) ||
@@ -505,10 +574,13 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 		return nil, fmt.Errorf("gpushm: info: %w", err)
 	}
 	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices, GPU: rep.GPU,
-		PID: rep.PID, SupervisorPID: rep.SupervisorPID, Restarts: rep.Restarts,
+		PID: rep.PID, SupervisorPID: rep.SupervisorPID,
 		Grace: time.Duration(rep.Grace * float64(time.Second)), GraceSeconds: rep.Grace}
 	if rep.Usage != nil {
 		inf.Usage = *rep.Usage
+	}
+	if rep.Restarts != nil {
+		inf.Restarts = *rep.Restarts
 	}
 	return inf, nil
 }
@@ -648,7 +720,7 @@ func (c *Client) CreateOnly(ctx context.Context, name string, size int64, o *Cre
 	if err != nil {
 		return nil, false, err
 	}
-	return rep.Segment, rep.Created, nil
+	return rep.Segment, rep.Created != nil && *rep.Created, nil
 }
 
 // OpenOptions are the optional parts of an open.

@@ -56,15 +56,22 @@ func (c *CUDA) Adopt(device int, fd int, size int64) (segment.Memory, error) {
 
 // Adopt takes a memfd of at least size bytes as a segment's memory, sealing
 // its size so that its publisher cannot shrink it under other mappings.
+// Like every host segment's, its allocation is size rounded up to a page:
+// a shorter file grows to it (with zeros) before it is sealed.
 func (h *Host) Adopt(device int, fd int, size int64) (segment.Memory, error) {
 	if _, err := h.Capacity(device); err != nil {
 		return nil, err
 	}
+	if size <= 0 {
+		return nil, fmt.Errorf("publish: size %d (must be positive): %w", size, syscall.EINVAL)
+	}
+	g := h.Granularity()
+	alloc := (size + g - 1) / g * g
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("publish: fstat: %w", err)
 	}
-	if size <= 0 || st.Size < size {
+	if st.Size < size {
 		return nil, fmt.Errorf("publish: the file has %d bytes, %d asked: %w", st.Size, size, syscall.EINVAL)
 	}
 	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
@@ -76,11 +83,23 @@ func (h *Host) Adopt(device int, fd int, size int64) (segment.Memory, error) {
 		// read-write opens of it.
 		return nil, fmt.Errorf("publish: the descriptor is not open for reading and writing: %w", syscall.EINVAL)
 	}
+	if st.Size < alloc {
+		if err := unix.Ftruncate(fd, alloc); err != nil {
+			return nil, fmt.Errorf("publish: the file has %d bytes and cannot grow to whole pages (%d): %v: %w", st.Size, alloc, err, syscall.EINVAL)
+		}
+	}
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW); err != nil {
 		return nil, fmt.Errorf("publish: cannot seal its size (a memfd made with MFD_ALLOW_SEALING is needed): %v: %w", err, syscall.EINVAL)
 	}
+	// Checked again once sealed: the publisher may have shrunk it since.
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("publish: fstat: %w", err)
+	}
+	if st.Size < alloc {
+		return nil, fmt.Errorf("publish: the file shrank to %d bytes: %w", st.Size, syscall.EINVAL)
+	}
 	restrict(fd)
-	return &hostMemory{fd: fd, size: size}, nil
+	return &hostMemory{fd: fd, size: alloc}, nil
 }
 
 // Restore takes back the descriptor of a segment this daemon made (or was

@@ -15,6 +15,7 @@ var (
 	ErrBadMode    = &Error{"invalid mode", syscall.EINVAL}
 	ErrBadMeta    = &Error{"invalid metadata", syscall.EINVAL}
 	ErrBadOption  = &Error{"invalid options", syscall.EINVAL}
+	ErrBadOwner   = &Error{"invalid owner", syscall.EINVAL}
 	ErrNoDevice   = &Error{"no such device", syscall.ENODEV}
 	ErrClosed     = &Error{"registry closed", syscall.EIO}
 	// ErrEmpty: a segment created empty (AllowEmpty) has no memory to open

@@ -217,7 +217,7 @@ func (r *Registry) SetMode(c Cred, s *Segment, mode uint32) error {
 // to its own (primary) group.
 func (r *Registry) SetOwner(c Cred, s *Segment, uid, gid int64) error {
 	if uid > int64(^uint32(0)) || gid > int64(^uint32(0)) {
-		return fmt.Errorf("%w: uid %d, gid %d", ErrBadMode, uid, gid)
+		return fmt.Errorf("%w: uid %d, gid %d (at most %d)", ErrBadOwner, uid, gid, ^uint32(0))
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()

@@ -76,8 +76,16 @@ func parseRole(s string) (channel.Role, error) {
 	return "", fmt.Errorf("role %q (want \"tx\" or \"rx\"): %w", s, syscall.EINVAL)
 }
 
-// claim gives c role on seg, checking that nobody else alive holds it. A
-// holder whose process is gone is detached first, as dead.
+// roleKey names one role of one channel.
+type roleKey struct {
+	seg  uint64
+	role channel.Role
+}
+
+// claim gives c role on seg, checking that nobody else alive holds it: no
+// other process, and no other connection of c's process (the control block
+// knows processes; the server knows its connections). A holder whose
+// process is gone is detached first, as dead.
 func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 	if !seg.IsChannel() {
 		return fmt.Errorf("%q is not a channel: %w", c.s.reg.Info(seg).Name, syscall.EINVAL)
@@ -88,20 +96,27 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 		return fmt.Errorf("identify process %d: its start time cannot be read in /proc (a process of a pid namespace the daemon cannot see?)", c.cred.PID)
 	}
 	pid, start := p.PID, p.Start
+	key := roleKey{seg.ID(), role}
+	// One claim at a time, so that two claimants cannot both find the
+	// role free.
+	c.s.claimMu.Lock()
+	defer c.s.claimMu.Unlock()
 	err := c.s.withBlock(seg, func(blk *channel.Block) error {
 		h := blk.Holder(role)
-		if h.State == channel.StateAttached && (h.PID != pid || h.Start != start) {
-			if alive(h) {
-				what := "producer"
-				if role == channel.Rx {
-					what = "consumer"
-				}
+		if h.State == channel.StateAttached {
+			mine := h.PID == pid && h.Start == start
+			switch other := c.s.roleHolders[key]; {
+			case mine && other != nil && other != c:
+				return fmt.Errorf("%w: channel %q has a %s already: another connection of this process (pid %d); a channel has one of each",
+					segment.ErrBusy, c.s.reg.Info(seg).Name, roleName(role), h.PID)
+			case !mine && alive(h):
 				return fmt.Errorf("%w: channel %q has a %s already (pid %d); a channel has one of each",
-					segment.ErrBusy, c.s.reg.Info(seg).Name, what, h.PID)
+					segment.ErrBusy, c.s.reg.Info(seg).Name, roleName(role), h.PID)
+			case !mine:
+				c.s.roleMu.Lock()
+				c.s.detach(seg, blk, role, true, h.PID)
+				c.s.roleMu.Unlock()
 			}
-			c.s.roleMu.Lock()
-			c.s.detach(seg, blk, role, true, h.PID)
-			c.s.roleMu.Unlock()
 		}
 		blk.Attach(role, pid, start)
 		return nil
@@ -109,12 +124,36 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 	if err != nil {
 		return err
 	}
-	c.holdRole(seg.ID(), role)
+	c.s.setRoleHolderLocked(key, c)
+	c.noteRole(seg.ID(), role)
 	c.s.watch(seg, role, channel.Holder{State: channel.StateAttached, PID: pid, Start: start})
 	return nil
 }
 
+func roleName(r channel.Role) string {
+	if r == channel.Rx {
+		return "consumer"
+	}
+	return "producer"
+}
+
+// holdRole records that c holds role on channel id (an adopted
+// connection's roles, which its predecessor granted).
 func (c *conn) holdRole(id uint64, role channel.Role) {
+	c.s.claimMu.Lock()
+	c.s.setRoleHolderLocked(roleKey{id, role}, c)
+	c.s.claimMu.Unlock()
+	c.noteRole(id, role)
+}
+
+func (s *Server) setRoleHolderLocked(k roleKey, c *conn) {
+	if s.roleHolders == nil {
+		s.roleHolders = make(map[roleKey]*conn)
+	}
+	s.roleHolders[k] = c
+}
+
+func (c *conn) noteRole(id uint64, role channel.Role) {
 	if c.roles[id] == nil {
 		c.roles[id] = map[channel.Role]bool{}
 	}
@@ -139,6 +178,13 @@ func (c *conn) unclaim(seg *segment.Segment, role channel.Role, died bool) {
 	if len(end) == 0 {
 		return
 	}
+	c.s.claimMu.Lock()
+	for _, r := range end {
+		if k := (roleKey{seg.ID(), r}); c.s.roleHolders[k] == c {
+			delete(c.s.roleHolders, k)
+		}
+	}
+	c.s.claimMu.Unlock()
 	pid := int(c.cred.PID)
 	var later []channel.Holder
 	err := c.s.withBlock(seg, func(blk *channel.Block) error {

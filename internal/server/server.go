@@ -78,6 +78,11 @@ type Server struct {
 	parking       bool
 	parked        []*conn
 	resumed       chan struct{}
+	// roleHolders is the connection holding each channel role taken
+	// through this process; claimMu guards it and serializes claims. It
+	// is taken before a control block's lock, and roleMu after.
+	claimMu     sync.Mutex
+	roleHolders map[roleKey]*conn
 	// restoredBound are creator-bound segments restored after a restart,
 	// by creator session, until their creator says hello again or its
 	// process exits (or, for a creator that cannot be watched, the grace
@@ -531,7 +536,10 @@ func (c *conn) serve() (parked bool) {
 			if errors.Is(err, wire.ErrProto) || errors.Is(err, wire.ErrFDDropped) {
 				log.Debug("bad message", "err", err)
 				c.s.obs.Observe("invalid", wire.Code(err), 0)
-				if c.send(&wire.Reply{Error: errReply(err)}, -1) != nil {
+				// Whatever is wrong with the packet, a client waits for the
+				// reply with its id: answer with it if it can be read.
+				id, _ := wire.RequestID(b)
+				if c.send(&wire.Reply{ID: id, Error: errReply(err)}, -1) != nil {
 					return false
 				}
 				continue
@@ -556,6 +564,8 @@ func (c *conn) serve() (parked bool) {
 			var id uint64
 			if req != nil {
 				id = req.ID
+			} else {
+				id, _ = wire.RequestID(b)
 			}
 			err = c.send(&wire.Reply{ID: id, Error: errReply(err)}, -1)
 			c.s.obs.Observe("invalid", "EPROTO", time.Since(start))
@@ -636,6 +646,12 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 	if req.Op == wire.OpPublish {
 		return c.publish(req, inFD)
 	}
+	if req.Role == string(channel.Rx) {
+		// A channel's consumer reads the slots and writes only its control
+		// block, a descriptor of its own: it asks for read access, whether
+		// it says readonly or not, and is served as a read-only open.
+		req.ReadOnly = true
+	}
 	cred := segment.Cred{UID: c.cred.UID, GID: c.cred.GID}
 	switch req.Op {
 	case wire.OpHello:
@@ -661,18 +677,22 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			return fail(err)
 		}
 		u := c.s.reg.Usage()
+		restarts := c.s.restarts
 		rep := &wire.Reply{Backend: c.s.backend.Name(), Devices: devs,
 			Usage: &wire.Usage{Segments: u.Segments, Named: u.Named, Bytes: u.Bytes, Opens: u.Opens},
-			PID:   os.Getpid(), SupervisorPID: c.s.supervisorPID, Restarts: c.s.restarts,
+			PID:   os.Getpid(), SupervisorPID: c.s.supervisorPID, Restarts: &restarts,
 			Grace: c.s.reg.GraceLeft().Seconds()}
 		if c.s.gpus != nil {
 			rep.GPU = c.s.gpus(c.cred.UID)
 		}
 		return rep, -1
 	case wire.OpReclaim:
-		n := max(req.Count, 1)
-		if n > maxReclaim {
-			return fail(fmt.Errorf("reclaim: count %d, limit %d: %w", n, maxReclaim, syscall.EINVAL))
+		n := req.Count
+		if n == 0 {
+			n = 1
+		}
+		if n < 0 || n > maxReclaim {
+			return fail(fmt.Errorf("reclaim: count %d (want 1 to %d): %w", n, maxReclaim, syscall.EINVAL))
 		}
 		if err := c.mayReclaim(req.Segment); err != nil {
 			return fail(fmt.Errorf("reclaim: %w", err))
@@ -713,7 +733,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if created && (o.Bound || o.Uncommitted) && !slices.Contains(c.bound, seg) {
 			c.bound = append(c.bound, seg)
 		}
-		rep := &wire.Reply{Created: created, Segment: c.segmentInfo(seg)}
+		rep := &wire.Reply{Created: &created, Segment: c.segmentInfo(seg)}
 		if !req.Open {
 			return rep, -1
 		}
@@ -788,14 +808,13 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			}
 			err = c.s.reg.SetMode(cred, seg, *req.Mode)
 		} else if err == nil {
-			uid, gid := int64(-1), int64(-1)
-			if req.UID != nil {
-				uid = *req.UID
+			var uid, gid int64
+			if uid, err = ownerID("uid", req.UID); err == nil {
+				gid, err = ownerID("gid", req.GID)
 			}
-			if req.GID != nil {
-				gid = *req.GID
+			if err == nil {
+				err = c.s.reg.SetOwner(cred, seg, uid, gid)
 			}
-			err = c.s.reg.SetOwner(cred, seg, uid, gid)
 		}
 		if err != nil {
 			return fail(fmt.Errorf("%s: %w", req.Op, err))
@@ -810,6 +829,19 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		return &wire.Reply{}, -1
 	}
 	return fail(fmt.Errorf("unknown operation %q: %w", req.Op, syscall.ENOSYS))
+}
+
+// ownerID reads chown's uid or gid: absent is -1 (unchanged). The values a
+// kernel takes as ids are 0 to 2^32-2; 2^32-1 is chown(2)'s "unchanged",
+// which the protocol spells by leaving the field out.
+func ownerID(field string, v *int64) (int64, error) {
+	if v == nil {
+		return -1, nil
+	}
+	if *v < 0 || *v >= 1<<32-1 {
+		return 0, fmt.Errorf("%s %d out of range (0 to %d; leave it out to keep it): %w", field, *v, uint32(1<<32-2), syscall.EINVAL)
+	}
+	return *v, nil
 }
 
 // maxSession bounds a client's session name; maxReclaim the leases one
@@ -830,6 +862,9 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 		Slots:   req.Slots, SlotBytes: req.SlotBytes,
 		Uncommitted: req.Uncommitted,
 	}
+	if len(req.Meta) > wire.MaxMeta {
+		return o, fmt.Errorf("meta of %d bytes, limit %d: %w", len(req.Meta), wire.MaxMeta, syscall.EINVAL)
+	}
 	if req.Slots != 0 || req.SlotBytes != 0 {
 		if req.Slots == 0 {
 			return o, fmt.Errorf("slot_bytes without slots: %w", syscall.EINVAL)
@@ -838,6 +873,9 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 	}
 	if req.Role != "" && !req.Open {
 		return o, fmt.Errorf("a role is taken by opening: %w", syscall.EINVAL)
+	}
+	if req.ReadOnly && !req.Open {
+		return o, fmt.Errorf("readonly applies to the open of a create with open: %w", syscall.EINVAL)
 	}
 	// A client that lost the reply resends the request, id and all, on a
 	// new connection: this finds what the first attempt made.
@@ -878,10 +916,9 @@ func (c *conn) publish(req *wire.Request, fd int) (*wire.Reply, int) {
 	if req.Device != nil {
 		dev = *req.Device
 	}
+	// exist_ok, open and uncommitted do not apply: DecodeRequest refused
+	// them.
 	o, err := c.createOptions(req, dev)
-	if err == nil && (req.ExistOK || req.Open || req.Uncommitted) {
-		err = fmt.Errorf("exist_ok, open and uncommitted do not apply: %w", syscall.EINVAL)
-	}
 	if err == nil {
 		err = segment.ValidName(req.Name)
 	}
@@ -904,7 +941,8 @@ func (c *conn) publish(req *wire.Request, fd int) (*wire.Reply, int) {
 	if o.Bound && !slices.Contains(c.bound, seg) {
 		c.bound = append(c.bound, seg)
 	}
-	return &wire.Reply{Created: true, Segment: c.segmentInfo(seg)}, -1
+	created := true
+	return &wire.Reply{Created: &created, Segment: c.segmentInfo(seg)}, -1
 }
 
 // maxPage bounds a list page; the page shrinks further if it would not fit

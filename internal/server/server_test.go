@@ -102,7 +102,7 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"open missing", `{"id":17,"op":"open","name":"nope"}`, "ENOENT"},
 		{"close unheld", `{"id":18,"op":"close","segment":12345}`, "EINVAL"},
 		{"unlink missing", `{"id":19,"op":"unlink","name":"nope"}`, "ENOENT"},
-		{"oversized meta", `{"id":20,"op":"create","name":"z","size":1,"meta":"` + strings.Repeat("m", wire.MaxMeta) + `"}`, "EPROTO"},
+		{"oversized meta", `{"id":20,"op":"create","name":"z","size":1,"meta":"` + strings.Repeat("m", wire.MaxMeta) + `"}`, "EINVAL"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -127,7 +127,7 @@ func TestBadInputChangesNothing(t *testing.T) {
 	if rep.Error != nil || rep.Usage == nil || rep.Usage.Segments != 0 {
 		t.Fatalf("info after bad input = %+v (usage %+v)", rep, rep.Usage)
 	}
-	if rep := r.call(`{"id":41,"op":"create","name":"ok","size":1}`, -1); rep.Error != nil || !rep.Created {
+	if rep := r.call(`{"id":41,"op":"create","name":"ok","size":1}`, -1); rep.Error != nil || rep.Created == nil || !*rep.Created {
 		t.Fatalf("create after bad input = %+v", rep)
 	}
 	if got := code(r.call(`{"id":42,"op":"create","name":"ok","size":1}`, -1)); got != "EEXIST" {

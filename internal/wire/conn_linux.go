@@ -30,6 +30,7 @@ type Conn struct {
 	oob       []byte
 	spin      time.Duration
 	wake      int // eventfd that ends a wait in Recv, or -1
+	timeout   time.Duration
 }
 
 // ErrWoken is Recv's answer when the wake descriptor became readable
@@ -92,10 +93,24 @@ func FromUnixConn(uc *net.UnixConn) (*Conn, error) {
 }
 
 // Dial connects to a daemon's socket.
-func Dial(path string) (*Conn, error) {
+func Dial(path string) (*Conn, error) { return DialTimeout(path, 0) }
+
+// DialTimeout is Dial with every wait bounded by d (0: none), as after
+// SetTimeout; the connect too, which waits while the daemon's backlog of
+// connections is full.
+func DialTimeout(path string, d time.Duration) (*Conn, error) {
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, os.NewSyscallError("socket", err)
+	}
+	c, err := NewConn(fd)
+	if err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	if err := c.SetTimeout(d); err != nil {
+		c.Close()
+		return nil, err
 	}
 	for {
 		err = unix.Connect(fd, &unix.SockaddrUnix{Name: path})
@@ -103,14 +118,12 @@ func Dial(path string) (*Conn, error) {
 			break
 		}
 	}
-	if err != nil {
-		unix.Close(fd)
-		return nil, &net.OpError{Op: "dial", Net: "unixpacket", Addr: &net.UnixAddr{Name: path, Net: "unixpacket"}, Err: os.NewSyscallError("connect", err)}
+	if err == unix.EAGAIN && d > 0 {
+		err = fmt.Errorf("the daemon accepted no connection within %s: %w", d, os.ErrDeadlineExceeded)
 	}
-	c, err := NewConn(fd)
 	if err != nil {
-		unix.Close(fd)
-		return nil, err
+		c.Close()
+		return nil, &net.OpError{Op: "dial", Net: "unixpacket", Addr: &net.UnixAddr{Name: path, Net: "unixpacket"}, Err: os.NewSyscallError("connect", err)}
 	}
 	return c, nil
 }
@@ -160,6 +173,9 @@ func (c *Conn) Send(b []byte, fd int) error {
 		if err == unix.EINTR {
 			continue
 		}
+		if err == unix.EAGAIN && c.timeout > 0 {
+			return fmt.Errorf("sendmsg: %w", os.ErrDeadlineExceeded)
+		}
 		if err != nil {
 			return os.NewSyscallError("sendmsg", err)
 		}
@@ -174,8 +190,10 @@ func (c *Conn) Send(b []byte, fd int) error {
 // fd is -1 when the packet carried no descriptor. A packet over MaxMessage
 // bytes (or what SetMaxMessage set), or one carrying more than one
 // descriptor, is consumed whole (its descriptors closed) and reported as an
-// error wrapping ErrProto; the connection stays usable. io.EOF means the
-// peer hung up (or Shutdown).
+// error wrapping ErrProto, with as much of the packet as was read (so that
+// a server can still find its id); the connection stays usable. io.EOF
+// means the peer hung up (or Shutdown). With a timeout set (SetTimeout), a
+// wait that outlasts it is an error wrapping os.ErrDeadlineExceeded.
 func (c *Conn) Recv() (b []byte, fd int, err error) {
 	var n, oobn, flags int
 	block := unix.MSG_DONTWAIT
@@ -215,22 +233,28 @@ func (c *Conn) Recv() (b []byte, fd int, err error) {
 		if errors.Is(err, unix.ECONNRESET) {
 			return nil, -1, io.EOF
 		}
+		if err == unix.EAGAIN && c.timeout > 0 {
+			return nil, -1, fmt.Errorf("recvmsg: %w", os.ErrDeadlineExceeded)
+		}
 		return nil, -1, os.NewSyscallError("recvmsg", err)
 	}
 	if n == 0 && oobn == 0 {
 		return nil, -1, io.EOF
 	}
+	b = c.buf[:min(n, len(c.buf))]
 	fds, perr := parseRights(c.oob[:oobn])
-	if flags&unix.MSG_CTRUNC != 0 && flags&unix.MSG_TRUNC == 0 {
-		// The kernel dropped descriptors we had no room for, most likely
-		// because this process is out of them; the message itself is whole,
-		// so hand it back: the caller may owe the peer a close.
+	if flags&unix.MSG_CTRUNC != 0 && flags&unix.MSG_TRUNC == 0 && perr == nil && len(fds) < maxFDs(len(c.oob)) {
+		// The kernel dropped descriptors although there was room for
+		// them: this process is out of descriptors. The message itself is
+		// whole, so hand it back: the caller may owe the peer a close.
+		// (When there was no room, the packet carried more descriptors
+		// than fit, which is a protocol error, below.)
 		closeAll(fds)
-		return c.buf[:n], -1, ErrFDDropped
+		return b, -1, ErrFDDropped
 	}
-	if perr != nil || len(fds) > 1 {
+	if perr != nil || len(fds) > 1 || flags&unix.MSG_CTRUNC != 0 {
 		closeAll(fds)
-		return nil, -1, fmt.Errorf("%w: at most one file descriptor per message", ErrProto)
+		return b, -1, fmt.Errorf("%w: at most one file descriptor per message", ErrProto)
 	}
 	fd = -1
 	if len(fds) == 1 {
@@ -240,9 +264,32 @@ func (c *Conn) Recv() (b []byte, fd int, err error) {
 		if fd >= 0 {
 			unix.Close(fd)
 		}
-		return nil, -1, fmt.Errorf("%w: message exceeds %d bytes", ErrProto, max)
+		return b, -1, fmt.Errorf("%w: message exceeds %d bytes", ErrProto, max)
 	}
-	return c.buf[:n], fd, nil
+	return b, fd, nil
+}
+
+// maxFDs is how many descriptors a control buffer of n bytes holds: the
+// kernel delivers that many of a packet's and drops the rest.
+func maxFDs(n int) int { return (n - unix.CmsgLen(0)) / 4 }
+
+// SetTimeout bounds every wait of Send and Recv on a blocking socket (0:
+// none): a wait that outlasts d fails with an error wrapping
+// os.ErrDeadlineExceeded. A client sets it so that a daemon that never
+// answers cannot hang it; the socket timeouts it sets cost nothing per
+// message.
+func (c *Conn) SetTimeout(d time.Duration) error {
+	tv := unix.NsecToTimeval(d.Nanoseconds())
+	if d > 0 && tv.Sec == 0 && tv.Usec == 0 {
+		tv.Usec = 1 // a zero timeval would mean "no timeout"
+	}
+	for _, opt := range []int{unix.SO_RCVTIMEO, unix.SO_SNDTIMEO} {
+		if err := unix.SetsockoptTimeval(c.fd, unix.SOL_SOCKET, opt, &tv); err != nil {
+			return os.NewSyscallError("setsockopt", err)
+		}
+	}
+	c.timeout = d
+	return nil
 }
 
 // waitReadable blocks until the socket or the wake descriptor is readable

@@ -1,11 +1,15 @@
 package wire
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/bits"
+	"strconv"
 
 	jsonv2 "github.com/go-json-experiment/json"
+	"github.com/go-json-experiment/json/jsontext"
 )
 
 // Version is the protocol version spoken by this package.
@@ -105,18 +109,21 @@ type Reply struct {
 	// PID is the process serving the socket; SupervisorPID the one
 	// holding the segments' descriptors across its restarts (equal to PID
 	// when the daemon runs unsupervised). Restarts counts serving
-	// processes that died and were replaced; Grace is how long, in
-	// seconds, clients of a replaced process may still reclaim leases.
+	// processes that died and were replaced (always in info, 0 included);
+	// Grace is how long, in seconds, clients of a replaced process may
+	// still reclaim leases (absent when they may not).
 	PID           int     `json:"pid,omitempty"`
 	SupervisorPID int     `json:"supervisor_pid,omitempty"`
-	Restarts      int     `json:"restarts,omitempty"`
+	Restarts      *int    `json:"restarts,omitempty"`
 	Grace         float64 `json:"grace_seconds,omitempty"`
 	// GPU is what the daemon knows of the node's GPUs.
 	GPU *GPUReport `json:"gpu,omitempty"`
 
 	// create, open, stat
 	Segment *Segment `json:"segment,omitempty"`
-	Created bool     `json:"created,omitempty"`
+	// Created (create, publish) says whether this request allocated; it is
+	// sent false too, when create with exist_ok found the segment.
+	Created *bool `json:"created,omitempty"`
 	// FD says that a descriptor for Segment is attached (create with open, open).
 	FD bool `json:"fd,omitempty"`
 	// Control says that a second packet follows with a channel's control
@@ -252,9 +259,13 @@ func (e *Error) Error() string { return e.Message + " (" + e.Code + ")" }
 var ErrProto = errors.New("protocol error")
 
 // DecodeRequest parses one packet. It is strict: unknown or duplicate
-// fields, invalid UTF-8, trailing data, a missing op and oversized packets
-// are protocol errors, so that a client's typo fails loudly instead of being
-// ignored.
+// fields, fields of the wrong type (null included, except for meta, where
+// null means none), fields the operation does not use unless zero, invalid
+// UTF-8, trailing data, a missing op and oversized packets are protocol
+// errors, so that a client's typo fails loudly instead of being ignored.
+//
+// The request is returned with most errors, for its ID; when the packet is
+// too broken for that, RequestID still finds the ID if it can.
 func DecodeRequest(b []byte) (*Request, error) {
 	if err := checkSize(b); err != nil {
 		return nil, err
@@ -263,13 +274,177 @@ func DecodeRequest(b []byte) (*Request, error) {
 	if err := jsonv2.Unmarshal(b, &r, jsonv2.RejectUnknownMembers(true)); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrProto, err)
 	}
+	// The decoder reads null as "leave the field alone", which would make
+	// a null name an empty one. Few packets spell null, so only those pay
+	// for a second look.
+	if bytes.Contains(b, []byte("null")) {
+		if name := scanRequest(b).null; name != "" {
+			return &r, fmt.Errorf("%w: %q is null", ErrProto, name)
+		}
+		if string(r.Meta) == "null" {
+			r.Meta = nil
+		}
+	}
 	if r.Op == "" {
 		return &r, fmt.Errorf("%w: missing op", ErrProto)
 	}
-	if len(r.Meta) > MaxMeta {
-		return &r, fmt.Errorf("%w: meta is %d bytes, limit %d", ErrProto, len(r.Meta), MaxMeta)
+	if err := checkUnused(&r); err != nil {
+		return &r, err
 	}
 	return &r, nil
+}
+
+// RequestID reads the id of a packet that DecodeRequest may refuse: the
+// first top-level member "id" that is a uint64, read as far into the
+// packet as the JSON holds together (a truncated packet, trailing data or
+// a bad field after the id do not hide it). ok is false when the packet
+// holds no readable id; the reply then carries 0.
+func RequestID(b []byte) (id uint64, ok bool) {
+	s := scanRequest(b)
+	return s.id, s.idOK
+}
+
+type scanned struct {
+	id   uint64
+	idOK bool
+	null string // the first member other than meta that is null
+}
+
+// scanRequest reads a packet's top-level members leniently (duplicate
+// names and invalid UTF-8 allowed), stopping at the first syntax error.
+func scanRequest(b []byte) scanned {
+	var s scanned
+	dec := jsontext.NewDecoder(bytes.NewReader(b), jsontext.AllowDuplicateNames(true), jsontext.AllowInvalidUTF8(true))
+	if tok, err := dec.ReadToken(); err != nil || tok.Kind() != '{' {
+		return s
+	}
+	seenID := false
+	for dec.PeekKind() == '"' {
+		tok, err := dec.ReadToken()
+		if err != nil {
+			return s
+		}
+		name := tok.String() // the token is valid only until the next read
+		if dec.PeekKind() == 'n' && name != "meta" && s.null == "" {
+			s.null = name
+		}
+		v, err := dec.ReadValue()
+		if err != nil {
+			return s
+		}
+		if name == "id" && !seenID {
+			seenID = true
+			if n, err := strconv.ParseUint(string(v), 10, 64); err == nil && v.Kind() == '0' {
+				s.id, s.idOK = n, true
+			}
+		}
+	}
+	return s
+}
+
+// The request's fields beyond id and op, one bit each; fieldNames has
+// their names on the wire.
+const (
+	fVersion uint32 = 1 << iota
+	fName
+	fSize
+	fDevice
+	fMode
+	fMeta
+	fExistOK
+	fOpen
+	fReadOnly
+	fSegment
+	fAfter
+	fLimit
+	fLifetime
+	fTTL
+	fUID
+	fGID
+	fTo
+	fSession
+	fCount
+	fSlots
+	fSlotBytes
+	fRole
+	fUncommitted
+	fWait
+	fieldCount = iota
+)
+
+var fieldNames = [fieldCount]string{
+	"version", "name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "segment",
+	"after", "limit", "lifetime", "ttl_seconds", "uid", "gid", "to", "session", "count", "slots",
+	"slot_bytes", "role", "uncommitted", "wait",
+}
+
+// used is the fields each operation reads. A field outside its
+// operation's set must be absent or zero, so that a client that sends one
+// by mistake (a size with open, a mode with stat) learns that the daemon
+// would ignore it. Operations missing here are not checked.
+var used = map[string]uint32{
+	OpHello:   fVersion | fSession,
+	OpInfo:    0,
+	OpCreate:  fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted,
+	OpOpen:    fName | fReadOnly | fRole | fWait,
+	OpClose:   fSegment | fRole,
+	OpUnlink:  fName,
+	OpStat:    fName,
+	OpList:    fAfter | fLimit,
+	OpChmod:   fName | fMode,
+	OpChown:   fName | fUID | fGID,
+	OpRename:  fName | fTo,
+	OpPublish: fName | fSize | fDevice | fMode | fMeta | fLifetime | fTTL,
+	OpReclaim: fSegment | fCount | fReadOnly | fRole,
+	OpCommit:  fSegment,
+}
+
+// setFields is the set of r's fields that hold something other than
+// their zero value. Straight tests, no list: decoding is on every round
+// trip.
+func setFields(r *Request) uint32 {
+	var m uint32
+	set := func(f uint32, nonzero bool) {
+		if nonzero {
+			m |= f
+		}
+	}
+	set(fVersion, r.Version != 0)
+	set(fName, r.Name != "")
+	set(fSize, r.Size != 0)
+	set(fDevice, r.Device != nil && *r.Device != 0)
+	set(fMode, r.Mode != nil && *r.Mode != 0)
+	set(fMeta, len(r.Meta) > 0)
+	set(fExistOK, r.ExistOK)
+	set(fOpen, r.Open)
+	set(fReadOnly, r.ReadOnly)
+	set(fSegment, r.Segment != 0)
+	set(fAfter, r.After != "")
+	set(fLimit, r.Limit != 0)
+	set(fLifetime, r.Lifetime != "")
+	set(fTTL, r.TTL != 0)
+	set(fUID, r.UID != nil && *r.UID != 0)
+	set(fGID, r.GID != nil && *r.GID != 0)
+	set(fTo, r.To != "")
+	set(fSession, r.Session != "")
+	set(fCount, r.Count != 0)
+	set(fSlots, r.Slots != 0)
+	set(fSlotBytes, r.SlotBytes != 0)
+	set(fRole, r.Role != "")
+	set(fUncommitted, r.Uncommitted)
+	set(fWait, r.Wait != 0)
+	return m
+}
+
+func checkUnused(r *Request) error {
+	fields, known := used[r.Op]
+	if !known {
+		return nil // an unknown op is the server's to refuse (ENOSYS)
+	}
+	if extra := setFields(r) &^ fields; extra != 0 {
+		return fmt.Errorf("%w: %s does not take %q", ErrProto, r.Op, fieldNames[bits.TrailingZeros32(extra)])
+	}
+	return nil
 }
 
 // DecodeReply parses one reply packet. Unknown fields are ignored, so that

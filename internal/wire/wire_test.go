@@ -5,11 +5,14 @@ import (
 	"encoding/json"
 	"errors"
 	"io/fs"
+	"math/bits"
 	"os"
 	"reflect"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -30,8 +33,20 @@ func TestDecodeRequest(t *testing.T) {
 		{"array", `[]`, false},
 		{"wrong type", `{"id":"1","op":"open"}`, false},
 		{"negative id", `{"id":-1,"op":"open"}`, false},
-		{"huge meta", `{"id":1,"op":"create","meta":"` + strings.Repeat("x", MaxMeta) + `"}`, false},
+		{"huge meta (the server refuses it)", `{"id":1,"op":"create","meta":"` + strings.Repeat("x", MaxMeta) + `"}`, true},
 		{"oversized", `{"id":1,"op":"create","name":"` + strings.Repeat("x", MaxMessage) + `"}`, false},
+		{"null name", `{"id":1,"op":"stat","name":null}`, false},
+		{"null device", `{"id":1,"op":"create","name":"x","size":1,"device":null}`, false},
+		{"null meta is none", `{"id":1,"op":"create","name":"x","size":1,"meta":null}`, true},
+		{"a string holding null", `{"id":1,"op":"stat","name":"null"}`, true},
+		{"open with size", `{"id":1,"op":"open","name":"x","size":4096}`, false},
+		{"stat with mode", `{"id":1,"op":"stat","name":"x","mode":420}`, false},
+		{"info with name", `{"id":1,"op":"info","name":"x"}`, false},
+		{"list with readonly", `{"id":1,"op":"list","readonly":true}`, false},
+		{"hello with name", `{"id":1,"op":"hello","version":1,"name":"x"}`, false},
+		{"publish with exist_ok", `{"id":1,"op":"publish","name":"x","size":1,"exist_ok":true}`, false},
+		{"unused but zero", `{"id":1,"op":"stat","name":"x","mode":0,"size":0,"readonly":false,"after":""}`, true},
+		{"unknown op is not checked", `{"id":1,"op":"explode","name":"x","size":1}`, true},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -43,6 +58,48 @@ func TestDecodeRequest(t *testing.T) {
 				t.Fatalf("error %v does not wrap ErrProto", err)
 			}
 		})
+	}
+}
+
+func TestDecodeRequestNullMeta(t *testing.T) {
+	r, err := DecodeRequest([]byte(`{"id":1,"op":"create","name":"x","size":1,"meta":null}`))
+	if err != nil || r.Meta != nil {
+		t.Fatalf("meta null = %q, %v; want no meta", r.Meta, err)
+	}
+}
+
+func TestRequestID(t *testing.T) {
+	tests := []struct {
+		in string
+		id uint64
+		ok bool
+	}{
+		{`{"id":7,"op":"info"}`, 7, true},
+		{`{"op":"stat","nmae":"x","id":8}`, 8, true},
+		{`{"id":9,"op":"stat","name":5}`, 9, true},
+		{`{"id":10,"op":"info"} {}`, 10, true},
+		{`{"id":11,"op":"info"}garbage`, 11, true},
+		{`{"id":12,"id":13,"op":"info"}`, 12, true},
+		{`{"id":14,"op":"stat","name":"` + strings.Repeat("y", 2*MaxMessage), 14, true}, // truncated
+		{"{\"id\":15,\"name\":\"\xff\"}", 15, true},
+		{`{"meta":{"id":1},"id":16}`, 16, true},
+		{`{"id":18446744073709551615}`, 1<<64 - 1, true},
+		{`{"id":18446744073709551616}`, 0, false},
+		{`{"id":"7","op":"info"}`, 0, false},
+		{`{"id":-1}`, 0, false},
+		{`{"id":7.0}`, 0, false},
+		{`{"id":null}`, 0, false},
+		{`{"op":"info"}`, 0, false},
+		{`{"op":"info",,"id":3}`, 0, false}, // the id is past a syntax error
+		{`[{"id":3}]`, 0, false},
+		{`not json`, 0, false},
+		{``, 0, false},
+	}
+	for _, tc := range tests {
+		id, ok := RequestID([]byte(tc.in))
+		if id != tc.id || ok != tc.ok {
+			t.Errorf("RequestID(%.60q) = %d, %v; want %d, %v", tc.in, id, ok, tc.id, tc.ok)
+		}
 	}
 }
 
@@ -79,6 +136,16 @@ func FuzzDecodeRequest(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		r, err := DecodeRequest(b)
+		// The reply id rule: a server answers a packet it refuses with
+		// RequestID, so RequestID must read every id that a plain JSON
+		// reader finds, and agree with the decoder on what it accepts.
+		id, idOK := RequestID(b)
+		if want, ok := oracleID(b); ok && (!idOK || id != want) {
+			t.Fatalf("RequestID(%q) = %d, %v; a JSON reader finds id %d", b, id, idOK, want)
+		}
+		if r != nil && id != r.ID { // 0 when not found, as the decoder has it
+			t.Fatalf("RequestID(%q) = %d, %v; the decoder read id %d", b, id, idOK, r.ID)
+		}
 		if err != nil {
 			if !errors.Is(err, ErrProto) {
 				t.Fatalf("error %v does not wrap ErrProto", err)
@@ -99,13 +166,50 @@ func FuzzDecodeRequest(f *testing.F) {
 	})
 }
 
-// normalize compacts Meta, which json.Marshal reformats.
+// oracleID reads a packet's first top-level "id" member with
+// encoding/json's tokenizer, as far as the packet's JSON goes: the id a
+// client that sent b would wait for.
+func oracleID(b []byte) (uint64, bool) {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.UseNumber()
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return 0, false
+	}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return 0, false
+		}
+		name, _ := tok.(string)
+		if name != "id" {
+			var skip json.RawMessage
+			if err := dec.Decode(&skip); err != nil {
+				return 0, false
+			}
+			continue
+		}
+		v, err := dec.Token()
+		if err != nil {
+			return 0, false
+		}
+		n, isNum := v.(json.Number)
+		if !isNum {
+			return 0, false
+		}
+		id, err := strconv.ParseUint(string(n), 10, 64)
+		return id, err == nil
+	}
+	return 0, false
+}
+
+// normalize compacts Meta and escapes it for HTML, as json.Marshal does.
 func normalize(r *Request) Request {
 	c := *r
 	if len(c.Meta) > 0 {
-		var buf bytes.Buffer
+		var buf, esc bytes.Buffer
 		json.Compact(&buf, c.Meta)
-		c.Meta = buf.Bytes()
+		json.HTMLEscape(&esc, buf.Bytes()) // as json.Marshal writes it
+		c.Meta = esc.Bytes()
 	}
 	return c
 }
@@ -180,9 +284,130 @@ func TestConnRejectsOversizedAndExtraFDs(t *testing.T) {
 	if _, fd, err := b.Recv(); !errors.Is(err, ErrProto) || fd != -1 {
 		t.Fatalf("two-fd Recv = %d, %v, want ErrProto", fd, err)
 	}
-	// The connection survives both.
+	// More descriptors than Recv has room for: a protocol error too, not
+	// a shortage of descriptors.
+	var many []int
+	for range 6 {
+		many = append(many, int(r1.Fd()))
+	}
+	raw([]byte(`{"id":9}`), unix.UnixRights(many...))
+	if msg, fd, err := b.Recv(); !errors.Is(err, ErrProto) || errors.Is(err, ErrFDDropped) || fd != -1 || string(msg) != `{"id":9}` {
+		t.Fatalf("six-fd Recv = %q, %d, %v, want the packet and ErrProto", msg, fd, err)
+	}
+	// The connection survives them all.
 	a.Send([]byte("ok"), -1)
 	if msg, _, err := b.Recv(); err != nil || string(msg) != "ok" {
 		t.Fatalf("Recv after bad packets = %q, %v", msg, err)
+	}
+}
+
+func TestConnTimeout(t *testing.T) {
+	a, b := socketPair(t)
+	if err := b.SetTimeout(50 * time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := b.Recv(); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("Recv with nothing sent = %v, want a timeout", err)
+	}
+	// The connection still works after a timeout.
+	if err := a.Send([]byte("late"), -1); err != nil {
+		t.Fatal(err)
+	}
+	if msg, _, err := b.Recv(); err != nil || string(msg) != "late" {
+		t.Fatalf("Recv after a timeout = %q, %v", msg, err)
+	}
+	// A peer that reads nothing fills the socket; Send then times out.
+	var err error
+	for range 100000 {
+		if err = b.Send(make([]byte, 4096), -1); err != nil {
+			break
+		}
+	}
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("Send to a peer that reads nothing = %v, want a timeout", err)
+	}
+}
+
+func TestDialTimeout(t *testing.T) {
+	path := t.TempDir() + "/s.sock"
+	ln, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(ln)
+	if err := unix.Bind(ln, &unix.SockaddrUnix{Name: path}); err != nil {
+		t.Fatal(err)
+	}
+	// A listener that accepts nothing: its backlog fills, and connect
+	// then waits.
+	if err := unix.Listen(ln, 0); err != nil {
+		t.Fatal(err)
+	}
+	var err2 error
+	for range 4 {
+		var c *Conn
+		if c, err2 = DialTimeout(path, 100*time.Millisecond); err2 != nil {
+			break
+		}
+		defer c.Close()
+	}
+	if !errors.Is(err2, os.ErrDeadlineExceeded) {
+		t.Fatalf("DialTimeout to a full backlog = %v, want a timeout", err2)
+	}
+}
+
+// TestEveryFieldIsChecked keeps the unused-field rule whole as fields are
+// added: each of Request's fields but id and op has a bit, set when it
+// holds something, and at least one operation that uses it.
+func TestEveryFieldIsChecked(t *testing.T) {
+	var all uint32
+	for _, fields := range used {
+		all |= fields
+	}
+	rt := reflect.TypeFor[Request]()
+	n := 0
+	for i := range rt.NumField() {
+		name, _, _ := strings.Cut(rt.Field(i).Tag.Get("json"), ",")
+		if name == "id" || name == "op" || name == "-" {
+			continue
+		}
+		n++
+		var r Request
+		v := reflect.ValueOf(&r).Elem().Field(i)
+		switch v.Kind() {
+		case reflect.Pointer:
+			v.Set(reflect.New(v.Type().Elem()))
+			v.Elem().Set(reflect.ValueOf(1).Convert(v.Type().Elem()))
+		case reflect.Slice:
+			v.SetBytes([]byte(`{}`))
+		case reflect.String:
+			v.SetString("x")
+		case reflect.Bool:
+			v.SetBool(true)
+		default:
+			v.Set(reflect.ValueOf(1).Convert(v.Type()))
+		}
+		got := setFields(&r)
+		if bits.OnesCount32(got) != 1 || fieldNames[bits.TrailingZeros32(got)] != name {
+			t.Errorf("with %s set, setFields = %#b", name, got)
+		}
+		if got&all == 0 {
+			t.Errorf("no operation uses %s", name)
+		}
+	}
+	if n != fieldCount {
+		t.Errorf("Request has %d fields beyond id and op, fieldNames %d", n, fieldCount)
+	}
+}
+
+// BenchmarkDecodeRequest decodes a typical open, as the server does on
+// every round trip.
+func BenchmarkDecodeRequest(b *testing.B) {
+	msg := []byte(`{"id":12345,"op":"open","name":"weights-shard-07","readonly":true}`)
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := DecodeRequest(msg); err != nil {
+			b.Fatal(err)
+		}
 	}
 }

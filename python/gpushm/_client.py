@@ -20,6 +20,7 @@ import json
 import os
 import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -162,12 +163,12 @@ def _lifetime(temporary: bool, ttl) -> dict:
     return f
 
 
-def _reconnect_default() -> float:
-    """$GPUSHM_RECONNECT (seconds, or a duration such as "30s", "500ms";
-    "0" never reconnects), else 30 seconds, as the Go client."""
-    v = os.environ.get("GPUSHM_RECONNECT", "").strip()
+def _seconds_env(name: str, default: float) -> float:
+    """$name in seconds, or as a duration such as "30s", "500ms"; default
+    when unset or unreadable."""
+    v = os.environ.get(name, "").strip()
     if not v:
-        return 30.0
+        return default
     for suffix, scale in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0), ("m", 60.0), ("h", 3600.0)):
         if v.endswith(suffix):
             try:
@@ -177,22 +178,48 @@ def _reconnect_default() -> float:
     try:
         return float(v)
     except ValueError:
-        return 30.0
+        return default
+
+
+def _reconnect_default() -> float:
+    """$GPUSHM_RECONNECT ("0" never reconnects), else 30 seconds, as the Go
+    client."""
+    return _seconds_env("GPUSHM_RECONNECT", 30.0)
+
+
+def _timeout_default() -> float:
+    """$GPUSHM_TIMEOUT ("0" waits for ever), else 60 seconds, as the Go
+    client."""
+    return _seconds_env("GPUSHM_TIMEOUT", 60.0)
 
 
 def connect(socket: str | None = None, *, timeout: float | None = None, spin_us: int = 0,
             reconnect: float | None = None) -> Client:
     """Connects to the daemon at socket (default: default_socket()).
 
-    timeout bounds each request, in seconds; after one times out the client
-    is unusable. spin_us polls for each reply that long before sleeping:
-    CPU traded for latency where waking a sleeping thread is slow (virtual
-    machines), and used only without a timeout. reconnect is how long, in
+    timeout bounds each wait for a reply (and for the daemon to take a
+    request), in seconds (default $GPUSHM_TIMEOUT or 60; 0 waits for ever),
+    so that a daemon that never answers cannot hang the caller: the call
+    raises TimeoutError, and the client is unusable after it. spin_us polls
+    for each reply that long before sleeping: CPU traded for latency where
+    waking a sleeping thread is slow (virtual machines). reconnect is how long, in
     seconds, an operation waits for a daemon that went away (restarted,
     upgraded) to come back (default $GPUSHM_RECONNECT or 30; 0 never
     reconnects): the client then reclaims its leases and temporary segments
     and retries the operation; mappings keep working throughout."""
     return Client(socket, timeout=timeout, spin_us=spin_us, reconnect=reconnect)
+
+
+def _set_timeouts(s, seconds):
+    """Bounds every blocking call on s by the socket's own timeouts (0: no
+    bound): the call then fails with EAGAIN, and a round trip pays nothing
+    for it (settimeout would poll before every call). They bound connect
+    too, which waits while the daemon's backlog is full."""
+    sec = int(seconds)
+    usec = max(int((seconds - sec) * 1e6), 0 if sec or seconds <= 0 else 1)
+    tv = struct.pack("@ll", sec, usec)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 class Client:
@@ -203,8 +230,8 @@ class Client:
     def __init__(self, path: str | None = None, *, timeout: float | None = None, spin_us: int = 0,
                  reconnect: float | None = None):
         self.socket = path or default_socket()
-        self._spin_ns = int(spin_us * 1000) if timeout is None else 0
-        self._timeout = timeout
+        self._spin_ns = int(spin_us * 1000)
+        self._timeout = _timeout_default() if timeout is None else float(timeout)
         self._reconnect = _reconnect_default() if reconnect is None else float(reconnect)
         # Names this client across reconnections: the daemon gives a
         # restarted connection back its temporary segments by it.
@@ -234,9 +261,12 @@ class Client:
 
     def _dial(self):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        s.settimeout(self._timeout)
         try:
-            s.connect(self.socket)
+            _set_timeouts(s, self._timeout)
+            try:
+                s.connect(self.socket)
+            except BlockingIOError:
+                raise TimeoutError(errno.ETIMEDOUT, f"the daemon accepted no connection within {self._timeout:g}s") from None
         except OSError:
             s.close()
             raise
@@ -308,7 +338,7 @@ class Client:
             new = self._dial()
         except OSError:
             return
-        new.settimeout(min(self._reconnect, 5.0))
+        _set_timeouts(new, min(self._reconnect, 5.0))
         self._sock.close()
         self._sock = new
         try:
@@ -451,11 +481,12 @@ class Client:
         b = json.dumps(req, separators=(",", ":")).encode()
         if len(b) > MAX_MESSAGE:
             raise ValueError(f"gpushm: {op} request is {len(b)} bytes, over the protocol's {MAX_MESSAGE} (meta too large?)")
-        waits = fields.get("wait") and self._timeout is not None
+        waits = fields.get("wait") and self._timeout > 0
+        limit = self._timeout + (fields.get("wait") or 0)
         try:
             if waits:
                 # The daemon answers a waiting open when the wait is over.
-                self._sock.settimeout(self._timeout + fields["wait"])
+                _set_timeouts(self._sock, limit)
             if send_fd >= 0:
                 self._sock.sendmsg([b], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [send_fd]))])
             else:
@@ -464,15 +495,24 @@ class Client:
                 rep, fd, dropped = self._recv()
                 if rep.get("id") == rid:
                     break
+                if rep.get("id") == 0 and rep.get("error"):
+                    # The daemon could not read this request's id. Requests
+                    # go one at a time, so the error answers this one: it is
+                    # not a stale reply to skip.
+                    break
                 # A reply to a request given up on: discard it.
                 if fd >= 0:
                     os.close(fd)
             if waits:
-                self._sock.settimeout(self._timeout)
+                _set_timeouts(self._sock, self._timeout)
         except _Lost:
             raise
         except (BrokenPipeError, ConnectionResetError) as e:
             raise _Lost(str(e)) from e
+        except BlockingIOError:
+            e = self._timed_out(op, limit)
+            self._fail(e)
+            raise e from None
         except (OSError, ValueError) as e:
             self._fail(e)
             raise
@@ -506,6 +546,10 @@ class Client:
             raise
         except (BrokenPipeError, ConnectionResetError) as e:
             raise _Lost(str(e)) from e
+        except BlockingIOError:
+            e = self._timed_out(op, self._timeout)
+            self._fail(e)
+            raise e from None
         except (OSError, ValueError) as e:
             self._fail(e)
             raise
@@ -551,6 +595,11 @@ class Client:
                 os.close(fd)
             raise error("EPROTO", f"reply is not JSON: {msg[:200]!r}") from None
         return rep, (fds[0] if fds else -1), bool(flags & _CTRUNC)
+
+    def _timed_out(self, op, limit):
+        # A blocking call failing with EAGAIN: the socket's timeout ran out.
+        return TimeoutError(errno.ETIMEDOUT, f"gpushm: {op}: the daemon at {self.socket} did not answer within "
+                            f"{limit:g}s (stuck? $GPUSHM_TIMEOUT or connect(timeout=...) sets the limit)")
 
     def _fail(self, e):
         # After a timeout or a protocol error the stream of replies can no
