@@ -3,6 +3,7 @@ package segment
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"syscall"
 	"time"
 )
@@ -100,6 +101,47 @@ func (r *Registry) Detach() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.journal = nil
+}
+
+// Replay puts every segment the journal holds to it again, in ID order,
+// each with its memory's descriptor, and returns the highest ID ever given
+// out: for a journal whose keeper was replaced by one that holds nothing
+// yet (a new supervisor, after the old one died). The lock is held
+// throughout, so the journal sees the state of one moment, and every
+// change after that moment reaches it after the replay.
+func (r *Registry) Replay() uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.journal == nil {
+		return r.nextID
+	}
+	segs := make(map[uint64]*Segment, len(r.byID))
+	for _, s := range r.byName {
+		segs[s.id] = s
+	}
+	for id, s := range r.byID {
+		segs[id] = s
+	}
+	ids := make([]uint64, 0, len(segs))
+	for id, s := range segs {
+		if s.saved && !s.gone {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	for _, id := range ids {
+		s := segs[id]
+		fd, ctl := -1, -1
+		if s.mem != nil {
+			// Journaled memory was exported before its first Put: FD does
+			// not wait here.
+			if f, err := s.mem.FD(); err == nil {
+				fd, ctl = f, controlFD(s.mem)
+			}
+		}
+		r.journal.Put(s.recordLocked(), fd, ctl)
+	}
+	return r.nextID
 }
 
 func (s *Segment) recordLocked() Record {

@@ -3,6 +3,7 @@ package segment
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -408,4 +409,49 @@ func mustSeg(t *testing.T, r *Registry, name string) *Segment {
 		t.Fatal(err)
 	}
 	return s
+}
+
+// TestReplay: a journal that lost what it held (a supervisor that died) is
+// given the state again, the same as it had been journaled, and the
+// highest ID given out.
+func TestReplay(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	j := newJournal()
+	r.SetJournal(j)
+	for _, name := range []string{"a", "b", "c", "gone"} {
+		if _, _, err := r.Create(alice, CreateOptions{Name: name, Size: 100, Meta: []byte(`{"n":"` + name + `"}`)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	last := r.mustID(t, "gone")
+	if err := r.Unlink(alice, "gone"); err != nil {
+		t.Fatal(err)
+	}
+	open, err := r.Acquire(alice, "b", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Release(open)
+	if err := r.Unlink(alice, "b"); err != nil { // unnamed, still open
+		t.Fatal(err)
+	}
+	if err := r.Rename(alice, "c", "c2", 0); err != nil {
+		t.Fatal(err)
+	}
+	nj := newJournal()
+	r.SetJournal(nj)
+	next := r.Replay()
+	if next != last {
+		t.Fatalf("Replay = %d, want the highest ID given out, %d (removed since)", next, last)
+	}
+	if !maps.EqualFunc(nj.recs, j.recs, func(a, b Record) bool { return fmt.Sprint(a) == fmt.Sprint(b) }) {
+		t.Fatalf("replayed records %+v\nwant %+v", nj.recs, j.recs)
+	}
+	if !maps.Equal(nj.fds, j.fds) {
+		t.Fatalf("replayed descriptors %v, want %v", nj.fds, j.fds)
+	}
+	if got := nj.take(); !slices.Equal(got, []string{"put a linked=true fd=true", "put b linked=false fd=true", "put c2 linked=true fd=true"}) {
+		t.Fatalf("replayed %q", got)
+	}
 }
