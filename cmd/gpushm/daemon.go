@@ -99,6 +99,8 @@ socket, and replaces a stale socket file.`,
 			switch {
 			case supervisor.Attached():
 				return runServing(cmd.Context(), log.With("role", "server"), o, true)
+			case supervisor.Adopting():
+				return runAdoptive(cmd.Context(), log.With("role", "supervisor"), o)
 			case o.supervise:
 				return runSupervisor(cmd.Context(), log.With("role", "supervisor"), o)
 			}
@@ -193,9 +195,24 @@ func runSupervisor(ctx context.Context, log *slog.Logger, o daemonOptions) error
 	sup := supervisor.New(supervisor.Config{
 		Exe: exe, Args: os.Args[1:], Listener: listener, Epoch: page,
 		Grace: o.grace, Store: store, Log: log,
+		// Under systemd, systemd restarts the service when the supervisor
+		// dies (and its fd store keeps the segments): a supervisor the
+		// serving process started would be killed with the unit's cgroup.
+		Lock: lock, Heal: !store && os.Getenv("NOTIFY_SOCKET") == "",
 	}, handed.State)
 	log.Debug("supervising", "socket", path, "pid", os.Getpid(), "exe", exe, "fd_store", store)
-	err = sup.Run(ctx)
+	return supervise(ctx, sup, log, path, listener, store)
+}
+
+// supervise runs sup until the daemon stops, and removes the socket file
+// then.
+func supervise(ctx context.Context, sup *supervisor.Supervisor, log *slog.Logger, path string, listener *os.File, store bool) error {
+	err := sup.Run(ctx)
+	if errors.Is(err, supervisor.ErrHandover) {
+		// The serving process lives on, with the socket, and starts
+		// another supervisor.
+		return err
+	}
 	var se *supervisor.StartError
 	if errors.As(err, &se) {
 		// The serving process said why on standard error.
@@ -303,6 +320,14 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 		restore(srv, b, host, start, log)
 		srv.SetSupervisor(start.SupervisorPID, start.Restarts)
 		srv.StartGrace(start.GraceUntil)
+		if start.Heal {
+			link.Heal(supervisor.Healing{
+				Replay:   srv.Registry().Replay,
+				Adopted:  func(pid int) { srv.SetSupervisor(pid, start.Restarts) },
+				Restarts: start.Restarts,
+				Log:      log,
+			})
+		}
 	} else {
 		lock, err := server.Lock(path)
 		if err != nil {

@@ -108,3 +108,18 @@ func Lock(path string) (*os.File, error) {
 	f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
 	return f, nil
 }
+
+// TakeLock takes over a daemon lock inherited from the process that held
+// it (a serving process whose supervisor died passes it to the new one):
+// the lock belongs to the open file, which both share, so it never went
+// free. It checks that f holds the lock and writes this pid into it.
+func TakeLock(f *os.File) error {
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		return fmt.Errorf("inherited daemon lock: %w", err)
+	}
+	if err := f.Truncate(0); err != nil {
+		return fmt.Errorf("inherited daemon lock: %w", err)
+	}
+	_, err := f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
+	return err
+}

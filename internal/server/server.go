@@ -69,10 +69,10 @@ type Server struct {
 	// sweep and at the last trim (limits.go); only the sweep touches them.
 	trimLast, trimmed uint64
 
-	// Durability (park.go): who supervises this process, and the state of
-	// a handover to a successor.
-	supervisorPID int
-	restarts      int
+	// Durability (park.go): who supervises this process (it may change
+	// while serving: a serving process replaces a supervisor that died),
+	// and the state of a handover to a successor.
+	supervisorNow atomic.Pointer[supervisorInfo]
 	wake          int // eventfd: readable while connections must park
 	acceptWake    int // eventfd: readable when the accept loop must look at ctx or parking
 	parking       bool
@@ -124,19 +124,18 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		return nil, fmt.Errorf("eventfd: %w", err)
 	}
 	s := &Server{
-		backend:       b,
-		epoch:         ep,
-		log:           log,
-		version:       version,
-		obs:           nopObserver{},
-		conns:         make(map[*conn]struct{}),
-		supervisorPID: os.Getpid(),
-		wake:          wake,
-		acceptWake:    acceptWake,
-		waitStop:      make(chan struct{}),
-		userConns:     make(map[uint32]int),
-		spare:         -1,
-		epochRO:       -1,
+		backend:    b,
+		epoch:      ep,
+		log:        log,
+		version:    version,
+		obs:        nopObserver{},
+		conns:      make(map[*conn]struct{}),
+		wake:       wake,
+		acceptWake: acceptWake,
+		waitStop:   make(chan struct{}),
+		userConns:  make(map[uint32]int),
+		spare:      -1,
+		epochRO:    -1,
 	}
 	if devs, err := b.Devices(); err == nil {
 		s.uuids = make(map[int]string, len(devs))
@@ -144,6 +143,7 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 			s.uuids[d.Index] = d.UUID
 		}
 	}
+	s.supervisorNow.Store(&supervisorInfo{pid: os.Getpid()})
 	s.reg = segment.New(b, func() { s.epoch.Bump() })
 	s.reg.OnChannelRemoved(s.markRemoved)
 	return s, nil
@@ -173,8 +173,13 @@ func (s *Server) epochReadOnly() (int, error) {
 }
 
 // SetSupervisor records the process holding the segments for this one and
-// how many serving processes it replaced, for info.
-func (s *Server) SetSupervisor(pid, restarts int) { s.supervisorPID, s.restarts = pid, restarts }
+// how many serving processes it replaced, for info. It may be called while
+// serving.
+func (s *Server) SetSupervisor(pid, restarts int) {
+	s.supervisorNow.Store(&supervisorInfo{pid: pid, restarts: restarts})
+}
+
+type supervisorInfo struct{ pid, restarts int }
 
 // Observer is told of every answered request and every connection, for
 // metrics.
@@ -677,10 +682,11 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			return fail(err)
 		}
 		u := c.s.reg.Usage()
-		restarts := c.s.restarts
+		sup := c.s.supervisorNow.Load()
+		restarts := sup.restarts
 		rep := &wire.Reply{Backend: c.s.backend.Name(), Devices: devs,
 			Usage: &wire.Usage{Segments: u.Segments, Named: u.Named, Bytes: u.Bytes, Opens: u.Opens},
-			PID:   os.Getpid(), SupervisorPID: c.s.supervisorPID, Restarts: &restarts,
+			PID:   os.Getpid(), SupervisorPID: sup.pid, Restarts: &restarts,
 			Grace: c.s.reg.GraceLeft().Seconds()}
 		if c.s.gpus != nil {
 			rep.GPU = c.s.gpus(c.cred.UID)

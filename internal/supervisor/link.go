@@ -18,13 +18,23 @@ import (
 
 // The serving process finds its supervisor's descriptors at fixed numbers:
 // the control socket, the listening socket and the epoch page, in that
-// order from 3, announced by this variable.
-const envLink = "GPUSHM_SUPERVISOR_FD"
+// order from 3, announced by envLink; and the daemon lock at 6, announced
+// by envLock (a supervisor that passes it lets the serving process replace
+// it, heal.go). A supervisor started by a serving process whose own died
+// finds the same four, and the serving process's pidfd at 7, announced by
+// envAdopt (adopt.go).
+const (
+	envLink  = "GPUSHM_SUPERVISOR_FD"
+	envLock  = "GPUSHM_SUPERVISOR_LOCK"
+	envAdopt = "GPUSHM_ADOPT"
+)
 
 const (
 	fdControl  = 3
 	fdListener = 4
 	fdEpoch    = 5
+	fdLock     = 6
+	fdPidfd    = 7
 )
 
 // msg is one control message, in either direction; at most one descriptor
@@ -46,6 +56,9 @@ type msg struct {
 	// Batches, in "go", says the supervisor applies batches; a serving
 	// process started by an older one sends their changes one by one.
 	Batches bool `json:"batches,omitempty"`
+	// Heal, in "go", lets the serving process start a new supervisor if
+	// this one dies (heal.go).
+	Heal bool `json:"heal,omitempty"`
 }
 
 // maxControl bounds a control message: a batch holds two records of up to
@@ -71,6 +84,11 @@ const (
 	tInit     = "init"     // the backend is up; waiting for the state
 	tReady    = "ready"    // serving
 	tQuiesced = "quiesced" // every connection has been sent
+	// A serving process whose supervisor died and the one it started in
+	// its place (heal.go, adopt.go): the server sends every record (put,
+	// ctl) and then "handed"; the new supervisor answers "adopted".
+	tHanded  = "handed"  // server -> new supervisor: that was everything
+	tAdopted = "adopted" // new supervisor -> server: it holds it all
 )
 
 func send(c *wire.Conn, m msg, fd int) error {
@@ -103,15 +121,23 @@ func recv(c *wire.Conn) (msg, int, error) {
 // made it is acknowledged, and a buffered message outlives its sender, so
 // a server killed right after acknowledging loses nothing.
 type Link struct {
-	conn *wire.Conn
-	mu   sync.Mutex // serializes sends
-	// Lost is called once if the supervisor goes away or a send fails:
-	// without a supervisor the server cannot keep its promises, and must
-	// stop at once. It must not return normally to the sender.
+	mu   sync.Mutex // serializes sends; guards what follows
+	conn *wire.Conn // nil while no supervisor holds the state (heal.go)
+	// Lost is called once if the supervisor goes away or a send fails and
+	// no new one can take over: without a supervisor the server cannot
+	// keep its promises, and must stop at once. It must not return
+	// normally to the sender.
 	Lost func(error)
 	cmds chan string
 	// batches: the supervisor applies batches (it said so in "go").
 	batches bool
+	// parked is set from "quiesce" to "resume", ending from "exit" or
+	// "stop" on: a supervisor lost then is not replaced.
+	parked, ending bool
+	// What it takes to replace a supervisor that died: the descriptors it
+	// passed (nil when it passed no lock), and heal, once Heal was called.
+	listener, epoch, lock *os.File
+	heal                  *healing
 }
 
 var _ segment.Journal = (*Link)(nil)
@@ -134,21 +160,33 @@ func Attach() (*Link, *net.UnixListener, int, error) {
 		return nil, nil, -1, fmt.Errorf("control socket: %w", err)
 	}
 	conn.SetMaxMessage(maxControl)
+	// The listener's descriptor stays open beside the net.Listener's
+	// duplicate, and the epoch page's beside the server's, for a supervisor
+	// this process may have to start (heal.go).
 	lf := os.NewFile(fdListener, "listener")
 	fl, err := net.FileListener(lf)
-	lf.Close()
 	if err != nil {
+		lf.Close()
 		conn.Close()
 		return nil, nil, -1, fmt.Errorf("listening socket from the supervisor: %w", err)
 	}
 	ln, ok := fl.(*net.UnixListener)
 	if !ok {
+		lf.Close()
 		fl.Close()
 		conn.Close()
 		return nil, nil, -1, fmt.Errorf("listening socket from the supervisor is a %T", fl)
 	}
 	ln.SetUnlinkOnClose(false)
-	l := &Link{conn: conn, cmds: make(chan string, 4)}
+	l := &Link{conn: conn, cmds: make(chan string, 4), listener: lf}
+	if fd, err := unix.FcntlInt(fdEpoch, unix.F_DUPFD_CLOEXEC, 0); err == nil {
+		l.epoch = os.NewFile(uintptr(fd), "epoch")
+	}
+	if os.Getenv(envLock) == strconv.Itoa(fdLock) {
+		unix.CloseOnExec(fdLock)
+		l.lock = os.NewFile(fdLock, "lock")
+	}
+	os.Unsetenv(envLock)
 	l.Lost = func(err error) {
 		fmt.Fprintf(os.Stderr, "gpushm: lost the supervisor: %v\n", err)
 		os.Exit(70)
@@ -187,6 +225,9 @@ type Start struct {
 	Reason        string
 	Restarts      int
 	SupervisorPID int
+	// Heal says the serving process may replace its supervisor if it
+	// dies (Link.Heal): the supervisor allows it and passed what it takes.
+	Heal bool
 }
 
 // Initialized tells the supervisor that the backend is up, so an upgrade
@@ -224,10 +265,18 @@ func (l *Link) Receive() (*Start, error) {
 		case tGo:
 			st.NextID, st.Reason, st.Restarts, st.SupervisorPID = m.NextID, m.Reason, m.Restarts, m.PID
 			l.batches = m.Batches
+			st.Heal = m.Heal && l.lock != nil && l.epoch != nil
+			if st.Heal {
+				// From now on a lost supervisor is replaced once Heal is
+				// called, not the end of this process.
+				l.mu.Lock()
+				l.heal = &healing{wake: make(chan struct{}, 1), started: make(chan struct{})}
+				l.mu.Unlock()
+			}
 			if m.GraceUntil > 0 {
 				st.GraceUntil = time.Unix(0, m.GraceUntil)
 			}
-			go l.read()
+			go l.read(l.conn)
 			return st, nil
 		case tStop, tExit:
 			closeFD(fd)
@@ -282,18 +331,37 @@ func (st *Start) close() {
 	}
 }
 
-// read delivers commands until the supervisor goes away.
-func (l *Link) read() {
+// read delivers commands from the supervisor at the other end of c until
+// it goes away.
+func (l *Link) read(c *wire.Conn) {
 	for {
-		m, fd, err := recv(l.conn)
+		m, fd, err := recv(c)
 		closeFD(fd)
 		if err != nil {
-			l.Lost(fmt.Errorf("control socket: %w", err))
+			l.mu.Lock()
+			l.lostLocked(c, fmt.Errorf("control socket: %w", err))
+			l.mu.Unlock()
+			c.Close()
 			return
 		}
+		l.mu.Lock()
+		switch m.T {
+		case tQuiesce:
+			l.parked = true
+		case tResume:
+			l.parked = false
+		case tExit, tStop:
+			l.ending = true
+		}
+		h := l.heal
+		l.mu.Unlock()
 		switch m.T {
 		case tQuiesce, tResume, tExit, tStop:
 			l.cmds <- m.T
+		case tAdopted:
+			if h != nil {
+				h.adopted(l, m.PID)
+			}
 		}
 	}
 }
@@ -304,8 +372,22 @@ func (l *Link) read() {
 // and "stop" (graceful stop).
 func (l *Link) Commands() <-chan string { return l.cmds }
 
-// Ready tells the supervisor that the server serves.
-func (l *Link) Ready() error { return l.send(msg{T: tReady, PID: os.Getpid()}, -1) }
+// Ready tells the supervisor that the server serves. A supervisor that
+// died before is not told: the one started in its place learns it from
+// the handover.
+func (l *Link) Ready() error {
+	err := l.send(msg{T: tReady, PID: os.Getpid()}, -1)
+	if errors.Is(err, errNoSupervisor) && l.healing() {
+		return nil
+	}
+	return err
+}
+
+func (l *Link) healing() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.heal != nil
+}
 
 // SendConn hands one parked connection to the supervisor, for the
 // successor. fd stays the caller's.
@@ -330,21 +412,16 @@ func (l *Link) Put(rec segment.Record, fd, ctlFD int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if ctlFD >= 0 {
-		if err := send(l.conn, msg{T: tCtl, ID: rec.ID}, ctlFD); err != nil {
-			l.Lost(fmt.Errorf("journal segment %d's control block: %w", rec.ID, err))
-			return
-		}
+		l.journalLocked(msg{T: tCtl, ID: rec.ID}, ctlFD)
 	}
-	if err := send(l.conn, msg{T: tPut, ID: rec.ID, Rec: b}, fd); err != nil {
-		l.Lost(fmt.Errorf("journal segment %d: %w", rec.ID, err))
-	}
+	l.journalLocked(msg{T: tPut, ID: rec.ID, Rec: b}, fd)
 }
 
 // Delete implements segment.Journal.
 func (l *Link) Delete(id uint64) {
-	if err := l.send(msg{T: tDel, ID: id}, -1); err != nil {
-		l.Lost(fmt.Errorf("journal deletion of segment %d: %w", id, err))
-	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.journalLocked(msg{T: tDel, ID: id}, -1)
 }
 
 // Batch implements segment.Journal: one message, which the supervisor
@@ -376,13 +453,16 @@ func (l *Link) Batch(changes []segment.Change) {
 	if !l.batches {
 		return
 	}
-	if err := l.send(m, -1); err != nil {
-		l.Lost(fmt.Errorf("journal a batch of %d changes: %w", len(changes), err))
-	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.journalLocked(m, -1)
 }
 
 func (l *Link) send(m msg, fd int) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.conn == nil {
+		return errNoSupervisor
+	}
 	return send(l.conn, m, fd)
 }

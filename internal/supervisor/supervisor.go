@@ -36,6 +36,15 @@ type Config struct {
 	// nothing either.
 	Store bool
 	Log   *slog.Logger
+	// Lock is the daemon lock (server.Lock), passed to every serving
+	// process so that it stays held while either process lives; Heal lets
+	// a serving process start a new supervisor if this one dies (heal.go):
+	// not under systemd, which restarts the service itself.
+	Lock *os.File
+	Heal bool
+	// Handover, if set, is a serving process whose supervisor died: Run
+	// adopts it (adopt.go) instead of starting one.
+	Handover *Handover
 }
 
 // Supervisor holds every segment's descriptor and runs the serving
@@ -63,6 +72,9 @@ type child struct {
 	pid     int
 	ready   bool    // it said it serves
 	ctl     pending // a control block received, for the put that follows it
+	// An adopted serving process is not our child (cmd is nil): it is
+	// watched and killed through its pidfd (adopt.go).
+	pidfd *pidfd
 }
 
 type ctl struct {
@@ -116,7 +128,11 @@ func (s *Supervisor) Run(ctx context.Context) error {
 		// may still hold leases.
 		s.grace = time.Now().Add(s.cfg.Grace)
 	}
-	if err := s.startFirst(ctx); err != nil {
+	start := s.startFirst
+	if s.cfg.Handover != nil {
+		start = s.adopt
+	}
+	if err := start(ctx); err != nil {
 		s.release()
 		return err
 	}
@@ -449,7 +465,8 @@ func (s *Supervisor) handState(c *child, conns []Parked, reason string) error {
 			return fmt.Errorf("hand over a connection: %w", err)
 		}
 	}
-	g := msg{T: tGo, NextID: s.st.nextID, Reason: reason, Restarts: s.restarts, PID: os.Getpid(), Batches: true}
+	g := msg{T: tGo, NextID: s.st.nextID, Reason: reason, Restarts: s.restarts, PID: os.Getpid(), Batches: true,
+		Heal: s.cfg.Heal && s.cfg.Lock != nil}
 	if time.Now().Before(s.grace) {
 		g.GraceUntil = s.grace.UnixNano()
 	}
@@ -478,7 +495,7 @@ func (s *Supervisor) stop() error {
 		<-c.exited
 	}
 	s.release()
-	if c.err != nil {
+	if c.err != nil && !errors.Is(c.err, errStatusUnknown) {
 		return fmt.Errorf("serving process: %w", c.err)
 	}
 	s.log.Info("stopped")
@@ -514,6 +531,10 @@ func (s *Supervisor) spawn() (*child, error) {
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	cmd.ExtraFiles = []*os.File{theirs, s.cfg.Listener, s.cfg.Epoch}
 	cmd.Env = append(childEnv(), envLink+"="+strconv.Itoa(fdControl))
+	if s.cfg.Lock != nil {
+		cmd.ExtraFiles = append(cmd.ExtraFiles, s.cfg.Lock)
+		cmd.Env = append(cmd.Env, envLock+"="+strconv.Itoa(fdLock))
+	}
 	// Its own process group: a terminal's ^C reaches the supervisor only,
 	// which stops the serving process in order.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
@@ -523,20 +544,7 @@ func (s *Supervisor) spawn() (*child, error) {
 	}
 	c := &child{cmd: cmd, conn: ours, msgs: make(chan ctl, 64), exited: make(chan struct{}),
 		started: time.Now(), pid: cmd.Process.Pid}
-	go func() {
-		defer close(c.msgs)
-		for {
-			m, fd, err := recv(ours)
-			if err != nil {
-				if !errors.Is(err, wire.ErrProto) {
-					return
-				}
-				s.log.Error("bad control message", "pid", c.pid, "err", err)
-				continue
-			}
-			c.msgs <- ctl{m, fd}
-		}
-	}()
+	go s.readChild(c)
 	go func() {
 		c.err = cmd.Wait()
 		// The control socket may outlive the process in a grandchild it
@@ -547,7 +555,29 @@ func (s *Supervisor) spawn() (*child, error) {
 	return c, nil
 }
 
-func (c *child) kill() { c.cmd.Process.Kill() }
+// readChild delivers c's control messages until its socket ends.
+func (s *Supervisor) readChild(c *child) {
+	defer close(c.msgs)
+	for {
+		m, fd, err := recv(c.conn)
+		if err != nil {
+			if !errors.Is(err, wire.ErrProto) {
+				return
+			}
+			s.log.Error("bad control message", "pid", c.pid, "err", err)
+			continue
+		}
+		c.msgs <- ctl{m, fd}
+	}
+}
+
+func (c *child) kill() {
+	if c.pidfd != nil {
+		c.pidfd.kill()
+		return
+	}
+	c.cmd.Process.Kill()
+}
 
 // childEnv is this process's environment without what belongs to it alone:
 // the serving process must not talk to systemd or take its descriptors.
@@ -555,7 +585,7 @@ func childEnv() []string {
 	var out []string
 	for _, kv := range os.Environ() {
 		switch k, _, _ := cutEnv(kv); k {
-		case "NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "FDSTORE", envLink:
+		case "NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "FDSTORE", envLink, envLock, envAdopt:
 			continue
 		}
 		out = append(out, kv)
