@@ -51,8 +51,7 @@ func startLoggedDaemon(t *testing.T, socket string, args ...string) *lockedBuffe
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
+		killDaemon(socket, cmd)
 		if t.Failed() {
 			t.Logf("daemon log:\n%s", log)
 		}
@@ -319,7 +318,7 @@ func TestBadStart(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	defer killDaemon(sock, cmd)
 	for i := 0; cli(t, nil, "--socket", sock, "info").code != 0; i++ {
 		if i > 500 {
 			t.Fatal("a non-root daemon in its own directory never answered")

@@ -335,12 +335,12 @@ func TestFUSECoreutils(t *testing.T) {
 	}
 }
 
-// TestFUSEStaleMount kills a daemon with SIGKILL, which leaves its mount
-// dead (ENOTCONN); the next daemon cleans it and mounts again.
+// TestFUSEStaleMount kills a daemon (both processes) with SIGKILL, which
+// leaves its mount dead (ENOTCONN); the next daemon cleans it and mounts
+// again.
 func TestFUSEStaleMount(t *testing.T) {
 	d := startFUSEDaemon(t)
-	d.cmd.Process.Kill()
-	d.cmd.Wait()
+	killDaemon(d.sock, d.cmd)
 	if _, err := os.Stat(d.mnt); !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("stat of the dead daemon's mount = %v, want ENOTCONN", err)
 	}

@@ -125,8 +125,7 @@ func startDaemonProc(t *testing.T, socket string, args ...string) *exec.Cmd {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
+		killDaemon(socket, cmd)
 		if t.Failed() {
 			t.Logf("daemon log:\n%s", stderr.String())
 		}

@@ -504,7 +504,7 @@ func TestSurviveRace(t *testing.T) {
 			results <- result{err, out.String()}
 			close(done)
 		}()
-		t.Cleanup(func() { cmd.Process.Kill(); <-done })
+		t.Cleanup(func() { killDaemon(sock, nil); cmd.Process.Kill(); <-done })
 	}
 	for range 3 {
 		select {
