@@ -53,7 +53,11 @@ memory descriptor and the listening socket, and runs the serving process
 FUSE view. If the serving process dies (a crash, the OOM killer, kill -9),
 the supervisor starts a new one with every segment, owner, mode and meta
 data as they were; clients reconnect on their own and reclaim their leases
-and temporary segments within --grace. Nothing acknowledged is lost.
+and temporary segments within --grace. Nothing acknowledged is lost. The
+serving process holds the same descriptors: if the supervisor dies, the
+serving process starts a new one (in a session of its own) and hands it
+everything, and clients notice nothing; 'gpushm info' names the new one.
+So SIGKILL of the supervisor does not stop the daemon: SIGTERM does.
 
 Signals to the supervisor's pid:
   SIGHUP           upgrade: start the binary now on disk as the new serving
@@ -64,7 +68,8 @@ To restart without losing segments, send SIGHUP (or kill the serving process,
 whose pid 'gpushm info' shows); to stop for good, send SIGTERM. Under systemd
 (deploy/systemd, 'gpushm install-systemd') 'systemctl reload' upgrades,
 'systemctl restart' keeps every segment in systemd's fd store, and
-'systemctl stop' frees them.
+'systemctl stop' frees them; there systemd, not the serving process,
+restarts a supervisor that died.
 
 Limits are on by default, so that no user can starve the others: each
 user other than root may hold --user-connections connections,
