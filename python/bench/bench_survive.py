@@ -7,7 +7,10 @@ It starts a daemon of its own (the supervisor and its serving process) on a
 socket in a temporary directory, loads a segment of random bytes with
 'gpushm put' and a safetensors bundle, and starts a worker process that maps
 both and computes on them in a loop (torch on a GPU, numpy on host memory)
-without ever talking to the daemon again. Then, KILLS times: SIGKILL the
+without ever talking to the daemon again. First, SUPERVISOR_KILLS times:
+SIGKILL the supervisor, time until the serving process has started a new
+one that holds everything (the serving process must be the same, the
+worker undisturbed), and check every byte. Then, KILLS times: SIGKILL the
 serving process, time until a new one answers, check every byte of both
 segments ('gpushm get', sha256), that the worker kept computing, and (cuda)
 that the GPU memory in use is what it was before. Then an upgrade (SIGHUP:
@@ -18,7 +21,7 @@ and a clean stop, after which GPU memory in use is back where it started.
     python3 python/bench/bench_survive.py --smoke         # host memory, 1 MiB, 3 kills
 
 Options: --bin (default $GPUSHM_BIN or .gpu/gpushm), --backend, --size,
---bundle-mb, --kills, --grace. Prints a table and PASS/FAIL lines; exits 1
+--bundle-mb, --kills, --supervisor-kills, --grace. Prints a table and PASS/FAIL lines; exits 1
 if any check failed. With $OUT set, also writes $OUT/survive.json.
 """
 
@@ -180,6 +183,51 @@ def wait_serving(sock, not_pid, limit=60.0):
         time.sleep(0.001)
 
 
+def wait_supervisor(sock, not_pid, limit=60.0):
+    """The daemon's info once a supervisor other than not_pid holds it."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            inf = info(sock)
+            if inf["supervisor_pid"] != not_pid:
+                return inf
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no supervisor other than {not_pid} within {limit}s")
+        time.sleep(0.001)
+
+
+def alive(pid):
+    """Whether pid runs (a zombie does not: its parent may be gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def zombie_status(pid):
+    """The wait status of an exited process nobody reaped yet, else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[49]) if fields[0] == "Z" else None
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kill_daemon(pids):
+    """Ends the daemon's processes at once: stopped first, so that neither
+    starts the other again, then killed."""
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+
 def pct(xs, p):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
@@ -192,11 +240,12 @@ def main():
     ap.add_argument("--size", default=1 << 30, type=int, help="bytes of the plain segment (default 1 GiB)")
     ap.add_argument("--bundle-mb", default=256, type=int, help="MiB of the safetensors bundle")
     ap.add_argument("--kills", default=20, type=int)
+    ap.add_argument("--supervisor-kills", default=20, type=int)
     ap.add_argument("--grace", default="5s")
     ap.add_argument("--smoke", action="store_true", help="host memory, 1 MiB, a 1 MiB bundle, 3 kills")
     a = ap.parse_args()
     if a.smoke:
-        a.backend, a.size, a.bundle_mb, a.kills = "host", 1 << 20, 1, 3
+        a.backend, a.size, a.bundle_mb, a.kills, a.supervisor_kills = "host", 1 << 20, 1, 3, 3
     gbin = os.path.abspath(a.bin)
     cuda = a.backend == "cuda"
     work = tempfile.mkdtemp(prefix="gpushm-survive-")
@@ -204,7 +253,7 @@ def main():
     log = open(os.path.join(work, "daemon.log"), "w+")
     daemon = None
     results = {"date": datetime.date.today().isoformat(), "backend": a.backend, "size": a.size,
-               "bundle_mb": a.bundle_mb, "kills": a.kills}
+               "bundle_mb": a.bundle_mb, "kills": a.kills, "supervisor_kills": a.supervisor_kills}
     try:
         base = gpu_used() if cuda else None
         daemon = subprocess.Popen([gbin, "daemon", "--socket", sock, "--backend", a.backend, "--grace", a.grace],
@@ -239,6 +288,23 @@ def main():
                     ok = False
             return ok
 
+        sup_times, all_ok = [], True
+        for i in range(a.supervisor_kills):
+            inf = info(sock)
+            before = worker.progress
+            t0 = time.perf_counter()
+            os.kill(inf["supervisor_pid"], signal.SIGKILL)
+            now = wait_supervisor(sock, inf["supervisor_pid"])
+            sup_times.append(time.perf_counter() - t0)
+            if now["pid"] != inf["pid"]:
+                verdict(False, f"supervisor kill {i + 1}: the serving process {inf['pid']} was replaced by {now['pid']}")
+                all_ok = False
+            all_ok &= check(f"supervisor kill {i + 1}")
+            if cuda or a.size > (1 << 20):
+                all_ok &= worker.progress > before
+        if a.supervisor_kills:
+            verdict(all_ok, f"{a.supervisor_kills} SIGKILLs of the supervisor: the serving process started a new one each time; every byte, no leak")
+
         times, all_ok = [], True
         for i in range(a.kills):
             pid = info(sock)["pid"]
@@ -266,26 +332,51 @@ def main():
         verdict(bad is None, f"the worker never saw other values ({bad})")
         for name in want:
             subprocess.run([gbin, "--socket", sock, "rm", name], check=True)
-        daemon.send_signal(signal.SIGTERM)
-        rc = daemon.wait(60)
-        daemon = None
-        verdict(rc == 0, f"clean stop (exit {rc})")
+        inf = info(sock)
+        if a.supervisor_kills == 0:
+            daemon.send_signal(signal.SIGTERM)
+            rc = daemon.wait(60)
+            daemon = None
+            verdict(rc == 0, f"clean stop (exit {rc})")
+        else:
+            # Not our child any more: SIGTERM, then both processes gone.
+            daemon.wait()
+            daemon = None
+            os.kill(inf["supervisor_pid"], signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while (alive(inf["supervisor_pid"]) or alive(inf["pid"])) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gone = not alive(inf["supervisor_pid"]) and not alive(inf["pid"])
+            if not gone:
+                kill_daemon([inf["supervisor_pid"], inf["pid"]])
+            # Its exit status can be read while it waits, a zombie, for a
+            # parent that is gone (where the init reaps at once, it cannot).
+            st = zombie_status(inf["supervisor_pid"])
+            verdict(gone and st in (None, 0), f"clean stop of supervisor {inf['supervisor_pid']} (wait status {st}) and serving process {inf['pid']}")
         if cuda:
             end = gpu_used()
             verdict(abs(end[0] - base[0]) <= 16, f"GPU 0 memory back to where it started: {base[0]} -> {held[0]} (segments, worker, daemon) -> {end[0]} MiB")
             results.update(gpu_mib_before=base[0], gpu_mib_held=held[0], gpu_mib_after=end[0])
         ms = [t * 1e3 for t in times]
-        results.update(restart_ms=ms, upgrade_ms=t_up * 1e3)
+        sup_ms = [t * 1e3 for t in sup_times]
+        results.update(restart_ms=ms, upgrade_ms=t_up * 1e3, supervisor_ms=sup_ms)
         print()
         print(f"{'backend':8} {'segments':>20} {'kills':>6} {'SIGKILL to serving again, ms':>30} {'upgrade, ms':>12}")
         print(f"{'':8} {'':>20} {'':>6} {'p50':>9} {'min':>9} {'max':>10} {'':>12}")
         segs = f"{a.size >> 20} MiB + {a.bundle_mb} MiB"
         print(f"{a.backend:8} {segs:>20} {a.kills:>6} {pct(ms, 50):9.1f} {min(ms):9.1f} {max(ms):10.1f} {t_up * 1e3:12.1f}")
+        if sup_ms:
+            print(f"\nSIGKILL of the supervisor to a new one holding everything, {len(sup_ms)} kills: "
+                  f"p50 {pct(sup_ms, 50):.1f} ms, min {min(sup_ms):.1f}, max {max(sup_ms):.1f}")
         if cuda:
             verdict(pct(ms, 50) < 1000, f"p50 SIGKILL to serving again {pct(ms, 50):.0f} ms (target: under 1 s)")
     finally:
         if daemon is not None:
-            daemon.kill()
+            try:
+                inf = info(sock)
+                kill_daemon([daemon.pid, inf["supervisor_pid"], inf["pid"]])
+            except OSError:
+                daemon.kill()
             daemon.wait()
         log.seek(0)
         if failures:
