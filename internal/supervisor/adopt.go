@@ -76,10 +76,10 @@ func (h *Handover) close() {
 	closeFD(h.pidfd)
 }
 
-// adopt takes the state the serving process hands over (the journal's
-// messages, then "handed"), says it holds it, and makes that process the
-// one supervised. One that dies meanwhile is restarted by Run with what it
-// handed.
+// adopt says it reads ("init"), takes the state the serving process hands
+// over (the journal's messages, then "handed"), says it holds it
+// ("adopted"), and makes that process the one supervised. One that dies
+// meanwhile is restarted by Run with what it handed.
 func (s *Supervisor) adopt(ctx context.Context) error {
 	h := s.cfg.Handover
 	c := &child{conn: h.conn, msgs: make(chan ctl, 64), exited: make(chan struct{}),
@@ -91,6 +91,9 @@ func (s *Supervisor) adopt(ctx context.Context) error {
 		c.conn.Shutdown()
 		close(c.exited)
 	}()
+	// The serving process waits for this before it journals to us: from
+	// now on, what it sends is read.
+	send(c.conn, msg{T: tInit, PID: os.Getpid()}, -1)
 	deadline := time.After(5 * time.Minute)
 	for {
 		select {

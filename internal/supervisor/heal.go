@@ -29,12 +29,16 @@ import (
 //
 // What the dead supervisor had not read yet died with it, but the
 // registry has it all, so the new supervisor gets the whole state
-// (Registry.Replay), not what went missing. Changes made meanwhile are
-// dropped while no supervisor is being started (the replay carries them),
-// and queued from the moment one is: they follow the replay, so nothing is
-// lost between the replay and the live journal, and a change that appears
-// in both is applied twice, which is harmless (a record is replaced by
-// itself or a newer one, a deletion of what is gone does nothing).
+// (Registry.Replay), not what went missing. Changes made while there is no
+// supervisor are dropped (the replay carries them). Once the new one reads
+// its control socket, the journal goes to it again, and the replay
+// follows: a change journaled between the two is applied twice, which is
+// harmless (a record is replaced by itself or a newer one, a deletion of
+// what is gone does nothing). The replay holds the registry's lock while
+// the new supervisor reads it, so changes wait that long (a pause that
+// grows with the number of segments), and no descriptor has to be
+// duplicated to wait for it: a registry near the descriptor limit could
+// not hold a second copy of each.
 
 // Healing is what Link.Heal needs from the serving process.
 type Healing struct {
@@ -49,26 +53,17 @@ type Healing struct {
 }
 
 // healing is a Link's state for replacing its supervisor; the Link's mu
-// guards syncing, queue and confirmed.
+// guards confirmed.
 type healing struct {
 	Healing
 	wake      chan struct{} // one token: the supervisor is gone
 	started   chan struct{} // closed by Heal: the callbacks are set
-	syncing   bool          // a new supervisor is starting: queue the journal
-	queue     []queued
-	queueErr  error // a change that could not be queued: replay again
-	confirmed bool  // the last supervisor started said "adopted"
+	confirmed bool          // the last supervisor started said "adopted"
 }
 
-// queued is a journal message kept for a supervisor being started, with
-// its own duplicate of the descriptor (or -1).
-type queued struct {
-	m  msg
-	fd int
-}
-
-// handshakeTimeout bounds each send to a new supervisor while it takes
-// the state: one that stops reading is given up, and another started.
+// handshakeTimeout bounds the wait for a new supervisor to start reading,
+// and each send to it while it takes the state: one that does neither is
+// given up, and another started.
 const handshakeTimeout = 30 * time.Second
 
 // Heal lets this serving process replace its supervisor if it dies.
@@ -92,14 +87,9 @@ func (l *Link) Heal(h Healing) {
 	go l.healLoop(hl)
 }
 
-// journalLocked sends one journal message to the supervisor or, while a
-// new one is being started, queues it; with no supervisor at all it is
-// dropped, since the next one gets the whole state. l.mu is held.
+// journalLocked sends one journal message to the supervisor; with none
+// it is dropped, since the next one gets the whole state. l.mu is held.
 func (l *Link) journalLocked(m msg, fd int) {
-	if h := l.heal; h != nil && h.syncing {
-		h.enqueue(m, fd)
-		return
-	}
 	if l.conn == nil {
 		return
 	}
@@ -126,25 +116,6 @@ func (l *Link) lostLocked(c *wire.Conn, err error) {
 	case l.heal.wake <- struct{}{}:
 	default:
 	}
-}
-
-func (h *healing) enqueue(m msg, fd int) {
-	if fd >= 0 {
-		dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-		if err != nil {
-			h.queueErr = fmt.Errorf("keep segment %d's descriptor for the new supervisor: %w", m.ID, err)
-			return
-		}
-		fd = dup
-	}
-	h.queue = append(h.queue, queued{m, fd})
-}
-
-func (h *healing) dropQueue() {
-	for _, q := range h.queue {
-		closeFD(q.fd)
-	}
-	h.queue, h.queueErr = nil, nil
 }
 
 // healLoop starts a supervisor each time the last one is gone. One that
@@ -175,7 +146,8 @@ func (l *Link) healLoop(h *healing) {
 	}
 }
 
-// replace starts a new supervisor and hands it the state.
+// replace starts a new supervisor and hands it the state. A new supervisor
+// lost during the handover (its death wakes healLoop again) is no error.
 func (l *Link) replace(h *healing) error {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -190,9 +162,9 @@ func (l *Link) replace(h *healing) error {
 	ours.SetMaxMessage(maxControl)
 	theirs := os.NewFile(uintptr(fds[1]), "control")
 	defer theirs.Close()
-	// Sends that block this long mean the new supervisor stopped reading.
-	tv := unix.NsecToTimeval(handshakeTimeout.Nanoseconds())
-	unix.SetsockoptTimeval(fds[0], unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv)
+	timeout := unix.NsecToTimeval(handshakeTimeout.Nanoseconds())
+	unix.SetsockoptTimeval(fds[0], unix.SOL_SOCKET, unix.SO_SNDTIMEO, &timeout)
+	unix.SetsockoptTimeval(fds[0], unix.SOL_SOCKET, unix.SO_RCVTIMEO, &timeout)
 	pidfd, err := unix.PidfdOpen(os.Getpid(), 0)
 	if err != nil {
 		ours.Close()
@@ -222,40 +194,40 @@ func (l *Link) replace(h *healing) error {
 		return fmt.Errorf("start a supervisor: %w", err)
 	}
 	go cmd.Wait() // it is our child until this process ends: reap it
-	giveUp := func(err error) error {
+	pid := cmd.Process.Pid
+
+	// It says when it reads; the journal goes to it from then on, and the
+	// replay after.
+	m, fd, err := recv(ours)
+	closeFD(fd)
+	if err == nil && m.T != tInit {
+		err = fmt.Errorf("%w: %q first", wire.ErrProto, m.T)
+	}
+	if err != nil {
 		ours.Close()
 		cmd.Process.Kill()
-		return err
+		return fmt.Errorf("new supervisor %d: %w", pid, err)
 	}
-
+	none := unix.Timeval{}
+	unix.SetsockoptTimeval(fds[0], unix.SOL_SOCKET, unix.SO_RCVTIMEO, &none)
 	l.mu.Lock()
-	h.dropQueue()
-	h.syncing = true
+	l.conn = ours
 	l.mu.Unlock()
+	go l.read(ours)
 	next := h.Replay()
 
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	q, qerr := h.queue, h.queueErr
-	h.queue, h.queueErr, h.syncing = nil, nil, false
-	err = qerr
-	for _, e := range q {
+	if l.conn == ours {
+		err := send(ours, msg{T: tHanded, NextID: next, Restarts: h.Restarts, PID: os.Getpid()}, -1)
 		if err == nil {
-			err = send(ours, e.m, e.fd)
+			unix.SetsockoptTimeval(fds[0], unix.SOL_SOCKET, unix.SO_SNDTIMEO, &none)
+			h.Log.Info("handed everything to a new supervisor", "pid", pid)
+			return nil
 		}
-		closeFD(e.fd)
+		l.lostLocked(ours, fmt.Errorf("hand the state to supervisor %d: %w", pid, err))
 	}
-	if err == nil {
-		err = send(ours, msg{T: tHanded, NextID: next, Restarts: h.Restarts, PID: os.Getpid()}, -1)
-	}
-	if err != nil {
-		return giveUp(fmt.Errorf("hand the state to supervisor %d: %w", cmd.Process.Pid, err))
-	}
-	tv = unix.Timeval{}
-	unix.SetsockoptTimeval(fds[0], unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv)
-	l.conn = ours
-	go l.read(ours)
-	h.Log.Info("handed everything to a new supervisor", "pid", cmd.Process.Pid, "records", len(q))
+	cmd.Process.Kill()
 	return nil
 }
 

@@ -85,8 +85,9 @@ const (
 	tReady    = "ready"    // serving
 	tQuiesced = "quiesced" // every connection has been sent
 	// A serving process whose supervisor died and the one it started in
-	// its place (heal.go, adopt.go): the server sends every record (put,
-	// ctl) and then "handed"; the new supervisor answers "adopted".
+	// its place (heal.go, adopt.go): the new supervisor says "init" when it
+	// reads, the server sends every record (put, ctl) and then "handed",
+	// and the new supervisor answers "adopted".
 	tHanded  = "handed"  // server -> new supervisor: that was everything
 	tAdopted = "adopted" // new supervisor -> server: it holds it all
 )
