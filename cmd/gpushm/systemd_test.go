@@ -234,14 +234,19 @@ func (m *fakeManager) start(sock string, args ...string) *service {
 }
 
 // crash kills the service's main process (the supervisor), as a crash or
-// the OOM killer would, and waits until its serving process went too.
+// the OOM killer would, and waits until its serving process went too:
+// under systemd it does not start a supervisor of its own, since systemd
+// restarts the service.
 func crash(t *testing.T, svc *service, sock string) {
 	t.Helper()
 	inf := infoAt(t, sock)
 	svc.cmd.Process.Kill()
 	<-svc.done
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		if syscall.Kill(inf.PID, 0) != nil {
+		if !alive(inf.PID) {
+			if procs := daemonProcs(sock); len(procs) > 0 {
+				t.Fatalf("daemon processes after the supervisor's death under systemd: %v", procs)
+			}
 			return
 		}
 		if time.Now().After(deadline) {
