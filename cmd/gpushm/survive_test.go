@@ -1581,7 +1581,7 @@ func restartServing(t *testing.T, d *supervised, upgrade bool) {
 		t.Fatal(err)
 	}
 	if upgrade {
-		d.cmd.Process.Signal(syscall.SIGHUP)
+		syscall.Kill(d.pid, syscall.SIGHUP)
 	} else {
 		syscall.Kill(inf.PID, syscall.SIGKILL)
 	}
@@ -2006,71 +2006,53 @@ func TestSurviveSupervisor(t *testing.T) {
 	}
 }
 
-// TestSurviveSupervisorChannel: a channel streams while the supervisor and
-// the serving process are killed in turn. The new supervisor must hold the
-// channel's control block as well as its memory, since the serving process
-// it starts after the next kill serves the channel from what it holds.
+// TestSurviveSupervisorChannel: channels of different sizes stream while
+// the supervisor and the serving process are killed in turn, and a
+// replaced supervisor upgrades once. The new supervisor must hold each
+// channel's control block beside its memory, since the serving process it
+// starts after the next kill serves the channels from what it holds. A
+// supervisor's death makes no end connect again.
 func TestSurviveSupervisorChannel(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "2s")
-	const count = 3000
-	start := func(role string) (*exec.Cmd, *syncBuffer) {
-		cmd := exec.Command(os.Args[0])
-		cmd.Env = append(os.Environ(), "GPUSHM_TEST_CHAN="+role, "GPUSHM_SOCKET="+sock, "COUNT="+strconv.Itoa(count))
-		out := &syncBuffer{}
-		cmd.Stdout, cmd.Stderr = out, out
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-		return cmd, out
-	}
-	tx, txOut := start("tx")
-	for deadline := time.Now().Add(20 * time.Second); !slices.Contains(listAtQuiet(sock), "stream"); {
-		if time.Now().After(deadline) {
-			t.Fatalf("no channel: %s", txOut.String())
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	rx, rxOut := start("rx")
-	for range 3 {
-		time.Sleep(200 * time.Millisecond)
+	d := startSupervised(t, os.Args[0], sock, "--grace", "30s")
+	specs := []chanSpec{{"A", 4, 4096}, {"B", 2, 65536}, {"C", 3, 12345}}
+	tx := startChans(t, sock, "tx", specs)
+	rx := startChans(t, sock, "rx", specs)
+	txAt, rxAt := tx.progress(t, specs, nil, false), rx.progress(t, specs, nil, false)
+	for i := range 4 {
 		d.killSupervisor(t)
-		time.Sleep(200 * time.Millisecond)
-		inf, err := d.info()
-		if err != nil {
-			t.Fatal(err)
-		}
-		syscall.Kill(inf.PID, syscall.SIGKILL)
-		d.waitServing(t, inf.PID)
-	}
-	// A channel whose control block was lost would leave the ends waiting
-	// for ever: give them a minute.
-	for _, end := range []struct {
-		name string
-		cmd  *exec.Cmd
-		out  *syncBuffer
-	}{{"producer", tx, txOut}, {"consumer", rx, rxOut}} {
-		done := make(chan error, 1)
-		go func() { done <- end.cmd.Wait() }()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Fatalf("%s: %v\n%s", end.name, err, end.out.String())
+		for _, end := range []struct {
+			p  *chanProc
+			at *map[string]endCount
+		}{{tx, &txAt}, {rx, &rxAt}} {
+			now := end.p.progress(t, specs, *end.at, false)
+			for _, spec := range specs {
+				if was, c := (*end.at)[spec.name], now[spec.name]; c.reconnects != was.reconnects {
+					t.Fatalf("%s %s: connected again (%d, was %d) when only the supervisor died", end.p.role, spec.name, c.reconnects, was.reconnects)
+				}
 			}
-		case <-time.After(time.Minute):
-			t.Fatalf("%s still runs a minute after the kills\n%s", end.name, end.out.String())
+			*end.at = now
+		}
+		checkChannels(t, sock, specs, tx, rx)
+		upgrade := i == 2
+		restartServing(t, d, upgrade)
+		txAt, rxAt = tx.progress(t, specs, txAt, !upgrade), rx.progress(t, specs, rxAt, !upgrade)
+		checkChannels(t, sock, specs, tx, rx)
+	}
+	sent, got := tx.counts(t, "stop"), rx.counts(t, "wait")
+	for _, spec := range specs {
+		if s, g := sent[spec.name], got[spec.name]; s.first != g.first || s.next != g.next {
+			t.Fatalf("%s: sent messages %d to %d, received %d to %d", spec.name, s.first, s.next-1, g.first, g.next-1)
 		}
 	}
-	if !strings.Contains(rxOut.String(), fmt.Sprintf("ok received=%d", count)) {
-		t.Fatalf("consumer: %s", rxOut.String())
+	for _, p := range []*chanProc{tx, rx} {
+		if err := p.cmd.Wait(); err != nil {
+			t.Fatalf("%s: %v\n%s", p.role, err, p.errs.String())
+		}
 	}
-	if inf, err := d.info(); err != nil || inf.Usage.Named != 1 {
-		t.Fatalf("after the stream: %+v, %v; want the channel still named", inf, err)
-	}
-	if st := mustRun(t, nil, "--socket", sock, "stat", "stream"); strings.Contains(st, "orphan") {
-		t.Fatalf("the channel after the kills:\n%s", st)
-	}
+	checkChannels(t, sock, specs, nil, nil)
+	t.Logf("sent and received %v", got)
 	d.stop(t)
+	checkDaemonLog(t, d.log.String())
 }
