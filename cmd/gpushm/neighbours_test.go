@@ -46,15 +46,17 @@ const (
 // descriptor limit of nofile, and waits until it serves.
 func startLimited(t *testing.T, socket string, nofile int, args ...string) *supervised {
 	t.Helper()
-	d := &supervised{socket: socket, log: &syncBuffer{}, done: make(chan struct{})}
+	d := &supervised{socket: socket, log: newDaemonLog(t), done: make(chan struct{})}
 	script := "ulimit -n " + strconv.Itoa(nofile) + ` && exec "$0" "$@"`
 	d.cmd = exec.Command("sh", append([]string{"-c", script, os.Args[0], "daemon", "--socket", socket, "--backend", "host"}, args...)...)
-	d.cmd.Stderr, d.cmd.Stdout = d.log, d.log
+	d.cmd.Stderr, d.cmd.Stdout = d.log.f, d.log.f
 	if err := d.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	d.pid = d.cmd.Process.Pid
 	go func() { d.cmd.Wait(); close(d.done) }()
 	t.Cleanup(func() {
+		killDaemon(socket, nil)
 		d.cmd.Process.Kill()
 		<-d.done
 		if t.Failed() {

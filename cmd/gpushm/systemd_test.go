@@ -802,6 +802,9 @@ func TestSurviveOrphanKeepsItsDescriptors(t *testing.T) {
 			t.Fatalf("restart %d (serving process %d): the orphan's descriptors left the store: %v", round, inf.PID, got)
 		}
 		mustRun(t, nil, "--socket", sock, "rm", name)
+		// The store hears of the rm a moment after it was acknowledged
+		// (docs/architecture.md): a crash before would bring it back.
+		m.waitGone(t, fmt.Sprintf("seg-%d", later.ID))
 		crash(t, svc, sock)
 	}
 	svc = m.start(sock, "--grace", "1s")
