@@ -245,8 +245,25 @@ def test_gpu_checkpoint_state_dict(gclient, gpu_daemon, name, torch, tmp_path):
     for k, t in sd.items():
         assert t.is_cuda and t.is_inference(), k
         assert torch.equal(t.cpu(), torch.from_numpy(want[k].copy())), k
-    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
-        sd["lm_head.weight"].add_(1)                       # refused before any kernel runs
+    # An in-place update is refused, but torch (2.11) has queued its kernel
+    # by then: the write faults on the read-only mapping and costs that
+    # process its CUDA context. So it runs in a process of its own, and the
+    # weights are checked unchanged after it.
+    out = child(gpu_daemon.socket, """
+        import sys, torch, gpushm.torch as gt
+        sd = gt.state_dict(sys.argv[1])
+        try:
+            sd["lm_head.weight"].add_(1)
+        except RuntimeError as e:
+            print("refused" if "Inplace update to inference tensor" in str(e) else e)
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+    """, name)
+    assert out.strip() == "refused", out
+    for k, t in sd.items():
+        assert torch.equal(t.cpu(), torch.from_numpy(want[k].copy())), k
     rw = gt.state_dict(name, readonly=False, client=gclient)
     assert not rw["step"].is_inference()
     rw["step"].fill_(9)

@@ -61,7 +61,7 @@ def test_platform_wheel(tmp_path):
 
     # The installed client finds the installed binary and talks to it.
     sock = tmp_path / "s.sock"
-    daemon = subprocess.Popen([gpushm_bin, "daemon", "--socket", sock, "--backend", "host"], env=env,
+    daemon = subprocess.Popen([gpushm_bin, "daemon", "--socket", sock, "--backend", "host", "--nvml", "off"], env=env,
                               stderr=subprocess.PIPE, text=True)
     try:
         script = f"""
