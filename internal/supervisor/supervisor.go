@@ -482,10 +482,13 @@ func (s *Supervisor) stop() error {
 	if err := send(c.conn, msg{T: tStop}, -1); err != nil {
 		c.kill()
 	}
+	// Changes the serving process acknowledged before it stopped are
+	// applied, not dropped: under systemd's fd store they outlive the stop
+	// (an 'rm' just before a restart must stay done).
+	drained := make(chan struct{})
 	go func() {
-		for m := range c.msgs {
-			s.applyLate(m)
-		}
+		s.drain(c)
+		close(drained)
 	}()
 	select {
 	case <-c.exited:
@@ -494,6 +497,7 @@ func (s *Supervisor) stop() error {
 		c.kill()
 		<-c.exited
 	}
+	<-drained
 	s.release()
 	if c.err != nil && !errors.Is(c.err, errStatusUnknown) {
 		return fmt.Errorf("serving process: %w", c.err)
@@ -501,9 +505,6 @@ func (s *Supervisor) stop() error {
 	s.log.Info("stopped")
 	return nil
 }
-
-// applyLate closes what arrives after the stop: nothing more is kept.
-func (s *Supervisor) applyLate(m ctl) { closeFD(m.fd) }
 
 func (s *Supervisor) release() {
 	if s.store != nil {
