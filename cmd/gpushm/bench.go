@@ -21,7 +21,7 @@ func benchCmd() *cobra.Command {
 		Use:   "bench",
 		Short: "Benchmarks that print tables",
 	}
-	cmd.AddCommand(benchOpenCmd(), benchPeerCmd())
+	cmd.AddCommand(benchOpenCmd(), benchPeerCmd(), benchIdleCmd())
 	return cmd
 }
 

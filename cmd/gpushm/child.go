@@ -22,7 +22,7 @@ func childCmd() *cobra.Command {
 		Hidden: true,
 		Args:   cobra.NoArgs,
 	}
-	cmd.AddCommand(verifyChildCmd(), openChildCmd())
+	cmd.AddCommand(verifyChildCmd(), openChildCmd(), idleChildCmd())
 	return cmd
 }
 

@@ -21,7 +21,7 @@ type privateDaemon struct {
 	done   chan error
 }
 
-func startDaemon(ctx context.Context, backend string) (*privateDaemon, error) {
+func startDaemon(ctx context.Context, backend string, extra ...string) (*privateDaemon, error) {
 	dir, err := os.MkdirTemp("", "gpushm-")
 	if err != nil {
 		return nil, err
@@ -35,6 +35,7 @@ func startDaemon(ctx context.Context, backend string) (*privateDaemon, error) {
 	if v := os.Getenv("GPUSHM_DAEMON_SPIN"); v != "" {
 		args = append(args, "--spin", v)
 	}
+	args = append(args, extra...)
 	d.cmd = exec.Command(self, args...)
 	d.cmd.Stderr = os.Stderr
 	if err := d.cmd.Start(); err != nil {
@@ -81,10 +82,11 @@ func (d *privateDaemon) stop() error {
 	}
 }
 
-// withPrivateDaemon starts a daemon of backend on a socket of its own,
-// connects to it, runs fn, and stops the daemon, reporting fn's error first.
-func withPrivateDaemon(ctx context.Context, backend string, fn func(d *privateDaemon, c *gpushm.Client) error) (err error) {
-	d, err := startDaemon(ctx, backend)
+// withPrivateDaemon starts a daemon of backend (with daemonArgs) on a
+// socket of its own, connects to it, runs fn, and stops the daemon,
+// reporting fn's error first.
+func withPrivateDaemon(ctx context.Context, backend string, fn func(d *privateDaemon, c *gpushm.Client) error, daemonArgs ...string) (err error) {
+	d, err := startDaemon(ctx, backend, daemonArgs...)
 	if err != nil {
 		return err
 	}

@@ -78,19 +78,33 @@ func (s *Server) Park() ([]ParkedConn, error) {
 	s.resumed = make(chan struct{})
 	s.stopWaitsLocked()
 	s.mu.Unlock()
+	s.stopWorkers()
 	s.wakeAccept()
 	var one [8]byte
 	one[0] = 1
 	if _, err := unix.Write(s.wake, one[:]); err != nil {
 		return nil, fmt.Errorf("wake connections: %w", err)
 	}
-	// Each connection's goroutine finishes its request, sees parking, and
-	// returns; wg counts them.
+	// Each worker finishes its request, sees parking, and exits; wg counts
+	// them. From then on no worker runs, and Park owns every connection:
+	// those armed in the idle set stay there, unread.
 	s.wg.Wait()
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make([]ParkedConn, 0, len(s.parked))
-	for _, c := range s.parked {
+	conns := make([]*conn, 0, len(s.conns))
+	for c := range s.conns {
+		conns = append(conns, c)
+	}
+	s.mu.Unlock()
+	s.drain(conns)
+	out := make([]ParkedConn, 0, len(conns))
+	for _, c := range conns {
+		if len(c.out) > 0 {
+			// The successor could not send what this one owes the
+			// client; the client reconnects and reclaims, as after a crash.
+			s.log.Warn("upgrade: not handing over a connection whose client does not read its replies",
+				"pid", c.cred.PID, "uid", c.cred.UID, "waited", parkDrain)
+			continue
+		}
 		st := ConnState{Hello: c.hello, Session: c.session, Leases: map[uint64]int{}, Roles: map[uint64][]string{},
 			Pending: c.pending}
 		for id, l := range c.leases {
@@ -113,23 +127,61 @@ func (s *Server) Park() ([]ParkedConn, error) {
 	return out, nil
 }
 
+// drain sends the replies parked connections still owe their clients,
+// waiting up to parkDrain for clients to read.
+func (s *Server) drain(conns []*conn) {
+	deadline := time.Now().Add(parkDrain)
+	for {
+		var fds []unix.PollFd
+		for _, c := range conns {
+			if len(c.out) == 0 {
+				continue
+			}
+			if err := c.flush(); err != nil {
+				c.dropOut() // the client is gone; the successor sees it hang up
+				continue
+			}
+			if len(c.out) > 0 {
+				fds = append(fds, unix.PollFd{Fd: int32(c.wc.FD()), Events: unix.POLLOUT})
+			}
+		}
+		left := time.Until(deadline)
+		if len(fds) == 0 || left <= 0 {
+			return
+		}
+		ts := unix.NsecToTimespec(left.Nanoseconds())
+		if _, err := unix.Ppoll(fds, &ts, nil); err != nil && err != unix.EINTR {
+			return
+		}
+	}
+}
+
 // Resume serves the parked connections again, after a failed handover.
 func (s *Server) Resume() {
 	var buf [8]byte
 	unix.Read(s.wake, buf[:]) // clear the eventfds
 	unix.Read(s.acceptWake, buf[:])
+	unix.Read(s.pollStop, buf[:])
 	s.mu.Lock()
-	parked := s.parked
-	s.parked = nil
 	s.parking = false
 	s.waitStop = make(chan struct{})
 	close(s.resumed)
 	exited := s.exitedParked
 	s.exitedParked = nil
-	for _, c := range parked {
-		s.goServe(c)
+	var stopped []*conn
+	for c := range s.conns {
+		if c.state == stateStopped {
+			c.state = stateRunning // Resume's, until armed
+			stopped = append(stopped, c)
+		}
+	}
+	if s.workers.Load() == 0 {
+		s.spawn()
 	}
 	s.mu.Unlock()
+	for _, c := range stopped {
+		s.resume(c)
+	}
 	// Processes that exited while parked: what they held ends now.
 	for _, fn := range exited {
 		fn()
@@ -171,7 +223,7 @@ func (s *Server) Adopt(fd int, state json.RawMessage) error {
 			c.bound = append(c.bound, seg)
 		}
 	}
-	if err := s.run(c); err != nil {
+	if err := s.add(c); err != nil {
 		wc.Close()
 		return err
 	}

@@ -51,8 +51,19 @@ type Server struct {
 	uuids map[int]string
 
 	mu    sync.Mutex
-	conns map[*conn]struct{}
-	wg    sync.WaitGroup
+	conns map[*conn]struct{} // every connection, in any state, until it ends
+	live  sync.WaitGroup     // one per connection, until it ends
+
+	// Workers and the idle set (conns.go).
+	epfd       int // the idle set
+	pollStop   int // eventfd in the idle set: readable while workers must exit
+	byFD       map[int32]*conn
+	mapsFor    int          // how many connections conns and byFD last grew to
+	workers    atomic.Int32 // running; changed under mu
+	waiters    atomic.Int32 // workers in epoll_wait
+	maxWorkers int32
+	workerSet  map[*worker]struct{} // under mu
+	wg         sync.WaitGroup
 
 	// Limits (limits.go): connections counted by uid, the refuser that
 	// answers those turned away, and a spare descriptor to give up when
@@ -76,7 +87,6 @@ type Server struct {
 	wake          int // eventfd: readable while connections must park
 	acceptWake    int // eventfd: readable when the accept loop must look at ctx or parking
 	parking       bool
-	parked        []*conn
 	resumed       chan struct{}
 	// roleHolders is the connection holding each channel role taken
 	// through this process; claimMu guards it and serializes claims. It
@@ -123,6 +133,21 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		unix.Close(wake)
 		return nil, fmt.Errorf("eventfd: %w", err)
 	}
+	pollStop, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	if err != nil {
+		ep.Close()
+		unix.Close(wake)
+		unix.Close(acceptWake)
+		return nil, fmt.Errorf("eventfd: %w", err)
+	}
+	epfd, err := newEpoll(pollStop)
+	if err != nil {
+		ep.Close()
+		unix.Close(wake)
+		unix.Close(acceptWake)
+		unix.Close(pollStop)
+		return nil, err
+	}
 	s := &Server{
 		backend:    b,
 		epoch:      ep,
@@ -136,6 +161,11 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		userConns:  make(map[uint32]int),
 		spare:      -1,
 		epochRO:    -1,
+		epfd:       epfd,
+		pollStop:   pollStop,
+		byFD:       make(map[int32]*conn),
+		workerSet:  make(map[*worker]struct{}),
+		maxWorkers: defaultWorkers(),
 	}
 	if devs, err := b.Devices(); err == nil {
 		s.uuids = make(map[int]string, len(devs))
@@ -269,6 +299,7 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 		defer close(sweepDone)
 		s.sweep(ctx)
 	}()
+	s.startWorkers()
 
 	var acceptErr error
 	for ctx.Err() == nil {
@@ -311,10 +342,13 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 	s.mu.Lock()
 	s.stopWaitsLocked()
 	for c := range s.conns {
-		// Wake the connection's goroutine; it closes the socket itself.
+		// Wake the connection's worker, or make its socket ready for the
+		// idle set: a worker ends it and closes the socket.
 		c.wc.Shutdown()
 	}
 	s.mu.Unlock()
+	s.live.Wait()
+	s.stopWorkers()
 	s.wg.Wait()
 	s.stopWatching()
 	err = s.reg.Close()
@@ -324,6 +358,8 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener, keepSocket boo
 	s.epoch.Close()
 	unix.Close(s.wake)
 	unix.Close(s.acceptWake)
+	unix.Close(s.epfd)
+	unix.Close(s.pollStop)
 	return errors.Join(acceptErr, err)
 }
 
@@ -359,7 +395,7 @@ func (s *Server) startFD(fd int) {
 		return
 	}
 	c := &conn{s: s, wc: wc, leases: make(map[uint64]*lease), roles: make(map[uint64]map[channel.Role]bool)}
-	if err := s.run(c); err != nil {
+	if err := s.add(c); err != nil {
 		s.log.Warn("refusing connection without credentials", "err", err)
 		wc.Close()
 	}
@@ -392,10 +428,10 @@ func (s *Server) wakeAccept() {
 	unix.Write(s.acceptWake, one[:])
 }
 
-// run serves c in a goroutine of its own.
-func (s *Server) run(c *conn) error {
-	c.wc.SetSpin(s.spin)
-	c.wc.SetWake(s.wake)
+// add serves c from now on, from the idle set: a worker takes it when its
+// client asks. A connection added while the server parks waits for the
+// handover.
+func (s *Server) add(c *conn) error {
 	cred, err := c.wc.PeerCred()
 	if err != nil {
 		return err
@@ -411,31 +447,22 @@ func (s *Server) run(c *conn) error {
 		ref.refuse(c.wc, err)
 		return nil
 	}
-	if s.parking {
-		// Accepted as the server parked: the successor serves it.
-		s.parked = append(s.parked, c)
-		s.mu.Unlock()
-		return nil
-	}
-	s.goServe(c)
-	s.mu.Unlock()
-	return nil
-}
-
-// goServe serves c in a goroutine that wg counts; s.mu is held.
-func (s *Server) goServe(c *conn) {
+	s.live.Add(1)
+	s.obs.Connected(1)
+	s.log.Debug("connected", "pid", c.cred.PID, "uid", c.cred.UID)
 	s.conns[c] = struct{}{}
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		parked := c.serve()
-		s.mu.Lock()
-		delete(s.conns, c)
-		if parked {
-			s.parked = append(s.parked, c)
-		}
-		s.mu.Unlock()
-	}()
+	s.byFD[int32(c.wc.FD())] = c
+	s.mapsFor = max(s.mapsFor, len(s.conns))
+	parking := s.parking
+	if parking {
+		// Accepted as the server parked: the successor serves it.
+		c.state = stateStopped
+	}
+	s.mu.Unlock()
+	if !parking {
+		s.resume(c)
+	}
+	return nil
 }
 
 type lease struct {
@@ -444,8 +471,16 @@ type lease struct {
 }
 
 type conn struct {
-	s       *Server
-	wc      *wire.Conn
+	s     *Server
+	wc    *wire.Conn
+	state connState // under s.mu
+	inSet bool      // in the idle set (armed or not)
+	// out are replies its client has not taken yet (it stopped reading);
+	// nothing more is read until they are sent. outTemp are the
+	// descriptors made for them (temp), closed once they are.
+	out     []packet
+	outTemp []int
+	log     *slog.Logger // while a worker serves it
 	cred    wire.Cred
 	hello   bool
 	session string            // the client's, from hello; survives reconnection
@@ -455,6 +490,8 @@ type conn struct {
 	// roles are the channel roles this connection holds, by segment ID
 	// (a connection may hold both ends of one channel).
 	roles map[uint64]map[channel.Role]bool
+	// w is the worker serving it, while one does.
+	w *worker
 	// ctlFD is a channel's control block, sent in a packet of its own
 	// right after the reply that announced it (-1: none).
 	ctlFD int
@@ -486,43 +523,90 @@ func (c *conn) process() segment.Process {
 // be kept, and keeps the arithmetic far from overflow.
 const maxTTL = 365 * 24 * time.Hour
 
-// serve answers c's requests until it hangs up, or until the server parks
-// its connections between two requests (it then returns true, leaving c's
-// socket and leases as they are for the successor).
-func (c *conn) serve() (parked bool) {
-	log := c.s.log.With("pid", c.cred.PID, "uid", c.cred.UID)
-	log.Debug("connected")
-	c.s.obs.Connected(1)
-	defer c.s.obs.Connected(-1)
-	defer func() {
-		if parked {
-			return
-		}
-		n := 0
-		for _, l := range c.leases {
-			// A role whose connection ended without a close ends as if its
-			// process died: the block shows what it finished.
-			c.unclaim(l.seg, "", true)
-			for ; l.n > 0; l.n-- {
-				if err := c.s.reg.Release(l.seg); err != nil {
-					log.Error("release on disconnect", "err", err)
-				}
-				n++
+// shrinkMaps copies conns and byFD into smaller maps once a crowd of
+// connections has left: a Go map keeps the room it once needed, and a
+// flood of idle connections would otherwise leave its memory behind for
+// good. mu is held.
+func (s *Server) shrinkMaps() {
+	if s.mapsFor < 1024 || len(s.conns) > s.mapsFor/4 {
+		return
+	}
+	conns := make(map[*conn]struct{}, len(s.conns))
+	byFD := make(map[int32]*conn, len(s.conns))
+	for c := range s.conns {
+		conns[c] = struct{}{}
+		byFD[int32(c.wc.FD())] = c
+	}
+	s.conns, s.byFD, s.mapsFor = conns, byFD, len(conns)
+}
+
+// packet is a reply waiting for its client to read.
+type packet struct {
+	b  []byte
+	fd int // borrowed: the server's, or a segment's this connection holds open
+}
+
+// end releases what c held and closes it; its owner calls it.
+func (c *conn) end() {
+	n := 0
+	for _, l := range c.leases {
+		// A role whose connection ended without a close ends as if its
+		// process died: the block shows what it finished.
+		c.unclaim(l.seg, "", true)
+		for ; l.n > 0; l.n-- {
+			if err := c.s.reg.Release(l.seg); err != nil {
+				c.s.log.Error("release on disconnect", "err", err)
 			}
+			n++
 		}
-		for _, seg := range c.bound {
-			// Discard leaves a name alone that now names another segment.
-			if err := c.s.reg.Discard(seg); err != nil {
-				log.Error("end creator-bound segment", "err", err)
-			}
+	}
+	for _, seg := range c.bound {
+		// Discard leaves a name alone that now names another segment.
+		if err := c.s.reg.Discard(seg); err != nil {
+			c.s.log.Error("end creator-bound segment", "err", err)
 		}
-		c.wc.Close()
-		c.s.leave(c)
-		log.Debug("disconnected", "released", n, "ended", len(c.bound))
-	}()
+	}
+	c.s.mu.Lock()
+	delete(c.s.conns, c)
+	delete(c.s.byFD, int32(c.wc.FD()))
+	c.s.shrinkMaps()
+	c.s.mu.Unlock()
+	c.s.leaveSet(c)
+	c.wc.Close()
+	c.s.leave(c)
+	c.dropOut()
+	c.s.log.Debug("disconnected", "pid", c.cred.PID, "uid", c.cred.UID, "released", n, "ended", len(c.bound))
+	c.s.obs.Connected(-1)
+	c.s.live.Done()
+}
+
+// serve answers c's requests until it hangs up, goes idle, stops reading
+// its replies, or the server parks its connections between two requests
+// (leaving c's socket and leases as they are for the successor).
+func (c *conn) serve(w *worker) outcome {
+	if c.log == nil {
+		c.log = c.s.log.With("pid", c.cred.PID, "uid", c.cred.UID)
+	}
+	log := c.log
+	if len(c.out) > 0 {
+		if err := c.flush(); err != nil {
+			log.Debug("write", "err", err)
+			return endClosed
+		}
+		if len(c.out) > 0 {
+			return endBlocked
+		}
+	}
+	c.wc.SetWake(c.s.wake, w.nudge)
+	c.wc.SetSpin(c.s.spin)
 	for {
 		if c.s.isParking() {
-			return true
+			return endParked
+		}
+		if c.s.busy() && c.pending == nil {
+			// Every worker serves someone and connections may be waiting:
+			// take a turn. A request already here makes c ready at once.
+			return endIdle
 		}
 		var (
 			b    []byte
@@ -535,8 +619,14 @@ func (c *conn) serve() (parked bool) {
 			b, inFD, err = c.wc.Recv()
 		}
 		if errors.Is(err, wire.ErrWoken) {
+			w.settle()
+			if time.Now().UnixNano() >= w.deadline.Load() {
+				return endIdle
+			}
+			c.wc.SetSpin(0) // spin right after a request only
 			continue
 		}
+		c.wc.SetSpin(c.s.spin)
 		if err != nil {
 			if errors.Is(err, wire.ErrProto) || errors.Is(err, wire.ErrFDDropped) {
 				log.Debug("bad message", "err", err)
@@ -545,16 +635,20 @@ func (c *conn) serve() (parked bool) {
 				// reply with its id: answer with it if it can be read.
 				id, _ := wire.RequestID(b)
 				if c.send(&wire.Reply{ID: id, Error: errReply(err)}, -1) != nil {
-					return false
+					return endClosed
+				}
+				if len(c.out) > 0 {
+					return endBlocked
 				}
 				continue
 			}
 			if !errors.Is(err, io.EOF) {
 				log.Debug("read", "err", err)
 			}
-			return false
+			return endClosed
 		}
 		start := time.Now()
+		w.deadline.Store(start.Add(idleAfter).UnixNano())
 		req, err := wire.DecodeRequest(b)
 		if err == nil && inFD >= 0 && req.Op != wire.OpPublish {
 			err = fmt.Errorf("%w: a file descriptor came with %q; only publish carries one", wire.ErrProto, req.Op)
@@ -575,7 +669,10 @@ func (c *conn) serve() (parked bool) {
 			err = c.send(&wire.Reply{ID: id, Error: errReply(err)}, -1)
 			c.s.obs.Observe("invalid", "EPROTO", time.Since(start))
 			if err != nil {
-				return false
+				return endClosed
+			}
+			if len(c.out) > 0 {
+				return endBlocked
 			}
 			continue
 		}
@@ -583,7 +680,7 @@ func (c *conn) serve() (parked bool) {
 		rep, fd := c.dispatch(req, inFD)
 		if rep == nil {
 			// Parked while waiting: c.pending has the request.
-			return true
+			return endParked
 		}
 		temp := c.temp
 		c.temp = nil
@@ -600,15 +697,28 @@ func (c *conn) serve() (parked bool) {
 		if err == nil && rep.Control {
 			err = c.send(&wire.Reply{ID: req.ID, ControlFD: true}, c.ctlFD)
 		}
-		for _, fd := range temp {
-			unix.Close(fd)
+		if len(c.out) > 0 {
+			// Their packets wait for the client to read: so do they.
+			c.outTemp = append(c.outTemp, temp...)
+		} else {
+			for _, fd := range temp {
+				unix.Close(fd)
+			}
 		}
 		if err != nil {
 			log.Debug("write", "err", err)
 			if rep.FD && rep.Segment != nil {
 				c.release(rep.Segment.ID)
 			}
-			return false
+			return endClosed
+		}
+		if len(c.out) > 0 {
+			return endBlocked
+		}
+		if w.aside {
+			// The request that waited is answered: the connection goes
+			// back to the workers, by way of the idle set.
+			return endIdle
 		}
 	}
 }
@@ -624,13 +734,48 @@ func opLabel(op string) string {
 	return "unknown"
 }
 
+// send sends a reply, or queues it (c.out) when the client's receive queue
+// is full: a worker never waits for a client to read.
 func (c *conn) send(rep *wire.Reply, fd int) error {
 	b, err := wire.Encode(rep)
 	if err != nil {
 		b, _ = wire.Encode(&wire.Reply{ID: rep.ID, Error: errReply(err)})
 		fd = -1
 	}
-	return c.wc.Send(b, fd)
+	if len(c.out) == 0 {
+		err := c.wc.TrySend(b, fd)
+		if !errors.Is(err, wire.ErrWouldBlock) {
+			return err
+		}
+	}
+	c.out = append(c.out, packet{b, fd})
+	return nil
+}
+
+// flush sends what c.out holds, as far as the client takes it.
+func (c *conn) flush() error {
+	for len(c.out) > 0 {
+		err := c.wc.TrySend(c.out[0].b, c.out[0].fd)
+		if errors.Is(err, wire.ErrWouldBlock) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		c.out[0] = packet{}
+		c.out = c.out[1:]
+	}
+	c.dropOut()
+	return nil
+}
+
+// dropOut forgets replies not sent, and closes the descriptors made for
+// them.
+func (c *conn) dropOut() {
+	for _, fd := range c.outTemp {
+		unix.Close(fd)
+	}
+	c.out, c.outTemp = nil, nil
 }
 
 func errReply(err error) *wire.Error {
@@ -762,6 +907,8 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		var seg *segment.Segment
 		var err error
 		if req.Wait != 0 {
+			// A wait must not hold one of the workers.
+			c.s.setAside(c.w)
 			seg, err = c.acquireWait(cred, req)
 		} else {
 			seg, err = c.s.reg.Acquire(cred, req.Name, req.ReadOnly)

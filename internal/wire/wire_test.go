@@ -411,3 +411,57 @@ func BenchmarkDecodeRequest(b *testing.B) {
 		}
 	}
 }
+
+func TestConnWakeAndWouldBlock(t *testing.T) {
+	a, b := socketPair(t)
+	// A readable wake descriptor ends a wait without consuming a message;
+	// the buffer can go back to the pool in between.
+	ev, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(ev)
+	b.SetWake(-1, ev) // a negative descriptor is never readable
+	go func() {
+		time.Sleep(10 * time.Millisecond)
+		unix.Write(ev, []byte{1, 0, 0, 0, 0, 0, 0, 0})
+	}()
+	if _, _, err := b.Recv(); !errors.Is(err, ErrWoken) {
+		t.Fatalf("Recv with the wake descriptor readable = %v, want ErrWoken", err)
+	}
+	b.ReleaseBuffer()
+	b.SetWake()
+	if err := a.Send([]byte(`{"id":1}`), -1); err != nil {
+		t.Fatal(err)
+	}
+	if msg, _, err := b.Recv(); err != nil || string(msg) != `{"id":1}` {
+		t.Fatalf("Recv after the wake = %q, %v", msg, err)
+	}
+
+	// A peer that does not read: TrySend refuses rather than waits, and
+	// the packet it refused is not half sent.
+	n := 0
+	for ; n < 1<<16; n++ {
+		err := a.TrySend([]byte(`{"id":2}`), -1)
+		if errors.Is(err, ErrWouldBlock) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n == 1<<16 {
+		t.Fatal("TrySend never found the peer's queue full")
+	}
+	for i := range n {
+		if msg, _, err := b.Recv(); err != nil || string(msg) != `{"id":2}` {
+			t.Fatalf("packet %d of %d: %q, %v", i, n, msg, err)
+		}
+	}
+	if err := a.TrySend([]byte(`{"id":3}`), -1); err != nil {
+		t.Fatalf("TrySend once the peer read: %v", err)
+	}
+	if msg, _, err := b.Recv(); err != nil || string(msg) != `{"id":3}` {
+		t.Fatalf("last packet: %q, %v", msg, err)
+	}
+}

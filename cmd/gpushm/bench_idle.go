@@ -1,0 +1,405 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+func benchIdleCmd() *cobra.Command {
+	var (
+		backend string
+		counts  string
+		iters   int
+		settle  time.Duration
+	)
+	cmd := &cobra.Command{
+		Use:   "idle",
+		Short: "Threads, memory and an active client's round trip under many idle connections",
+		Long: `On a private daemon, open idle connections from a second process (half of
+them say hello, half say nothing), step by step up to each count, and
+print for the serving process at each step:
+
+  threads     OS threads (/proc/PID/status), after the connections settled
+              (--settle: the workers that served a burst retire after a
+              second); peak: the most seen while they were being opened
+  fds, RSS    its descriptors and resident memory; RSS/conn: the growth
+              over the step without idle connections, per connection
+  round trip  p50 and p99 of --iters stat requests by one active client
+  after idle  p50 of stat requests sent 10 ms apart: the client's
+              connection is idle each time it asks
+
+The daemon runs with its connection limits off (--user-connections 0
+--max-connections 0). It needs a descriptor limit above the largest count,
+which it inherits from this process: the soft limit is raised to the hard
+one, and as root the hard one too.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var list []int
+			for _, f := range strings.Split(counts, ",") {
+				n, err := strconv.Atoi(strings.TrimSpace(f))
+				if err != nil || n < 0 {
+					return fmt.Errorf("--counts: %q is not a count", f)
+				}
+				if len(list) > 0 && n < list[len(list)-1] {
+					return fmt.Errorf("--counts %s: want increasing counts", counts)
+				}
+				list = append(list, n)
+			}
+			if iters < 1 {
+				return fmt.Errorf("--iters %d: want at least 1", iters)
+			}
+			if settle < 0 {
+				return fmt.Errorf("--settle %s: want 0 or more", settle)
+			}
+			return runBenchIdle(cmd.Context(), backend, list, iters, settle)
+		},
+	}
+	cmd.Flags().StringVar(&backend, "backend", "auto", "backend: auto, cuda or host")
+	cmd.Flags().StringVar(&counts, "counts", "0,1000,10000,20000", "comma-separated numbers of idle connections, increasing")
+	cmd.Flags().IntVar(&iters, "iters", 2000, "round trips timed at each count")
+	cmd.Flags().DurationVar(&settle, "settle", 2*time.Second, "how long the daemon may settle before each count's round trips, and again before its figures")
+	return cmd
+}
+
+func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, settle time.Duration) error {
+	// The daemon needs a few dozen descriptors besides the connections.
+	need := uint64(counts[len(counts)-1]) + 128
+	if got, err := raiseNofile(need); got < need {
+		msg := fmt.Sprintf("%d idle connections need a descriptor limit of %d for the daemon, and this one is %d", counts[len(counts)-1], need, got)
+		if err != nil {
+			msg += fmt.Sprintf(" (%v)", err)
+		}
+		return fmt.Errorf("%s: raise the hard limit ('ulimit -Hn') or run as root", msg)
+	}
+	return withPrivateDaemon(ctx, backend, func(d *privateDaemon, c *gpushm.Client) error {
+		inf, err := c.Info(ctx)
+		if err != nil {
+			return err
+		}
+		pid := inf.PID
+		const probe = "bench-idle"
+		if _, _, err := c.CreateOnly(ctx, probe, 4096, nil); err != nil {
+			return err
+		}
+		defer c.Unlink(ctx, probe)
+		stat := func() (time.Duration, error) {
+			t := time.Now()
+			_, err := c.Stat(ctx, probe)
+			return time.Since(t), err
+		}
+		type row struct {
+			count        int
+			peak         int
+			st           procFigures
+			rt, rtIdle   dist
+			rssPerConnKB float64
+		}
+		var rows []row
+		var crowds []*idleCrowd
+		defer func() {
+			for _, cr := range crowds {
+				cr.close()
+			}
+		}()
+		have := 0
+		for _, n := range counts {
+			r := row{count: n}
+			var err error
+			r.peak, err = peakThreads(pid, func() error {
+				if n == have {
+					return nil
+				}
+				cr, err := startIdleCrowd(ctx, d.socket, n-have, -1)
+				if err != nil {
+					return err
+				}
+				crowds = append(crowds, cr)
+				return nil
+			})
+			if err != nil {
+				return err
+			}
+			have = n
+			// Let the workers that served the new connections go.
+			time.Sleep(settle)
+			var ns, idleNS []int64
+			for i := range iters + 50 {
+				dt, err := stat()
+				if err != nil {
+					return err
+				}
+				if i >= 50 { // warm-up
+					ns = append(ns, dt.Nanoseconds())
+				}
+			}
+			for range min(iters, 100) {
+				time.Sleep(10 * time.Millisecond)
+				dt, err := stat()
+				if err != nil {
+					return err
+				}
+				idleNS = append(idleNS, dt.Nanoseconds())
+			}
+			r.rt, r.rtIdle = summarize(ns), summarize(idleNS)
+			time.Sleep(settle)
+			if r.st, err = readProcFigures(pid); err != nil {
+				return err
+			}
+			if n > 0 && len(rows) > 0 && rows[0].count == 0 {
+				r.rssPerConnKB = float64(r.st.RSS-rows[0].st.RSS) / float64(n) / 1024
+			}
+			rows = append(rows, r)
+		}
+		fmt.Printf("gpushm bench idle: backend %s, serving process %d, %d round trips (stat) each, %d idle-client samples, %s\n\n",
+			c.Backend(), pid, iters, min(iters, 100), time.Now().UTC().Format("2006-01-02"))
+		w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(w, "idle conns\tthreads\tpeak\tfds\tRSS\tRSS/conn\tround trip p50\tp99\tafter idle p50\tp99\t")
+		for _, r := range rows {
+			perConn := "-"
+			if r.count > 0 && len(rows) > 0 && rows[0].count == 0 {
+				perConn = fmt.Sprintf("%.1f KiB", r.rssPerConnKB)
+			}
+			fmt.Fprintf(w, "%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.count, r.st.Threads, r.peak, r.st.FDs,
+				formatSize(r.st.RSS), perConn, fmtDur(r.rt.p50), fmtDur(r.rt.p99), fmtDur(r.rtIdle.p50), fmtDur(r.rtIdle.p99))
+		}
+		return w.Flush()
+		// The connection limits would turn most of the connections away.
+	}, "--user-connections", "0", "--max-connections", "0")
+}
+
+// procFigures are what a process holds, from /proc.
+type procFigures struct {
+	Threads int
+	FDs     int
+	RSS     int64 // bytes
+}
+
+func readProcFigures(pid int) (procFigures, error) {
+	var st procFigures
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return st, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		k, v, _ := strings.Cut(line, ":")
+		f := strings.Fields(v)
+		if len(f) == 0 {
+			continue
+		}
+		switch k {
+		case "Threads":
+			st.Threads, _ = strconv.Atoi(f[0])
+		case "VmRSS":
+			kb, _ := strconv.ParseInt(f[0], 10, 64)
+			st.RSS = kb << 10
+		}
+	}
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		return st, err
+	}
+	st.FDs = len(ents)
+	return st, nil
+}
+
+// peakThreads runs fn while sampling pid's thread count, and returns the
+// most it saw.
+func peakThreads(pid int, fn func() error) (int, error) {
+	var mu sync.Mutex
+	peak := 0
+	sample := func() {
+		if st, err := readProcFigures(pid); err == nil {
+			mu.Lock()
+			peak = max(peak, st.Threads)
+			mu.Unlock()
+		}
+	}
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(5 * time.Millisecond)
+		defer t.Stop()
+		for {
+			sample()
+			select {
+			case <-done:
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	err := fn()
+	close(done)
+	wg.Wait()
+	sample()
+	return peak, err
+}
+
+// idleCrowd is a process holding idle connections to a daemon
+// ('__child idle').
+type idleCrowd struct {
+	cmd     *exec.Cmd
+	stdin   io.WriteCloser
+	out     *bufio.Reader
+	done    chan error
+	once    sync.Once
+	exitErr error
+}
+
+type idleReady struct {
+	Opened int
+}
+
+// startIdleCrowd starts a process that opens n connections to socket (as
+// uid, when it is not -1) and holds them idle until close, and waits until
+// it opened them.
+func startIdleCrowd(ctx context.Context, socket string, n, uid int) (*idleCrowd, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, self, "__child", "idle", "--socket", socket, "--count", strconv.Itoa(n), "--uid", strconv.Itoa(uid))
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start idle connections: %w", err)
+	}
+	cr := &idleCrowd{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout), done: make(chan error, 1)}
+	line, err := cr.out.ReadBytes('\n')
+	var r idleReady
+	if err == nil {
+		err = json.Unmarshal(line, &r)
+	}
+	if err == nil && r.Opened != n {
+		err = fmt.Errorf("opened %d of %d", r.Opened, n)
+	}
+	go func() { cr.done <- cmd.Wait() }()
+	if err != nil {
+		cr.close()
+		return nil, fmt.Errorf("idle connections: %w", err)
+	}
+	return cr, nil
+}
+
+// close makes the process close its connections and exit, and waits for
+// it; later calls return the first one's result.
+func (cr *idleCrowd) close() error {
+	cr.once.Do(func() {
+		cr.stdin.Close()
+		select {
+		case cr.exitErr = <-cr.done:
+		case <-time.After(60 * time.Second):
+			cr.cmd.Process.Kill()
+			cr.exitErr = fmt.Errorf("idle connections: no exit within 60s: %w", <-cr.done)
+		}
+	})
+	return cr.exitErr
+}
+
+func idleChildCmd() *cobra.Command {
+	var count, uid int
+	cmd := &cobra.Command{
+		Use: "idle",
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if uid >= 0 {
+				// Drop to another user: idle connections of an
+				// unprivileged neighbour. The limits stay as inherited.
+				if err := dropTo(uid); err != nil {
+					return err
+				}
+			}
+			conns, err := openIdle(socketPath(), count)
+			defer func() {
+				for _, c := range conns {
+					c.Close()
+				}
+			}()
+			if err != nil {
+				return err
+			}
+			if err := emit(idleReady{Opened: len(conns)}); err != nil {
+				return err
+			}
+			// Hold them until the parent closes stdin.
+			io.Copy(io.Discard, os.Stdin)
+			return nil
+		},
+	}
+	cmd.Flags().IntVar(&count, "count", 0, "connections to hold")
+	cmd.Flags().IntVar(&uid, "uid", -1, "run as this user (and group) id")
+	return cmd
+}
+
+func dropTo(id int) error {
+	if err := unix.Setgroups(nil); err != nil {
+		return err
+	}
+	if err := unix.Setresgid(id, id, id); err != nil {
+		return err
+	}
+	return unix.Setresuid(id, id, id)
+}
+
+// openIdle opens n connections to socket; every other one says hello (and
+// closes the epoch page's descriptor the reply brings), the rest say
+// nothing.
+func openIdle(socket string, n int) ([]*wire.Conn, error) {
+	hello, err := wire.Encode(&wire.Request{ID: 1, Op: wire.OpHello, Version: wire.Version})
+	if err != nil {
+		return nil, err
+	}
+	conns := make([]*wire.Conn, 0, n)
+	for i := range n {
+		c, err := wire.Dial(socket)
+		if err != nil {
+			return conns, fmt.Errorf("connection %d: %w", i, err)
+		}
+		conns = append(conns, c)
+		if i%2 == 1 {
+			continue
+		}
+		if err := c.Send(hello, -1); err != nil {
+			return conns, fmt.Errorf("connection %d: hello: %w", i, err)
+		}
+		b, fd, err := c.Recv()
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+		if err == nil {
+			var rep *wire.Reply
+			if rep, err = wire.DecodeReply(b); err == nil && rep.Error != nil {
+				err = rep.Error
+			}
+		}
+		if err != nil {
+			return conns, fmt.Errorf("connection %d: hello: %w", i, err)
+		}
+		c.ReleaseBuffer()
+	}
+	return conns, nil
+}
