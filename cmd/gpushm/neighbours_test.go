@@ -76,30 +76,11 @@ type procStats struct {
 
 func statsOf(t *testing.T, pid int) procStats {
 	t.Helper()
-	var st procStats
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	f, err := readProcFigures(pid)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, line := range strings.Split(string(b), "\n") {
-		k, v, _ := strings.Cut(line, ":")
-		f := strings.Fields(v)
-		if len(f) == 0 {
-			continue
-		}
-		switch k {
-		case "Threads":
-			st.threads, _ = strconv.Atoi(f[0])
-		case "VmRSS":
-			st.rssKB, _ = strconv.Atoi(f[0])
-		}
-	}
-	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
-	if err != nil {
-		t.Fatal(err)
-	}
-	st.fds = len(ents)
-	return st
+	return procStats{threads: f.Threads, fds: f.FDs, rssKB: int(f.RSS >> 10)}
 }
 
 // steady waits until pid's figures stop changing (two samples a second

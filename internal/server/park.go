@@ -316,20 +316,8 @@ func (s *Server) StartGrace(until time.Time) {
 func (s *Server) endRestoredBound(p segment.Process, why string) {
 	var ended []*segment.Segment
 	s.mu.Lock()
-	for session, segs := range s.restoredBound {
-		kept := segs[:0]
-		for _, r := range segs {
-			if r.creator == p {
-				ended = append(ended, r.seg)
-			} else {
-				kept = append(kept, r)
-			}
-		}
-		if len(kept) > 0 {
-			s.restoredBound[session] = kept
-		} else {
-			delete(s.restoredBound, session)
-		}
+	for session := range s.restoredBound {
+		ended = append(ended, s.takeRestored(session, func(r restoredSeg) bool { return r.creator == p })...)
 	}
 	s.mu.Unlock()
 	for _, seg := range ended {
@@ -369,18 +357,14 @@ func (s *Server) isAdopted(seg *segment.Segment) bool {
 	return false
 }
 
-// takeBound gives a client saying hello with session its restored
-// creator-bound segments (those it owns, or all for root). They are bound
-// to its connection from now on, and to its process p across the next
-// restart.
-func (s *Server) takeBound(session string, uid uint32, p segment.Process) []*segment.Segment {
-	s.mu.Lock()
-	segs := s.restoredBound[session]
-	var mine []*segment.Segment
+// takeRestored takes the restored creator-bound segments of session that
+// take picks out of s.restoredBound. Call with s.mu held.
+func (s *Server) takeRestored(session string, take func(restoredSeg) bool) []*segment.Segment {
+	var taken []*segment.Segment
 	var rest []restoredSeg
-	for _, r := range segs {
-		if uid == 0 || s.reg.Info(r.seg).UID == uid {
-			mine = append(mine, r.seg)
+	for _, r := range s.restoredBound[session] {
+		if take(r) {
+			taken = append(taken, r.seg)
 		} else {
 			rest = append(rest, r)
 		}
@@ -390,6 +374,16 @@ func (s *Server) takeBound(session string, uid uint32, p segment.Process) []*seg
 	} else {
 		delete(s.restoredBound, session)
 	}
+	return taken
+}
+
+// takeBound gives a client saying hello with session its restored
+// creator-bound segments (those it owns, or all for root). They are bound
+// to its connection from now on, and to its process p across the next
+// restart.
+func (s *Server) takeBound(session string, uid uint32, p segment.Process) []*segment.Segment {
+	s.mu.Lock()
+	mine := s.takeRestored(session, func(r restoredSeg) bool { return uid == 0 || s.reg.Info(r.seg).UID == uid })
 	s.mu.Unlock()
 	for _, seg := range mine {
 		s.reg.Rebind(seg, p)
