@@ -99,8 +99,7 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 	key := roleKey{seg.ID(), role}
 	// One claim at a time, so that two claimants cannot both find the
 	// role free.
-	c.s.claimMu.Lock()
-	defer c.s.claimMu.Unlock()
+	c.s.roleMu.Lock()
 	err := c.s.withBlock(seg, func(blk *channel.Block) error {
 		h := blk.Holder(role)
 		if h.State == channel.StateAttached {
@@ -113,19 +112,21 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 				return fmt.Errorf("%w: channel %q has a %s already (pid %d); a channel has one of each",
 					segment.ErrBusy, c.s.reg.Info(seg).Name, roleName(role), h.PID)
 			case !mine:
-				c.s.roleMu.Lock()
 				c.s.detach(seg, blk, role, true, h.PID)
-				c.s.roleMu.Unlock()
 			}
 		}
 		blk.Attach(role, pid, start)
 		return nil
 	})
+	if err == nil {
+		c.s.setRoleHolderLocked(key, c)
+	}
+	c.s.roleMu.Unlock()
 	if err != nil {
 		return err
 	}
-	c.s.setRoleHolderLocked(key, c)
 	c.noteRole(seg.ID(), role)
+	// After the unlock: a process that exited already is ended at once.
 	c.s.watch(seg, role, channel.Holder{State: channel.StateAttached, PID: pid, Start: start})
 	return nil
 }
@@ -140,9 +141,9 @@ func roleName(r channel.Role) string {
 // holdRole records that c holds role on channel id (an adopted
 // connection's roles, which its predecessor granted).
 func (c *conn) holdRole(id uint64, role channel.Role) {
-	c.s.claimMu.Lock()
+	c.s.roleMu.Lock()
 	c.s.setRoleHolderLocked(roleKey{id, role}, c)
-	c.s.claimMu.Unlock()
+	c.s.roleMu.Unlock()
 	c.noteRole(id, role)
 }
 
@@ -178,18 +179,15 @@ func (c *conn) unclaim(seg *segment.Segment, role channel.Role, died bool) {
 	if len(end) == 0 {
 		return
 	}
-	c.s.claimMu.Lock()
+	c.s.roleMu.Lock()
 	for _, r := range end {
 		if k := (roleKey{seg.ID(), r}); c.s.roleHolders[k] == c {
 			delete(c.s.roleHolders, k)
 		}
 	}
-	c.s.claimMu.Unlock()
 	pid := int(c.cred.PID)
 	var later []channel.Holder
 	err := c.s.withBlock(seg, func(blk *channel.Block) error {
-		c.s.roleMu.Lock()
-		defer c.s.roleMu.Unlock()
 		for _, r := range end {
 			h := blk.Holder(r)
 			if h.State != channel.StateAttached || h.PID != pid {
@@ -207,6 +205,7 @@ func (c *conn) unclaim(seg *segment.Segment, role channel.Role, died bool) {
 		}
 		return nil
 	})
+	c.s.roleMu.Unlock()
 	for _, h := range later {
 		time.AfterFunc(deadRoleWait, func() { c.s.endDeadRole(seg, channel.Tx, h) })
 	}
@@ -219,10 +218,6 @@ func (c *conn) unclaim(seg *segment.Segment, role channel.Role, died bool) {
 // then; at once if it has exited already.
 func (s *Server) watch(seg *segment.Segment, role channel.Role, h channel.Holder) {
 	end := func() { s.endDeadRole(seg, role, h) }
-	type roleKey struct {
-		id   uint64
-		role channel.Role
-	}
 	err := s.onExit(holderProcess(h), roleKey{seg.ID(), role}, end)
 	if errors.Is(err, errExited) || err != nil && !alive(h) {
 		end()
@@ -241,9 +236,9 @@ const (
 
 // endDeadRole ends role on seg as its holder h died, if h holds it still.
 func (s *Server) endDeadRole(seg *segment.Segment, role channel.Role, h channel.Holder) {
+	s.roleMu.Lock()
+	defer s.roleMu.Unlock()
 	s.withBlock(seg, func(blk *channel.Block) error {
-		s.roleMu.Lock()
-		defer s.roleMu.Unlock()
 		if now := blk.Holder(role); now.State == channel.StateAttached && now.PID == h.PID && now.Start == h.Start {
 			s.log.Info("channel end exited; its role ends", "segment", seg.ID(), "role", role, "pid", h.PID)
 			s.detach(seg, blk, role, true, h.PID)

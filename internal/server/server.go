@@ -88,10 +88,11 @@ type Server struct {
 	acceptWake    int // eventfd: readable when the accept loop must look at ctx or parking
 	parking       bool
 	resumed       chan struct{}
-	// roleHolders is the connection holding each channel role taken
-	// through this process; claimMu guards it and serializes claims. It
-	// is taken before a control block's lock, and roleMu after.
-	claimMu     sync.Mutex
+	// roleMu makes changes of channel roles one at a time: a claim, a
+	// connection's end, its process's exit may each find the same holder.
+	// It guards roleHolders, the connection holding each role taken
+	// through this process, and is taken before a control block's lock.
+	roleMu      sync.Mutex
 	roleHolders map[roleKey]*conn
 	// restoredBound are creator-bound segments restored after a restart,
 	// by creator session, until their creator says hello again or its
@@ -108,9 +109,6 @@ type Server struct {
 	// server parks or stops (commit.go).
 	waitStop chan struct{}
 	waiting  atomic.Int64 // opens waiting for a commit
-	// roleMu orders the ends of channel roles: a connection's end, its
-	// process's exit and a new claim may each find the same holder.
-	roleMu sync.Mutex
 }
 
 // New makes a server for backend. version is reported by hello.
