@@ -124,6 +124,7 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&o.userConnections, "user-connections", "auto", "cap how many connections each non-root user may hold open: a number, 0 (no cap), or auto: 1024 (or a quarter of --max-connections, if less)")
 	f.StringVar(&o.maxSegments, "max-segments", "auto", "cap the segments the daemon holds, for all users and root (a channel counts as 2): a number, 0 (no cap), or auto: half the descriptor limit (ulimit -n)")
 	f.StringVar(&o.maxConnections, "max-connections", "auto", "cap the connections the daemon serves, for all users and root: a number, 0 (no cap), or auto: the descriptor limit less --max-segments and a sixteenth kept for the daemon")
+	f.StringVar(&o.createPool, "create-pool", "auto", "make allocations ahead of creates of sizes asked for before, so a create need not wait for the driver (docs/architecture.md): bytes a device (256M), 0 (none), or auto: 2% of each GPU, 1% of host memory")
 	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
 	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
 	f.StringVar(&o.nvml, "nvml", "auto", "GPU figures for info and metrics from NVML: auto (when libnvidia-ml.so.1 loads and works), require (refuse to start without it) or off")
@@ -144,6 +145,7 @@ type daemonOptions struct {
 	mount       string
 	maxMemory   string
 	userQuota   string
+	createPool  string
 	// Count limits: a number, "auto" or "0" (limits.go).
 	userSegments, userConnections string
 	maxSegments, maxConnections   string
@@ -256,6 +258,11 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 		return err
 	}
 	defer b.Close()
+	pool, err := o.poolBytes(b)
+	if err != nil {
+		return err
+	}
+	b.Pool(pool)
 	srv, err := server.New(b, log, version)
 	if err != nil {
 		return err

@@ -161,3 +161,23 @@ func sizeOrShare(s string, total int64) (int64, error) {
 	}
 	return parseSize(s)
 }
+
+// poolBytes reads --create-pool: the bytes each device may hold made
+// ahead of creates.
+func (o daemonOptions) poolBytes(b backend.Backend) (int64, error) {
+	if o.createPool != "auto" {
+		n, err := parseSize(o.createPool)
+		if err != nil || n < 0 {
+			return 0, fmt.Errorf("--create-pool %q: want a size (256M), 0 or auto", o.createPool)
+		}
+		return n, nil
+	}
+	capacity, err := b.Capacity(b.DefaultDevice())
+	if err != nil {
+		return 0, fmt.Errorf("--create-pool auto: %w", err)
+	}
+	if b.Name() == "host" {
+		return capacity / 100, nil
+	}
+	return capacity / 50, nil
+}

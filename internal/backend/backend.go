@@ -20,6 +20,10 @@ type Backend interface {
 	Adopt(device int, fd int, size int64) (segment.Memory, error)
 	// Restore takes back memory this daemon held before a restart.
 	Restore(device int, fd int, alloc int64) (segment.Memory, error)
+	// Pool makes allocations ahead of creates, up to limit bytes a device
+	// (pool.go); Pooled reports the bytes made and not yet taken.
+	Pool(limit int64)
+	Pooled() int64
 	Close() error
 }
 

@@ -25,6 +25,7 @@ type cudaDevice struct {
 	d     *cuda.Device
 	gran  int64
 	total int64
+	pool  *pool
 }
 
 // NewCUDA opens the GPUs that devices names: "" or "all" for every GPU, or
@@ -139,7 +140,12 @@ func (c *CUDA) DefaultDevice() int { return c.order[0] }
 
 // Close implements Backend. Primary contexts stay retained for the life of
 // the process; nothing else is held here.
-func (c *CUDA) Close() error { return nil }
+func (c *CUDA) Close() error {
+	for _, d := range c.devs {
+		d.pool.close()
+	}
+	return nil
+}
 
 func (c *CUDA) device(i int) (*cudaDevice, error) {
 	d := c.devs[i]
@@ -169,7 +175,13 @@ func (c *CUDA) Allocate(device int, size int64) (segment.Memory, error) {
 		return nil, err
 	}
 	alloc := (size + d.gran - 1) / d.gran * d.gran
+	if m := d.pool.take(alloc); m != nil {
+		return m, nil
+	}
 	h, err := d.d.Create(alloc)
+	if err != nil && errors.Is(err, cuda.ErrOutOfMemory) && d.pool.drain() {
+		h, err = d.d.Create(alloc)
+	}
 	if err != nil {
 		return nil, errnoFor(err)
 	}
@@ -179,6 +191,37 @@ func (c *CUDA) Allocate(device int, size int64) (segment.Memory, error) {
 		m.export()
 	}()
 	return m, nil
+}
+
+// Pool makes allocations ahead of creates on each GPU, up to limit bytes a
+// GPU (0: none). A pooled allocation is exported before it is given out.
+func (c *CUDA) Pool(limit int64) {
+	for _, d := range c.devs {
+		d.pool.close()
+		d.pool = newPool(limit, func(size int64) (segment.Memory, error) {
+			h, err := d.d.Create(size)
+			if err != nil {
+				return nil, errnoFor(err)
+			}
+			m := &cudaMemory{d: d.d, h: h, size: size, fd: -1, done: make(chan struct{})}
+			m.export()
+			close(m.done)
+			if m.err != nil {
+				m.Free()
+				return nil, m.err
+			}
+			return m, nil
+		})
+	}
+}
+
+// Pooled reports the bytes made ahead and not yet taken, on all GPUs.
+func (c *CUDA) Pooled() int64 {
+	var n int64
+	for _, d := range c.devs {
+		n += d.pool.ready()
+	}
+	return n
 }
 
 // errnoFor attaches the errno the protocol reports to a driver error.

@@ -15,6 +15,7 @@ import (
 // Host allocates sealed memfds: device 0 is the machine's RAM.
 type Host struct {
 	total int64
+	pool  *pool
 }
 
 var _ segment.Allocator = (*Host)(nil)
@@ -67,6 +68,26 @@ func (h *Host) Allocate(device int, size int64) (segment.Memory, error) {
 	}
 	g := h.Granularity()
 	alloc := (size + g - 1) / g * g
+	if m := h.pool.take(alloc); m != nil {
+		return m, nil
+	}
+	m, err := h.allocate(alloc)
+	if errors.Is(err, unix.ENOMEM) && h.pool.drain() {
+		m, err = h.allocate(alloc)
+	}
+	return m, err
+}
+
+// Pool makes allocations ahead of creates, up to limit bytes (0: none).
+func (h *Host) Pool(limit int64) {
+	h.pool.close()
+	h.pool = newPool(limit, h.allocate)
+}
+
+// Pooled reports the bytes made ahead and not yet taken.
+func (h *Host) Pooled() int64 { return h.pool.ready() }
+
+func (h *Host) allocate(alloc int64) (segment.Memory, error) {
 	fd, err := unix.MemfdCreate("gpushm", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, fmt.Errorf("memfd_create: %w", err)
@@ -132,4 +153,7 @@ func (h *Host) Name() string { return "host" }
 func (h *Host) DefaultDevice() int { return 0 }
 
 // Close implements Backend.
-func (h *Host) Close() error { return nil }
+func (h *Host) Close() error {
+	h.pool.close()
+	return nil
+}

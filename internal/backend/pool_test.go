@@ -1,0 +1,135 @@
+package backend
+
+import (
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/segment"
+)
+
+type fakeMem struct {
+	size  int64
+	freed *atomic.Int64
+}
+
+func (m *fakeMem) FD() (int, error) { return -1, nil }
+func (m *fakeMem) Size() int64      { return m.size }
+func (m *fakeMem) Free() error      { m.freed.Add(1); return nil }
+
+func waitFor(t *testing.T, what string, ok func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !ok(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+func TestPool(t *testing.T) {
+	var made, freed atomic.Int64
+	p := newPool(3<<20, func(size int64) (segment.Memory, error) {
+		made.Add(1)
+		return &fakeMem{size: size, freed: &freed}, nil
+	})
+	if m := p.take(1 << 20); m != nil {
+		t.Fatal("a size never asked for was ready")
+	}
+	// The miss starts making depth (2) of that size.
+	waitFor(t, "two ready", func() bool { return p.ready() == 2<<20 })
+	m := p.take(1 << 20)
+	if m == nil || m.Size() != 1<<20 {
+		t.Fatalf("take after fill = %v", m)
+	}
+	waitFor(t, "the replacement", func() bool { return p.ready() == 2<<20 })
+	// A second size fits only once within the 3 MiB limit (2 ready of
+	// the first, one of the second).
+	p.take(1 << 20)
+	p.take(1 << 20)
+	waitFor(t, "refill", func() bool { return p.ready() == 2<<20 })
+	if m := p.take(2 << 20); m != nil {
+		t.Fatal("an unseen size was ready")
+	}
+	time.Sleep(50 * time.Millisecond)
+	if got := p.ready(); got > 3<<20 {
+		t.Fatalf("pool holds %d bytes, limit %d", got, 3<<20)
+	}
+	if !p.drain() || p.ready() != 0 {
+		t.Fatalf("drain left %d", p.ready())
+	}
+	p.close()
+	if m := p.take(1 << 20); m != nil {
+		t.Fatal("a closed pool gave memory")
+	}
+	waitFor(t, "everything made to be freed or taken", func() bool { return made.Load()-freed.Load() == 3 }) // the three taken
+}
+
+func TestPoolBoundsSizes(t *testing.T) {
+	var freed atomic.Int64
+	p := newPool(1<<30, func(size int64) (segment.Memory, error) {
+		return &fakeMem{size: size, freed: &freed}, nil
+	})
+	defer p.close()
+	for i := range maxPoolSizes + 10 {
+		p.take(int64(i+1) << 12)
+	}
+	p.mu.Lock()
+	n := len(p.sizes)
+	p.mu.Unlock()
+	if n != maxPoolSizes {
+		t.Fatalf("pool keeps %d sizes, want %d", n, maxPoolSizes)
+	}
+}
+
+func TestPoolTrimsIdleSizes(t *testing.T) {
+	var freed atomic.Int64
+	p := newPool(1<<30, func(size int64) (segment.Memory, error) {
+		return &fakeMem{size: size, freed: &freed}, nil
+	})
+	p.idle = 20 * time.Millisecond
+	defer p.close()
+	p.take(4096)
+	waitFor(t, "the idle size to be given back", func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return len(p.sizes) == 0 && p.bytes == 0
+	})
+	if freed.Load() != 2 {
+		t.Fatalf("freed %d allocations, want the 2 made", freed.Load())
+	}
+}
+
+func TestHostPoolGivesSealedMemory(t *testing.T) {
+	h, err := NewHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.Pool(8 << 20)
+	defer h.Close()
+	m, err := h.Allocate(0, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Free()
+	waitFor(t, "the pool to fill", func() bool { return h.Pooled() == 2<<20 })
+	m, err = h.Allocate(0, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Free()
+	if h.Pooled() != 1<<20 {
+		t.Fatalf("pooled %d after a take", h.Pooled())
+	}
+	fd, _ := m.FD()
+	seals, err := fcntlSeals(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if seals == 0 || m.Size() != 1<<20 {
+		t.Fatalf("pooled memfd: seals %#x size %d", seals, m.Size())
+	}
+}
+
+func fcntlSeals(fd int) (int, error) { return unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0) }
