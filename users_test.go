@@ -70,6 +70,16 @@ func opsChild(ctx context.Context, c *gpushm.Client) error {
 				_, err = s.Map()
 				s.Close()
 			}
+		case "fill-ro": // open read-only, then have the daemon write into it
+			var s *gpushm.Segment
+			if s, err = c.Open(ctx, name, &gpushm.OpenOptions{ReadOnly: true}); err == nil {
+				var f *os.File
+				if f, err = os.Open("/proc/self/exe"); err == nil {
+					_, err = s.Fill(ctx, f, 0, 0, 4096)
+					f.Close()
+				}
+				s.Close()
+			}
 		case "unlink":
 			err = c.Unlink(ctx, name)
 		case "chown": // give the segment to root: only root may
@@ -119,6 +129,8 @@ func TestOtherUsers(t *testing.T) {
 		{nobody, nobody, "open-ro:private", "EACCES"},
 		{nobody, nobody, "open-ro:shared-ro", "OK"},
 		{nobody, nobody, "open-rw:shared-ro", "EACCES"},
+		{nobody, nobody, "fill-ro:shared-ro", "EACCES"},
+		{nobody, nobody, "fill-ro:shared-rw", "OK"},
 		{nobody, nobody, "open-rw:shared-rw", "OK"},
 		{nobody, nobody, "open-ro:group-r", "EACCES"},
 		{other, 0, "open-ro:group-r", "OK"}, // in root's group

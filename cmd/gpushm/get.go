@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -73,6 +74,21 @@ for the name to appear.`,
 				report("get", name, st.Bytes, time.Since(start), st, verbose)
 				return nil
 			}
+			inDaemon, err := copyOpts.inDaemon()
+			if err != nil {
+				return err
+			}
+			if path != "-" && inDaemon {
+				st, err := dumpFile(ctx, seg, path)
+				if err == nil {
+					report("get", name, info.Size, time.Since(start), st, verbose)
+					return nil
+				}
+				if !errors.Is(err, syscall.ENOSYS) {
+					return fmt.Errorf("get %s: %w", name, err)
+				}
+				// A daemon from before dump: copy here.
+			}
 			m, err := seg.Map()
 			if err != nil {
 				return err
@@ -102,6 +118,35 @@ for the name to appear.`,
 	cmd.Flags().DurationVar(&wait, "wait", 0, "wait this long (e.g. 30s, 5m; at most 1h) for a segment being written, or not there yet")
 	copyOpts.register(cmd)
 	return cmd
+}
+
+// dumpFile has the daemon write seg to path, a new or truncated regular
+// file (sized first, so that the parallel writes never extend it) or a
+// device such as /dev/null; a failed copy leaves no partial file behind.
+func dumpFile(ctx context.Context, seg *gpushm.Segment, path string) (st gpushm.CopyStats, err error) {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o666)
+	if err != nil {
+		return st, err
+	}
+	regular := false
+	if fi, err := f.Stat(); err == nil && fi.Mode().IsRegular() {
+		regular = true
+	}
+	defer func() {
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil && regular {
+			os.Remove(path)
+		}
+	}()
+	n := seg.Size()
+	if regular {
+		if err := f.Truncate(n); err != nil {
+			return st, err
+		}
+	}
+	return seg.Dump(ctx, f, 0, 0, n)
 }
 
 // getFile writes m to a new or truncated regular file with parallel

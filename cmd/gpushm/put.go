@@ -2,11 +2,13 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -94,7 +96,11 @@ segment goes with it.`,
 			if o.Device, err = resolveDevice(ctx, c, device); err != nil {
 				return err
 			}
-			st, err := put(ctx, c, name, f, size, o, co)
+			inDaemon, err := copyOpts.inDaemon()
+			if err != nil {
+				return err
+			}
+			st, err := put(ctx, c, name, f, size, o, co, inDaemon)
 			if err != nil {
 				return err
 			}
@@ -116,13 +122,34 @@ type copyFlags struct {
 	workers int
 	chunk   string
 	direct  string
+	copier  string
+	cmd     *cobra.Command
 }
 
 func (c *copyFlags) register(cmd *cobra.Command) {
+	c.cmd = cmd
 	f := cmd.Flags()
+	f.StringVar(&c.copier, "copier", "auto", "who copies a regular file: daemon (its warm copy engine; this process needs no CUDA context), client (this process, tuned by --workers, --chunk and --direct), or auto: the daemon unless a tuning flag is given")
 	f.IntVar(&c.workers, "workers", 0, "parallel copiers (default min(16, CPUs))")
 	f.StringVar(&c.chunk, "chunk", "8MiB", "bytes a copier moves per step, a multiple of 64KiB")
 	f.StringVar(&c.direct, "direct", "auto", "O_DIRECT reads: auto (what the page cache lacks), always, never")
+}
+
+// inDaemon says whether the daemon should copy a regular file.
+func (c *copyFlags) inDaemon() (bool, error) {
+	tuned := c.cmd != nil && (c.cmd.Flags().Changed("workers") || c.cmd.Flags().Changed("chunk") || c.cmd.Flags().Changed("direct"))
+	switch c.copier {
+	case "auto":
+		return !tuned, nil
+	case "daemon":
+		if tuned {
+			return false, fmt.Errorf("--workers, --chunk and --direct tune this process's copy: give --copier client (or auto)")
+		}
+		return true, nil
+	case "client":
+		return false, nil
+	}
+	return false, fmt.Errorf("--copier %q: want auto, daemon or client", c.copier)
 }
 
 func (c *copyFlags) options() (*gpushm.CopyOptions, error) {
@@ -184,7 +211,7 @@ func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnl
 
 // put creates name uncommitted and fills it from f, a regular file, with
 // parallel reads, then commits it; on any failure the segment goes.
-func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size int64, o *gpushm.CreateOptions, co *gpushm.CopyOptions) (st gpushm.CopyStats, err error) {
+func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size int64, o *gpushm.CreateOptions, co *gpushm.CopyOptions, inDaemon bool) (st gpushm.CopyStats, err error) {
 	o.Uncommitted = true
 	seg, err := c.Create(ctx, name, size, o)
 	if err != nil {
@@ -197,6 +224,16 @@ func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size in
 			err = cerr
 		}
 	}()
+	if inDaemon {
+		st, err = seg.Fill(ctx, f, 0, 0, size)
+		if err == nil {
+			return st, seg.Commit(ctx)
+		}
+		if !errors.Is(err, syscall.ENOSYS) {
+			return st, fmt.Errorf("put %s: %w", name, err)
+		}
+		// A daemon from before fill: copy here.
+	}
 	m, err := seg.Map()
 	if err != nil {
 		return st, err

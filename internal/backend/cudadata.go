@@ -7,6 +7,7 @@ import (
 
 	"github.com/gpushm/gpushm/internal/cuda"
 	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/xfer"
 )
 
 var (
@@ -223,3 +224,33 @@ func (m *cudaMemory) CopyFrom(src segment.Memory, n int64) error {
 // Sync implements segment.Data: every copy above completes before it
 // returns, so there is nothing to wait for.
 func (m *cudaMemory) Sync() error { return nil }
+
+// copyKits lends the copy engine's copiers (fill, dump) their pinned
+// buffers and streams, one pool a device for the life of the process.
+var copyKits struct {
+	mu sync.Mutex
+	m  map[*cuda.Device]*xfer.Pool
+}
+
+// maxCopyKits bounds the daemon's pinned memory for copies: 16 kits of
+// two 8 MiB buffers.
+const maxCopyKits = 16
+
+// XferTarget implements server.XferTarget: the daemon's own mapping.
+func (m *cudaMemory) XferTarget() (xfer.Target, error) {
+	ptr, err := m.mapped(0, m.size)
+	if err != nil {
+		return xfer.Target{}, err
+	}
+	copyKits.mu.Lock()
+	defer copyKits.mu.Unlock()
+	if copyKits.m == nil {
+		copyKits.m = make(map[*cuda.Device]*xfer.Pool)
+	}
+	p := copyKits.m[m.d]
+	if p == nil {
+		p = xfer.NewPool(m.d, maxCopyKits)
+		copyKits.m[m.d] = p
+	}
+	return xfer.Target{Dev: m.d, Ptr: ptr, Size: m.size, Buffers: p}, nil
+}

@@ -7,6 +7,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/xfer"
 )
 
 var (
@@ -116,3 +117,12 @@ func (m *hostMemory) CopyFrom(src segment.Memory, n int64) error {
 // Sync implements segment.Data: a store to a shared mapping is visible to
 // every other mapping at once.
 func (m *hostMemory) Sync() error { return nil }
+
+// XferTarget implements server.XferTarget: the daemon's own mapping.
+func (m *hostMemory) XferTarget() (xfer.Target, error) {
+	b, err := m.bytes()
+	if err != nil {
+		return xfer.Target{}, err
+	}
+	return xfer.Target{Host: b, Size: m.size}, nil
+}

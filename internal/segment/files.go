@@ -291,3 +291,12 @@ func (r *Registry) ownerLocked(c Cred, s *Segment) error {
 	}
 	return nil
 }
+
+// Memory returns s's memory, for a copy into or out of it while the
+// caller holds a lease or a pin on s (which keeps the memory from being
+// freed or replaced); nil for a segment without memory.
+func (r *Registry) Memory(s *Segment) Memory {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return s.mem
+}

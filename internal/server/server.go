@@ -50,6 +50,8 @@ type Server struct {
 	// a client in a container may number the same GPU differently.
 	uuids map[int]string
 
+	copies copyLimits // fills and dumps running
+
 	mu    sync.Mutex
 	conns map[*conn]struct{} // every connection, in any state, until it ends
 	live  sync.WaitGroup     // one per connection, until it ends
@@ -648,11 +650,11 @@ func (c *conn) serve(w *worker) outcome {
 		start := time.Now()
 		w.deadline.Store(start.Add(idleAfter).UnixNano())
 		req, err := wire.DecodeRequest(b)
-		if err == nil && inFD >= 0 && req.Op != wire.OpPublish {
-			err = fmt.Errorf("%w: a file descriptor came with %q; only publish carries one", wire.ErrProto, req.Op)
+		if err == nil && inFD >= 0 && !wire.CarriesFD(req.Op) {
+			err = fmt.Errorf("%w: a file descriptor came with %q; only publish, fill and dump carry one", wire.ErrProto, req.Op)
 		}
-		if err == nil && inFD < 0 && req.Op == wire.OpPublish {
-			err = fmt.Errorf("%w: publish without a file descriptor", wire.ErrProto)
+		if err == nil && inFD < 0 && wire.CarriesFD(req.Op) {
+			err = fmt.Errorf("%w: %s without a file descriptor", wire.ErrProto, req.Op)
 		}
 		if err != nil && inFD >= 0 {
 			syscall.Close(inFD)
@@ -726,7 +728,7 @@ func (c *conn) serve(w *worker) outcome {
 func opLabel(op string) string {
 	switch op {
 	case wire.OpHello, wire.OpInfo, wire.OpCreate, wire.OpOpen, wire.OpClose, wire.OpUnlink, wire.OpStat, wire.OpList,
-		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish, wire.OpReclaim, wire.OpCommit:
+		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish, wire.OpReclaim, wire.OpCommit, wire.OpFill, wire.OpDump:
 		return op
 	}
 	return "unknown"
@@ -791,8 +793,11 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		}
 		return fail(fmt.Errorf("%w: the first message must be hello", wire.ErrProto))
 	}
-	if req.Op == wire.OpPublish {
+	switch req.Op {
+	case wire.OpPublish:
 		return c.publish(req, inFD)
+	case wire.OpFill, wire.OpDump:
+		return c.copyFile(req, inFD)
 	}
 	if req.Role == string(channel.Rx) {
 		// A channel's consumer reads the slots and writes only its control

@@ -23,6 +23,7 @@ var codes = map[string]syscall.Errno{
 	"ENODEV":       syscall.ENODEV,
 	"ENOSYS":       syscall.ENOSYS,
 	"EPROTO":       syscall.EPROTO,
+	"EBADF":        syscall.EBADF,
 	"EIO":          syscall.EIO,
 }
 

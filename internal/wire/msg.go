@@ -36,14 +36,23 @@ const (
 	OpChmod  = "chmod"
 	OpChown  = "chown"
 	OpRename = "rename"
-	// OpPublish is the one request that carries a descriptor.
+	// OpPublish carries a descriptor, as do OpFill and OpDump.
 	OpPublish = "publish"
 	// OpReclaim takes back leases a client held before the daemon
 	// restarted.
 	OpReclaim = "reclaim"
 	// OpCommit makes a segment created uncommitted openable by its name.
 	OpCommit = "commit"
+	// OpFill copies a file the client sends (its descriptor attached)
+	// into a segment it holds open read-write; OpDump copies a segment it
+	// holds open into such a file. The daemon's copy engine does the
+	// work, with its warm CUDA context and pinned buffers.
+	OpFill = "fill"
+	OpDump = "dump"
 )
+
+// CarriesFD says whether a request of op comes with a descriptor.
+func CarriesFD(op string) bool { return op == OpPublish || op == OpFill || op == OpDump }
 
 // Lifetimes a create may ask for.
 const (
@@ -88,6 +97,10 @@ type Request struct {
 	// to wait for the name to name a committed segment.
 	Uncommitted bool    `json:"uncommitted,omitempty"`
 	Wait        float64 `json:"wait,omitempty"`
+	// Offset (fill, dump) is where in the file the bytes are; At where in
+	// the segment; Size how many.
+	Offset int64 `json:"offset,omitempty"`
+	At     int64 `json:"at,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -137,6 +150,14 @@ type Reply struct {
 	// list
 	Segments []Segment `json:"segments,omitempty"`
 	Next     string    `json:"next,omitempty"`
+
+	// fill, dump: the bytes copied, the copy's own seconds (the daemon's
+	// engine, from the first read to the last byte in place), how many
+	// copiers worked and how many bytes were read with O_DIRECT.
+	Bytes       int64   `json:"bytes,omitempty"`
+	CopySeconds float64 `json:"copy_seconds,omitempty"`
+	Copiers     int     `json:"copiers,omitempty"`
+	Direct      int64   `json:"direct,omitempty"`
 }
 
 // Device describes one device the daemon allocates on.
@@ -369,13 +390,15 @@ const (
 	fRole
 	fUncommitted
 	fWait
+	fOffset
+	fAt
 	fieldCount = iota
 )
 
 var fieldNames = [fieldCount]string{
 	"version", "name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "segment",
 	"after", "limit", "lifetime", "ttl_seconds", "uid", "gid", "to", "session", "count", "slots",
-	"slot_bytes", "role", "uncommitted", "wait",
+	"slot_bytes", "role", "uncommitted", "wait", "offset", "at",
 }
 
 // used is the fields each operation reads. A field outside its
@@ -397,6 +420,8 @@ var used = map[string]uint32{
 	OpPublish: fName | fSize | fDevice | fMode | fMeta | fLifetime | fTTL,
 	OpReclaim: fSegment | fCount | fReadOnly | fRole,
 	OpCommit:  fSegment,
+	OpFill:    fSegment | fSize | fOffset | fAt,
+	OpDump:    fSegment | fSize | fOffset | fAt,
 }
 
 // setFields is the set of r's fields that hold something other than
@@ -433,6 +458,8 @@ func setFields(r *Request) uint32 {
 	set(fRole, r.Role != "")
 	set(fUncommitted, r.Uncommitted)
 	set(fWait, r.Wait != 0)
+	set(fOffset, r.Offset != 0)
+	set(fAt, r.At != 0)
 	return m
 }
 

@@ -1,4 +1,4 @@
-package gpushm
+package xfer
 
 import (
 	"errors"

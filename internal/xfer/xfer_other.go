@@ -1,6 +1,6 @@
 //go:build !linux
 
-package gpushm
+package xfer
 
 import (
 	"errors"

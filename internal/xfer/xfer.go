@@ -1,26 +1,47 @@
-package gpushm
+// Package xfer moves bytes between files and memory that is either a GPU
+// allocation mapped in this process or host memory: the copy engine of
+// put, get, checkpoint directories and streams, in clients and in the
+// daemon alike. Several copiers work at once, each reading its own chunks
+// of the files, on cuda through two pinned buffers of its own and a stream,
+// so that reading the next chunk overlaps the DMA of the last.
+package xfer
 
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/gpushm/gpushm/internal/cuda"
 )
 
-// A FileRange is Len bytes at Off in File, and At, where they lie in a
-// segment.
-type FileRange struct {
+// A Target is where the bytes go to or come from: Size bytes at Ptr on
+// Dev (cuda, mapped in this process), or Host.
+type Target struct {
+	Dev  *cuda.Device
+	Ptr  uint64
+	Host []byte
+	Size int64
+	// Buffers, when set, lends the copiers their pinned buffers and
+	// streams instead of each copy making its own: a long-lived process
+	// (the daemon) pins once.
+	Buffers *Pool
+}
+
+// A Range is Len bytes at Off in File, and At, where they lie in the
+// target.
+type Range struct {
 	File     *os.File
 	Off, Len int64
 	At       int64
 }
 
-// Direct says when LoadFiles reads with O_DIRECT.
+// Direct says when Load reads with O_DIRECT.
 type Direct int
 
 const (
@@ -34,8 +55,8 @@ const (
 	DirectAlways
 )
 
-// CopyOptions tune LoadFiles and StoreFiles. The zero value is the default.
-type CopyOptions struct {
+// Options tune Load and Store. The zero value is the default.
+type Options struct {
 	// Workers is the number of copiers, each with its own file reads,
 	// pinned buffers and CUDA stream; 0 means min(16, the CPUs).
 	Workers int
@@ -49,8 +70,8 @@ type CopyOptions struct {
 	Progress func(n int64)
 }
 
-// CopyStats say how a copy went.
-type CopyStats struct {
+// Stats say how a copy went.
+type Stats struct {
 	Bytes   int64 // bytes copied
 	Direct  int64 // of which read with O_DIRECT
 	Workers int
@@ -58,6 +79,9 @@ type CopyStats struct {
 	// Elapsed is the copy's own time, from the first read to the last byte
 	// in place (pinned buffers and streams included).
 	Elapsed time.Duration
+	// Wall, for a copy the daemon made (Fill, Dump), is the request's
+	// time as the client saw it.
+	Wall time.Duration
 }
 
 const (
@@ -71,26 +95,22 @@ const (
 // reports a larger alignment gets its own.
 const dioAlign = 4096
 
-// LoadFiles copies every range's bytes from its file into the segment,
-// with several copiers in parallel. On cuda each copier reads into one of
-// its two pinned buffers while the other is on its way to the GPU on the
-// copier's own stream. Ranges must not overlap in the segment. With
-// DirectAuto, chunks the page cache does not hold are read with O_DIRECT
-// (disk to pinned memory, no copy through the cache); a file system that
-// refuses O_DIRECT is read through the page cache instead. Close nothing
-// before it returns.
-func (m *Mapping) LoadFiles(ranges []FileRange, o *CopyOptions) (CopyStats, error) {
-	if m.readOnly {
-		return CopyStats{}, errors.New("gpushm: write to a read-only mapping")
-	}
-	return m.copyFiles(ranges, o, true)
+// Load copies every range's bytes from its file into t, with several
+// copiers in parallel. On cuda each copier reads into one of its two
+// pinned buffers while the other is on its way to the GPU on the copier's
+// own stream. Ranges must not overlap in t. With DirectAuto, chunks the
+// page cache does not hold are read with O_DIRECT (disk to pinned memory,
+// no copy through the cache); a file system that refuses O_DIRECT is read
+// through the page cache instead.
+func Load(t Target, ranges []Range, o *Options) (Stats, error) {
+	return copyFiles(t, ranges, o, true)
 }
 
-// StoreFiles copies the segment's bytes at each range's At into its file,
-// with several copiers in parallel (on cuda, each through its own pinned
-// buffer and stream).
-func (m *Mapping) StoreFiles(ranges []FileRange, o *CopyOptions) (CopyStats, error) {
-	return m.copyFiles(ranges, o, false)
+// Store copies t's bytes at each range's At into its file, with several
+// copiers in parallel (on cuda, each through its own pinned buffer and
+// stream).
+func Store(t Target, ranges []Range, o *Options) (Stats, error) {
+	return copyFiles(t, ranges, o, false)
 }
 
 // step is one chunk of one range.
@@ -100,18 +120,18 @@ type step struct {
 	at       int64 // in the segment
 }
 
-func (m *Mapping) copyFiles(ranges []FileRange, o *CopyOptions, load bool) (st CopyStats, err error) {
+func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err error) {
 	start := time.Now()
 	defer func() { st.Elapsed = time.Since(start) }()
 	if o == nil {
-		o = &CopyOptions{}
+		o = &Options{}
 	}
 	chunk := o.Chunk
 	if chunk == 0 {
 		chunk = defaultChunk
 	}
 	if chunk < 0 || chunk%chunkUnit != 0 {
-		return st, fmt.Errorf("gpushm: copy chunk %d is not a positive multiple of %d", chunk, chunkUnit)
+		return st, fmt.Errorf("xfer: copy chunk %d is not a positive multiple of %d", chunk, chunkUnit)
 	}
 	srcs := map[*os.File]*source{}
 	defer func() {
@@ -121,8 +141,8 @@ func (m *Mapping) copyFiles(ranges []FileRange, o *CopyOptions, load bool) (st C
 	}()
 	var steps []step
 	for _, r := range ranges {
-		if r.File == nil || r.Off < 0 || r.Len < 0 || r.At < 0 || r.At > m.size || r.Len > m.size-r.At {
-			return st, fmt.Errorf("gpushm: range of %d bytes at %d to %d: %w", r.Len, r.Off, r.At, errOffset)
+		if r.File == nil || r.Off < 0 || r.Len < 0 || r.At < 0 || r.At > t.Size || r.Len > t.Size-r.At {
+			return st, fmt.Errorf("xfer: range of %d bytes at %d to %d: outside the segment (%d bytes)", r.Len, r.Off, r.At, t.Size)
 		}
 		s := srcs[r.File]
 		if s == nil {
@@ -159,7 +179,7 @@ func (m *Mapping) copyFiles(ranges []FileRange, o *CopyOptions, load bool) (st C
 	errs := make([]error, workers)
 	for i := range workers {
 		wg.Go(func() {
-			c := &copier{m: m, chunk: chunk}
+			c := &copier{t: t, chunk: chunk}
 			defer func() {
 				errs[i] = errors.Join(errs[i], c.close())
 				direct.Add(c.direct)
@@ -202,7 +222,7 @@ func (m *Mapping) copyFiles(ranges []FileRange, o *CopyOptions, load bool) (st C
 // per buffer saying when its last copy is done. Each copier pins its own
 // buffers, so that the first start copying while the others still pin.
 type copier struct {
-	m       *Mapping
+	t       Target
 	chunk   int64
 	pinned  []byte
 	buf     [2][]byte
@@ -211,24 +231,34 @@ type copier struct {
 	stream  *cuda.Stream
 	turn    int
 	bounce  []byte // host segments: the O_DIRECT landing buffer
+	kit     *kit   // borrowed from Target.Buffers
 	direct  int64
 }
 
 func (c *copier) open() error {
-	if c.m.dev == nil {
+	if c.t.Dev == nil {
+		return nil
+	}
+	if p := c.t.Buffers; p != nil && p.chunk == c.chunk {
+		var err error
+		if c.kit, err = p.get(); err != nil {
+			return err
+		}
+		c.pinned, c.stream, c.ev = c.kit.pinned, c.kit.stream, c.kit.ev
+		c.buf = [2][]byte{c.pinned[:c.chunk], c.pinned[c.chunk:]}
 		return nil
 	}
 	var err error
-	if c.pinned, err = c.m.dev.AllocHost(2 * c.chunk); err != nil {
-		return fmt.Errorf("gpushm: staging buffers: %w", err)
+	if c.pinned, err = c.t.Dev.AllocHost(2 * c.chunk); err != nil {
+		return fmt.Errorf("xfer: staging buffers: %w", err)
 	}
 	c.buf = [2][]byte{c.pinned[:c.chunk], c.pinned[c.chunk:]}
-	if c.stream, err = c.m.dev.NewStream(); err != nil {
-		return fmt.Errorf("gpushm: stream: %w", err)
+	if c.stream, err = c.t.Dev.NewStream(); err != nil {
+		return fmt.Errorf("xfer: stream: %w", err)
 	}
 	for i := range c.ev {
-		if c.ev[i], err = c.m.dev.NewSyncEvent(); err != nil {
-			return fmt.Errorf("gpushm: event: %w", err)
+		if c.ev[i], err = c.t.Dev.NewSyncEvent(); err != nil {
+			return fmt.Errorf("xfer: event: %w", err)
 		}
 	}
 	return nil
@@ -241,7 +271,7 @@ func (c *copier) wait(i int) error {
 	}
 	c.pending[i] = false
 	if err := c.ev[i].Synchronize(); err != nil {
-		return fmt.Errorf("gpushm: copy to device: %w", err)
+		return fmt.Errorf("xfer: copy to device: %w", err)
 	}
 	return nil
 }
@@ -252,13 +282,27 @@ func (c *copier) finish() error {
 		return nil
 	}
 	if err := c.stream.Synchronize(); err != nil {
-		return fmt.Errorf("gpushm: copy to device: %w", err)
+		return fmt.Errorf("xfer: copy to device: %w", err)
 	}
 	c.pending = [2]bool{}
 	return nil
 }
 
 func (c *copier) close() error {
+	if c.kit != nil {
+		err := c.stream.Synchronize()
+		if err != nil {
+			// A stream in error is not lent again.
+			c.t.Buffers.discard(c.kit)
+		} else {
+			c.t.Buffers.put(c.kit)
+		}
+		c.kit, c.stream, c.pinned, c.ev = nil, nil, nil, [2]*cuda.Event{}
+		if c.bounce != nil {
+			freeAligned(c.bounce)
+		}
+		return err
+	}
 	var errs []error
 	if c.stream != nil {
 		errs = append(errs, c.stream.Synchronize(), c.stream.Close())
@@ -270,7 +314,7 @@ func (c *copier) close() error {
 	}
 	if c.pinned != nil {
 		// After the stream's copies are done: they read the buffers.
-		errs = append(errs, c.m.dev.FreeHost(c.pinned))
+		errs = append(errs, c.t.Dev.FreeHost(c.pinned))
 	}
 	if c.bounce != nil {
 		freeAligned(c.bounce)
@@ -279,8 +323,8 @@ func (c *copier) close() error {
 }
 
 func (c *copier) load(s step) error {
-	m := c.m
-	if m.dev == nil {
+	m := c.t
+	if m.Dev == nil {
 		if s.src.wantDirect(s.off, s.len) {
 			if c.bounce == nil {
 				var err error
@@ -293,12 +337,12 @@ func (c *copier) load(s step) error {
 				return err
 			}
 			if ok {
-				copy(m.host[s.at:s.at+s.len], b)
+				copy(m.Host[s.at:s.at+s.len], b)
 				c.direct += s.len
 				return nil
 			}
 		}
-		return readFull(s.src.f, m.host[s.at:s.at+s.len], s.off)
+		return readFull(s.src.f, m.Host[s.at:s.at+s.len], s.off)
 	}
 	i := c.turn
 	c.turn ^= 1
@@ -322,28 +366,28 @@ func (c *copier) load(s step) error {
 			return err
 		}
 	}
-	if err := c.stream.CopyHtoDAsync(m.ptr+uint64(s.at), b); err != nil {
-		return fmt.Errorf("gpushm: copy to device: %w", err)
+	if err := c.stream.CopyHtoDAsync(m.Ptr+uint64(s.at), b); err != nil {
+		return fmt.Errorf("xfer: copy to device: %w", err)
 	}
 	if err := c.ev[i].Record(c.stream); err != nil {
-		return fmt.Errorf("gpushm: record event: %w", err)
+		return fmt.Errorf("xfer: record event: %w", err)
 	}
 	c.pending[i] = true
 	return nil
 }
 
 func (c *copier) store(s step) error {
-	m := c.m
+	m := c.t
 	var b []byte
-	if m.dev == nil {
-		b = m.host[s.at : s.at+s.len]
+	if m.Dev == nil {
+		b = m.Host[s.at : s.at+s.len]
 	} else {
 		b = c.buf[0][:s.len]
-		if err := c.stream.CopyDtoHAsync(b, m.ptr+uint64(s.at)); err != nil {
-			return fmt.Errorf("gpushm: copy from device: %w", err)
+		if err := c.stream.CopyDtoHAsync(b, m.Ptr+uint64(s.at)); err != nil {
+			return fmt.Errorf("xfer: copy from device: %w", err)
 		}
 		if err := c.stream.Synchronize(); err != nil {
-			return fmt.Errorf("gpushm: copy from device: %w", err)
+			return fmt.Errorf("xfer: copy from device: %w", err)
 		}
 	}
 	if _, err := s.src.f.WriteAt(b, s.off); err != nil {
@@ -411,17 +455,17 @@ func (s *source) readDirect(buf []byte, off, n int64) (b []byte, ok bool, err er
 			s.disabled.Store(true)
 			return nil, false, nil
 		}
-		return nil, false, fmt.Errorf("gpushm: read %d bytes at %d of %s: %w", hi-lo, lo, s.f.Name(), err)
+		return nil, false, fmt.Errorf("xfer: read %d bytes at %d of %s: %w", hi-lo, lo, s.f.Name(), err)
 	}
 	if got < off+n-lo {
-		return nil, false, fmt.Errorf("gpushm: read %d bytes at %d of %s: got %d: the file is shorter than when it was checked", n, off, s.f.Name(), max(got-(off-lo), 0))
+		return nil, false, fmt.Errorf("xfer: read %d bytes at %d of %s: got %d: the file is shorter than when it was checked", n, off, s.f.Name(), max(got-(off-lo), 0))
 	}
 	return buf[off-lo : off-lo+n], true, nil
 }
 
 func (s *source) close() {
 	if s.dfd >= 0 {
-		closeFD(s.dfd)
+		syscall.Close(s.dfd)
 	}
 	if s.cache != nil {
 		s.cache.close()
@@ -432,4 +476,15 @@ func (s *source) close() {
 type residency interface {
 	cached(off, n int64) bool
 	close()
+}
+
+func readFull(r io.ReaderAt, b []byte, off int64) error {
+	n, err := r.ReadAt(b, off)
+	if n == len(b) {
+		return nil
+	}
+	if err == nil || err == io.EOF {
+		err = io.ErrUnexpectedEOF
+	}
+	return fmt.Errorf("xfer: read %d bytes at %d: got %d: %w", len(b), off, n, err)
 }
