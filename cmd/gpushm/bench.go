@@ -21,7 +21,7 @@ func benchCmd() *cobra.Command {
 		Use:   "bench",
 		Short: "Benchmarks that print tables",
 	}
-	cmd.AddCommand(benchOpenCmd(), benchPeerCmd(), benchIdleCmd())
+	cmd.AddCommand(benchOpenCmd(), benchPeerCmd(), benchIdleCmd(), benchFilesCmd())
 	return cmd
 }
 
@@ -44,10 +44,17 @@ func benchOpenCmd() *cobra.Command {
            access); floor and open samples alternate, so both see the same
            machine
   reopen   the same, while that process already holds the segment mapped
-  create   create a segment through the daemon (allocate + export)
+  create   create a segment through the daemon (allocate + export), back
+           to back, then again one every few milliseconds (paced), when
+           each finds its size made ahead (daemon --create-pool); beside
+           them, the steps of an allocation made while a create waits,
+           timed in this process: cuMemCreate and the export on cuda,
+           memfd and fallocate on host
 
 Each row reports p50 and p99 over --iters samples, and open's p50 as a
-multiple of the floor's p50 measured in the same run.`,
+multiple of the floor's p50 measured in the same run. At the end it says
+whether any process of the private daemon outlived it, and the memory in
+use against its start.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			list, err := parseSizes(sizes)
@@ -94,23 +101,44 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 		size                        int64
 		floor, open, reopen, create dist
 		roundTrip                   dist
+		paced                       dist // creates one per pace
+		pace                        time.Duration
+		alloc, commit, free         dist // createSteps
+
 	}
 	var rows []row
 	for _, size := range sizes {
 		r := row{size: size}
-		var createNS []int64
-		for i := range iters {
-			name := fmt.Sprintf("bench-create-%d", i)
-			t := time.Now()
-			if _, _, err := c.CreateOnly(ctx, name, size, nil); err != nil {
-				return err
+		r.alloc, r.commit, r.free, err = createSteps(c.Backend(), dev, size, min(iters, 50))
+		if err != nil {
+			return fmt.Errorf("create steps: %w", err)
+		}
+		// Back to back, creates come faster than the pool makes
+		// allocations ahead; paced, each finds one ready, as a service
+		// creating a segment per request would.
+		pace := 4*(r.alloc.p50+r.commit.p50+r.free.p50) + time.Millisecond
+		for _, paced := range []bool{false, true} {
+			var createNS []int64
+			for i := range iters {
+				if paced {
+					time.Sleep(pace)
+				}
+				name := fmt.Sprintf("bench-create-%d", i)
+				t := time.Now()
+				if _, _, err := c.CreateOnly(ctx, name, size, nil); err != nil {
+					return err
+				}
+				createNS = append(createNS, time.Since(t).Nanoseconds())
+				if err := c.Unlink(ctx, name); err != nil {
+					return err
+				}
 			}
-			createNS = append(createNS, time.Since(t).Nanoseconds())
-			if err := c.Unlink(ctx, name); err != nil {
-				return err
+			if paced {
+				r.paced, r.pace = summarize(createNS), pace
+			} else {
+				r.create = summarize(createNS)
 			}
 		}
-		r.create = summarize(createNS)
 
 		seg, err := c.Create(ctx, "bench", size, nil)
 		if err != nil {
@@ -150,6 +178,20 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 			fmtDur(r.floor.p50), fmtDur(r.floor.p99), fmtDur(r.open.p50), fmtDur(r.open.p99),
 			float64(r.open.p50)/float64(r.floor.p50),
 			fmtDur(r.reopen.p50), fmtDur(r.reopen.p99), fmtDur(r.create.p50), fmtDur(r.create.p99))
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	fmt.Printf("\ncreate, split: the daemon's create back to back and one per pace (each finding its size made ahead, --create-pool), and the steps of an allocation made while a create waits, timed in this process\n\n")
+	w = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	alloc, commit := "memfd p50", "fallocate p50"
+	if c.Backend() == "cuda" {
+		alloc, commit = "cuMemCreate p50", "export p50"
+	}
+	fmt.Fprintf(w, "size\tcreate p50\tpace\tpaced p50\tpaced p99\t%s\t%s\tfree p50\t\n", alloc, commit)
+	for _, r := range rows {
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", formatSize(r.size), fmtDur(r.create.p50), fmtDur(r.pace),
+			fmtDur(r.paced.p50), fmtDur(r.paced.p99), fmtDur(r.alloc.p50), fmtDur(r.commit.p50), fmtDur(r.free.p50))
 	}
 	if err := w.Flush(); err != nil {
 		return err

@@ -86,6 +86,7 @@ func (d *privateDaemon) stop() error {
 // socket of its own, connects to it, runs fn, and stops the daemon,
 // reporting fn's error first.
 func withPrivateDaemon(ctx context.Context, backend string, fn func(d *privateDaemon, c *gpushm.Client) error, daemonArgs ...string) (err error) {
+	before, _ := memoryInUse(resolvedBackend(backend))
 	d, err := startDaemon(ctx, backend, daemonArgs...)
 	if err != nil {
 		return err
@@ -93,6 +94,9 @@ func withPrivateDaemon(ctx context.Context, backend string, fn func(d *privateDa
 	defer func() {
 		if serr := d.stop(); err == nil {
 			err = serr
+		}
+		if err == nil {
+			reportLeftovers(os.Stdout, resolvedBackend(backend), d.socket, before)
 		}
 	}()
 	socketFlag = d.socket

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"os"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -78,4 +79,64 @@ func mapFloor(d *cuda.Device, fd int, size int64) (undo func() error, err error)
 	return func() error {
 		return errors.Join(d.Unmap(ptr, size), d.Release(h))
 	}, nil
+}
+
+// createSteps times, in this process and without the daemon, the steps
+// a create of size costs a backend: making the allocation (cuMemCreate, or
+// memfd_create + ftruncate + seal) and making it durable (the export to a
+// descriptor the supervisor can hold, or fallocate committing the pages),
+// then freeing it. They are what a create pays when its size is not made
+// ahead (--create-pool).
+func createSteps(backend string, dev gpushm.Device, size int64, iters int) (alloc, commit, free dist, err error) {
+	size = (size + dev.Granularity - 1) / dev.Granularity * dev.Granularity
+	var a, c, f []int64
+	for range iters {
+		t0 := time.Now()
+		var t1, t2 time.Time
+		if backend == "cuda" {
+			d, err := cuda.GetDevice(dev.Index)
+			if err != nil {
+				return alloc, commit, free, err
+			}
+			h, err := d.Create(size)
+			if err != nil {
+				return alloc, commit, free, err
+			}
+			t1 = time.Now()
+			fd, err := d.ExportFD(h)
+			t2 = time.Now()
+			if err == nil {
+				unix.Close(fd)
+			}
+			if rerr := d.Release(h); err == nil {
+				err = rerr
+			}
+			if err != nil {
+				return alloc, commit, free, err
+			}
+		} else {
+			fd, err := unix.MemfdCreate("gpushm-steps", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+			if err != nil {
+				return alloc, commit, free, err
+			}
+			err = unix.Ftruncate(fd, size)
+			if err == nil {
+				_, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL)
+			}
+			t1 = time.Now()
+			if err == nil {
+				err = unix.Fallocate(fd, 0, 0, size)
+			}
+			t2 = time.Now()
+			unix.Close(fd)
+			if err != nil {
+				return alloc, commit, free, err
+			}
+		}
+		t3 := time.Now()
+		a = append(a, t1.Sub(t0).Nanoseconds())
+		c = append(c, t2.Sub(t1).Nanoseconds())
+		f = append(f, t3.Sub(t2).Nanoseconds())
+	}
+	return summarize(a), summarize(c), summarize(f), nil
 }
