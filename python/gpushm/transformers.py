@@ -78,7 +78,7 @@ def from_pretrained(name: str, *, client=None, readonly: bool = True, model_clas
         cls = model_class or transformers.AutoModelForCausalLM
         # Parameters on meta; buffers on the CPU, in the checkpoint's dtype
         # as transformers' own loader makes them.
-        with torch.device("cpu"), _default_dtype(torch, dtype), _parameters_on_meta(torch):
+        with torch.device("cpu"), _default_dtype(torch, dtype), _parameters_on_meta(torch), _no_init_weights():
             if hasattr(cls, "from_config"):
                 model = cls.from_config(config, **model_kwargs)
             else:
@@ -219,6 +219,21 @@ def _default_dtype(torch, dtype):
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def _no_init_weights():
+    """transformers' own switch that skips weight initialisation (torch.nn.init
+    and the model's init_weights): every parameter is replaced by the
+    bundle's tensor, so the work, even on the meta device, is thrown away.
+    It moved from modeling_utils (4.x) to initialization (5.x)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            return contextlib.nullcontext()
+    return no_init_weights()
 
 
 @contextlib.contextmanager
