@@ -12,7 +12,9 @@
 // timeouts are 0, and files are opened with FOPEN_DIRECT_IO), because the
 // registry changes behind the kernel's back through the socket, and because
 // socket clients write the same memory directly: every read and write here
-// is a copy to or from the segment's memory, never the page cache.
+// is a copy to or from the segment's memory, never the page cache. Only
+// mmap goes through the page cache (FUSE_DIRECT_IO_ALLOW_MMAP), which the
+// kernel drops at every open: docs/fuse.md, "mmap".
 //
 // A file created empty is a segment with no memory (segment.CreateOptions
 // AllowEmpty); the first write or truncate allocates. Socket clients see it

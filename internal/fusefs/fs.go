@@ -87,6 +87,12 @@ func Mount(dir string, reg *segment.Registry, b Backend, log *slog.Logger) (*Ser
 			// Reads and writes are the requests that matter; let enough
 			// of them run at once.
 			MaxBackground: 64,
+			// mmap of a file opened for direct I/O (Linux 6.6 and
+			// later; older kernels answer ENODEV): a shared mapping goes
+			// through the page cache, read from the segment as pages
+			// are touched and written back on msync, munmap or
+			// writeback, while read and write stay direct.
+			ExtraCapabilities: fuse.CAP_DIRECT_IO_ALLOW_MMAP,
 			// Replies are bytes in memory, never a descriptor to splice
 			// from; splicing them through a pipe only costs.
 			DisableSplice: true,
