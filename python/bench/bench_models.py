@@ -50,6 +50,7 @@ REPO = HERE.parents[2]
 sys.path.insert(0, str(REPO / "python"))
 
 import gpushm  # noqa: E402
+from gpushm import testing  # noqa: E402
 
 GB = 1e9
 GIB = 1 << 30
@@ -98,36 +99,6 @@ def have(module):
 
 
 # ---- processes ---------------------------------------------------------------
-
-class Daemon:
-    def __init__(self, binary, backend, out):
-        self.dir = tempfile.mkdtemp(prefix="gpushm-models-")
-        self.socket = os.path.join(self.dir, "s.sock")
-        self.log = open(os.path.join(out, f"daemon-{backend}.log"), "w")
-        self.proc = subprocess.Popen([binary, "daemon", "--socket", self.socket, "--backend", backend],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                gpushm.connect(self.socket).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"gpushm daemon --backend {backend} did not start; see {self.log.name}")
-                time.sleep(0.05)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
 
 class Ctx:
     """What every part needs: the binary, the daemon, where to write."""
@@ -929,7 +900,8 @@ def main():
     daemon = None
     used0 = gpu_used_mib()
     try:
-        daemon = Daemon(a.gpushm, a.backend, a.out)
+        daemon = testing.Daemon(a.backend, binary=a.gpushm, log=os.path.join(a.out, f"daemon-{a.backend}.log"),
+                                new_session=True)
         ctx = Ctx(a, daemon)
         parts = a.parts.split(",")
         if "a" in parts and not a.tiny:
