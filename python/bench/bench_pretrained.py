@@ -322,7 +322,9 @@ def w_model(a):
     if a.logits and a.index == 0:
         torch.save(logits.cpu(), a.logits)
     if a.count_ops:
-        rep["ops"] = count_ops(torch, lambda: gpushm.transformers.from_pretrained(a.name))
+        # Read-write, so that no inference mode meets the dispatch mode: how
+        # the model is built (where initialisation would run) is the same.
+        rep["ops"] = count_ops(torch, lambda: gpushm.transformers.from_pretrained(a.name, readonly=False))
     return rep
 
 
