@@ -17,8 +17,9 @@ time, alternating:
   transformers  AutoModelForCausalLM.from_pretrained(dir, device_map="cuda",
                 dtype=torch.bfloat16) (torch_dtype= before transformers 5)
 
-Each worker imports torch and transformers (and the Llama modeling code)
-and makes its CUDA context first; only the call is timed. The gpushm worker
+Each worker imports torch and transformers (the Llama modeling code, the
+Auto classes and GenerationConfig, which transformers imports on first
+use) and makes its CUDA context first; only the call is timed. The gpushm worker
 also records where the call's time goes (its steps), then builds the model
 a second time under a dispatch mode that counts every aten op, to show
 that no weight initialisation runs (no normal_, uniform_, fill_, ...). Both
@@ -288,6 +289,10 @@ def w_model(a):
     import transformers.models.llama.modeling_llama  # noqa: F401  (imported lazily otherwise, inside the timing)
     import gpushm.torch
     import gpushm.transformers
+    # transformers imports these on first use: both ways use them, and a
+    # program using either has imported them before it loads a model.
+    for cls in ("AutoConfig", "AutoModelForCausalLM", "GenerationConfig"):
+        getattr(transformers, cls)
     rep = {"import_s": time.perf_counter() - t}
     cuda = torch.cuda.is_available() and os.environ.get("GPUSHM_BENCH_BACKEND", "cuda") == "cuda"
     if cuda:

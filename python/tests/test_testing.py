@@ -33,9 +33,10 @@ def test_daemon_pids_and_stop_leave_nothing():
 
 
 def test_still_alive_sees_a_process_and_its_end():
-    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "gpushm-testing-marker"],
-                         stdin=subprocess.PIPE)
+    p = subprocess.Popen([sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()",
+                          "gpushm-testing-marker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        assert p.stdout.readline().strip() == "ready"  # exec'd: its command line is its own
         started = {p.pid: testing.start_time(p.pid)}
         alive = testing.still_alive(started, wait=0)
         assert len(alive) == 1 and alive[0].startswith(f"{p.pid} ") and "gpushm-testing-marker" in alive[0], alive
