@@ -453,8 +453,9 @@ def main():
         check(False, "setup", f"{type(e).__name__}: {e}")
     finally:
         # Also when stopped by SIGTERM (a time limit): what ran is reported.
-        if run.daemon is not None:
+        if getattr(run, "client", None) is not None:
             run.client.close()
+        if run.daemon is not None:
             run.daemon.stop()
         alive = testing.still_alive(run.started, naming=run.daemon.socket if run.daemon else None)
         check(not alive, "leftover-processes", "processes this run started, still alive: " + ("; ".join(alive) or "none"))
