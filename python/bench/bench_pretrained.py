@@ -67,10 +67,12 @@ SIZES = {
     "16G": (dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256, tied=False), 35, 0.150),
     "tiny": (dict(hidden=64, inter=128, heads=4, kv_heads=2, vocab=256, tied=False), 2, None),
 }
-# aten ops that initialise weights (torch.nn.init and transformers'
-# _init_weights come down to these).
-INIT_OPS = {"normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_", "exponential_", "log_normal_",
-            "cauchy_", "geometric_", "erfinv_", "trunc_normal_"}
+# aten ops that draw initial weights: torch.nn.init's and transformers'
+# _init_weights' normal_, uniform_, trunc_normal_ (uniform_ + erfinv_),
+# kaiming_* and xavier_* come down to these. (fill_ and zero_ are not
+# counted: a constructor's torch.ones for a norm's weight may become one.)
+INIT_OPS = {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log_normal_", "cauchy_", "geometric_",
+            "erfinv_"}
 
 _verdicts = []
 
