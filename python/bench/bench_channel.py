@@ -61,10 +61,7 @@ import json
 import multiprocessing
 import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -389,36 +386,15 @@ def parse_args(argv):
 
 
 def start_daemon(gbin, backend):
+    """The daemon of gpushm.testing, which the tests use too."""
     if not (os.path.isfile(gbin) and os.access(gbin, os.X_OK)):
         raise SystemExit(f"bench_channel: no gpushm binary at {gbin} (build one: go build -o .gpu/gpushm ./cmd/gpushm; pass --bin)")
-    d = tempfile.mkdtemp(prefix="gpushm-bench-ch-")
-    sock = os.path.join(d, "s.sock")
-    log = open(os.path.join(d, "daemon.log"), "w+")
-    proc = subprocess.Popen([gbin, "daemon", "--socket", sock, "--backend", backend, "--log-level", "warn"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    import gpushm
+    from gpushm import testing
 
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            gpushm.connect(sock).close()
-            return proc, sock, d, log
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise SystemExit(f"bench_channel: the daemon did not start:\n{log.read()}")
-            time.sleep(0.02)
-
-
-def stop_daemon(proc, d, log):
-    proc.terminate()
     try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
-    shutil.rmtree(d, ignore_errors=True)
+        return testing.Daemon(backend, "--log-level", "warn", binary=gbin)
+    except RuntimeError as e:
+        raise SystemExit(f"bench_channel: {e}") from None
 
 
 def report(fw, a, g, q, argv):
@@ -479,11 +455,11 @@ def main(argv):
         need = "--smoke needs numpy" if a.smoke else "the GPU run needs torch (--smoke needs only numpy)"
         raise SystemExit(f"bench_channel: {e}: {need}") from None
     fw.start()
-    proc, sock, d, log = start_daemon(a.bin, fw.backend)
+    daemon = start_daemon(a.bin, fw.backend)
     try:
-        g = bench_gpushm(fw, a, sock, a.sizes)
+        g = bench_gpushm(fw, a, daemon.socket, a.sizes)
     finally:
-        stop_daemon(proc, d, log)
+        daemon.stop(20)
     q = bench_queue(fw, a, a.sizes)
     failures = report(fw, a, g, q, argv)
     if failures:

@@ -28,6 +28,8 @@ exits 1 if anything failed. Logs and raw figures go to --out. Nothing is
 fetched from a network; torch, transformers and safetensors are used where
 installed, and the checks that need them are skipped otherwise (as in CI).
 The same file is the workers' program ('worker' subcommand).
+python/bench/bench_pretrained.py times from_pretrained alone, one fresh
+process at a time, against transformers' own, at 1.1B and 16 GB.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ REPO = HERE.parents[2]
 sys.path.insert(0, str(REPO / "python"))
 
 import gpushm  # noqa: E402
+from gpushm import testing  # noqa: E402
 
 GB = 1e9
 GIB = 1 << 30
@@ -98,36 +101,6 @@ def have(module):
 
 
 # ---- processes ---------------------------------------------------------------
-
-class Daemon:
-    def __init__(self, binary, backend, out):
-        self.dir = tempfile.mkdtemp(prefix="gpushm-models-")
-        self.socket = os.path.join(self.dir, "s.sock")
-        self.log = open(os.path.join(out, f"daemon-{backend}.log"), "w")
-        self.proc = subprocess.Popen([binary, "daemon", "--socket", self.socket, "--backend", backend],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                gpushm.connect(self.socket).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"gpushm daemon --backend {backend} did not start; see {self.log.name}")
-                time.sleep(0.05)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
 
 class Ctx:
     """What every part needs: the binary, the daemon, where to write."""
@@ -239,17 +212,11 @@ def gpu_used_mib():
         return None
 
 
-def leftovers(socket, used0):
-    """What the run left behind: processes that still name its daemon's
-    socket (the daemon, its serving process, workers), and GPU memory in
-    use against what the run found at its start."""
-    deadline = time.monotonic() + 10
-    while True:
-        r = subprocess.run(["pgrep", "-af", socket], capture_output=True, text=True)
-        alive = [l for l in r.stdout.splitlines() if "pgrep" not in l]
-        if not alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+def leftovers(started, socket, used0):
+    """What the run left behind: the daemon's processes (started: pid to
+    start time) and any that name its socket, and GPU memory in use against
+    what the run found at its start."""
+    alive = testing.still_alive(started, naming=socket)
     check(not alive, "leftover-processes", "processes of this run still alive: " + ("; ".join(alive) if alive else "none"))
     used = gpu_used_mib()
     if used0 is None or used is None:
@@ -285,8 +252,6 @@ def fmt_s(x):
 # Llama-3-8B's shapes; --layers scales the size (35 layers: 16.2 GiB of bf16).
 BIG = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256, tied=False)
 TINY = dict(hidden=64, inter=128, heads=4, kv_heads=2, vocab=256, tied=False)
-# TinyLlama-1.1B's shapes (22 layers): 2.2 GB of bf16.
-ONE_B = dict(hidden=2048, inter=5632, heads=32, kv_heads=4, vocab=32000, tied=False)
 
 
 def llama_tensors(hidden, inter, heads, kv_heads, vocab, tied, layers):
@@ -557,59 +522,6 @@ def part_big(ctx: Ctx):
     part_attach(ctx, d, size)
 
 
-def part_pretrained(ctx: Ctx):
-    """from_pretrained through gpushm against transformers' own, each in a
-    fresh process after its imports, one process at a time, at 1.1B and at
-    the big checkpoint's size."""
-    a = ctx.args
-    if not (ctx.gpu and have("torch") and have("transformers")):
-        say("SKIP", "p-pretrained", "needs torch, transformers and the cuda backend")
-        return
-    sizes = [("1.1B", ONE_B, 22, "p-1b"), ("big", BIG, a.layers, "big")]
-    rows = []
-    for label, shape, layers, name in sizes:
-        d = ctx.work / ("big" if name == "big" else name)
-        if not (d / "config.json").exists():
-            synthesize(d, shape, layers, 5 * 10 ** 9)
-        size = sum(p.stat().st_size for p in shard_files(d))
-        for p in shard_files(d):  # the page cache, as for transformers' load
-            with open(p, "rb", buffering=0) as f:
-                while f.read(16 << 20):
-                    pass
-        try:
-            ctx.client.stat(name)
-        except FileNotFoundError:
-            rc, err, _ = ctx.gpushm("put", "--readonly-default", name, str(d), log=f"{name}-put.log")
-            if rc != 0:
-                check(False, "p-put", f"exit {rc}: {err[-300:]}")
-                return
-        logits = ctx.work / f"{name}-p-logits"
-        logits.mkdir(exist_ok=True)
-        mine, theirs = [], []
-        for i in range(3):
-            for how, out in (("gpushm", mine), ("disk", theirs)):
-                rs, _ = ctx.workers(f"p-{name}-{how}-{i}", 1, ["hf", how, "--no-attach", "--name", name, "--dir", str(d),
-                                                              "--save-logits", str(logits / how)], timeout=600)
-                for r in rs:
-                    if "error" in r:
-                        check(False, f"p-{label}", r["error"])
-                    elif r.get("load_s") is not None:
-                        out.append(r["load_s"])
-        if not (mine and theirs):
-            continue
-        m, t = statistics.median(mine), statistics.median(theirs)
-        rows.append([label, f"{size / GIB:.2f} GiB", fmt_s(m), fmt_s(min(mine)), fmt_s(t), f"{t / m:.1f}x"])
-        target = 0.05 if label == "1.1B" else 0.15
-        check(m <= target, f"p-{label}", f"gpushm.transformers.from_pretrained of {size / GIB:.2f} GiB in a fresh process: "
-              f"{fmt_s(m)} (median of {len(mine)}; target {fmt_s(target)}); transformers' own {fmt_s(t)}")
-        r = subprocess.run([sys.executable, "-c", "import sys, torch; a, b = (torch.load(p) for p in sys.argv[1:]); "
-                            "print(torch.equal(a, b))", str(logits / "gpushm-0.pt"), str(logits / "disk-0.pt")],
-                           capture_output=True, text=True, timeout=120)
-        check(r.stdout.strip() == "True", f"p-{label}-logits", f"logits of gpushm's model equal transformers' own load: {r.stdout.strip() or r.stderr[-200:]}")
-    table("from_pretrained, fresh process after imports, one at a time (median of 3)",
-          ["model", "weights", "gpushm", "gpushm best", "transformers from the page cache", "ratio"], rows)
-
-
 def part_cold(ctx, d, shards, size):
     if os.geteuid() != 0 or not drop_caches():
         say("SKIP", "b-cold", "cannot drop the page cache (needs root and a writable /proc/sys/vm/drop_caches)")
@@ -724,7 +636,6 @@ def worker(argv):
     ap.add_argument("--ref")
     ap.add_argument("--save-logits")
     ap.add_argument("--check-writes", action="store_true")
-    ap.add_argument("--no-attach", action="store_true", help="time from_pretrained alone, the first touch of the bundle")
     a = ap.parse_args(argv)
     {"make-small": w_make_small, "hf": w_hf, "np": w_np, "fault": w_fault, "st-load": w_st_load}[a.mode](a)
 
@@ -782,12 +693,10 @@ def w_hf(a):
     torch.zeros(1, device="cuda")  # the CUDA context, which both ways need
     torch.cuda.synchronize()
     if a.how == "gpushm":
-        sd = None
-        if not a.no_attach:
-            t = time.perf_counter()
-            sd = gpushm.torch.state_dict(a.name)
-            rep["attach_s"] = time.perf_counter() - t
-            rep["tensors"] = len(sd)
+        t = time.perf_counter()
+        sd = gpushm.torch.state_dict(a.name)
+        rep["attach_s"] = time.perf_counter() - t
+        rep["tensors"] = len(sd)
         t = time.perf_counter()
         model = gpushm.transformers.from_pretrained(a.name)
         rep["load_s"] = time.perf_counter() - t
@@ -926,26 +835,26 @@ def main():
         a.work = tempfile.mkdtemp(prefix="gpushm-models-", dir=str(REPO / ".gpu") if (REPO / ".gpu").is_dir() else None)
     print(f"bench_models: {time.strftime('%Y-%m-%d %H:%M:%S')}, backend {a.backend}, work in {a.work}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    daemon = None
+    daemon, started = None, {}
     used0 = gpu_used_mib()
     try:
-        daemon = Daemon(a.gpushm, a.backend, a.out)
+        daemon = testing.Daemon(a.backend, binary=a.gpushm, log=os.path.join(a.out, f"daemon-{a.backend}.log"),
+                                new_session=True)
+        started = {pid: testing.start_time(pid) for pid in daemon.pids()}
         ctx = Ctx(a, daemon)
         parts = a.parts.split(",")
         if "a" in parts and not a.tiny:
             part("part a: a small model, many workers", part_small, ctx)
         if "b" in parts:
             part("part b: a big checkpoint at line rate", part_big, ctx)
-        if "p" in parts and not a.tiny:
-            part("part p: from_pretrained at 1.1B and at the big size, against transformers", part_pretrained, ctx)
     except Exception as e:
         say("FAIL", "setup", f"{type(e).__name__}: {e}")
     finally:
         # Also when stopped by SIGTERM (the time limit): what ran is reported.
         if daemon is not None:
             daemon.stop()
-            leftovers(daemon.socket, used0)
-        for sub in ("small", "small-back", "big", "big-back", "big-logits", "small-ref.pt", "p-1b", "p-1b-p-logits", "big-p-logits"):
+            leftovers(started, daemon.socket, used0)
+        for sub in ("small", "small-back", "big", "big-back", "big-logits", "small-ref.pt"):
             p = Path(a.work) / sub
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         if made:

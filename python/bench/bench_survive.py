@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import gpushm  # noqa: E402
+from gpushm import testing  # noqa: E402
 
 failures = []
 
@@ -249,15 +250,16 @@ def main():
     gbin = os.path.abspath(a.bin)
     cuda = a.backend == "cuda"
     work = tempfile.mkdtemp(prefix="gpushm-survive-")
-    sock = os.path.join(work, "s.sock")
-    log = open(os.path.join(work, "daemon.log"), "w+")
-    daemon = None
+    fixture = daemon = sock = log = None
     results = {"date": datetime.date.today().isoformat(), "backend": a.backend, "size": a.size,
                "bundle_mb": a.bundle_mb, "kills": a.kills, "supervisor_kills": a.supervisor_kills}
     try:
         base = gpu_used() if cuda else None
-        daemon = subprocess.Popen([gbin, "daemon", "--socket", sock, "--backend", a.backend, "--grace", a.grace],
-                                  stdout=log, stderr=subprocess.STDOUT)
+        # The tests' daemon fixture; from here on this program drives its
+        # processes itself (kills, an upgrade, the stop).
+        fixture = testing.Daemon(a.backend, "--grace", a.grace, binary=gbin, log=os.path.join(work, "daemon.log"),
+                                 timeout=60)
+        daemon, sock, log = fixture.proc, fixture.socket, fixture.log
         wait_serving(sock, 0)
         big, model = os.path.join(work, "big.bin"), os.path.join(work, "model.safetensors")
         write_random(big, a.size)
@@ -378,10 +380,13 @@ def main():
             except OSError:
                 daemon.kill()
             daemon.wait()
-        log.seek(0)
-        if failures:
-            print("daemon log:\n" + log.read()[-4000:], file=sys.stderr)
-        log.close()
+        if log is not None:
+            log.seek(0)
+            if failures:
+                print("daemon log:\n" + log.read()[-4000:], file=sys.stderr)
+            log.close()
+        if fixture is not None:
+            shutil.rmtree(fixture.dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "survive.json"), "w") as f:

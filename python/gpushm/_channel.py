@@ -36,8 +36,9 @@ import warnings
 import weakref
 
 from . import _cuda, _mapping
-from ._client import Error, InvalidError, NotFoundError, SegmentInfo, error
+from ._errors import Error, InvalidError, NotFoundError, error
 from ._tensors import Layout, dtype_of, layout_of
+from ._types import SegmentInfo
 from ._view import View
 
 # The control block (docs/protocol.md).

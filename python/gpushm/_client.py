@@ -13,7 +13,6 @@ from __future__ import annotations
 import array
 import collections
 import ctypes
-import dataclasses
 import errno
 import itertools
 import json
@@ -25,14 +24,22 @@ import threading
 import time
 import weakref
 
-from . import _cuda, _dlpack, _mapping
+from . import _alloc, _channel, _cuda, _dlpack, _mapping
+from ._errors import (BusyError, Error, ExistsError, InvalidError, NotCommittedError, NotFoundError,  # noqa: F401
+                      OutOfMemoryError, PermissionDeniedError, WaitTimeoutError, error)
 from ._tensors import _DTYPES
 from ._tensors import (Layout, bundle_files, bundle_meta, decode_bundle, encode_bundle, is_bundle,
                        layout_from_meta, layout_of)
+from ._types import SegmentInfo
 from ._view import View, view_of
 
 MAX_MESSAGE = 65536
 VERSION = 1
+# One encoder and decoder for every message: json.dumps with separators
+# builds a new encoder each call, and json.loads of bytes sniffs the
+# encoding, which the protocol fixes (UTF-8).
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+_decode = json.JSONDecoder().decode
 
 
 def default_socket() -> str:
@@ -46,96 +53,6 @@ def default_socket() -> str:
     if os.environ.get("XDG_RUNTIME_DIR"):
         return os.path.join(os.environ["XDG_RUNTIME_DIR"], "gpushm", "gpushm.sock")
     return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"gpushm-{os.geteuid()}", "gpushm.sock")
-
-
-# ---- errors -------------------------------------------------------------
-
-class Error(OSError):
-    """An error reported by the daemon. .code is the protocol's errno name
-    ("ENOENT"), .errno the number; the message is the daemon's. Each is also
-    the matching builtin: FileNotFoundError, FileExistsError,
-    PermissionError, MemoryError or ValueError."""
-
-    code = "EIO"
-
-
-class NotFoundError(Error, FileNotFoundError):
-    pass
-
-
-class ExistsError(Error, FileExistsError):
-    pass
-
-
-class PermissionDeniedError(Error, PermissionError):
-    pass
-
-
-class OutOfMemoryError(Error, MemoryError):
-    pass
-
-
-class InvalidError(Error, ValueError):
-    pass
-
-
-class BusyError(Error):
-    """EBUSY: the segment is in use in a way that forbids the operation (a
-    channel's producer or consumer role that another process holds)."""
-
-
-class NotCommittedError(Error, BlockingIOError):
-    """EAGAIN: the segment is still being written; its writer has not
-    committed it (open it with wait= to wait for that)."""
-
-
-class WaitTimeoutError(Error, TimeoutError):
-    """ETIMEDOUT: an open's wait for a commit ran out."""
-
-
-_ERRORS = {"ENOENT": NotFoundError, "EEXIST": ExistsError, "EACCES": PermissionDeniedError,
-           "EPERM": PermissionDeniedError, "ENOMEM": OutOfMemoryError, "EINVAL": InvalidError,
-           "ENAMETOOLONG": InvalidError, "ENODEV": InvalidError, "EBUSY": BusyError,
-           "EAGAIN": NotCommittedError, "ETIMEDOUT": WaitTimeoutError}
-
-
-def error(code: str, message: str) -> Error:
-    cls = _ERRORS.get(code, Error)
-    e = cls(getattr(errno, code, errno.EIO), f"gpushm: {message}")
-    e.code = code
-    return e
-
-
-# ---- segment descriptions -------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class SegmentInfo:
-    """A segment as the daemon describes it (docs/protocol.md, "Segment
-    object"). meta is None in list() results."""
-
-    id: int
-    name: str
-    size: int
-    alloc_size: int
-    device: int
-    handle_type: str
-    uid: int
-    gid: int
-    mode: int
-    opens: int
-    created: int  # Unix nanoseconds
-    meta: object = None
-    # The GPU of a cuda segment by UUID: the daemon's device number may not
-    # be this process's (a container, CUDA_VISIBLE_DEVICES).
-    uuid: str = None
-    uncommitted: bool = False  # still being written: not openable until committed
-
-    @classmethod
-    def from_wire(cls, d: dict) -> SegmentInfo:
-        return cls(*[d.get(k, dflt) for k, dflt in _INFO_FIELDS])
-
-
-_INFO_FIELDS = [(f.name, f.default if f.default is not dataclasses.MISSING else 0) for f in dataclasses.fields(SegmentInfo)]
 
 
 # ---- the client -----------------------------------------------------------
@@ -478,7 +395,7 @@ class Client:
             rid = next(self._ids)
         req = {"id": rid, "op": op}
         req.update(fields)
-        b = json.dumps(req, separators=(",", ":")).encode()
+        b = _encode(req).encode()
         if len(b) > MAX_MESSAGE:
             raise ValueError(f"gpushm: {op} request is {len(b)} bytes, over the protocol's {MAX_MESSAGE} (meta too large?)")
         waits = fields.get("wait") and self._timeout > 0
@@ -589,7 +506,7 @@ class Client:
                 os.close(fd)
             raise error("EPROTO", "reply over 65536 bytes or with more than one descriptor")
         try:
-            rep = json.loads(msg)
+            rep = _decode(msg.decode())
         except ValueError:
             for fd in fds:
                 os.close(fd)
@@ -698,8 +615,6 @@ class Client:
         "auto": torch tensors on a GPU when torch imports (else CuPy, else
         Views), numpy arrays in host memory. spin_us is how long a wait
         polls the channel before it sleeps."""
-        from . import _channel
-
         return _channel.open_channel(self, name, shape=shape, dtype=dtype, nbytes=nbytes, slots=slots, role=role,
                                      device=device, devices=devices, mode=mode, wait_for_consumer=wait_for_consumer,
                                      framework=framework, spin_us=spin_us)
@@ -825,14 +740,13 @@ class Client:
         tensor, so PyTorch's caching allocator cannot hand its memory to
         another tensor while it is published. The whole allocation is shared
         (neighbouring tensors included): see docs/security.md."""
-        from . import torch as _gt
         import torch
         if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
             raise TypeError("gpushm: publish takes a torch CUDA tensor (use share to copy anything else)")
         # The daemon and importers see the bytes as they are now: finish the
         # writes queued on the tensor's device.
         torch.cuda.synchronize(tensor.device)
-        fd, base, alloc, dev = _gt.export(tensor.data_ptr())
+        fd, base, alloc, dev = _alloc.export(tensor.data_ptr())
         try:
             lay = Layout(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                          tensor.data_ptr() - base)
@@ -941,17 +855,15 @@ class Client:
         meta = self.stat(name).meta
         return bool(is_bundle(meta) and meta.get("readonly") is True)
 
-    def files(self, name: str) -> dict:
+    def files(self, name: str, only=None) -> dict:
         """The small files a bundle keeps beside its tensors ('gpushm put' of
         a checkpoint directory: config.json, the tokenizer's, ...), as bytes
         by name; {} for a bundle without any. Reading them copies out of the
-        segment (device to host on a GPU); nothing is read from disk."""
+        segment (device to host on a GPU); nothing is read from disk. only,
+        a function of a file's name, says which to read (default: all)."""
         seg = self.open(name, True)
         try:
-            meta = seg.meta
-            if not is_bundle(meta):
-                raise ValueError(f"gpushm: segment {name!r} is not a tensor bundle (its meta is {json.dumps(meta)})")
-            return {n: seg.read(size, off) for n, off, size in bundle_files(meta, seg.size)}
+            return _bundle_files(seg, only)
         finally:
             seg.close()
 
@@ -981,6 +893,18 @@ class Bundle(dict):
 
     metadata = None
     segment = None
+
+    def files(self, only=None) -> dict:
+        """The bundle's small files as bytes by name, read through the
+        bundle's own mapping (Client.files, without another open)."""
+        return _bundle_files(self.segment, only)
+
+
+def _bundle_files(seg, only):
+    meta = seg.meta
+    if not is_bundle(meta):
+        raise ValueError(f"gpushm: segment {seg.name!r} is not a tensor bundle (its meta is {json.dumps(meta)})")
+    return {n: seg.read(size, off) for n, off, size in bundle_files(meta, seg.size) if only is None or only(n)}
 
 
 def _borrow(obj):

@@ -224,6 +224,7 @@ class Device:
         cu.check("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), ordinal))
         cu.check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
         self.ordinal, self.ctx = ordinal, ctx
+        self._access = {}  # (GPUs, readonly) -> CUmemAccessDesc array, built once
 
     def __enter__(self):
         self.cu.check("cuCtxPushCurrent", self.cu.cuCtxPushCurrent(self.ctx))
@@ -235,7 +236,12 @@ class Device:
     def import_map(self, fd: int, size: int, readonly: bool, access=None) -> int:
         """Maps a cuda_fd descriptor (not taken over) into this process, with
         access for every GPU in access (default: this one), in one call."""
-        access = list(access) if access else [self.ordinal]
+        access = tuple(access) if access else (self.ordinal,)
+        descs = self._access.get((access, readonly))
+        if descs is None:
+            prot = CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            descs = self._access[(access, readonly)] = (CUmemAccessDesc * len(access))(
+                *[CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), prot) for d in access])
         h, ptr = c_uint64(), c_uint64()
         with self as cu:
             cu.check("cuMemImportFromShareableHandle",
@@ -246,9 +252,6 @@ class Device:
                 cu.check("cuMemAddressReserve", cu.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0))
                 try:
                     cu.check("cuMemMap", cu.cuMemMap(ptr, size, 0, h, 0))
-                    prot = CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                    descs = (CUmemAccessDesc * len(access))(
-                        *[CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), prot) for d in access])
                     r = cu.cuMemSetAccess(ptr, size, descs, len(access))
                     if r:
                         cu.cuMemUnmap(ptr, size)

@@ -20,71 +20,28 @@ LD_PRELOAD, its way to do the same for unmodified programs.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import pathlib
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import torch
 
+from . import _alloc
+from ._alloc import export, library_path, stats  # noqa: F401  (gpushm.torch.export, as documented)
+from ._client import connect, default_socket
+
 _lock = threading.Lock()
 _clients = {}  # socket -> Client, one per process
-_lib = None
 _allocator = None
 # Pools live as long as the process: a tensor allocated from a pool must not
 # outlive it, and nothing tells us when the last one goes.
 _pools = []
 
 
-def library_path() -> str:
-    """Finds libgpushm_alloc.so: $GPUSHM_ALLOC_LIB, beside this package, or
-    built from the repository's native/gpushm_alloc.c with cc into a cache
-    (it needs no CUDA toolkit)."""
-    env = os.environ.get("GPUSHM_ALLOC_LIB")
-    if env:
-        return env
-    here = pathlib.Path(__file__).resolve().parent
-    for p in (here / "libgpushm_alloc.so", here.parent.parent / "native" / "libgpushm_alloc.so"):
-        if p.exists():
-            return str(p)
-    src = here.parent.parent / "native" / "gpushm_alloc.c"
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if src.exists() and cc:
-        cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "gpushm"
-        cache.mkdir(parents=True, exist_ok=True)
-        out = cache / "libgpushm_alloc.so"
-        if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
-            tmp = tempfile.mktemp(dir=cache, suffix=".so")
-            subprocess.run([cc, "-std=c11", "-shared", "-fPIC", "-O2", "-o", tmp, str(src), "-ldl", "-lpthread"],
-                           check=True, capture_output=True)
-            os.replace(tmp, out)
-        return str(out)
-    raise FileNotFoundError("gpushm: libgpushm_alloc.so not found: set GPUSHM_ALLOC_LIB, or build it with 'make -C native'")
-
-
-def _library():
-    global _lib
-    with _lock:
-        if _lib is None:
-            lib = ctypes.CDLL(library_path())
-            lib.gpushm_export.argtypes = [ctypes.c_uint64, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
-                                          ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)]
-            lib.gpushm_export.restype = ctypes.c_int
-            lib.gpushm_alloc_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
-            lib.gpushm_alloc_stats.restype = ctypes.c_int
-            lib.gpushm_last_error.restype = ctypes.c_char_p
-            _lib = lib
-        return _lib
-
-
 def _pluggable():
     global _allocator
     with _lock:
         if _allocator is None:
-            _allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "gpushm_malloc", "gpushm_free")
+            _allocator = torch.cuda.memory.CUDAPluggableAllocator(_alloc.library_path(), "gpushm_malloc", "gpushm_free")
         return _allocator
 
 
@@ -99,37 +56,15 @@ def shareable(device=None):
         yield pool
 
 
-def export(ptr: int):
-    """Exports the allocation holding device address ptr: returns (fd, base,
-    alloc_size, device); the caller owns fd. Fails for memory that did not
-    come from the gpushm allocator."""
-    lib = _library()
-    fd, base, size, dev = ctypes.c_int(-1), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int()
-    r = lib.gpushm_export(ptr, ctypes.byref(fd), ctypes.byref(base), ctypes.byref(size), ctypes.byref(dev))
-    if r != 0:
-        why = (lib.gpushm_last_error() or b"").decode(errors="replace")
-        raise ValueError(f"gpushm: address {ptr:#x} is not in exportable memory ({why or r}): allocate the tensor "
-                         "under gpushm.torch.shareable(), or run the program with gpushm's LD_PRELOAD library")
-    return fd.value, base.value, size.value, dev.value
-
-
-def stats():
-    """(live allocations, live bytes) of the gpushm allocator in this process."""
-    n, b = ctypes.c_uint64(), ctypes.c_uint64()
-    _library().gpushm_alloc_stats(ctypes.byref(n), ctypes.byref(b))
-    return n.value, b.value
-
-
 def _client(c=None):
     """c, or this process's shared connection to the default daemon."""
     if c is not None:
         return c
-    from . import _client
-    sock = _client.default_socket()
+    sock = default_socket()
     with _lock:
         got = _clients.get(sock)
         if got is None or got._closed or got._broken or got._pid != os.getpid():
-            got = _clients[sock] = _client.connect(sock)
+            got = _clients[sock] = connect(sock)
         return got
 
 
@@ -147,6 +82,16 @@ def state_dict(name: str, readonly: bool = True, client=None) -> dict:
     read-only mapping: CUDA reports an illegal memory access and this
     process's CUDA context is lost, while the shared copy stays intact for
     every other process. docs/python.md has the details."""
-    b = _client(client).tensors(name, readonly=readonly)
+    return _torch_tensors(_client(client).tensors(name, readonly=readonly), readonly)
+
+
+def _torch_tensors(bundle, readonly: bool) -> dict:
+    """Torch tensors of a Bundle's Views, each its own storage as a
+    checkpoint loader makes them (save_pretrained and safetensors tell
+    tensors apart by storage). Each is made from a DLPack capsule handed
+    to torch directly: given the View, torch would negotiate a version and
+    a stream for every tensor, for nothing (gpushm queues no work on the
+    memory, see View.__dlpack__)."""
+    from_dlpack = torch.from_dlpack
     with torch.inference_mode() if readonly else contextlib.nullcontext():
-        return {k: torch.from_dlpack(v) for k, v in b.items()}
+        return {k: from_dlpack(v.__dlpack__()) for k, v in bundle.items()}

@@ -1,14 +1,12 @@
 """Fixtures: real daemons ($GPUSHM_BIN) on sockets in a temporary directory,
-and helpers that run Python snippets in separate processes, as the clients of
-a real deployment are."""
+started by gpushm.testing, which the benchmarks share, and helpers that run
+Python snippets in separate processes, as the clients of a real deployment
+are."""
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
@@ -18,50 +16,22 @@ PYDIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PYDIR))
 
 import gpushm  # noqa: E402
+from gpushm import testing  # noqa: E402
 
 
 def _binary():
-    b = os.environ.get("GPUSHM_BIN")
-    if not b or not os.access(b, os.X_OK):
-        pytest.fail("GPUSHM_BIN must name a built gpushm binary (scripts/test builds one: go build -o .build/gpushm ./cmd/gpushm)")
-    return b
+    try:
+        return testing.env_binary()
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
-class Daemon:
-    def __init__(self, backend, *args):
-        # A short path: sun_path holds 108 bytes. World-searchable, so that
-        # tests running children as another user can reach the socket.
-        self.dir = tempfile.mkdtemp(prefix="gpushm-py-")
-        os.chmod(self.dir, 0o755)
-        self.socket = os.path.join(self.dir, "s.sock")
-        self.log = open(os.path.join(self.dir, "daemon.log"), "w+")
-        self.proc = subprocess.Popen([_binary(), "daemon", "--socket", self.socket, "--backend", backend, *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                gpushm.connect(self.socket).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"gpushm daemon --backend {backend} did not start:\n{self.logs()}")
-                time.sleep(0.02)
+class Daemon(testing.Daemon):
+    """gpushm.testing.Daemon, failing the test with a clear message when
+    GPUSHM_BIN is not set."""
 
-    def logs(self):
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    def __init__(self, backend="host", *args, **kw):
+        super().__init__(backend, *args, binary=kw.pop("binary", None) or _binary(), **kw)
 
 
 @pytest.fixture(scope="session")

@@ -102,6 +102,13 @@ def test_checkpoint_dir_roundtrip(client, daemon, name, tmp_path):
     # The small files, from the segment alone.
     files = client.files(name)
     assert files == {**FILES, "model.safetensors.index.json": (d / "model.safetensors.index.json").read_bytes()}
+    # Only some of them, and through the bundle's own mapping: one open
+    # serves the tensors and the files (what from_pretrained does).
+    assert client.files(name, lambda n: n.endswith(".json") and n != "model.safetensors.index.json") == {
+        k: v for k, v in FILES.items() if k.endswith(".json")}
+    opens = client.stat(name).opens
+    assert b.files() == files and b.files(lambda n: n == "config.json") == {"config.json": FILES["config.json"]}
+    assert client.stat(name).opens == opens, "Bundle.files opened the segment again"
 
     # Another process sees the same.
     out = child(daemon.socket, """
@@ -145,6 +152,7 @@ def test_index_is_followed_and_the_rest_named(client, daemon, name, tmp_path):
 def test_files_of_other_segments(client, name):
     client.put_tensors(name, {"a": np.arange(3)})
     assert client.files(name) == {}
+    assert client.tensors(name).files() == {}
     client.create(name + "raw", 10)
     with pytest.raises(ValueError, match="not a tensor bundle"):
         client.files(name + "raw")

@@ -306,6 +306,32 @@ def test_gpu_from_pretrained(gclient, gpu_daemon, name, torch, tmp_path):
         out = got.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                            pad_token_id=config.eos_token_id)
     assert out.shape == (1, 15)
+    # No weight initialisation at all: no aten op that initialises a tensor
+    # runs while the model is built, on the meta device or anywhere else.
+    # Read-write, so that no inference mode meets the dispatch mode: the
+    # model is built the same way.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gtf._steps = steps = []
+    try:
+        with Ops() as ops:
+            again = gtf.from_pretrained(name, client=gclient, readonly=False)
+    finally:
+        gtf._steps = None
+    # What torch.nn.init and _init_weights draw weights with (a norm's
+    # torch.ones in its constructor may show as fill_, so that is not one).
+    init = ops.seen & {"normal_", "uniform_", "random_", "bernoulli_", "erfinv_", "exponential_"}
+    assert not init, f"from_pretrained initialised weights: {sorted(init)} among {sorted(ops.seen)}"
+    assert [s for s, _ in steps][-1] == "finish" and all(t >= 0 for _, t in steps), steps
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, want)
     # Refused, but after torch queued the kernel that faults on the
     # read-only mapping (test_gpu_checkpoint_state_dict): in a process of
     # its own.

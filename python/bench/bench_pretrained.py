@@ -1,0 +1,482 @@
+#!/usr/bin/env python3
+"""gpushm.transformers.from_pretrained against transformers' own
+from_pretrained, on the same checkpoint directory, in the same run.
+
+    GPUSHM_BIN=.gpu/gpushm PYTHONPATH=python python3 python/bench/bench_pretrained.py --out gpu-out
+    python3 python/bench/bench_pretrained.py --smoke      # CI: host backend, a tiny checkpoint
+
+For each size (1.1B: TinyLlama's shapes, 22 layers, 2.05 GiB of bf16; 16G:
+Llama-3-8B's shapes, 35 layers, 16.2 GiB) it writes a checkpoint directory
+of random weights as save_pretrained lays it out (safetensors shards, the
+index, config.json, generation_config.json; nothing from a hub), puts it
+with 'gpushm put --readonly-default', reads the shards once so that they
+sit in the page cache, and then starts fresh worker processes, one at a
+time, alternating:
+
+  gpushm        gpushm.transformers.from_pretrained(name)
+  transformers  AutoModelForCausalLM.from_pretrained(dir, device_map="cuda",
+                dtype=torch.bfloat16) (torch_dtype= before transformers 5)
+
+Each worker imports torch and transformers (the Llama modeling code, the
+Auto classes and GenerationConfig, which transformers imports on first
+use) and makes its CUDA context first; only the call is timed. The gpushm worker
+also records where the call's time goes (its steps), then builds the model
+a second time under a dispatch mode that counts every aten op, to show
+that no weight initialisation runs (no normal_, uniform_, fill_, ...). Both
+save the logits of one input, which must be equal.
+
+The table: median (and best) of --reps calls each way, and the ratio. At
+its end the program stops its daemon and prints the processes it started
+that are still alive (none) and the GPU memory in use against what it found
+at its start. PASS/FAIL/SKIP/INFO lines; exit 1 if anything failed.
+
+Without torch and transformers (CI's Python) the comparison is skipped
+with a message; the rest (daemon, checkpoint, put, a worker reading the
+bundle with numpy, the leftover check) still runs. The same file is the
+workers' program ('worker' subcommand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[2]
+sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(HERE.parent))
+
+import gpushm  # noqa: E402
+from gpushm import testing  # noqa: E402
+
+GIB = 1 << 30
+
+# name: (shape, layers, target seconds for gpushm's from_pretrained)
+SIZES = {
+    "1.1B": (dict(hidden=2048, inter=5632, heads=32, kv_heads=4, vocab=32000, tied=False), 22, 0.050),
+    "16G": (dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256, tied=False), 35, 0.150),
+    "tiny": (dict(hidden=64, inter=128, heads=4, kv_heads=2, vocab=256, tied=False), 2, None),
+}
+# aten ops that draw initial weights: torch.nn.init's and transformers'
+# _init_weights' normal_, uniform_, trunc_normal_ (uniform_ + erfinv_),
+# kaiming_* and xavier_* come down to these. (fill_ and zero_ are not
+# counted: a constructor's torch.ones for a norm's weight may become one.)
+INIT_OPS = {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log_normal_", "cauchy_", "geometric_",
+            "erfinv_"}
+
+_verdicts = []
+
+
+def say(kind, name, detail):
+    line = f"{kind} {name}: {detail}"
+    print(line, flush=True)
+    _verdicts.append(line)
+
+
+def check(ok, name, detail):
+    say("PASS" if ok else "FAIL", name, detail)
+    return ok
+
+
+def table(title, header, rows):
+    print(f"\n{title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("| " + " | ".join("---" for _ in header) + " |")
+    for r in rows:
+        print("| " + " | ".join(str(x) for x in r) + " |")
+    print(flush=True)
+
+
+def have(*modules):
+    """The modules of those not importable here, with the reason."""
+    missing = []
+    for m in modules:
+        try:
+            __import__(m)
+        except Exception as e:
+            missing.append(f"{m} ({type(e).__name__}: {e})")
+    return missing
+
+
+def fmt_s(x):
+    return "-" if x is None else (f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s")
+
+
+# ---- the run -----------------------------------------------------------------
+
+class Run:
+    def __init__(self, a):
+        self.a = a
+        self.out, self.work = Path(a.out), Path(a.work)
+        self.started = {}  # pid -> start time, of every process this run started
+        self.deadline = time.monotonic() + a.budget
+        self.daemon = None
+        self.env = None
+
+    def start_daemon(self):
+        self.daemon = testing.Daemon(self.a.backend, "--log-level", "warn", binary=self.a.gpushm,
+                                     log=str(self.out / "pretrained-daemon.log"), new_session=True)
+        for pid in self.daemon.pids():
+            self.started[pid] = testing.start_time(pid)
+        self.env = dict(os.environ, GPUSHM_SOCKET=self.daemon.socket, PYTHONPATH=str(REPO / "python"))
+        self.env.pop("PYTHONSTARTUP", None)
+        self.client = gpushm.connect(self.daemon.socket)
+
+    def gpushm(self, *argv, timeout=600):
+        t = time.perf_counter()
+        p = subprocess.Popen([self.a.gpushm, *argv], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        self.started[p.pid] = testing.start_time(p.pid)
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out + err, time.perf_counter() - t
+
+    def worker(self, label, *argv, timeout=600):
+        """Runs a worker in a fresh interpreter; returns its JSON report (or
+        {"error": ...}). Its stderr goes to OUT/pretrained-LABEL.log."""
+        log = self.out / f"pretrained-{label}.log"
+        with open(log, "w") as err:
+            p = subprocess.Popen([sys.executable, "-u", str(HERE), "worker", *argv], env=self.env,
+                                 stdout=subprocess.PIPE, stderr=err, text=True)
+            self.started[p.pid] = testing.start_time(p.pid)
+            try:
+                out, _ = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+                return {"error": f"timed out after {timeout}s (log: {log})"}
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if p.returncode != 0 or not lines:
+            return {"error": f"exit status {p.returncode} (log: {log})"}
+        return json.loads(lines[-1])
+
+    def time_left(self):
+        return self.deadline - time.monotonic()
+
+
+def make_checkpoint(run, label):
+    """Writes the checkpoint (bench_models.synthesize: bf16 shards of small
+    random values, as save_pretrained names them), puts it, and warms the
+    page cache. Returns (dir, bundle name, tensor bytes)."""
+    from bench_models import shard_files, synthesize
+
+    shape, layers, _ = SIZES[label]
+    d = run.work / f"ckpt-{label}"
+    shutil.rmtree(d, ignore_errors=True)
+    t = time.perf_counter()
+    size = synthesize(d, shape, layers, 5 * 10 ** 9)
+    made = time.perf_counter() - t
+    name = f"pretrained-{label}"
+    rc, out, took = run.gpushm("put", "--readonly-default", name, str(d))
+    if rc != 0:
+        raise RuntimeError(f"gpushm put {name} {d}: exit {rc}: {out[-500:]}")
+    for p in shard_files(d):  # transformers reads these from the page cache
+        with open(p, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+    say("INFO", f"{label}-checkpoint", f"{size / GIB:.2f} GiB in {len(shard_files(d))} shards written in {made:.1f} s, "
+        f"'gpushm put' {took:.2f} s ({size / took / 1e9:.1f} GB/s, the whole command)")
+    return d, name, size
+
+
+def compare_size(run, label, torch_ok):
+    d, name, size = make_checkpoint(run, label)
+    if not torch_ok:
+        r = run.worker(f"{label}-numpy", "numpy", "--name", name, "--dir", str(d))
+        check(r.get("ok") is True, f"{label}-bundle", "a fresh worker reads every tensor of the bundle, equal to the "
+              f"shards, and its config.json: {r.get('error') or 'ok'}")
+        return None
+    logits = run.work / f"logits-{label}"
+    logits.mkdir(exist_ok=True)
+    mine, theirs, steps, rows = [], [], [], None
+    for i in range(run.a.reps):
+        if i > 0 and run.time_left() < 60:
+            say("INFO", f"{label}-reps", f"{i} of {run.a.reps} rounds: {run.time_left():.0f} s of the budget left")
+            break
+        r = run.worker(f"{label}-gpushm-{i}", "gpushm", "--name", name, "--index", str(i),
+                       "--logits", str(logits / "gpushm.pt"), *(["--count-ops"] if i == 0 else []))
+        if "error" in r:
+            check(False, f"{label}-gpushm", r["error"])
+        else:
+            mine.append(r["load_s"])
+            steps.append(r.get("steps", []))
+            if i == 0:
+                check(r.get("shared") is True and r.get("inference") is True, f"{label}-shared",
+                      f"every parameter lies in the bundle's mapping ({r.get('shared')}) and is an inference tensor "
+                      f"({r.get('inference')}); {r.get('params')} parameters")
+                ops = r.get("ops", {})
+                init = {k: v for k, v in ops.items() if k in INIT_OPS}
+                check(not init, f"{label}-no-init", f"a second from_pretrained in the same worker dispatched "
+                      f"{sum(ops.values())} aten ops ({_top(ops)}); weight initialisation among them: {init or 'none'}")
+        r = run.worker(f"{label}-transformers-{i}", "transformers", "--dir", str(d), "--index", str(i),
+                       "--logits", str(logits / "transformers.pt"))
+        if "error" in r:
+            check(False, f"{label}-transformers", r["error"])
+        else:
+            theirs.append(r["load_s"])
+            run.how = r.get("how")
+    if not mine:
+        return None
+    m = statistics.median(mine)
+    target = SIZES[label][2]
+    t = statistics.median(theirs) if theirs else None
+    if target is not None and not run.a.smoke:
+        check(m <= target, f"{label}-from_pretrained",
+              f"gpushm.transformers.from_pretrained of {size / GIB:.2f} GiB in a fresh process after imports: "
+              f"{fmt_s(m)} median of {len(mine)} (best {fmt_s(min(mine))}; target {fmt_s(target)}); "
+              f"transformers' own {fmt_s(t)}")
+    eq = _logits_equal(logits / "gpushm.pt", logits / "transformers.pt")
+    check(eq is True, f"{label}-logits", f"gpushm's model and transformers' own load give equal logits: {eq}")
+    # Where the time goes: each step's median over the calls.
+    names = [s for s, _ in steps[0]] if steps and steps[0] else []
+    per = [(s, statistics.median(dict(st).get(s, 0.0) for st in steps)) for s in names]
+    table(f"{label}: gpushm.transformers.from_pretrained, step by step (median of {len(steps)})",
+          ["step", "time"], [[s, fmt_s(x)] for s, x in per] + [["the whole call", fmt_s(m)]])
+    return [label, f"{size / GIB:.2f} GiB", f"{fmt_s(m)} (best {fmt_s(min(mine))})",
+            f"{fmt_s(t)} (best {fmt_s(min(theirs))})" if theirs else "-", f"{t / m:.1f}x" if theirs else "-"]
+
+
+def _top(ops, n=6):
+    return ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:n]) or "none"
+
+
+def _logits_equal(a, b):
+    if not (a.exists() and b.exists()):
+        return f"missing {a.name if not a.exists() else b.name}"
+    import torch
+
+    x, y = torch.load(a), torch.load(b)
+    return True if torch.equal(x, y) else f"False, max |diff| {(x.float() - y.float()).abs().max().item()}"
+
+
+def gpu_memory(torch_ok):
+    """MiB in use on each GPU: nvidia-smi, else torch in a fresh process."""
+    used = testing.gpu_memory_used()
+    if used is None and torch_ok:
+        r = subprocess.run([sys.executable, "-c", "import torch\nfor i in range(torch.cuda.device_count()):\n"
+                            "    f, t = torch.cuda.mem_get_info(i); print((t - f) >> 20)"],
+                           capture_output=True, text=True, timeout=120)
+        used = [int(x) for x in r.stdout.split()] if r.returncode == 0 and r.stdout.strip() else None
+    return used
+
+
+# ---- workers ---------------------------------------------------------------------
+
+def worker(argv):
+    ap = argparse.ArgumentParser(prog="bench_pretrained.py worker")
+    ap.add_argument("how", choices=["gpushm", "transformers", "numpy"])
+    ap.add_argument("--name")
+    ap.add_argument("--dir")
+    ap.add_argument("--index", type=int, default=0)
+    ap.add_argument("--logits")
+    ap.add_argument("--count-ops", action="store_true")
+    a = ap.parse_args(argv)
+    rep = {"numpy": w_numpy, "gpushm": w_model, "transformers": w_model}[a.how](a)
+    print(json.dumps(rep), flush=True)
+
+
+def w_model(a):
+    t = time.perf_counter()
+    import torch
+    import transformers
+    import transformers.models.llama.modeling_llama  # noqa: F401  (imported lazily otherwise, inside the timing)
+    import gpushm.torch
+    import gpushm.transformers
+    # transformers imports these on first use: both ways use them, and a
+    # program using either has imported them before it loads a model.
+    for cls in ("AutoConfig", "AutoModelForCausalLM", "GenerationConfig"):
+        getattr(transformers, cls)
+    rep = {"import_s": time.perf_counter() - t}
+    cuda = torch.cuda.is_available() and os.environ.get("GPUSHM_BENCH_BACKEND", "cuda") == "cuda"
+    if cuda:
+        torch.zeros(1, device="cuda")  # the CUDA context, which both ways need
+        torch.cuda.synchronize()
+    if a.how == "gpushm":
+        gpushm.transformers._steps = steps = []
+        t = time.perf_counter()
+        model = gpushm.transformers.from_pretrained(a.name)
+        rep["load_s"] = time.perf_counter() - t
+        gpushm.transformers._steps = None
+        rep["steps"] = steps
+        seg = gpushm.torch._client().open(a.name, True)
+        lo, hi = seg.ptr, seg.ptr + seg.size
+        rep["shared"] = all(lo <= p.data_ptr() < hi for p in model.parameters())
+        rep["inference"] = all(p.is_inference() for p in model.parameters())
+        rep["params"] = sum(1 for _ in model.parameters())
+    else:
+        major = int(transformers.__version__.split(".")[0])
+        kw = {"dtype" if major >= 5 else "torch_dtype": torch.bfloat16}
+        if cuda:
+            kw["device_map"] = "cuda"
+        t = time.perf_counter()
+        model = transformers.AutoModelForCausalLM.from_pretrained(a.dir, **kw)
+        if cuda:
+            torch.cuda.synchronize()
+        rep["load_s"] = time.perf_counter() - t
+        rep["how"] = f"AutoModelForCausalLM.from_pretrained(dir, {', '.join(f'{k}={v}' for k, v in kw.items())})"
+    ids = (torch.arange(16, dtype=torch.long) * 7919 % model.config.vocab_size).reshape(1, 16).to(model.device)
+    with torch.no_grad():
+        logits = model(ids).logits
+    if a.logits and a.index == 0:
+        torch.save(logits.cpu(), a.logits)
+    if a.count_ops:
+        # Read-write, so that no inference mode meets the dispatch mode: how
+        # the model is built (where initialisation would run) is the same.
+        rep["ops"] = count_ops(torch, lambda: gpushm.transformers.from_pretrained(a.name, readonly=False))
+    return rep
+
+
+def count_ops(torch, fn):
+    """The aten ops fn dispatches, by name, meta tensors' included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        fn()
+    return c.ops
+
+
+def w_numpy(a):
+    """The bundle through numpy in a fresh process (host backend, no torch):
+    every tensor equal to the shards' bytes, and the config among its
+    files."""
+    import numpy as np
+
+    from bench_models import shard_files
+
+    c = gpushm.connect()
+    t = time.perf_counter()
+    b = c.tensors(a.name)
+    views = {k: np.frombuffer(v.memoryview(), dtype=np.uint8) for k, v in b.items()}
+    files = b.files(lambda n: n.endswith(".json"))
+    rep = {"attach_s": time.perf_counter() - t, "tensors": len(views)}
+    ok = all(not v.flags.writeable for v in views.values())
+    for p in shard_files(Path(a.dir)):
+        raw = p.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        for k, e in json.loads(raw[8:8 + n]).items():
+            if k != "__metadata__":
+                lo, hi = e["data_offsets"]
+                ok = ok and views.pop(k).tobytes() == raw[8 + n + lo:8 + n + hi]
+    rep["ok"] = ok and not views and json.loads(files["config.json"])["model_type"] == "llama"
+    return rep
+
+
+# ---- main ------------------------------------------------------------------------
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        return worker(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpushm", default=os.environ.get("GPUSHM_BIN", str(REPO / ".gpu" / "gpushm")),
+                    help="the gpushm binary (default $GPUSHM_BIN, else .gpu/gpushm)")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "host"])
+    ap.add_argument("--sizes", default="1.1B,16G", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--reps", type=int, default=3, help="fresh workers each way per size")
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"), help="logs go here")
+    ap.add_argument("--work", default=None, help="where checkpoints are written (default: a new directory)")
+    ap.add_argument("--budget", type=float, default=210, help="seconds; later rounds are skipped to stay within it")
+    ap.add_argument("--smoke", action="store_true", help="CI: --backend host --sizes tiny --reps 1")
+    a = ap.parse_args()
+    if a.smoke:
+        a.backend, a.sizes, a.reps = "host", "tiny", 1
+    sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
+    bad = [s for s in sizes if s not in SIZES]
+    if bad or not sizes:
+        ap.error(f"--sizes {a.sizes}: want some of {', '.join(SIZES)}")
+    if a.reps < 1:
+        ap.error(f"--reps {a.reps}: want at least 1")
+    if not (os.path.isfile(a.gpushm) and os.access(a.gpushm, os.X_OK)):
+        ap.error(f"no gpushm binary at {a.gpushm} (go build -o .build/gpushm ./cmd/gpushm; --gpushm or $GPUSHM_BIN)")
+    os.makedirs(a.out, exist_ok=True)
+    made = a.work is None
+    if made:
+        a.work = tempfile.mkdtemp(prefix="gpushm-pretrained-", dir=str(REPO / ".gpu") if (REPO / ".gpu").is_dir() else None)
+    os.environ["GPUSHM_BENCH_BACKEND"] = a.backend
+    missing = have("torch", "transformers", "safetensors")
+    torch_ok = not missing
+    if torch_ok and a.backend == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            torch_ok, missing = False, ["a CUDA device for torch"]
+    print(f"bench_pretrained: {time.strftime('%Y-%m-%d %H:%M:%S')}, backend {a.backend}, sizes {', '.join(sizes)}, "
+          f"{a.reps} rounds; python {platform.python_version()}"
+          + ("".join(f", {m} {__import__(m).__version__}" for m in ("torch", "transformers")) if torch_ok else ""),
+          flush=True)
+    print("command: python3 " + " ".join(sys.argv), flush=True)
+    if not torch_ok:
+        say("SKIP", "from_pretrained", "needs " + ", ".join(missing) + ": the comparison with transformers is skipped; "
+            "the daemon, the checkpoint, its put, a numpy worker and the leftover check still run")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    used0 = gpu_memory(torch_ok) if a.backend == "cuda" else None
+    run = Run(a)
+    rows = []
+    try:
+        run.start_daemon()
+        for label in sizes:
+            print(f"\n=== {time.strftime('%H:%M:%S')} {label}", flush=True)
+            try:
+                row = compare_size(run, label, torch_ok)
+                if row:
+                    rows.append(row)
+            except Exception as e:
+                import traceback
+                traceback.print_exc()
+                check(False, label, f"{type(e).__name__}: {e}")
+            finally:
+                shutil.rmtree(run.work / f"ckpt-{label}", ignore_errors=True)
+                try:
+                    run.client.unlink(f"pretrained-{label}")
+                except OSError:
+                    pass
+        if rows:
+            table(f"from_pretrained in a fresh process after imports, one process at a time (median of {a.reps}); "
+                  f"transformers: {getattr(run, 'how', '-')}, its files in the page cache",
+                  ["model", "weights", "gpushm.transformers.from_pretrained", "transformers' own", "ratio"], rows)
+    except Exception as e:
+        check(False, "setup", f"{type(e).__name__}: {e}")
+    finally:
+        # Also when stopped by SIGTERM (a time limit): what ran is reported.
+        if getattr(run, "client", None) is not None:
+            run.client.close()
+        if run.daemon is not None:
+            run.daemon.stop()
+        alive = testing.still_alive(run.started, naming=run.daemon.socket if run.daemon else None)
+        check(not alive, "leftover-processes", "processes this run started, still alive: " + ("; ".join(alive) or "none"))
+        if a.backend == "cuda":
+            used = gpu_memory(torch_ok)
+            if used is None or used0 is None:
+                say("INFO", "leftover-gpu-memory", "neither nvidia-smi nor torch could say: not checked")
+            else:
+                check(all(u <= u0 + 64 for u, u0 in zip(used, used0)), "leftover-gpu-memory",
+                      f"GPU memory in use at the end {used} MiB, at the start {used0} MiB")
+        else:
+            say("INFO", "leftover-gpu-memory", "host backend: no GPU memory to check")
+        if made:
+            shutil.rmtree(a.work, ignore_errors=True)
+        print("\n=== summary")
+        for v in _verdicts:
+            print(v)
+    return 1 if any(v.startswith("FAIL") for v in _verdicts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""What the daemon says about a segment (docs/protocol.md, "Segment
+object"). It imports nothing of gpushm's, so every module can use it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentInfo:
+    """A segment as the daemon describes it (docs/protocol.md, "Segment
+    object"). meta is None in list() results."""
+
+    id: int
+    name: str
+    size: int
+    alloc_size: int
+    device: int
+    handle_type: str
+    uid: int
+    gid: int
+    mode: int
+    opens: int
+    created: int  # Unix nanoseconds
+    meta: object = None
+    # The GPU of a cuda segment by UUID: the daemon's device number may not
+    # be this process's (a container, CUDA_VISIBLE_DEVICES).
+    uuid: str = None
+    uncommitted: bool = False  # still being written: not openable until committed
+
+    @classmethod
+    def from_wire(cls, d: dict) -> SegmentInfo:
+        return cls(*[d.get(k, dflt) for k, dflt in _INFO_FIELDS])
+
+
+_INFO_FIELDS = [(f.name, f.default if f.default is not dataclasses.MISSING else 0) for f in dataclasses.fields(SegmentInfo)]

@@ -1,0 +1,155 @@
+"""Real gpushm daemons for tests and benchmarks, and a check that a run
+left nothing behind. python/tests/conftest.py and the programs in
+python/bench share it, so that every one of them starts, waits for and
+stops a daemon the same way.
+
+    from gpushm.testing import Daemon
+    d = Daemon("host")                # $GPUSHM_BIN on a socket of its own
+    c = gpushm.connect(d.socket)
+    ...
+    d.stop()
+
+A Daemon runs `gpushm daemon` (the supervisor, which starts the serving
+process) on a socket in a private temporary directory, and waits until a
+client can connect. The directory is searchable by everyone, so that a
+test may run children as another user.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+from ._client import connect
+
+
+def env_binary() -> str:
+    """The gpushm binary that tests and benchmarks run: $GPUSHM_BIN."""
+    b = os.environ.get("GPUSHM_BIN")
+    if not b or not os.access(b, os.X_OK):
+        raise RuntimeError("GPUSHM_BIN must name a built gpushm binary "
+                           "(go build -o .build/gpushm ./cmd/gpushm, and GPUSHM_BIN=.build/gpushm)")
+    return b
+
+
+class Daemon:
+    """A gpushm daemon on a socket of its own: Daemon(backend, *flags).
+
+    binary defaults to $GPUSHM_BIN; log names the file its output goes to
+    (default: daemon.log in its directory, read back by logs()); timeout is
+    how long to wait for it to serve; new_session starts it in a session of
+    its own, so that a signal to the caller's process group (^C) leaves it
+    to stop()."""
+
+    def __init__(self, backend: str = "host", *args: str, binary: str | None = None, log: str | None = None,
+                 timeout: float = 30.0, new_session: bool = False):
+        gbin = binary or env_binary()
+        # A short path: sun_path holds 108 bytes.
+        self.dir = tempfile.mkdtemp(prefix="gpushm-py-")
+        os.chmod(self.dir, 0o755)
+        self.socket = os.path.join(self.dir, "s.sock")
+        self.log = open(log or os.path.join(self.dir, "daemon.log"), "w+")
+        self.backend = backend
+        self.proc = subprocess.Popen([gbin, "daemon", "--socket", self.socket, "--backend", backend, *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=new_session)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                connect(self.socket).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"gpushm daemon --backend {backend} did not start:\n{self.logs()}")
+                time.sleep(0.02)
+
+    def logs(self) -> str:
+        try:
+            with open(self.log.name) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def pids(self) -> list:
+        """The daemon's processes: the one started here, and the supervisor
+        and serving process it reports (one of them is the same)."""
+        pids = {self.proc.pid}
+        try:
+            with connect(self.socket, timeout=5, reconnect=0) as c:
+                info = c.info()
+            pids.update(p for p in (info.get("pid"), info.get("supervisor_pid")) if p)
+        except OSError:
+            pass
+        return sorted(pids)
+
+    def stop(self, timeout: float = 10.0):
+        """SIGTERM, then SIGKILL after timeout seconds; removes its
+        directory."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self.log.closed:
+            self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_time(pid: int):
+    """A process's start time (clock ticks since boot, /proc/PID/stat), or
+    None when it is gone or a zombie: with the pid it names one process,
+    whatever reuses the pid later."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def still_alive(started: dict, *, naming: str | None = None, wait: float = 10.0) -> list:
+    """Which of the processes a run started are still alive, waiting up to
+    wait seconds for them to go: started maps pid to start_time(pid) as
+    recorded when it ran. naming adds any process whose command line
+    contains that text (a daemon's socket path catches a serving process
+    restarted behind the run's back). Returns ["PID COMMAND LINE", ...]."""
+    deadline = time.monotonic() + wait
+    while True:
+        alive = {pid for pid, t in started.items() if t is not None and start_time(pid) == t}
+        if naming:
+            alive |= _naming(naming)
+        if not alive or time.monotonic() > deadline:
+            return [f"{pid} {_cmdline(pid)}" for pid in sorted(alive)]
+        time.sleep(0.1)
+
+
+def _naming(text: str) -> set:
+    me, found = os.getpid(), set()
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != me and text in _cmdline(int(d)) and start_time(int(d)) is not None:
+            found.add(int(d))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def gpu_memory_used():
+    """MiB of memory in use on each GPU (nvidia-smi), or None where it
+    cannot be asked."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=60)
+        return [int(x) for x in r.stdout.split()] if r.returncode == 0 and r.stdout.strip() else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
