@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/checkpoint"
 )
@@ -86,6 +89,9 @@ type PutOptions struct {
 	ReadOnlyDefault bool
 	// Copy tunes the copy.
 	Copy CopyOptions
+	// InDaemon has the daemon copy (Segment.Fill): this process then maps
+	// nothing and needs no CUDA context. Copy's tuning does not apply.
+	InDaemon bool
 }
 
 // PutCheckpoint creates name as one bundle segment holding the
@@ -112,24 +118,66 @@ func (c *Client) PutCheckpoint(ctx context.Context, name string, ck *Checkpoint,
 			err = cerr
 		}
 	}()
-	m, err := seg.Map()
-	if err != nil {
-		return st, err
-	}
-	for _, p := range ck.p.Pieces() {
-		if _, err := m.WriteAt(p.Data, p.At); err != nil {
-			return st, fmt.Errorf("gpushm: put %s: %w", name, err)
-		}
-	}
 	var ranges []FileRange
 	for _, r := range ck.p.Ranges() {
 		ranges = append(ranges, FileRange{File: r.File, Off: r.Off, Len: r.Len, At: r.At})
 	}
-	st, err = m.LoadFiles(ranges, &o.Copy)
+	if o.InDaemon {
+		st, err = fillCheckpoint(ctx, seg, ck.p.Pieces(), ranges)
+	} else {
+		st, err = loadCheckpoint(seg, ck.p.Pieces(), ranges, &o.Copy)
+	}
 	if err != nil {
 		return st, fmt.Errorf("gpushm: put %s: %w", name, err)
 	}
 	return st, seg.Commit(ctx)
+}
+
+func loadCheckpoint(seg *Segment, pieces []checkpoint.Piece, ranges []FileRange, o *CopyOptions) (CopyStats, error) {
+	m, err := seg.Map()
+	if err != nil {
+		return CopyStats{}, err
+	}
+	for _, p := range pieces {
+		if _, err := m.WriteAt(p.Data, p.At); err != nil {
+			return CopyStats{}, err
+		}
+	}
+	return m.LoadFiles(ranges, o)
+}
+
+// fillCheckpoint has the daemon copy the checkpoint: the pieces this
+// process holds (headers, the shard table) from a memfd where each lies at
+// its place in the segment, then every file range, one fill each.
+func fillCheckpoint(ctx context.Context, seg *Segment, pieces []checkpoint.Piece, ranges []FileRange) (st CopyStats, err error) {
+	fd, err := unix.MemfdCreate("gpushm-pieces", unix.MFD_CLOEXEC)
+	if err != nil {
+		return st, fmt.Errorf("memfd for the headers: %w", err)
+	}
+	mf := os.NewFile(uintptr(fd), "pieces")
+	defer mf.Close()
+	for _, p := range pieces {
+		if _, err := mf.WriteAt(p.Data, p.At); err != nil {
+			return st, fmt.Errorf("headers into a memfd: %w", err)
+		}
+		ranges = append(ranges, FileRange{File: mf, Off: p.At, Len: int64(len(p.Data)), At: p.At})
+	}
+	start := time.Now()
+	for _, r := range ranges {
+		if r.Len == 0 {
+			continue
+		}
+		rs, err := seg.Fill(ctx, r.File, r.Off, r.At, r.Len)
+		if err != nil {
+			return st, err
+		}
+		st.Bytes += rs.Bytes
+		st.Direct += rs.Direct
+		st.Elapsed += rs.Elapsed
+		st.Workers = max(st.Workers, rs.Workers)
+	}
+	st.Wall = time.Since(start)
+	return st, nil
 }
 
 // GetCheckpoint writes a checkpoint directory's bundle back as the

@@ -69,7 +69,7 @@ segment goes with it.`,
 			start := time.Now()
 			if path != "-" {
 				if st, err := os.Stat(path); err == nil && st.IsDir() {
-					return putDir(cmd.Context(), name, path, device, perm, readOnly, co, verbose, start)
+					return putDir(cmd.Context(), name, path, device, perm, readOnly, co, copyOpts.inDaemon, verbose, start)
 				}
 			}
 			f, size, cleanup, err := openSource(path)
@@ -175,7 +175,7 @@ func (c *copyFlags) options() (*gpushm.CopyOptions, error) {
 	return o, nil
 }
 
-func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnly bool, co *gpushm.CopyOptions, verbose bool, start time.Time) error {
+func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnly bool, co *gpushm.CopyOptions, inDaemon func() (bool, error), verbose bool, start time.Time) error {
 	ck, err := gpushm.OpenCheckpoint(dir)
 	if err != nil {
 		return fmt.Errorf("put %s: %w", name, err)
@@ -194,9 +194,17 @@ func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnl
 	if o.Device, err = resolveDevice(ctx, c, device); err != nil {
 		return err
 	}
+	if o.InDaemon, err = inDaemon(); err != nil {
+		return err
+	}
 	bar := newProgress("put "+name, ck.DataBytes()+ck.FileBytes())
 	o.Copy.Progress = bar.fn()
 	st, err := c.PutCheckpoint(ctx, name, ck, o)
+	if o.InDaemon && errors.Is(err, syscall.ENOSYS) {
+		// A daemon from before fill: copy here.
+		o.InDaemon = false
+		st, err = c.PutCheckpoint(ctx, name, ck, o)
+	}
 	bar.finish(err)
 	if err != nil {
 		return err

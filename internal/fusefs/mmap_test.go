@@ -117,4 +117,3 @@ func TestMmap(t *testing.T) {
 		}
 	})
 }
-
