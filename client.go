@@ -28,6 +28,12 @@ type Error = wire.Error
 // SegmentInfo describes a segment as the daemon reports it.
 type SegmentInfo = wire.Segment
 
+// Trace is the daemon's timing of one request, for benchmarks
+// (CreateOptions.Trace, OpenOptions.Trace): the time from reading the
+// request to its reply, and its steps in order (docs/protocol.md, "Tracing
+// a request").
+type Trace = wire.Trace
+
 // Device describes a device the daemon allocates on.
 type Device = wire.Device
 
@@ -51,10 +57,16 @@ type Info struct {
 	Restarts      int           `json:"restarts"`
 	Grace         time.Duration `json:"-"`
 	GraceSeconds  float64       `json:"grace_seconds,omitempty"`
+	// Pool is what the daemon holds of allocations made ahead of time,
+	// which a create takes first; nil while it holds none.
+	Pool *Pool `json:"pool,omitempty"`
 }
 
 // Usage is what the daemon holds.
 type Usage = wire.Usage
+
+// Pool is the daemon's pool of allocations made ahead of time (Info).
+type Pool = wire.Pool
 
 // GPUReport is what the daemon knows of the node's GPUs, and from where.
 type GPUReport = wire.GPUReport
@@ -574,7 +586,7 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 		return nil, fmt.Errorf("gpushm: info: %w", err)
 	}
 	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices, GPU: rep.GPU,
-		PID: rep.PID, SupervisorPID: rep.SupervisorPID,
+		PID: rep.PID, SupervisorPID: rep.SupervisorPID, Pool: rep.Pool,
 		Grace: time.Duration(rep.Grace * float64(time.Second)), GraceSeconds: rep.Grace}
 	if rep.Usage != nil {
 		inf.Usage = *rep.Usage
@@ -685,12 +697,15 @@ type CreateOptions struct {
 	// uncommitted, and goes if this client closes it, or its connection
 	// ends, before the commit. Not with ExistOK, nor with CreateOnly.
 	Uncommitted bool
+	// Trace, when set, asks the daemon to time the create's steps, and
+	// receives them.
+	Trace *Trace
 }
 
 func (o *CreateOptions) request(name string, size int64, open bool) *wire.Request {
 	r := &wire.Request{Op: wire.OpCreate, Name: name, Size: size, Device: o.Device,
 		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: open, TTL: o.TTL.Seconds(),
-		Uncommitted: o.Uncommitted}
+		Uncommitted: o.Uncommitted, Trace: o.Trace != nil}
 	if o.Temporary {
 		r.Lifetime = wire.LifetimeConnection
 	}
@@ -707,7 +722,7 @@ func (c *Client) Create(ctx context.Context, name string, size int64, o *CreateO
 		// Not openable by name until committed: Commit caches it then.
 		key.uncommitted = true
 	}
-	return c.openWith(ctx, o.request(name, size, true), key, nil)
+	return c.openWith(ctx, o.request(name, size, true), key, nil, o.Trace)
 }
 
 // CreateOnly makes a segment without opening it; created is false when
@@ -720,6 +735,7 @@ func (c *Client) CreateOnly(ctx context.Context, name string, size int64, o *Cre
 	if err != nil {
 		return nil, false, err
 	}
+	keepTrace(o.Trace, rep)
 	return rep.Segment, rep.Created != nil && *rep.Created, nil
 }
 
@@ -741,6 +757,10 @@ type OpenOptions struct {
 	// The wait ends sooner if ctx does; this client sends nothing else
 	// meanwhile.
 	Wait time.Duration
+	// Trace, when set, asks the daemon to time the open's steps, and
+	// receives them. An open this client answers from its own cache sends
+	// nothing and leaves it untouched.
+	Trace *Trace
 }
 
 // Open opens a segment by name. If this client already holds the same name
@@ -762,7 +782,7 @@ func (c *Client) Open(ctx context.Context, name string, o *OpenOptions) (*Segmen
 		return &Segment{sh: sh}, nil
 	}
 	c.cmu.Unlock()
-	req := &wire.Request{Op: wire.OpOpen, Name: name, ReadOnly: o.ReadOnly}
+	req := &wire.Request{Op: wire.OpOpen, Name: name, ReadOnly: o.ReadOnly, Trace: o.Trace != nil}
 	if o.Wait != 0 {
 		wait := o.Wait
 		if dl, ok := ctx.Deadline(); ok {
@@ -775,10 +795,17 @@ func (c *Client) Open(ctx context.Context, name string, o *OpenOptions) (*Segmen
 		}
 		req.Wait = wait.Seconds()
 	}
-	return c.openWith(ctx, req, key, o.Devices)
+	return c.openWith(ctx, req, key, o.Devices, o.Trace)
 }
 
-func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey, devices []int) (*Segment, error) {
+// keepTrace copies a reply's trace into tr, if the caller asked for one.
+func keepTrace(tr *Trace, rep *wire.Reply) {
+	if tr != nil && rep.Trace != nil {
+		*tr = *rep.Trace
+	}
+}
+
+func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey, devices []int, tr *Trace) (*Segment, error) {
 	// Read the epoch before asking: if the name changes after this, the
 	// entry merely looks stale early, never fresh late.
 	ep := c.epoch.Load().Load()
@@ -786,6 +813,7 @@ func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey, 
 	if err != nil {
 		return nil, err
 	}
+	keepTrace(tr, rep)
 	closeFD(rep.CtlFD) // a channel opened to look at: its control block is not needed
 	sh := &shared{c: c, info: *rep.Segment, key: key, epoch: ep, fd: fd, readOnly: key.readOnly, devices: devices, refs: 1}
 	c.cmu.Lock()

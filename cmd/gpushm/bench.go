@@ -30,6 +30,7 @@ func benchOpenCmd() *cobra.Command {
 		backend string
 		sizes   string
 		iters   int
+		pool    string
 	)
 	cmd := &cobra.Command{
 		Use:   "open",
@@ -52,7 +53,10 @@ func benchOpenCmd() *cobra.Command {
            memfd and fallocate on host
 
 Each row reports p50 and p99 over --iters samples, and open's p50 as a
-multiple of the floor's p50 measured in the same run. At the end it says
+multiple of the floor's p50 measured in the same run. The daemon times
+the steps of every create and open it answers (the protocol's "trace"),
+and two tables split them: what the daemon spent, step by step, and what
+is left of the client's time for the socket and the client. At the end it says
 whether any process of the private daemon outlived it, and the memory in
 use against its start.`,
 		Args: cobra.NoArgs,
@@ -64,12 +68,17 @@ use against its start.`,
 			if iters < 1 {
 				return fmt.Errorf("--iters %d: want at least 1", iters)
 			}
-			return runBenchOpen(cmd.Context(), backend, list, iters)
+			var daemonArgs []string
+			if pool != "" {
+				daemonArgs = []string{"--create-pool", pool}
+			}
+			return runBenchOpen(cmd.Context(), backend, list, iters, daemonArgs)
 		},
 	}
 	cmd.Flags().StringVar(&backend, "backend", "auto", "backend: auto, cuda or host")
 	cmd.Flags().StringVar(&sizes, "sizes", "2MiB,64MiB,1GiB", "comma-separated segment sizes")
 	cmd.Flags().IntVar(&iters, "iters", 200, "samples per measurement")
+	cmd.Flags().StringVar(&pool, "create-pool", "", "the private daemon's --create-pool (default: its default; 0 times creates that allocate)")
 	return cmd
 }
 
@@ -85,10 +94,49 @@ func summarize(ns []int64) dist {
 	return dist{time.Duration(s[len(s)/2]), time.Duration(s[min(i99, len(s)-1)])}
 }
 
-func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int) error {
+func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int, daemonArgs []string) error {
 	return withPrivateDaemon(ctx, backend, func(d *privateDaemon, c *gpushm.Client) error {
 		return benchOpen(ctx, d, c, sizes, iters)
-	})
+	}, daemonArgs...)
+}
+
+// createSamples are creates' timings, the client's and the daemon's own
+// (its trace), sample by sample.
+type createSamples struct {
+	ns     []int64            // the client's: request to reply
+	daemon []int64            // the daemon's: request read to reply ready
+	steps  map[string][]int64 // each step; alloc and alloc-pool both count as alloc
+	order  []string           // the steps, in the order the daemon reported them
+	pooled int                // creates served by allocations made ahead
+}
+
+func (s *createSamples) add(total time.Duration, tr *gpushm.Trace) {
+	if s.steps == nil {
+		s.steps = map[string][]int64{}
+	}
+	s.ns = append(s.ns, total.Nanoseconds())
+	s.daemon = append(s.daemon, tr.TotalNS)
+	for _, st := range tr.Steps {
+		name := st.Step
+		if name == "alloc-pool" {
+			name = "alloc"
+			s.pooled++
+		}
+		if _, ok := s.steps[name]; !ok {
+			s.order = append(s.order, name)
+		}
+		s.steps[name] = append(s.steps[name], st.NS)
+	}
+}
+
+// rest is what the daemon's trace does not cover, sample by sample: the
+// socket both ways, encoding the reply, and the client.
+func rest(ns, daemon []int64) []int64 {
+	out := make([]int64, len(ns))
+	for i := range out {
+		out[i] = ns[i] - daemon[i]
+	}
+	return out
 }
 
 func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []int64, iters int) error {
@@ -104,7 +152,9 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 		paced                       dist // creates one per pace
 		pace                        time.Duration
 		alloc, commit, free         dist // createSteps
-
+		b2bSteps, pacedSteps        createSamples
+		openDaemon                  dist
+		openSteps                   map[string]dist
 	}
 	var rows []row
 	for _, size := range sizes {
@@ -118,25 +168,26 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 		// creating a segment per request would.
 		pace := 4*(r.alloc.p50+r.commit.p50+r.free.p50) + time.Millisecond
 		for _, paced := range []bool{false, true} {
-			var createNS []int64
+			var cs createSamples
 			for i := range iters {
 				if paced {
 					time.Sleep(pace)
 				}
 				name := fmt.Sprintf("bench-create-%d", i)
+				var tr gpushm.Trace
 				t := time.Now()
-				if _, _, err := c.CreateOnly(ctx, name, size, nil); err != nil {
+				if _, _, err := c.CreateOnly(ctx, name, size, &gpushm.CreateOptions{Trace: &tr}); err != nil {
 					return err
 				}
-				createNS = append(createNS, time.Since(t).Nanoseconds())
+				cs.add(time.Since(t), &tr)
 				if err := c.Unlink(ctx, name); err != nil {
 					return err
 				}
 			}
 			if paced {
-				r.paced, r.pace = summarize(createNS), pace
+				r.paced, r.pace, r.pacedSteps = summarize(cs.ns), pace, cs
 			} else {
-				r.create = summarize(createNS)
+				r.create, r.b2bSteps = summarize(cs.ns), cs
 			}
 		}
 
@@ -156,6 +207,10 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 		release()
 		if err == nil {
 			r.open, r.roundTrip, r.floor = summarize(s.NS), summarize(s.RoundTripNS), summarize(s.FloorNS)
+			r.openDaemon, r.openSteps = summarize(s.DaemonNS), map[string]dist{}
+			for name, ns := range s.StepNS {
+				r.openSteps[name] = summarize(ns)
+			}
 			s, err = runChild(ctx, nil, "open", "--socket", d.socket, "--name", "bench", "--iters", fmt.Sprint(iters), "--reopen")
 			r.reopen = summarize(s.NS)
 		}
@@ -196,12 +251,51 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 	if err := w.Flush(); err != nil {
 		return err
 	}
-	fmt.Printf("\nopen, split: the daemon round trip (Open) and import + map (Map) in the second process\n\n")
+	fmt.Printf("\ncreate, the daemon's steps (its trace; p50 of each, which need not add up): from the pool is how many\n" +
+		"creates took an allocation made ahead; socket+client is the client's time less the daemon's, sample by sample\n\n")
 	w = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(w, "size\topen p50\tround trip p50\tround trip p99\tfloor p50\t")
+	var order []string
 	for _, r := range rows {
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t\n", formatSize(r.size), fmtDur(r.open.p50),
-			fmtDur(r.roundTrip.p50), fmtDur(r.roundTrip.p99), fmtDur(r.floor.p50))
+		for _, name := range append(slices.Clone(r.b2bSteps.order), r.pacedSteps.order...) {
+			if !slices.Contains(order, name) {
+				order = append(order, name)
+			}
+		}
+	}
+	fmt.Fprint(w, "size\tcreates\tfrom the pool\tclient p50\tdaemon p50\t")
+	for _, name := range order {
+		fmt.Fprintf(w, "%s\t", name)
+	}
+	fmt.Fprintln(w, "socket+client\t")
+	for _, r := range rows {
+		for _, m := range []struct {
+			what string
+			s    createSamples
+		}{{"back to back", r.b2bSteps}, {"paced", r.pacedSteps}} {
+			fmt.Fprintf(w, "%s\t%s\t%d/%d\t%s\t%s\t", formatSize(r.size), m.what, m.s.pooled, len(m.s.ns),
+				fmtDur(summarize(m.s.ns).p50), fmtDur(summarize(m.s.daemon).p50))
+			for _, name := range order {
+				if ns, ok := m.s.steps[name]; ok {
+					fmt.Fprintf(w, "%s\t", fmtDur(summarize(ns).p50))
+				} else {
+					fmt.Fprint(w, "-\t")
+				}
+			}
+			fmt.Fprintf(w, "%s\t\n", fmtDur(summarize(rest(m.s.ns, m.s.daemon)).p50))
+		}
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	fmt.Printf("\nopen, split: the daemon round trip (Open), the daemon's part of it and its steps (its trace), and\n" +
+		"import + map (Map) in the second process (open less round trip) against the floor\n\n")
+	w = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "size\topen p50\tround trip p50\tround trip p99\tdaemon p50\tlookup p50\thandout p50\topen - round trip\tfloor p50\t")
+	for _, r := range rows {
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", formatSize(r.size), fmtDur(r.open.p50),
+			fmtDur(r.roundTrip.p50), fmtDur(r.roundTrip.p99), fmtDur(r.openDaemon.p50),
+			fmtDur(r.openSteps["lookup"].p50), fmtDur(r.openSteps["handout"].p50),
+			fmtDur(r.open.p50-r.roundTrip.p50), fmtDur(r.floor.p50))
 	}
 	return w.Flush()
 }

@@ -93,6 +93,10 @@ type samples struct {
 	// FloorNS are import + map samples of an inherited descriptor, taken
 	// alternately with NS so that both see the same machine.
 	FloorNS []int64 `json:",omitempty"`
+	// DaemonNS and StepNS are the daemon's own timing of each open (its
+	// trace): in all, and by step.
+	DaemonNS []int64            `json:",omitempty"`
+	StepNS   map[string][]int64 `json:",omitempty"`
 }
 
 func openChildCmd() *cobra.Command {
@@ -112,7 +116,8 @@ func openChildCmd() *cobra.Command {
 				return err
 			}
 			defer c.Close()
-			o := &gpushm.OpenOptions{ReadOnly: readOnly}
+			var tr gpushm.Trace
+			o := &gpushm.OpenOptions{ReadOnly: readOnly, Trace: &tr}
 			if reopen {
 				// Hold one open so every timed open finds it mapped.
 				held, err := c.Open(ctx, name, o)
@@ -163,6 +168,15 @@ func openChildCmd() *cobra.Command {
 				if i >= 0 {
 					s.NS = append(s.NS, d.Nanoseconds())
 					s.RoundTripNS = append(s.RoundTripNS, rt.Nanoseconds())
+					if !reopen {
+						if s.StepNS == nil {
+							s.StepNS = map[string][]int64{}
+						}
+						s.DaemonNS = append(s.DaemonNS, tr.TotalNS)
+						for _, st := range tr.Steps {
+							s.StepNS[st.Step] = append(s.StepNS[st.Step], st.NS)
+						}
+					}
 				}
 			}
 			return emit(s)

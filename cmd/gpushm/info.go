@@ -42,8 +42,13 @@ every segment across restarts of the serving process.`,
 				fmt.Printf(", %s left to reclaim leases", inf.Grace.Round(100*time.Millisecond))
 			}
 			fmt.Println()
-			fmt.Printf("segments: %d named, %d holding memory, %s allocated, %d opens\n\n",
+			fmt.Printf("segments: %d named, %d holding memory, %s allocated, %d opens\n",
 				inf.Usage.Named, inf.Usage.Segments, formatSize(inf.Usage.Bytes), inf.Usage.Opens)
+			if p := inf.Pool; p != nil {
+				// Counted as free below: a create takes it first.
+				fmt.Printf("pool:     %d allocations made ahead of time, %s\n", p.Ready, formatSize(p.Bytes))
+			}
+			fmt.Println()
 			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "DEVICE\tNAME\tUUID\tTOTAL\tFREE\tGRANULARITY")
 			for _, d := range inf.Devices {

@@ -215,6 +215,24 @@ func (c *CUDA) Pool(limit int64) {
 	}
 }
 
+// PoolStats reports what the pools hold, on all GPUs, for info.
+func (c *CUDA) PoolStats() wire.Pool {
+	var s wire.Pool
+	for _, d := range c.devs {
+		ds := d.pool.stats()
+		s.Ready, s.Bytes, s.Filling = s.Ready+ds.Ready, s.Bytes+ds.Bytes, s.Filling+ds.Filling
+	}
+	return s
+}
+
+// Refill makes what creates took from the pools; the server calls it once
+// their replies are sent.
+func (c *CUDA) Refill() {
+	for _, d := range c.devs {
+		d.pool.refill()
+	}
+}
+
 // Pooled reports the bytes made ahead and not yet taken, on all GPUs.
 func (c *CUDA) Pooled() int64 {
 	var n int64
@@ -249,6 +267,9 @@ func (c *CUDA) Devices() ([]wire.Device, error) {
 		if err != nil {
 			return nil, err
 		}
+		// What the pool holds is free for segments: a create takes it
+		// first, and an allocation short of memory frees it.
+		free += uint64(d.pool.ready())
 		out = append(out, wire.Device{Index: i, Name: name, UUID: uuid, TotalBytes: total, FreeBytes: free, Granularity: d.gran})
 	}
 	return out, nil
@@ -264,8 +285,13 @@ type cudaMemory struct {
 	fd  int // -1 until exported
 	err error
 
-	view cudaView // the daemon's own mapping, for the FUSE view
+	view   cudaView // the daemon's own mapping, for the FUSE view
+	pooled bool     // made ahead of the create that took it
 }
+
+// FromPool implements segment.Pooled, for a create's trace.
+func (m *cudaMemory) FromPool() bool { return m.pooled }
+func (m *cudaMemory) setPooled()     { m.pooled = true }
 
 // export makes the descriptor; a failure (out of descriptors, say) is kept
 // and the next FD tries again.

@@ -53,7 +53,7 @@ func (h *Host) Devices() ([]wire.Device, error) {
 		Index:       0,
 		Name:        "host memory",
 		TotalBytes:  uint64(h.total),
-		FreeBytes:   uint64(si.Freeram) * uint64(si.Unit),
+		FreeBytes:   uint64(si.Freeram)*uint64(si.Unit) + uint64(h.pool.ready()),
 		Granularity: h.Granularity(),
 	}}, nil
 }
@@ -86,6 +86,13 @@ func (h *Host) Pool(limit int64) {
 
 // Pooled reports the bytes made ahead and not yet taken.
 func (h *Host) Pooled() int64 { return h.pool.ready() }
+
+// PoolStats reports what the pool holds, for info.
+func (h *Host) PoolStats() wire.Pool { return h.pool.stats() }
+
+// Refill makes what creates took from the pool; the server calls it once
+// their replies are sent.
+func (h *Host) Refill() { h.pool.refill() }
 
 func (h *Host) allocate(alloc int64) (segment.Memory, error) {
 	fd, err := unix.MemfdCreate("gpushm", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
@@ -137,10 +144,15 @@ func ReadOnlyFD(fd int) (int, error) {
 }
 
 type hostMemory struct {
-	fd   int
-	size int64
-	view hostView // the daemon's own mapping, for the FUSE view
+	fd     int
+	size   int64
+	view   hostView // the daemon's own mapping, for the FUSE view
+	pooled bool     // made ahead of the create that took it
 }
+
+// FromPool implements segment.Pooled, for a create's trace.
+func (m *hostMemory) FromPool() bool { return m.pooled }
+func (m *hostMemory) setPooled()     { m.pooled = true }
 
 func (m *hostMemory) FD() (int, error) { return m.fd, nil }
 func (m *hostMemory) Size() int64      { return m.size }

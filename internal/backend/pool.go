@@ -2,9 +2,11 @@ package backend
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
 )
 
 // A pool keeps allocations made ahead of need, so that a create of a size
@@ -13,9 +15,14 @@ import (
 // descriptor (about 0.6 ms for 2 MiB, milliseconds for a GiB, on an H200),
 // which the supervisor must hold before a create is acknowledged; on host
 // memory, the kernel zeroing the pages fallocate commits (about 0.25 ms a
-// MiB on a small VM). A create that takes one starts the making of its
-// replacement, so a service that creates segments of a few sizes, one
-// request at a time, pays for none of them.
+// MiB on a small VM). A size is made ahead once it is asked for a second
+// time (a single create, a file put once, leaves nothing made ahead
+// behind it); a create that takes one has its replacement made, so a
+// service that creates segments of a few sizes, one request at a time,
+// pays for none of them. The making starts once the create that asked has
+// been answered (refill), not while it is: starting a goroutine wakes a
+// thread, a few microseconds on the create's path, and on a machine of
+// few cores the allocation would compete with the reply for a processor.
 //
 // What is pooled was never handed to anyone: fresh memory, made for the
 // pool, given out once. Nothing that held a client's data comes back to it
@@ -32,7 +39,23 @@ type pool struct {
 	sizes  map[int64]*poolSize
 	bytes  int64
 	closed bool
+	// pending are allocations counted as being made (making, bytes) whose
+	// making refill has yet to start; queued tells without the lock, and
+	// kick starts them if nobody calls refill (an allocation outside the
+	// server: the FUSE view's).
+	pending []pendingMake
+	queued  atomic.Bool
+	kick    *time.Timer
 }
+
+type pendingMake struct {
+	size int64
+	ps   *poolSize
+}
+
+// kickAfter is how long pending allocations wait for a refill before the
+// pool starts them itself.
+const kickAfter = time.Millisecond
 
 // maxPoolSizes bounds the sizes a pool keeps allocations of at once.
 const maxPoolSizes = 16
@@ -60,7 +83,8 @@ func (p *pool) take(size int64) segment.Memory {
 		return nil
 	}
 	ps := p.sizes[size]
-	if ps == nil {
+	seen := ps != nil
+	if !seen {
 		if len(p.sizes) >= maxPoolSizes {
 			// Each allocation ready holds a descriptor: a client that
 			// creates segments of many sizes must not make it hold many.
@@ -74,8 +98,15 @@ func (p *pool) take(size int64) segment.Memory {
 	if n := len(ps.ready); n > 0 {
 		m, ps.ready = ps.ready[n-1], ps.ready[:n-1]
 		p.bytes -= size
+		if pm, ok := m.(interface{ setPooled() }); ok {
+			pm.setPooled()
+		}
 	}
-	p.fillLocked(size, ps)
+	if seen {
+		p.fillLocked(size, ps)
+	} else {
+		p.armTrimLocked(size, ps)
+	}
 	return m
 }
 
@@ -85,13 +116,44 @@ func (p *pool) fillLocked(size int64, ps *poolSize) {
 	for len(ps.ready)+ps.making < p.depth && p.bytes+size <= p.limit {
 		ps.making++
 		p.bytes += size
-		go p.makeOne(size, ps)
+		p.pending = append(p.pending, pendingMake{size, ps})
+		p.queued.Store(true)
+		if p.kick == nil {
+			p.kick = time.AfterFunc(kickAfter, p.refill)
+		} else {
+			p.kick.Reset(kickAfter)
+		}
 	}
+	p.armTrimLocked(size, ps)
+}
+
+// armTrimLocked has size given back if nobody asks for it within idle.
+func (p *pool) armTrimLocked(size int64, ps *poolSize) {
 	if ps.trim == nil {
 		ps.trim = time.AfterFunc(p.idle, func() { p.trimSize(size) })
 	} else {
 		ps.trim.Reset(p.idle)
 	}
+}
+
+// refill starts making what creates took or asked for. The server calls
+// it once a reply is sent; kick, a moment after a take, if nobody did.
+func (p *pool) refill() {
+	if p == nil || !p.queued.Load() {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, pm := range p.pending {
+		if p.closed || p.sizes[pm.size] != pm.ps {
+			pm.ps.making--
+			p.bytes -= pm.size
+			continue
+		}
+		go p.makeOne(pm.size, pm.ps)
+	}
+	p.pending = nil
+	p.queued.Store(false)
 }
 
 func (p *pool) makeOne(size int64, ps *poolSize) {
@@ -145,6 +207,24 @@ func (p *pool) drain() bool {
 		m.Free()
 	}
 	return len(free) > 0
+}
+
+// stats reports what the pool holds, for info.
+func (p *pool) stats() wire.Pool {
+	var s wire.Pool
+	if p == nil {
+		return s
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for size, ps := range p.sizes {
+		s.Ready += len(ps.ready)
+		s.Bytes += int64(len(ps.ready)) * size
+		if ps.making > 0 {
+			s.Filling++
+		}
+	}
+	return s
 }
 
 // ready reports the bytes the pool holds ready, for info and metrics.

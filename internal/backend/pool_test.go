@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
 )
 
 type fakeMem struct {
@@ -37,7 +38,16 @@ func TestPool(t *testing.T) {
 	if m := p.take(1 << 20); m != nil {
 		t.Fatal("a size never asked for was ready")
 	}
-	// The miss starts making depth (2) of that size.
+	// A size asked for once is not made ahead: a single create leaves
+	// nothing behind.
+	time.Sleep(10 * kickAfter)
+	if made.Load() != 0 {
+		t.Fatalf("made %d ahead of a size asked for once", made.Load())
+	}
+	// The second miss starts making depth (2) of that size.
+	if m := p.take(1 << 20); m != nil {
+		t.Fatal("a size asked for once was ready")
+	}
 	waitFor(t, "two ready", func() bool { return p.ready() == 2<<20 })
 	m := p.take(1 << 20)
 	if m == nil || m.Size() != 1<<20 {
@@ -91,6 +101,7 @@ func TestPoolTrimsIdleSizes(t *testing.T) {
 	p.idle = 20 * time.Millisecond
 	defer p.close()
 	p.take(4096)
+	p.take(4096)
 	waitFor(t, "the idle size to be given back", func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
@@ -108,17 +119,22 @@ func TestHostPoolGivesSealedMemory(t *testing.T) {
 	}
 	h.Pool(8 << 20)
 	defer h.Close()
+	for range 2 {
+		m, err := h.Allocate(0, 1<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.Free()
+	}
+	waitFor(t, "the pool to fill", func() bool { return h.Pooled() == 2<<20 })
 	m, err := h.Allocate(0, 1<<20)
 	if err != nil {
 		t.Fatal(err)
 	}
-	m.Free()
-	waitFor(t, "the pool to fill", func() bool { return h.Pooled() == 2<<20 })
-	m, err = h.Allocate(0, 1<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
 	defer m.Free()
+	if p, ok := m.(segment.Pooled); !ok || !p.FromPool() {
+		t.Error("memory taken from the pool does not say so")
+	}
 	if h.Pooled() != 1<<20 {
 		t.Fatalf("pooled %d after a take", h.Pooled())
 	}
@@ -133,3 +149,34 @@ func TestHostPoolGivesSealedMemory(t *testing.T) {
 }
 
 func fcntlSeals(fd int) (int, error) { return unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0) }
+
+// TestPoolMakesAfterTheReply: what a take has made waits for refill (the
+// server calls it once the reply is sent), or for the pool's own kick a
+// moment later when nobody calls it.
+func TestPoolMakesAfterTheReply(t *testing.T) {
+	var made, freed atomic.Int64
+	p := newPool(1<<30, func(size int64) (segment.Memory, error) {
+		made.Add(1)
+		return &fakeMem{size: size, freed: &freed}, nil
+	})
+	defer p.close()
+	p.take(4096)
+	p.take(4096)
+	// Counted at once, as info and the limit see it, before it is made.
+	if s := p.stats(); s.Filling != 1 {
+		t.Fatalf("stats right after the take %+v, want one size filling", s)
+	}
+	p.refill()
+	waitFor(t, "two made by refill", func() bool { return p.ready() == 2*4096 })
+	if s := p.stats(); s != (wire.Pool{Ready: 2, Bytes: 2 * 4096}) {
+		t.Fatalf("stats %+v, want 2 ready", s)
+	}
+	// Nobody calls refill: the kick makes the replacement.
+	if m := p.take(4096); m == nil {
+		t.Fatal("nothing ready")
+	}
+	waitFor(t, "the replacement, made by the kick", func() bool { return p.ready() == 2*4096 })
+	if made.Load() != 3 {
+		t.Fatalf("made %d, want 3", made.Load())
+	}
+}

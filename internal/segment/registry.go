@@ -116,6 +116,10 @@ type CreateOptions struct {
 	// open until Commit (commit.go); it ends with its creator as a Bound
 	// segment does. It needs Open, and no ExistOK, Pin, Memory or Slots.
 	Uncommitted bool
+	// Trace, when set, times the steps of the create: check (validation,
+	// the name, limits), alloc or alloc-pool, export (waiting for the
+	// memory's descriptor), journal.
+	Trace *Trace
 }
 
 // Info is a snapshot of a segment's state.
@@ -410,6 +414,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	}
 	r.byName[o.Name] = s
 	r.mu.Unlock()
+	o.Trace.Mark("check")
 
 	var mem Memory
 	err = nil // find's ErrNotFound
@@ -420,10 +425,12 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	} else if o.Size > 0 {
 		mem, err = r.alloc.Allocate(o.Device, o.Size)
 	}
+	o.Trace.Mark(allocStep(mem))
 	fd := -1
 	if err == nil {
 		fd, err = r.durableFD(mem)
 	}
+	o.Trace.Mark("export")
 
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -454,6 +461,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		s.pins = 1
 	}
 	r.noteLocked(s, fd)
+	o.Trace.Mark("journal")
 	r.wakeLocked() // a name came to be: opens waiting for it look again
 	return s, true, nil
 }

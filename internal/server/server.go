@@ -36,6 +36,13 @@ type Backend interface {
 	Adopt(device int, fd int, size int64) (segment.Memory, error)
 }
 
+// pooler is a backend that keeps allocations made ahead of time: Refill
+// makes what creates took, once their replies are sent.
+type pooler interface {
+	PoolStats() wire.Pool
+	Refill()
+}
+
 // Server answers clients on one socket.
 type Server struct {
 	backend Backend
@@ -495,6 +502,9 @@ type conn struct {
 	// ctlFD is a channel's control block, sent in a packet of its own
 	// right after the reply that announced it (-1: none).
 	ctlFD int
+	// trace times the steps of the request being answered, when its
+	// client asked (nil otherwise).
+	trace *segment.Trace
 	// proc is the client's process, read once (process).
 	proc     segment.Process
 	procRead bool
@@ -677,10 +687,19 @@ func (c *conn) serve(w *worker) outcome {
 			continue
 		}
 		c.ctlFD = -1
+		c.trace = nil
+		if req.Trace {
+			c.trace = segment.NewTrace(start)
+			c.trace.Mark("decode")
+		}
 		rep, fd := c.dispatch(req, inFD)
 		if rep == nil {
 			// Parked while waiting: c.pending has the request.
 			return endParked
+		}
+		if c.trace != nil {
+			rep.Trace = wireTrace(c.trace, time.Since(start))
+			c.trace = nil
 		}
 		temp := c.temp
 		c.temp = nil
@@ -696,6 +715,9 @@ func (c *conn) serve(w *worker) outcome {
 		err = c.send(rep, fd)
 		if err == nil && rep.Control {
 			err = c.send(&wire.Reply{ID: req.ID, ControlFD: true}, c.ctlFD)
+		}
+		if p, ok := c.s.backend.(pooler); ok {
+			p.Refill()
 		}
 		if len(c.out) > 0 {
 			// Their packets wait for the client to read: so do they.
@@ -721,6 +743,15 @@ func (c *conn) serve(w *worker) outcome {
 			return endIdle
 		}
 	}
+}
+
+// wireTrace is a trace as the protocol sends it.
+func wireTrace(t *segment.Trace, total time.Duration) *wire.Trace {
+	w := &wire.Trace{TotalNS: total.Nanoseconds(), Steps: make([]wire.TraceStep, len(t.Steps))}
+	for i, st := range t.Steps {
+		w.Steps[i] = wire.TraceStep{Step: st.Name, NS: st.D.Nanoseconds()}
+	}
+	return w
 }
 
 // opLabel keeps metric labels to the known operations: op comes from the
@@ -839,6 +870,11 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if c.s.gpus != nil {
 			rep.GPU = c.s.gpus(c.cred.UID)
 		}
+		if p, ok := c.s.backend.(pooler); ok {
+			if ps := p.PoolStats(); ps != (wire.Pool{}) {
+				rep.Pool = &ps
+			}
+		}
 		return rep, -1
 	case wire.OpReclaim:
 		n := req.Count
@@ -880,6 +916,8 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if err != nil {
 			return fail(fmt.Errorf("create: %w", err))
 		}
+		c.trace.Mark("options")
+		o.Trace = c.trace
 		seg, created, err := c.s.reg.Create(cred, o)
 		if err != nil {
 			return fail(fmt.Errorf("create: %w", err))
@@ -901,6 +939,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			return fail(fmt.Errorf("create %q: %w", req.Name, err))
 		}
 		c.hold(seg)
+		c.trace.Mark("handout")
 		rep.FD, rep.Control = true, c.ctlFD >= 0
 		return rep, fd
 	case wire.OpOpen:
@@ -922,12 +961,14 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if err != nil {
 			return fail(fmt.Errorf("open: %w", err))
 		}
+		c.trace.Mark("lookup")
 		fd, err := c.handOut(seg, req)
 		if err != nil {
 			c.s.reg.Release(seg)
 			return fail(fmt.Errorf("open %q: %w", req.Name, err))
 		}
 		c.hold(seg)
+		c.trace.Mark("handout")
 		return &wire.Reply{Segment: c.segmentInfo(seg), FD: true, Control: c.ctlFD >= 0}, fd
 	case wire.OpClose:
 		if req.Role != "" {

@@ -101,6 +101,9 @@ type Request struct {
 	// the segment; Size how many.
 	Offset int64 `json:"offset,omitempty"`
 	At     int64 `json:"at,omitempty"`
+	// Trace (any operation) asks the daemon to time the request's steps
+	// and send them in the reply, for benchmarks.
+	Trace bool `json:"trace,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -119,6 +122,8 @@ type Reply struct {
 	Backend string   `json:"backend,omitempty"`
 	Devices []Device `json:"devices,omitempty"`
 	Usage   *Usage   `json:"usage,omitempty"`
+	// Pool is absent while the daemon holds none.
+	Pool *Pool `json:"pool,omitempty"`
 	// PID is the process serving the socket; SupervisorPID the one
 	// holding the segments' descriptors across its restarts (equal to PID
 	// when the daemon runs unsupervised). Restarts counts serving
@@ -131,6 +136,9 @@ type Reply struct {
 	Grace         float64 `json:"grace_seconds,omitempty"`
 	// GPU is what the daemon knows of the node's GPUs.
 	GPU *GPUReport `json:"gpu,omitempty"`
+
+	// Trace answers a request that asked for one (create, open).
+	Trace *Trace `json:"trace,omitempty"`
 
 	// create, open, stat
 	Segment *Segment `json:"segment,omitempty"`
@@ -168,6 +176,31 @@ type Device struct {
 	TotalBytes  uint64 `json:"total_bytes"`
 	FreeBytes   uint64 `json:"free_bytes"`
 	Granularity int64  `json:"granularity"`
+}
+
+// Trace is the daemon's timing of one request: TotalNS from the moment
+// the request was read to the moment its reply was encoded, and its
+// steps, in order (docs/protocol.md, "Tracing a request").
+type Trace struct {
+	TotalNS int64       `json:"total_ns"`
+	Steps   []TraceStep `json:"steps"`
+}
+
+// TraceStep is one step of a traced request.
+type TraceStep struct {
+	Step string `json:"step"`
+	NS   int64  `json:"ns"`
+}
+
+// Pool is what the daemon holds of allocations made ahead of time (info):
+// memory that belongs to no segment yet, and that a create takes first.
+type Pool struct {
+	// Ready is how many allocations wait to be taken; Bytes their size
+	// and that of the ones being made; Filling how many sizes are being
+	// made now.
+	Ready   int   `json:"ready"`
+	Bytes   int64 `json:"bytes"`
+	Filling int   `json:"filling"`
 }
 
 // Usage is what the daemon holds.
