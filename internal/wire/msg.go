@@ -195,9 +195,8 @@ type TraceStep struct {
 // Pool is what the daemon holds of allocations made ahead of time (info):
 // memory that belongs to no segment yet, and that a create takes first.
 type Pool struct {
-	// Ready is how many allocations wait to be taken; Bytes their size
-	// and that of the ones being made; Filling how many sizes are being
-	// made now.
+	// Ready is how many allocations wait to be taken; Bytes their size;
+	// Filling how many sizes are being made now.
 	Ready   int   `json:"ready"`
 	Bytes   int64 `json:"bytes"`
 	Filling int   `json:"filling"`
