@@ -424,36 +424,38 @@ const (
 	fWait
 	fOffset
 	fAt
+	fTrace
 	fieldCount = iota
 )
 
 var fieldNames = [fieldCount]string{
 	"version", "name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "segment",
 	"after", "limit", "lifetime", "ttl_seconds", "uid", "gid", "to", "session", "count", "slots",
-	"slot_bytes", "role", "uncommitted", "wait", "offset", "at",
+	"slot_bytes", "role", "uncommitted", "wait", "offset", "at", "trace",
 }
 
 // used is the fields each operation reads. A field outside its
 // operation's set must be absent or zero, so that a client that sends one
 // by mistake (a size with open, a mode with stat) learns that the daemon
-// would ignore it. Operations missing here are not checked.
+// would ignore it. Operations missing here are not checked. Every
+// operation takes trace.
 var used = map[string]uint32{
-	OpHello:   fVersion | fSession,
-	OpInfo:    0,
-	OpCreate:  fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted,
-	OpOpen:    fName | fReadOnly | fRole | fWait,
-	OpClose:   fSegment | fRole,
-	OpUnlink:  fName,
-	OpStat:    fName,
-	OpList:    fAfter | fLimit,
-	OpChmod:   fName | fMode,
-	OpChown:   fName | fUID | fGID,
-	OpRename:  fName | fTo,
-	OpPublish: fName | fSize | fDevice | fMode | fMeta | fLifetime | fTTL,
-	OpReclaim: fSegment | fCount | fReadOnly | fRole,
-	OpCommit:  fSegment,
-	OpFill:    fSegment | fSize | fOffset | fAt,
-	OpDump:    fSegment | fSize | fOffset | fAt,
+	OpHello:   fTrace | fVersion | fSession,
+	OpInfo:    fTrace,
+	OpCreate:  fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted,
+	OpOpen:    fTrace | fName | fReadOnly | fRole | fWait,
+	OpClose:   fTrace | fSegment | fRole,
+	OpUnlink:  fTrace | fName,
+	OpStat:    fTrace | fName,
+	OpList:    fTrace | fAfter | fLimit,
+	OpChmod:   fTrace | fName | fMode,
+	OpChown:   fTrace | fName | fUID | fGID,
+	OpRename:  fTrace | fName | fTo,
+	OpPublish: fTrace | fName | fSize | fDevice | fMode | fMeta | fLifetime | fTTL,
+	OpReclaim: fTrace | fSegment | fCount | fReadOnly | fRole,
+	OpCommit:  fTrace | fSegment,
+	OpFill:    fTrace | fSegment | fSize | fOffset | fAt,
+	OpDump:    fTrace | fSegment | fSize | fOffset | fAt,
 }
 
 // setFields is the set of r's fields that hold something other than
@@ -492,6 +494,7 @@ func setFields(r *Request) uint32 {
 	set(fWait, r.Wait != 0)
 	set(fOffset, r.Offset != 0)
 	set(fAt, r.At != 0)
+	set(fTrace, r.Trace)
 	return m
 }
 
