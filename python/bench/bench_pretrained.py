@@ -74,27 +74,7 @@ SIZES = {
 INIT_OPS = {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log_normal_", "cauchy_", "geometric_",
             "erfinv_"}
 
-_verdicts = []
-
-
-def say(kind, name, detail):
-    line = f"{kind} {name}: {detail}"
-    print(line, flush=True)
-    _verdicts.append(line)
-
-
-def check(ok, name, detail):
-    say("PASS" if ok else "FAIL", name, detail)
-    return ok
-
-
-def table(title, header, rows):
-    print(f"\n{title}\n")
-    print("| " + " | ".join(header) + " |")
-    print("| " + " | ".join("---" for _ in header) + " |")
-    for r in rows:
-        print("| " + " | ".join(str(x) for x in r) + " |")
-    print(flush=True)
+from _report import check, say, table, verdicts as _verdicts  # noqa: E402
 
 
 def have(*modules):
