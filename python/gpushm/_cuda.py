@@ -1,7 +1,7 @@
 """The few CUDA driver calls gpushm needs, through ctypes on libcuda.so.1.
 
 Declarations follow cuda.h of CUDA 13.0 (the same for 12.x in everything
-used here), as internal/cuda/cuda_cgo.go does. The driver is loaded on first
+used here), as internal/cuda/driver.h does. The driver is loaded on first
 use, so importing gpushm never needs a GPU.
 
 Every call runs with the device's primary context pushed and popped again:
