@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
 )
 
 func createCmd() *cobra.Command {
@@ -28,7 +29,7 @@ lives until 'gpushm rm'; its memory is rounded up to the device's allocation
 granularity.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			size, err := parseSize(args[1])
+			size, err := bytesize.Parse(args[1])
 			if err != nil {
 				return err
 			}
@@ -63,7 +64,7 @@ granularity.`,
 			if !created {
 				verb = "exists:"
 			}
-			fmt.Printf("%s %s: %s on device %d (allocated %s)\n", verb, inf.Name, formatSize(inf.Size), inf.Device, formatSize(inf.AllocSize))
+			fmt.Printf("%s %s: %s on device %d (allocated %s)\n", verb, inf.Name, bytesize.Format(inf.Size), inf.Device, bytesize.Format(inf.AllocSize))
 			return nil
 		},
 	}

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bench"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -29,10 +30,10 @@ const crowdUID = 4245
 // idleBaseline waits until the serving process settled (the workers that
 // served a burst exit after a second without work) and returns what it
 // holds then.
-func settled(t *testing.T, pid int) procFigures {
+func settled(t *testing.T, pid int) bench.ProcFigures {
 	t.Helper()
 	time.Sleep(2 * time.Second)
-	st, err := readProcFigures(pid)
+	st, err := bench.ReadProcFigures(pid)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,11 +48,11 @@ func within10(got, base int64, slack int64) bool {
 
 // waitBack waits until pid's threads, descriptors and memory are back
 // within 10% of base.
-func waitBack(t *testing.T, pid int, base procFigures) procFigures {
+func waitBack(t *testing.T, pid int, base bench.ProcFigures) bench.ProcFigures {
 	t.Helper()
 	deadline := time.Now().Add(90 * time.Second)
 	for {
-		st, err := readProcFigures(pid)
+		st, err := bench.ReadProcFigures(pid)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -124,7 +125,7 @@ func (w *workload) run(ctx context.Context, socket string, stop <-chan struct{})
 }
 
 // take returns the round trips so far and starts a new list.
-func (w *workload) take() (dist, int, error) {
+func (w *workload) take() (bench.Dist, int, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	ns := make([]int64, len(w.rts))
@@ -132,7 +133,7 @@ func (w *workload) take() (dist, int, error) {
 		ns[i] = d.Nanoseconds()
 	}
 	w.rts = nil
-	return summarize(ns), len(ns), w.err
+	return bench.Summarize(ns), len(ns), w.err
 }
 
 // startWorkload runs a workload until the test ends.
@@ -164,9 +165,9 @@ func checkRoundTrips(t *testing.T, w *workload, phase string) {
 	if n == 0 {
 		t.Fatalf("%s: the other user's client made no round trip", phase)
 	}
-	t.Logf("%s: other user's create/open/unlink round trips: %d, p50 %v, p99 %v (target p99 < 5ms)", phase, n, d.p50, d.p99)
-	if d.p99 > 250*time.Millisecond {
-		t.Errorf("%s: round trip p99 %v, want well under 250ms", phase, d.p99)
+	t.Logf("%s: other user's create/open/unlink round trips: %d, p50 %v, p99 %v (target p99 < 5ms)", phase, n, d.P50, d.P99)
+	if d.P99 > 250*time.Millisecond {
+		t.Errorf("%s: round trip p99 %v, want well under 250ms", phase, d.P99)
 	}
 }
 
@@ -184,7 +185,7 @@ func TestHostileIdleConnections(t *testing.T) {
 	}
 	// The serving process needs a few dozen descriptors of its own.
 	const spare = 128
-	if got, _ := raiseNofile(uint64(n) + spare); got < uint64(n)+spare {
+	if got, _ := bench.RaiseNofile(uint64(n) + spare); got < uint64(n)+spare {
 		// A hard limit below what the test wants, which this process may
 		// not raise: as many as the limit allows.
 		n = int(got) - spare
@@ -215,16 +216,16 @@ func TestHostileIdleConnections(t *testing.T) {
 	checkRoundTrips(t, w, "no idle connections")
 	t.Logf("serving process without idle connections: %+v", idle)
 
-	var cr *idleCrowd
-	peak, err := peakThreads(pid, func() error {
+	var cr *bench.IdleCrowd
+	peak, err := bench.PeakThreads(pid, func() error {
 		var err error
-		cr, err = startIdleCrowd(context.Background(), sock, n, uid)
+		cr, err = bench.StartIdleCrowd(context.Background(), sock, n, uid)
 		return err
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { cr.close() })
+	t.Cleanup(func() { cr.Close() })
 	checkRoundTrips(t, w, fmt.Sprintf("while %d connections were opened", n))
 	full := settled(t, pid)
 	checkRoundTrips(t, w, fmt.Sprintf("with %d idle connections", n))
@@ -244,7 +245,7 @@ func TestHostileIdleConnections(t *testing.T) {
 		t.Fatalf("daemon does not answer with %d idle connections: %v", n, err)
 	}
 
-	if err := cr.close(); err != nil {
+	if err := cr.Close(); err != nil {
 		t.Fatalf("idle connections: %v", err)
 	}
 	back := waitBack(t, pid, idle)
@@ -298,7 +299,7 @@ func TestHostileConnectChurn(t *testing.T) {
 		return err
 	}
 	cycles := 0
-	peak, err := peakThreads(pid, func() error {
+	peak, err := bench.PeakThreads(pid, func() error {
 		start := time.Now()
 		for {
 			el := time.Since(start)

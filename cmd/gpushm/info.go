@@ -7,6 +7,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/gpushm/gpushm/internal/bytesize"
 	"github.com/spf13/cobra"
 )
 
@@ -43,10 +44,10 @@ every segment across restarts of the serving process.`,
 			}
 			fmt.Println()
 			fmt.Printf("segments: %d named, %d holding memory, %s allocated, %d opens\n",
-				inf.Usage.Named, inf.Usage.Segments, formatSize(inf.Usage.Bytes), inf.Usage.Opens)
+				inf.Usage.Named, inf.Usage.Segments, bytesize.Format(inf.Usage.Bytes), inf.Usage.Opens)
 			if p := inf.Pool; p != nil {
 				// Counted as free below: a create takes it first.
-				fmt.Printf("pool:     %d allocations made ahead of time, %s\n", p.Ready, formatSize(p.Bytes))
+				fmt.Printf("pool:     %d allocations made ahead of time, %s\n", p.Ready, bytesize.Format(p.Bytes))
 			}
 			fmt.Println()
 			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
@@ -57,7 +58,7 @@ every segment across restarts of the serving process.`,
 					uuid = "-"
 				}
 				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\n", d.Index, d.Name, uuid,
-					formatSize(int64(d.TotalBytes)), formatSize(int64(d.FreeBytes)), formatSize(d.Granularity))
+					bytesize.Format(int64(d.TotalBytes)), bytesize.Format(int64(d.FreeBytes)), bytesize.Format(d.Granularity))
 			}
 			if err := w.Flush(); err != nil {
 				return err

@@ -8,6 +8,7 @@ import (
 	"text/tabwriter"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
 )
 
 // printGPUs writes the GPU part of 'gpushm info': where the figures come
@@ -44,7 +45,7 @@ func printGPUs(out io.Writer, r *gpushm.GPUReport) error {
 			util = strconv.Itoa(*g.Utilization) + "%"
 		}
 		fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", g.Index, dev, g.Name, orDash(g.UUID),
-			formatSize(int64(g.UsedBytes)), formatSize(int64(g.TotalBytes)), util)
+			bytesize.Format(int64(g.UsedBytes)), bytesize.Format(int64(g.TotalBytes)), util)
 		procs += len(g.Processes)
 	}
 	if err := w.Flush(); err != nil {
@@ -62,7 +63,7 @@ func printGPUs(out io.Writer, r *gpushm.GPUReport) error {
 			if p.UID != nil {
 				who = userName(*p.UID)
 			}
-			fmt.Fprintf(w, "%d\t%d\t%s\t%s\t%s\n", g.Index, p.PID, who, orDash(p.Command), formatSize(int64(p.UsedBytes)))
+			fmt.Fprintf(w, "%d\t%d\t%s\t%s\t%s\n", g.Index, p.PID, who, orDash(p.Command), bytesize.Format(int64(p.UsedBytes)))
 		}
 		if g.MoreProcesses > 0 {
 			fmt.Fprintf(w, "%d\t...\t\t%d more\t\n", g.Index, g.MoreProcesses)

@@ -7,6 +7,7 @@ import (
 	"syscall"
 
 	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/bytesize"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
 )
@@ -118,7 +119,7 @@ func (o daemonOptions) limits(b backend.Backend, nofile int) (daemonLimits, erro
 			l.seg.UserDeviceBytes[d.Index] = n
 		}
 	} else if quota != "0" {
-		n, err := parseSize(quota)
+		n, err := bytesize.Parse(quota)
 		if err != nil {
 			return l, fmt.Errorf("--user-quota: %w", err)
 		}
@@ -159,14 +160,14 @@ func sizeOrShare(s string, total int64) (int64, error) {
 		}
 		return int64(f / 100 * float64(total)), nil
 	}
-	return parseSize(s)
+	return bytesize.Parse(s)
 }
 
 // poolBytes reads --create-pool: the bytes each device may hold made
 // ahead of creates.
 func (o daemonOptions) poolBytes(b backend.Backend) (int64, error) {
 	if o.createPool != "auto" {
-		n, err := parseSize(o.createPool)
+		n, err := bytesize.Parse(o.createPool)
 		if err != nil || n < 0 {
 			return 0, fmt.Errorf("--create-pool %q: want a size (256M), 0 or auto", o.createPool)
 		}

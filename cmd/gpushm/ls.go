@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
 )
 
 func lsCmd() *cobra.Command {
@@ -68,7 +69,7 @@ field names (docs/protocol.md).`,
 			}
 			fmt.Fprintln(w, header)
 			for _, s := range segs {
-				size := formatSize(s.Size)
+				size := bytesize.Format(s.Size)
 				if bytes {
 					size = strconv.FormatInt(s.Size, 10)
 				}

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpushm/gpushm/internal/bytesize"
 	"golang.org/x/sys/unix"
 )
 
@@ -288,9 +289,9 @@ func TestParseSize(t *testing.T) {
 		{"99999999999T", 0, false},
 	}
 	for _, tc := range tests {
-		got, err := parseSize(tc.in)
+		got, err := bytesize.Parse(tc.in)
 		if (err == nil) != tc.ok || got != tc.want {
-			t.Errorf("parseSize(%q) = %d, %v; want %d, ok=%v", tc.in, got, err, tc.want, tc.ok)
+			t.Errorf("bytesize.Parse(%q) = %d, %v; want %d, ok=%v", tc.in, got, err, tc.want, tc.ok)
 		}
 	}
 }

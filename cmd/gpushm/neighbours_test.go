@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bench"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -76,7 +77,7 @@ type procStats struct {
 
 func statsOf(t *testing.T, pid int) procStats {
 	t.Helper()
-	f, err := readProcFigures(pid)
+	f, err := bench.ReadProcFigures(pid)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
 	"github.com/gpushm/gpushm/internal/checkpoint"
 )
 
@@ -154,7 +155,7 @@ func (c *copyFlags) inDaemon() (bool, error) {
 
 func (c *copyFlags) options() (*gpushm.CopyOptions, error) {
 	o := &gpushm.CopyOptions{Workers: c.workers}
-	n, err := parseSize(c.chunk)
+	n, err := bytesize.Parse(c.chunk)
 	if err != nil {
 		return nil, fmt.Errorf("--chunk: %w", err)
 	}
@@ -296,10 +297,10 @@ func report(verb, name string, n int64, d time.Duration, st gpushm.CopyStats, ve
 	if !verbose && !isTerminal(os.Stderr) {
 		return
 	}
-	fmt.Fprintf(os.Stderr, "%s %s: %s in %.3fs (%.2f GB/s)\n", verb, name, formatSize(n), d.Seconds(), float64(n)/d.Seconds()/1e9)
+	fmt.Fprintf(os.Stderr, "%s %s: %s in %.3fs (%.2f GB/s)\n", verb, name, bytesize.Format(n), d.Seconds(), float64(n)/d.Seconds()/1e9)
 	if verbose && st.Elapsed > 0 {
 		fmt.Fprintf(os.Stderr, "%s %s: copy %s in %.3fs (%.2f GB/s), %s with O_DIRECT, %d copiers, %s chunks\n",
-			verb, name, formatSize(st.Bytes), st.Elapsed.Seconds(), float64(st.Bytes)/st.Elapsed.Seconds()/1e9,
-			formatSize(st.Direct), st.Workers, formatSize(st.Chunk))
+			verb, name, bytesize.Format(st.Bytes), st.Elapsed.Seconds(), float64(st.Bytes)/st.Elapsed.Seconds()/1e9,
+			bytesize.Format(st.Direct), st.Workers, bytesize.Format(st.Chunk))
 	}
 }

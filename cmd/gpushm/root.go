@@ -11,6 +11,7 @@ import (
 	"golang.org/x/term"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bench"
 )
 
 // socketFlag is the global --socket; empty means gpushm.DefaultSocket.
@@ -35,7 +36,7 @@ other users; --socket overrides both.`,
 	root.AddCommand(
 		daemonCmd(), infoCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(),
 		chmodCmd(), chownCmd(), mvCmd(),
-		putCmd(), getCmd(), benchCmd(), demoCmd(), childCmd(), installSystemdCmd(),
+		putCmd(), getCmd(), bench.Command(), bench.DemoCommand(), bench.ChildCommand(), installSystemdCmd(),
 	)
 	root.SetArgs(args)
 	return root.ExecuteContext(context.Background())

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/gpushm/gpushm/internal/bytesize"
 	"github.com/spf13/cobra"
 )
 
@@ -30,8 +31,8 @@ protocol's field names (docs/protocol.md, "Segment object").`,
 			}
 			fmt.Printf("name:        %s\n", s.Name)
 			fmt.Printf("id:          %d\n", s.ID)
-			fmt.Printf("size:        %d (%s)\n", s.Size, formatSize(s.Size))
-			fmt.Printf("allocated:   %d (%s)\n", s.AllocSize, formatSize(s.AllocSize))
+			fmt.Printf("size:        %d (%s)\n", s.Size, bytesize.Format(s.Size))
+			fmt.Printf("allocated:   %d (%s)\n", s.AllocSize, bytesize.Format(s.AllocSize))
 			fmt.Printf("device:      %d\n", s.Device)
 			if s.UUID != "" {
 				fmt.Printf("gpu:         %s\n", s.UUID)
@@ -44,7 +45,7 @@ protocol's field names (docs/protocol.md, "Segment object").`,
 			fmt.Printf("created:     %s (%s ago)\n", created.Format(time.RFC3339), age(time.Since(created)))
 			fmt.Printf("lifetime:    %s\n", lifetime(s))
 			if ch := s.Channel; ch != nil {
-				fmt.Printf("channel:     %d slots of %s (every %s)\n", ch.Slots, formatSize(ch.SlotBytes), formatSize(ch.SlotStride))
+				fmt.Printf("channel:     %d slots of %s (every %s)\n", ch.Slots, bytesize.Format(ch.SlotBytes), bytesize.Format(ch.SlotStride))
 			}
 			if s.Uncommitted {
 				fmt.Printf("incomplete:  still being written; opens and 'gpushm get' refuse it until its writer commits it, and it goes if the writer ends first\n")

@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"encoding/json"
@@ -13,10 +13,10 @@ import (
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
-// childCmd holds the second-process halves of demo and bench. They run in a
+// ChildCommand, the hidden __child command, holds the second-process halves of demo and bench. They run in a
 // freshly exec'd process: a process that has initialised CUDA must never
 // fork, and a second process is the point of the measurement.
-func childCmd() *cobra.Command {
+func ChildCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:    "__child",
 		Hidden: true,
@@ -43,7 +43,7 @@ func verifyChildCmd() *cobra.Command {
 		Use: "verify",
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			c, err := dial(ctx)
+			c, err := gpushm.Dial(ctx, socketOf(cmd))
 			if err != nil {
 				return err
 			}
@@ -111,7 +111,7 @@ func openChildCmd() *cobra.Command {
 		Use: "open",
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			c, err := dial(ctx)
+			c, err := gpushm.Dial(ctx, socketOf(cmd))
 			if err != nil {
 				return err
 			}
@@ -190,4 +190,13 @@ func openChildCmd() *cobra.Command {
 	cmd.Flags().IntVar(&floor.device, "floor-device", 0, "GPU ordinal of fd 3")
 	cmd.Flags().Int64Var(&floor.size, "floor-size", 0, "bytes to map of fd 3")
 	return cmd
+}
+
+// socketOf is the daemon socket a child was given: the root command's
+// --socket, which a child inherits as a persistent flag, else the default.
+func socketOf(cmd *cobra.Command) string {
+	if f := cmd.Flag("socket"); f != nil && f.Value.String() != "" {
+		return f.Value.String()
+	}
+	return gpushm.DefaultSocket()
 }

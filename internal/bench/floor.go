@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"errors"
@@ -87,7 +87,7 @@ func mapFloor(d *cuda.Device, fd int, size int64) (undo func() error, err error)
 // descriptor the supervisor can hold, or fallocate committing the pages),
 // then freeing it. They are what a create pays when its size is not made
 // ahead (--create-pool).
-func createSteps(backend string, dev gpushm.Device, size int64, iters int) (alloc, commit, free dist, err error) {
+func createSteps(backend string, dev gpushm.Device, size int64, iters int) (alloc, commit, free Dist, err error) {
 	size = (size + dev.Granularity - 1) / dev.Granularity * dev.Granularity
 	var a, c, f []int64
 	for range iters {
@@ -138,5 +138,5 @@ func createSteps(backend string, dev gpushm.Device, size int64, iters int) (allo
 		c = append(c, t2.Sub(t1).Nanoseconds())
 		f = append(f, t3.Sub(t2).Nanoseconds())
 	}
-	return summarize(a), summarize(c), summarize(f), nil
+	return Summarize(a), Summarize(c), Summarize(f), nil
 }

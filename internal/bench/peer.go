@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"bytes"
@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
 	"github.com/gpushm/gpushm/internal/cuda"
 )
 
@@ -36,7 +37,7 @@ segment's mapping against a private buffer. Its figures say nothing about
 GPUs; it checks that the benchmark still runs (scripts/bench-smoke).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			list, err := parseSizes(sizes)
+			list, err := bytesize.ParseList(sizes)
 			if err != nil {
 				return err
 			}
@@ -129,7 +130,7 @@ func benchPeer(ctx context.Context, c *gpushm.Client, p peerCopies, sizes []int6
 	shared, plain := p.columns()
 	fmt.Fprintf(w, "size\t%s\t%s\tratio\t\n", shared, plain)
 	for _, r := range rows {
-		fmt.Fprintf(w, "%s\t%.1f GB/s\t%.1f GB/s\t%.3f\t\n", formatSize(r.size), r.shared, r.plain, r.shared/r.plain)
+		fmt.Fprintf(w, "%s\t%.1f GB/s\t%.1f GB/s\t%.3f\t\n", bytesize.Format(r.size), r.shared, r.plain, r.shared/r.plain)
 	}
 	return w.Flush()
 }

@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"context"
@@ -99,8 +99,7 @@ func withPrivateDaemon(ctx context.Context, backend string, fn func(d *privateDa
 			reportLeftovers(os.Stdout, resolvedBackend(backend), d.socket, before)
 		}
 	}()
-	socketFlag = d.socket
-	c, err := dial(ctx)
+	c, err := gpushm.Dial(ctx, d.socket)
 	if err != nil {
 		return err
 	}

@@ -1,13 +1,13 @@
-package main
+package bench
 
 import "syscall"
 
-// raiseNofile raises this process's descriptor limit for a benchmark or a
+// RaiseNofile raises this process's descriptor limit for a benchmark or a
 // test that holds many connections: the soft limit to the hard one, and
 // both to want where the process may (as root). It returns the soft limit
 // now; processes started from here, a daemon among them, inherit it.
 // (The daemon itself only takes its hard limit: raiseNOFILE.)
-func raiseNofile(want uint64) (uint64, error) {
+func RaiseNofile(want uint64) (uint64, error) {
 	var l syscall.Rlimit
 	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &l); err != nil {
 		return 0, err

@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"bufio"
@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -80,7 +81,7 @@ one, and as root the hard one too.`,
 func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, settle time.Duration) error {
 	// The daemon needs a few dozen descriptors besides the connections.
 	need := uint64(counts[len(counts)-1]) + 128
-	if got, err := raiseNofile(need); got < need {
+	if got, err := RaiseNofile(need); got < need {
 		msg := fmt.Sprintf("%d idle connections need a descriptor limit of %d for the daemon, and this one is %d", counts[len(counts)-1], need, got)
 		if err != nil {
 			msg += fmt.Sprintf(" (%v)", err)
@@ -106,26 +107,26 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 		type row struct {
 			count        int
 			peak         int
-			st           procFigures
-			rt, rtIdle   dist
+			st           ProcFigures
+			rt, rtIdle   Dist
 			rssPerConnKB float64
 		}
 		var rows []row
-		var crowds []*idleCrowd
+		var crowds []*IdleCrowd
 		defer func() {
 			for _, cr := range crowds {
-				cr.close()
+				cr.Close()
 			}
 		}()
 		have := 0
 		for _, n := range counts {
 			r := row{count: n}
 			var err error
-			r.peak, err = peakThreads(pid, func() error {
+			r.peak, err = PeakThreads(pid, func() error {
 				if n == have {
 					return nil
 				}
-				cr, err := startIdleCrowd(ctx, d.socket, n-have, -1)
+				cr, err := StartIdleCrowd(ctx, d.socket, n-have, -1)
 				if err != nil {
 					return err
 				}
@@ -156,9 +157,9 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 				}
 				idleNS = append(idleNS, dt.Nanoseconds())
 			}
-			r.rt, r.rtIdle = summarize(ns), summarize(idleNS)
+			r.rt, r.rtIdle = Summarize(ns), Summarize(idleNS)
 			time.Sleep(settle)
-			if r.st, err = readProcFigures(pid); err != nil {
+			if r.st, err = ReadProcFigures(pid); err != nil {
 				return err
 			}
 			if n > 0 && len(rows) > 0 && rows[0].count == 0 {
@@ -176,22 +177,22 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 				perConn = fmt.Sprintf("%.1f KiB", r.rssPerConnKB)
 			}
 			fmt.Fprintf(w, "%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.count, r.st.Threads, r.peak, r.st.FDs,
-				formatSize(r.st.RSS), perConn, fmtDur(r.rt.p50), fmtDur(r.rt.p99), fmtDur(r.rtIdle.p50), fmtDur(r.rtIdle.p99))
+				bytesize.Format(r.st.RSS), perConn, fmtDur(r.rt.P50), fmtDur(r.rt.P99), fmtDur(r.rtIdle.P50), fmtDur(r.rtIdle.P99))
 		}
 		return w.Flush()
 		// The connection limits would turn most of the connections away.
 	}, "--user-connections", "0", "--max-connections", "0")
 }
 
-// procFigures are what a process holds, from /proc.
-type procFigures struct {
+// ProcFigures are what a process holds, from /proc.
+type ProcFigures struct {
 	Threads int
 	FDs     int
 	RSS     int64 // bytes
 }
 
-func readProcFigures(pid int) (procFigures, error) {
-	var st procFigures
+func ReadProcFigures(pid int) (ProcFigures, error) {
+	var st ProcFigures
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		return st, err
@@ -218,13 +219,13 @@ func readProcFigures(pid int) (procFigures, error) {
 	return st, nil
 }
 
-// peakThreads runs fn while sampling pid's thread count, and returns the
+// PeakThreads runs fn while sampling pid's thread count, and returns the
 // most it saw.
-func peakThreads(pid int, fn func() error) (int, error) {
+func PeakThreads(pid int, fn func() error) (int, error) {
 	var mu sync.Mutex
 	peak := 0
 	sample := func() {
-		if st, err := readProcFigures(pid); err == nil {
+		if st, err := ReadProcFigures(pid); err == nil {
 			mu.Lock()
 			peak = max(peak, st.Threads)
 			mu.Unlock()
@@ -253,9 +254,9 @@ func peakThreads(pid int, fn func() error) (int, error) {
 	return peak, err
 }
 
-// idleCrowd is a process holding idle connections to a daemon
+// IdleCrowd is a process holding idle connections to a daemon
 // ('__child idle').
-type idleCrowd struct {
+type IdleCrowd struct {
 	cmd     *exec.Cmd
 	stdin   io.WriteCloser
 	out     *bufio.Reader
@@ -268,10 +269,10 @@ type idleReady struct {
 	Opened int
 }
 
-// startIdleCrowd starts a process that opens n connections to socket (as
+// StartIdleCrowd starts a process that opens n connections to socket (as
 // uid, when it is not -1) and holds them idle until close, and waits until
 // it opened them.
-func startIdleCrowd(ctx context.Context, socket string, n, uid int) (*idleCrowd, error) {
+func StartIdleCrowd(ctx context.Context, socket string, n, uid int) (*IdleCrowd, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -289,7 +290,7 @@ func startIdleCrowd(ctx context.Context, socket string, n, uid int) (*idleCrowd,
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start idle connections: %w", err)
 	}
-	cr := &idleCrowd{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout), done: make(chan error, 1)}
+	cr := &IdleCrowd{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout), done: make(chan error, 1)}
 	line, err := cr.out.ReadBytes('\n')
 	var r idleReady
 	if err == nil {
@@ -300,7 +301,7 @@ func startIdleCrowd(ctx context.Context, socket string, n, uid int) (*idleCrowd,
 	}
 	go func() { cr.done <- cmd.Wait() }()
 	if err != nil {
-		cr.close()
+		cr.Close()
 		return nil, fmt.Errorf("idle connections: %w", err)
 	}
 	return cr, nil
@@ -308,7 +309,7 @@ func startIdleCrowd(ctx context.Context, socket string, n, uid int) (*idleCrowd,
 
 // close makes the process close its connections and exit, and waits for
 // it; later calls return the first one's result.
-func (cr *idleCrowd) close() error {
+func (cr *IdleCrowd) Close() error {
 	cr.once.Do(func() {
 		cr.stdin.Close()
 		select {
@@ -333,7 +334,7 @@ func idleChildCmd() *cobra.Command {
 					return err
 				}
 			}
-			conns, err := openIdle(socketPath(), count)
+			conns, err := openIdle(socketOf(cmd), count)
 			defer func() {
 				for _, c := range conns {
 					c.Close()

@@ -1,4 +1,6 @@
-package main
+// Package bytesize reads and prints sizes as people write them: 64M,
+// 2GiB, 1.5T.
+package bytesize
 
 import (
 	"fmt"
@@ -7,10 +9,10 @@ import (
 	"strings"
 )
 
-// parseSize reads sizes as coreutils does: a plain number is bytes; K, M, G,
+// Parse reads sizes as coreutils does: a plain number is bytes; K, M, G,
 // T (optionally followed by iB) are powers of 1024; KB, MB, GB, TB powers of
 // 1000.
-func parseSize(s string) (int64, error) {
+func Parse(s string) (int64, error) {
 	t := strings.TrimSpace(s)
 	i := 0
 	for i < len(t) && (t[i] >= '0' && t[i] <= '9' || t[i] == '.') {
@@ -63,11 +65,11 @@ func parseSize(s string) (int64, error) {
 	return int64(math.Ceil(v)), nil
 }
 
-// parseSizes reads a comma-separated list of sizes.
-func parseSizes(list string) ([]int64, error) {
+// ParseList reads a comma-separated list of sizes.
+func ParseList(list string) ([]int64, error) {
 	var out []int64
 	for _, s := range strings.Split(list, ",") {
-		n, err := parseSize(s)
+		n, err := Parse(s)
 		if err != nil {
 			return nil, err
 		}
@@ -76,8 +78,8 @@ func parseSizes(list string) ([]int64, error) {
 	return out, nil
 }
 
-// formatSize prints bytes in binary units, exactly when it can.
-func formatSize(n int64) string {
+// Format prints bytes in binary units, exactly when it can.
+func Format(n int64) string {
 	units := []string{"B", "KiB", "MiB", "GiB", "TiB", "PiB"}
 	v, i := float64(n), 0
 	for v >= 1024 && i < len(units)-1 {

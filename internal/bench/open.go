@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"bytes"
@@ -14,9 +14,11 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
 )
 
-func benchCmd() *cobra.Command {
+// Command is "gpushm bench": the benchmarks that print tables.
+func Command() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "bench",
 		Short: "Benchmarks that print tables",
@@ -61,7 +63,7 @@ whether any process of the private daemon outlived it, and the memory in
 use against its start.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			list, err := parseSizes(sizes)
+			list, err := bytesize.ParseList(sizes)
 			if err != nil {
 				return err
 			}
@@ -82,16 +84,16 @@ use against its start.`,
 	return cmd
 }
 
-type dist struct{ p50, p99 time.Duration }
+type Dist struct{ P50, P99 time.Duration }
 
-func summarize(ns []int64) dist {
+func Summarize(ns []int64) Dist {
 	s := slices.Clone(ns)
 	slices.Sort(s)
 	if len(s) == 0 {
-		return dist{}
+		return Dist{}
 	}
 	i99 := (len(s)*99+99)/100 - 1
-	return dist{time.Duration(s[len(s)/2]), time.Duration(s[min(i99, len(s)-1)])}
+	return Dist{time.Duration(s[len(s)/2]), time.Duration(s[min(i99, len(s)-1)])}
 }
 
 func runBenchOpen(ctx context.Context, backend string, sizes []int64, iters int, daemonArgs []string) error {
@@ -147,14 +149,14 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 	dev := inf.Devices[0]
 	type row struct {
 		size                        int64
-		floor, open, reopen, create dist
-		roundTrip                   dist
-		paced                       dist // creates one per pace
+		floor, open, reopen, create Dist
+		roundTrip                   Dist
+		paced                       Dist // creates one per pace
 		pace                        time.Duration
-		alloc, commit, free         dist // createSteps
+		alloc, commit, free         Dist // createSteps
 		b2bSteps, pacedSteps        createSamples
-		openDaemon                  dist
-		openSteps                   map[string]dist
+		openDaemon                  Dist
+		openSteps                   map[string]Dist
 	}
 	var rows []row
 	for _, size := range sizes {
@@ -166,7 +168,7 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 		// Back to back, creates come faster than the pool makes
 		// allocations ahead; paced, each finds one ready, as a service
 		// creating a segment per request would.
-		pace := 4*(r.alloc.p50+r.commit.p50+r.free.p50) + time.Millisecond
+		pace := 4*(r.alloc.P50+r.commit.P50+r.free.P50) + time.Millisecond
 		for _, paced := range []bool{false, true} {
 			var cs createSamples
 			for i := range iters {
@@ -185,9 +187,9 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 				}
 			}
 			if paced {
-				r.paced, r.pace, r.pacedSteps = summarize(cs.ns), pace, cs
+				r.paced, r.pace, r.pacedSteps = Summarize(cs.ns), pace, cs
 			} else {
-				r.create, r.b2bSteps = summarize(cs.ns), cs
+				r.create, r.b2bSteps = Summarize(cs.ns), cs
 			}
 		}
 
@@ -206,13 +208,13 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 		f.Close()
 		release()
 		if err == nil {
-			r.open, r.roundTrip, r.floor = summarize(s.NS), summarize(s.RoundTripNS), summarize(s.FloorNS)
-			r.openDaemon, r.openSteps = summarize(s.DaemonNS), map[string]dist{}
+			r.open, r.roundTrip, r.floor = Summarize(s.NS), Summarize(s.RoundTripNS), Summarize(s.FloorNS)
+			r.openDaemon, r.openSteps = Summarize(s.DaemonNS), map[string]Dist{}
 			for name, ns := range s.StepNS {
-				r.openSteps[name] = summarize(ns)
+				r.openSteps[name] = Summarize(ns)
 			}
 			s, err = runChild(ctx, nil, "open", "--socket", d.socket, "--name", "bench", "--iters", fmt.Sprint(iters), "--reopen")
-			r.reopen = summarize(s.NS)
+			r.reopen = Summarize(s.NS)
 		}
 		seg.Close()
 		if uerr := c.Unlink(ctx, "bench"); err == nil {
@@ -229,10 +231,10 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(w, "size\tfloor p50\tfloor p99\topen p50\topen p99\topen/floor\treopen p50\treopen p99\tcreate p50\tcreate p99\t")
 	for _, r := range rows {
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%.3fx\t%s\t%s\t%s\t%s\t\n", formatSize(r.size),
-			fmtDur(r.floor.p50), fmtDur(r.floor.p99), fmtDur(r.open.p50), fmtDur(r.open.p99),
-			float64(r.open.p50)/float64(r.floor.p50),
-			fmtDur(r.reopen.p50), fmtDur(r.reopen.p99), fmtDur(r.create.p50), fmtDur(r.create.p99))
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%.3fx\t%s\t%s\t%s\t%s\t\n", bytesize.Format(r.size),
+			fmtDur(r.floor.P50), fmtDur(r.floor.P99), fmtDur(r.open.P50), fmtDur(r.open.P99),
+			float64(r.open.P50)/float64(r.floor.P50),
+			fmtDur(r.reopen.P50), fmtDur(r.reopen.P99), fmtDur(r.create.P50), fmtDur(r.create.P99))
 	}
 	if err := w.Flush(); err != nil {
 		return err
@@ -245,8 +247,8 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 	}
 	fmt.Fprintf(w, "size\tcreate p50\tpace\tpaced p50\tpaced p99\t%s\t%s\tfree p50\t\n", alloc, commit)
 	for _, r := range rows {
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", formatSize(r.size), fmtDur(r.create.p50), fmtDur(r.pace),
-			fmtDur(r.paced.p50), fmtDur(r.paced.p99), fmtDur(r.alloc.p50), fmtDur(r.commit.p50), fmtDur(r.free.p50))
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", bytesize.Format(r.size), fmtDur(r.create.P50), fmtDur(r.pace),
+			fmtDur(r.paced.P50), fmtDur(r.paced.P99), fmtDur(r.alloc.P50), fmtDur(r.commit.P50), fmtDur(r.free.P50))
 	}
 	if err := w.Flush(); err != nil {
 		return err
@@ -272,16 +274,16 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 			what string
 			s    createSamples
 		}{{"back to back", r.b2bSteps}, {"paced", r.pacedSteps}} {
-			fmt.Fprintf(w, "%s\t%s\t%d/%d\t%s\t%s\t", formatSize(r.size), m.what, m.s.pooled, len(m.s.ns),
-				fmtDur(summarize(m.s.ns).p50), fmtDur(summarize(m.s.daemon).p50))
+			fmt.Fprintf(w, "%s\t%s\t%d/%d\t%s\t%s\t", bytesize.Format(r.size), m.what, m.s.pooled, len(m.s.ns),
+				fmtDur(Summarize(m.s.ns).P50), fmtDur(Summarize(m.s.daemon).P50))
 			for _, name := range order {
 				if ns, ok := m.s.steps[name]; ok {
-					fmt.Fprintf(w, "%s\t", fmtDur(summarize(ns).p50))
+					fmt.Fprintf(w, "%s\t", fmtDur(Summarize(ns).P50))
 				} else {
 					fmt.Fprint(w, "-\t")
 				}
 			}
-			fmt.Fprintf(w, "%s\t\n", fmtDur(summarize(rest(m.s.ns, m.s.daemon)).p50))
+			fmt.Fprintf(w, "%s\t\n", fmtDur(Summarize(rest(m.s.ns, m.s.daemon)).P50))
 		}
 	}
 	if err := w.Flush(); err != nil {
@@ -292,10 +294,10 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 	w = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(w, "size\topen p50\tround trip p50\tround trip p99\tdaemon p50\tlookup p50\thandout p50\topen - round trip\tfloor p50\t")
 	for _, r := range rows {
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", formatSize(r.size), fmtDur(r.open.p50),
-			fmtDur(r.roundTrip.p50), fmtDur(r.roundTrip.p99), fmtDur(r.openDaemon.p50),
-			fmtDur(r.openSteps["lookup"].p50), fmtDur(r.openSteps["handout"].p50),
-			fmtDur(r.open.p50-r.roundTrip.p50), fmtDur(r.floor.p50))
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", bytesize.Format(r.size), fmtDur(r.open.P50),
+			fmtDur(r.roundTrip.P50), fmtDur(r.roundTrip.P99), fmtDur(r.openDaemon.P50),
+			fmtDur(r.openSteps["lookup"].P50), fmtDur(r.openSteps["handout"].P50),
+			fmtDur(r.open.P50-r.roundTrip.P50), fmtDur(r.floor.P50))
 	}
 	return w.Flush()
 }

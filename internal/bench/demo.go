@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"bytes"
@@ -13,9 +13,12 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
 )
 
-func demoCmd() *cobra.Command {
+// DemoCommand is "gpushm demo": the whole path once, step by step, on a
+// private daemon.
+func DemoCommand() *cobra.Command {
 	var (
 		backend string
 		sizeStr string
@@ -30,7 +33,7 @@ that its memory is back, and stop the daemon. Prints a table of timings. Uses
 the CUDA backend when a GPU is present, host memory otherwise.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			size, err := parseSize(sizeStr)
+			size, err := bytesize.Parse(sizeStr)
 			if err != nil {
 				return err
 			}
@@ -91,7 +94,7 @@ func (r *demoRun) run(ctx context.Context, d *privateDaemon, c *gpushm.Client) (
 			c.Unlink(context.Background(), name)
 		}
 	}()
-	r.add("create", time.Since(t), fmt.Sprintf("%s on %s", formatSize(size), dev.Name))
+	r.add("create", time.Since(t), fmt.Sprintf("%s on %s", bytesize.Format(size), dev.Name))
 	seg0 := seg.Info()
 	t = time.Now()
 	m, err := seg.Map()
@@ -157,20 +160,20 @@ func (r *demoRun) run(ctx context.Context, d *privateDaemon, c *gpushm.Client) (
 	if err != nil {
 		return err
 	}
-	memNote := fmt.Sprintf("daemon holds %d segments, %s", after.Usage.Segments, formatSize(after.Usage.Bytes))
+	memNote := fmt.Sprintf("daemon holds %d segments, %s", after.Usage.Segments, bytesize.Format(after.Usage.Bytes))
 	if after.Usage.Segments != 0 || after.Usage.Bytes != 0 {
 		return fmt.Errorf("memory not released: %s", memNote)
 	}
 	if c.Backend() == "cuda" {
 		alloc := seg0.AllocSize
 		freed := int64(after.Devices[0].FreeBytes) - int64(before.Devices[0].FreeBytes)
-		memNote += fmt.Sprintf("; GPU free memory rose by %s after unlink (the segment allocated %s)", formatSize(freed), formatSize(alloc))
+		memNote += fmt.Sprintf("; GPU free memory rose by %s after unlink (the segment allocated %s)", bytesize.Format(freed), bytesize.Format(alloc))
 		if freed < alloc/2 {
-			return fmt.Errorf("GPU memory not back after unlink: free rose by %s, the segment had %s", formatSize(freed), formatSize(alloc))
+			return fmt.Errorf("GPU memory not back after unlink: free rose by %s, the segment had %s", bytesize.Format(freed), bytesize.Format(alloc))
 		}
 	}
 
-	fmt.Printf("gpushm demo: %s segment, backend %s, device %q\n\n", formatSize(size), c.Backend(), dev.Name)
+	fmt.Printf("gpushm demo: %s segment, backend %s, device %q\n\n", bytesize.Format(size), c.Backend(), dev.Name)
 	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "STEP\tTIME\tNOTE")
 	for _, s := range r.steps {

@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"bytes"
@@ -15,6 +15,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
 )
 
 func benchFilesCmd() *cobra.Command {
@@ -42,7 +43,7 @@ The bytes got back are compared with SRC. Rates are the size over the whole
 command's time; ratios compare get with cp in the same run.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			list, err := parseSizes(sizes)
+			list, err := bytesize.ParseList(sizes)
 			if err != nil {
 				return err
 			}
@@ -143,7 +144,7 @@ func benchFiles(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes [
 		os.Remove(src)
 		rows = append(rows, r)
 		if !r.same {
-			return fmt.Errorf("bench files: the %s got back differs from what was put", formatSize(size))
+			return fmt.Errorf("bench files: the %s got back differs from what was put", bytesize.Format(size))
 		}
 	}
 	fmt.Printf("gpushm bench files: backend %s, files in %s, whole commands, best of %d, %s\n\n",
@@ -154,7 +155,7 @@ func benchFiles(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes [
 	}
 	fmt.Fprintln(w, "size\tput\tget > /dev/null\tget > file\tcp file file\tcat > /dev/null\tget file / cp\tverified\t")
 	for _, r := range rows {
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%.2fx\t%v\t\n", formatSize(r.size), rate(r.size, r.put),
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%.2fx\t%v\t\n", bytesize.Format(r.size), rate(r.size, r.put),
 			rate(r.size, r.getNull), rate(r.size, r.getFile), rate(r.size, r.cp), rate(r.size, r.cat),
 			r.cp.Seconds()/r.getFile.Seconds(), r.same)
 	}

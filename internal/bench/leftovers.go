@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"bufio"
@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/gpushm/gpushm/internal/bytesize"
 	"github.com/gpushm/gpushm/internal/cuda"
 )
 
@@ -91,7 +92,7 @@ func reportLeftovers(w io.Writer, backend, socket string, before int64) {
 		return
 	}
 	fmt.Fprintf(w, "left behind: %s %s at the start, %s at the end (%+.1f MiB)\n", what,
-		formatSize(before), formatSize(after), float64(after-before)/(1<<20))
+		bytesize.Format(before), bytesize.Format(after), float64(after-before)/(1<<20))
 }
 
 // resolvedBackend is what --backend auto will pick: cuda when the driver
