@@ -435,6 +435,12 @@ func (k *Block) Sent(m uint64) {
 func (k *Block) WaitMessage(timeout time.Duration, done <-chan struct{}, host bool, seen uint64) (m uint64, skip bool, err error) {
 	slots := uint64(k.Slots())
 	m, err = k.wait(offRxEvent, timeout, done, func() (uint64, bool, error) {
+		// Whether the producer is gone is read before the head: a
+		// producer's last message is published before its end is
+		// recorded, so a head read after seeing it gone is final. Read
+		// the other way round, a message sent and the end recorded in
+		// between would be lost to a spurious EOF.
+		gone := k.Holder(Tx).State == StateGone
 		taken := k.Taken()
 		head := k.Head()
 		// The flag before the break: the daemon records a break before it
@@ -456,7 +462,7 @@ func (k *Block) WaitMessage(timeout time.Duration, done <-chan struct{}, host bo
 		if k.Removed() {
 			return 0, false, ErrRemoved
 		}
-		if k.Holder(Tx).State == StateGone {
+		if gone {
 			return 0, false, ErrEOF
 		}
 		return 0, false, ErrTimeout

@@ -721,6 +721,11 @@ class Channel:
         spin_until, deadline = None, None
         while True:
             seen = ev.value
+            # The producer's end is read before the head: its last message
+            # is published before its end is recorded, so a head read after
+            # seeing it gone is final (the other order could turn a message
+            # sent in between into a spurious EOFError).
+            gone = tx_state.value == _GONE
             taken = taken_w.value
             head = head_w.value
             # On host memory the CPU waits for the flag a stream would wait
@@ -735,7 +740,7 @@ class Channel:
             if head <= taken:
                 if removed.value:
                     raise _err(ChannelRemovedError, f"channel {self.name!r} was removed")
-                if tx_state.value == _GONE:
+                if gone:
                     raise EOFError(f"gpushm: channel {self.name!r}: the producer is gone and every message it sent "
                                    f"was received")
             if self._closed:
