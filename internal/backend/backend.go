@@ -21,11 +21,9 @@ type Backend interface {
 	// Restore takes back memory this daemon held before a restart.
 	Restore(device int, fd int, alloc int64) (segment.Memory, error)
 	// Pool makes allocations ahead of creates, up to limit bytes a device
-	// (pool.go); Pooled reports the bytes made and not yet taken,
-	// PoolStats what info says of the pool; Refill makes what creates
-	// took, once their replies are sent.
+	// (pool.go); PoolStats reports what it holds, for info; Refill makes
+	// what creates took, once their replies are sent.
 	Pool(limit int64)
-	Pooled() int64
 	PoolStats() wire.Pool
 	Refill()
 	Close() error

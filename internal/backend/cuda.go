@@ -233,15 +233,6 @@ func (c *CUDA) Refill() {
 	}
 }
 
-// Pooled reports the bytes made ahead and not yet taken, on all GPUs.
-func (c *CUDA) Pooled() int64 {
-	var n int64
-	for _, d := range c.devs {
-		n += d.pool.ready()
-	}
-	return n
-}
-
 // errnoFor attaches the errno the protocol reports to a driver error.
 func errnoFor(err error) error {
 	if errors.Is(err, cuda.ErrOutOfMemory) {

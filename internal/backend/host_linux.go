@@ -84,9 +84,6 @@ func (h *Host) Pool(limit int64) {
 	h.pool = newPool(limit, h.allocate)
 }
 
-// Pooled reports the bytes made ahead and not yet taken.
-func (h *Host) Pooled() int64 { return h.pool.ready() }
-
 // PoolStats reports what the pool holds, for info.
 func (h *Host) PoolStats() wire.Pool { return h.pool.stats() }
 

@@ -227,19 +227,8 @@ func (p *pool) stats() wire.Pool {
 	return s
 }
 
-// ready reports the bytes the pool holds ready, for info and metrics.
-func (p *pool) ready() int64 {
-	if p == nil {
-		return 0
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var n int64
-	for size, ps := range p.sizes {
-		n += int64(len(ps.ready)) * size
-	}
-	return n
-}
+// ready reports the bytes the pool holds ready.
+func (p *pool) ready() int64 { return p.stats().Bytes }
 
 // close frees what is ready; allocations still being made are freed as
 // they finish.

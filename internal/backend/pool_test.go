@@ -126,7 +126,7 @@ func TestHostPoolGivesSealedMemory(t *testing.T) {
 		}
 		m.Free()
 	}
-	waitFor(t, "the pool to fill", func() bool { return h.Pooled() == 2<<20 })
+	waitFor(t, "the pool to fill", func() bool { return h.PoolStats().Bytes == 2<<20 })
 	m, err := h.Allocate(0, 1<<20)
 	if err != nil {
 		t.Fatal(err)
@@ -135,8 +135,8 @@ func TestHostPoolGivesSealedMemory(t *testing.T) {
 	if p, ok := m.(segment.Pooled); !ok || !p.FromPool() {
 		t.Error("memory taken from the pool does not say so")
 	}
-	if h.Pooled() != 1<<20 {
-		t.Fatalf("pooled %d after a take", h.Pooled())
+	if h.PoolStats().Bytes != 1<<20 {
+		t.Fatalf("pooled %d after a take", h.PoolStats().Bytes)
 	}
 	fd, _ := m.FD()
 	seals, err := fcntlSeals(fd)
