@@ -120,18 +120,32 @@ for the name to appear.`,
 	return cmd
 }
 
-// dumpFile has the daemon write seg to path, a new or truncated regular
-// file (sized first, so that the parallel writes never extend it) or a
-// device such as /dev/null; a failed copy leaves no partial file behind.
-func dumpFile(ctx context.Context, seg *gpushm.Segment, path string) (st gpushm.CopyStats, err error) {
+// dumpFile has the daemon write seg into path (intoFile).
+func dumpFile(ctx context.Context, seg *gpushm.Segment, path string) (gpushm.CopyStats, error) {
+	return intoFile(path, seg.Size(), func(f *os.File) (gpushm.CopyStats, error) {
+		return seg.Dump(ctx, f, 0, 0, seg.Size())
+	})
+}
+
+// getFile writes m into path with this process's parallel writes
+// (intoFile).
+func getFile(m *gpushm.Mapping, path string, co *gpushm.CopyOptions) (gpushm.CopyStats, error) {
+	return intoFile(path, m.Size(), func(f *os.File) (gpushm.CopyStats, error) {
+		return m.StoreFiles([]gpushm.FileRange{{File: f, Len: m.Size()}}, co)
+	})
+}
+
+// intoFile opens path for write to put n bytes into: a new or truncated
+// regular file, sized first so that parallel writes never extend it, or a
+// device such as /dev/null. A regular file a failed copy leaves behind is
+// removed; a device is never removed.
+func intoFile(path string, n int64, write func(*os.File) (gpushm.CopyStats, error)) (st gpushm.CopyStats, err error) {
 	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o666)
 	if err != nil {
 		return st, err
 	}
-	regular := false
-	if fi, err := f.Stat(); err == nil && fi.Mode().IsRegular() {
-		regular = true
-	}
+	fi, serr := f.Stat()
+	regular := serr == nil && fi.Mode().IsRegular()
 	defer func() {
 		if cerr := f.Close(); err == nil {
 			err = cerr
@@ -140,29 +154,10 @@ func dumpFile(ctx context.Context, seg *gpushm.Segment, path string) (st gpushm.
 			os.Remove(path)
 		}
 	}()
-	n := seg.Size()
 	if regular {
 		if err := f.Truncate(n); err != nil {
 			return st, err
 		}
 	}
-	return seg.Dump(ctx, f, 0, 0, n)
-}
-
-// getFile writes m to a new or truncated regular file with parallel
-// writes; a failed copy leaves no partial file behind.
-func getFile(m *gpushm.Mapping, path string, co *gpushm.CopyOptions) (st gpushm.CopyStats, err error) {
-	f, err := os.Create(path)
-	if err != nil {
-		return st, err
-	}
-	defer func() {
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
-			os.Remove(path)
-		}
-	}()
-	return m.StoreFiles([]gpushm.FileRange{{File: f, Len: m.Size()}}, co)
+	return write(f)
 }

@@ -67,10 +67,14 @@ segment goes with it.`,
 				m32 := uint32(m)
 				perm = &m32
 			}
+			inDaemon, err := copyOpts.inDaemon()
+			if err != nil {
+				return err
+			}
 			start := time.Now()
 			if path != "-" {
 				if st, err := os.Stat(path); err == nil && st.IsDir() {
-					return putDir(cmd.Context(), name, path, device, perm, readOnly, co, copyOpts.inDaemon, verbose, start)
+					return putDir(cmd.Context(), name, path, device, perm, readOnly, co, inDaemon, verbose, start)
 				}
 			}
 			f, size, cleanup, err := openSource(path)
@@ -95,10 +99,6 @@ segment goes with it.`,
 			}
 			defer c.Close()
 			if o.Device, err = resolveDevice(ctx, c, device); err != nil {
-				return err
-			}
-			inDaemon, err := copyOpts.inDaemon()
-			if err != nil {
 				return err
 			}
 			st, err := put(ctx, c, name, f, size, o, co, inDaemon)
@@ -176,7 +176,7 @@ func (c *copyFlags) options() (*gpushm.CopyOptions, error) {
 	return o, nil
 }
 
-func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnly bool, co *gpushm.CopyOptions, inDaemon func() (bool, error), verbose bool, start time.Time) error {
+func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnly bool, co *gpushm.CopyOptions, inDaemon bool, verbose bool, start time.Time) error {
 	ck, err := gpushm.OpenCheckpoint(dir)
 	if err != nil {
 		return fmt.Errorf("put %s: %w", name, err)
@@ -191,11 +191,8 @@ func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnl
 		return err
 	}
 	defer c.Close()
-	o := &gpushm.PutOptions{Mode: perm, ReadOnlyDefault: readOnly, Copy: *co}
+	o := &gpushm.PutOptions{Mode: perm, ReadOnlyDefault: readOnly, Copy: *co, InDaemon: inDaemon}
 	if o.Device, err = resolveDevice(ctx, c, device); err != nil {
-		return err
-	}
-	if o.InDaemon, err = inDaemon(); err != nil {
 		return err
 	}
 	bar := newProgress("put "+name, ck.DataBytes()+ck.FileBytes())
@@ -299,8 +296,12 @@ func report(verb, name string, n int64, d time.Duration, st gpushm.CopyStats, ve
 	}
 	fmt.Fprintf(os.Stderr, "%s %s: %s in %.3fs (%.2f GB/s)\n", verb, name, bytesize.Format(n), d.Seconds(), float64(n)/d.Seconds()/1e9)
 	if verbose && st.Elapsed > 0 {
-		fmt.Fprintf(os.Stderr, "%s %s: copy %s in %.3fs (%.2f GB/s), %s with O_DIRECT, %d copiers, %s chunks\n",
+		chunks := ""
+		if st.Chunk > 0 { // the daemon's copies do not say
+			chunks = ", " + bytesize.Format(st.Chunk) + " chunks"
+		}
+		fmt.Fprintf(os.Stderr, "%s %s: copy %s in %.3fs (%.2f GB/s), %s with O_DIRECT, %d copiers%s\n",
 			verb, name, bytesize.Format(st.Bytes), st.Elapsed.Seconds(), float64(st.Bytes)/st.Elapsed.Seconds()/1e9,
-			bytesize.Format(st.Direct), st.Workers, bytesize.Format(st.Chunk))
+			bytesize.Format(st.Direct), st.Workers, chunks)
 	}
 }
