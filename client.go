@@ -60,7 +60,14 @@ type Info struct {
 	// Pool is what the daemon holds of allocations made ahead of time,
 	// which a create takes first; nil while it holds none.
 	Pool *Pool `json:"pool,omitempty"`
+	// Tiers is each device's budget and use, what was evicted to host
+	// memory and what moved (docs/architecture.md, "Tiers"); nil from a
+	// daemon without tiers.
+	Tiers *Tiers `json:"tiers,omitempty"`
 }
+
+// Tiers is the daemon's budgets and eviction (Info).
+type Tiers = wire.Tiers
 
 // Usage is what the daemon holds.
 type Usage = wire.Usage
@@ -586,7 +593,7 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 		return nil, fmt.Errorf("gpushm: info: %w", err)
 	}
 	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices, GPU: rep.GPU,
-		PID: rep.PID, SupervisorPID: rep.SupervisorPID, Pool: rep.Pool,
+		PID: rep.PID, SupervisorPID: rep.SupervisorPID, Pool: rep.Pool, Tiers: rep.Tiers,
 		Grace: time.Duration(rep.Grace * float64(time.Second)), GraceSeconds: rep.Grace}
 	if rep.Usage != nil {
 		inf.Usage = *rep.Usage
@@ -621,6 +628,35 @@ func (c *Client) List(ctx context.Context) ([]SegmentInfo, error) {
 		}
 		after = rep.Next
 	}
+}
+
+// Evict moves a segment that nobody holds open to host memory now,
+// freeing its device memory; the next open (or Load) brings it back.
+// Owner or root; a segment open somewhere, pinned or a channel is refused
+// with EBUSY.
+func (c *Client) Evict(ctx context.Context, name string) (*SegmentInfo, error) {
+	return c.tierOp(ctx, &wire.Request{Op: wire.OpEvict, Name: name})
+}
+
+// Load brings a segment evicted to host memory back to its device ahead
+// of an open, evicting others if the device's budget needs room. Read
+// access is enough; a segment on its device already is left there.
+func (c *Client) Load(ctx context.Context, name string) (*SegmentInfo, error) {
+	return c.tierOp(ctx, &wire.Request{Op: wire.OpLoad, Name: name})
+}
+
+// Pin keeps a segment on its device (on: restoring it first if it was
+// evicted) or lets it be evicted again (off). Owner or root.
+func (c *Client) Pin(ctx context.Context, name string, on bool) (*SegmentInfo, error) {
+	return c.tierOp(ctx, &wire.Request{Op: wire.OpPin, Name: name, Pin: on})
+}
+
+func (c *Client) tierOp(ctx context.Context, req *wire.Request) (*SegmentInfo, error) {
+	rep, _, err := c.roundTrip(ctx, req)
+	if err != nil {
+		return nil, fmt.Errorf("gpushm: %s %q: %w", req.Op, req.Name, err)
+	}
+	return rep.Segment, nil
 }
 
 // Unlink removes a name. The memory is freed when the last lease ends.
@@ -697,6 +733,9 @@ type CreateOptions struct {
 	// uncommitted, and goes if this client closes it, or its connection
 	// ends, before the commit. Not with ExistOK, nor with CreateOnly.
 	Uncommitted bool
+	// Pin keeps the segment on its device: the daemon never evicts it to
+	// host memory to make room (Client.Pin changes it later).
+	Pin bool
 	// Trace, when set, asks the daemon to time the create's steps, and
 	// receives them.
 	Trace *Trace
@@ -705,7 +744,7 @@ type CreateOptions struct {
 func (o *CreateOptions) request(name string, size int64, open bool) *wire.Request {
 	r := &wire.Request{Op: wire.OpCreate, Name: name, Size: size, Device: o.Device,
 		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: open, TTL: o.TTL.Seconds(),
-		Uncommitted: o.Uncommitted, Trace: o.Trace != nil}
+		Uncommitted: o.Uncommitted, Pin: o.Pin, Trace: o.Trace != nil}
 	if o.Temporary {
 		r.Lifetime = wire.LifetimeConnection
 	}

@@ -18,6 +18,7 @@ func createCmd() *cobra.Command {
 		mode    string
 		meta    string
 		existOK bool
+		pin     bool
 		ttl     time.Duration
 	)
 	cmd := &cobra.Command{
@@ -33,7 +34,7 @@ granularity.`,
 			if err != nil {
 				return err
 			}
-			o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl}
+			o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl, Pin: pin}
 			if mode != "" {
 				m, err := strconv.ParseUint(mode, 8, 32)
 				if err != nil {
@@ -73,6 +74,7 @@ granularity.`,
 	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
 	f.StringVar(&meta, "meta", "", "user metadata, a JSON value")
 	f.BoolVar(&existOK, "exist-ok", false, "succeed if the segment exists with the same size and device")
+	f.BoolVar(&pin, "pin", false, "keep the segment on its device: never evict it to host memory when the device's budget needs room ('gpushm unpin' lets it go)")
 	f.DurationVar(&ttl, "ttl", 0, "remove the segment once nobody has had it open for this long (e.g. 10m)")
 	return cmd
 }

@@ -125,6 +125,8 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&o.maxSegments, "max-segments", "auto", "cap the segments the daemon holds, for all users and root (a channel counts as 2): a number, 0 (no cap), or auto: half the descriptor limit (ulimit -n)")
 	f.StringVar(&o.maxConnections, "max-connections", "auto", "cap the connections the daemon serves, for all users and root: a number, 0 (no cap), or auto: the descriptor limit less --max-segments and a sixteenth kept for the daemon")
 	f.StringVar(&o.createPool, "create-pool", "auto", "make allocations ahead of creates of sizes asked for before, so a create need not wait for the driver (docs/architecture.md): bytes a device (256M), 0 (none), or auto: 2% of each GPU, 1% of host memory")
+	f.StringVar(&o.gpuBudget, "gpu-budget", "auto", "bound the bytes of segments on each GPU; past it, creates and restores first evict the least recently opened segments nobody holds to host memory (docs/architecture.md, \"Tiers\"): a size (24GiB), a share of each GPU (80%), 0 (no budget), or auto: each GPU's memory less a sixteenth, at least 2 GiB, for the CUDA contexts and own memory of the processes using it (no budget on the host backend)")
+	f.StringVar(&o.hostBudget, "host-budget", "auto", "bound the bytes evicted to host memory; past it, eviction stops and creates that need room fail with ENOSPC: a size (64GiB), a share of host memory (50%), 0 (never evict), or auto: half of host memory")
 	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
 	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
 	f.StringVar(&o.nvml, "nvml", "auto", "GPU figures for info and metrics from NVML: auto (when libnvidia-ml.so.1 loads and works), require (refuse to start without it) or off")
@@ -146,6 +148,8 @@ type daemonOptions struct {
 	maxMemory   string
 	userQuota   string
 	createPool  string
+	gpuBudget   string
+	hostBudget  string
 	// Count limits: a number, "auto" or "0" (limits.go).
 	userSegments, userConnections string
 	maxSegments, maxConnections   string
@@ -279,6 +283,12 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 		return err
 	}
 	srv.Registry().SetControlAllocator(host)
+	tiers, err := o.tiers(b, host)
+	if err != nil {
+		return err
+	}
+	tiers.Observe = srv.ObserveMove
+	srv.Registry().SetTiers(tiers)
 	spin := o.spin
 	if spin > 0 && runtime.NumCPU() < 4 {
 		// Polling would take the core the client needs.
@@ -432,7 +442,16 @@ func restore(srv *server.Server, b backend.Backend, host *backend.Host, start *s
 			if alloc == 0 {
 				alloc = 1 // an orphan: anything mappable will do to hold it
 			}
-			mem, err := b.Restore(it.Record.Device, h.FD, alloc)
+			var (
+				mem segment.Memory
+				err error
+			)
+			if it.Record.OnHost() {
+				// Evicted: a memfd whatever the backend.
+				mem, err = host.Restore(0, h.FD, alloc)
+			} else {
+				mem, err = b.Restore(it.Record.Device, h.FD, alloc)
+			}
 			if err != nil {
 				if it.Problem == "" {
 					it.Problem = "its memory descriptor is not usable: " + err.Error()

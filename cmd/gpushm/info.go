@@ -49,6 +49,22 @@ every segment across restarts of the serving process.`,
 				// Counted as free below: a create takes it first.
 				fmt.Printf("pool:     %d allocations made ahead of time, %s\n", p.Ready, bytesize.Format(p.Bytes))
 			}
+			if t := inf.Tiers; t != nil {
+				for _, d := range t.Devices {
+					budget := "no budget"
+					if d.Budget > 0 {
+						budget = "budget " + bytesize.Format(d.Budget)
+					}
+					fmt.Printf("tier gpu: device %d: %s on it, %s (peak %s)\n", d.Device, bytesize.Format(d.Bytes), budget, bytesize.Format(d.Peak))
+				}
+				hostBudget := "eviction off (--host-budget 0)"
+				if t.HostBudget > 0 {
+					hostBudget = "budget " + bytesize.Format(t.HostBudget)
+				}
+				fmt.Printf("tier host: %s evicted, %s; %d evictions (%s), %d restores (%s)\n",
+					bytesize.Format(t.HostBytes), hostBudget, t.Evictions, bytesize.Format(t.EvictedBytes),
+					t.Restores, bytesize.Format(t.RestoredBytes))
+			}
 			fmt.Println()
 			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "DEVICE\tNAME\tUUID\tTOTAL\tFREE\tGRANULARITY")

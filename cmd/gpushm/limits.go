@@ -163,6 +163,54 @@ func sizeOrShare(s string, total int64) (int64, error) {
 	return bytesize.Parse(s)
 }
 
+// gpuReserve is what --gpu-budget auto leaves outside each GPU's budget:
+// the CUDA contexts (about half a GiB each on an H200) and the own
+// allocations of the processes that use the segments, and the create pool.
+func gpuReserve(total int64) int64 { return max(total/16, 2<<30) }
+
+// tiers resolves --gpu-budget and --host-budget (segment/tier.go).
+func (o daemonOptions) tiers(b backend.Backend, host *backend.Host) (segment.Tiers, error) {
+	t := segment.Tiers{Budgets: map[int]int64{}, Spill: backend.Spill{Host: host}}
+	mover, ok := b.(segment.Mover)
+	if !ok {
+		return t, fmt.Errorf("the %s backend cannot move segments to host memory", b.Name())
+	}
+	t.Mover = mover
+	devs, err := b.Devices()
+	if err != nil {
+		return t, err
+	}
+	budget := strings.TrimSpace(o.gpuBudget)
+	for _, d := range devs {
+		total := int64(d.TotalBytes)
+		var n int64
+		switch {
+		case budget == "" || budget == "auto":
+			if b.Name() != "host" {
+				n = max(total-gpuReserve(total), 0)
+			}
+		default:
+			if n, err = sizeOrShare(budget, total); err != nil || n < 0 {
+				return t, fmt.Errorf("--gpu-budget %q: want a size (24GiB), a share (80%%), 0 or auto", o.gpuBudget)
+			}
+		}
+		t.Budgets[d.Index] = n
+	}
+	hostTotal, err := host.Capacity(0)
+	if err != nil {
+		return t, err
+	}
+	switch hb := strings.TrimSpace(o.hostBudget); hb {
+	case "", "auto":
+		t.HostBudget = hostTotal / 2
+	default:
+		if t.HostBudget, err = sizeOrShare(hb, hostTotal); err != nil || t.HostBudget < 0 {
+			return t, fmt.Errorf("--host-budget %q: want a size (64GiB), a share (50%%), 0 or auto", o.hostBudget)
+		}
+	}
+	return t, nil
+}
+
 // poolBytes reads --create-pool: the bytes each device may hold made
 // ahead of creates.
 func (o daemonOptions) poolBytes(b backend.Backend) (int64, error) {

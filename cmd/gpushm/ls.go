@@ -29,6 +29,11 @@ for a channel of N slots (removed with 'gpushm rm', like a segment), and
 cannot be opened until its writer commits it, and goes if the writer ends
 first.
 
+TIER is where the bytes are: "gpu" on the segment's device ("gpu, pinned"
+when it never leaves it), or "host" when the daemon evicted it to host
+memory to keep its device under budget (the next open brings it back;
+docs/architecture.md, "Tiers"). OPENED is how long ago it was last opened.
+
 With --json it prints one JSON array of segment objects with the protocol's
 field names (docs/protocol.md).`,
 		Args: cobra.NoArgs,
@@ -63,7 +68,7 @@ field names (docs/protocol.md).`,
 				}
 			}
 			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			header := "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tAGE\tLIFETIME"
+			header := "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tTIER\tOPENED\tAGE\tLIFETIME"
 			if wide {
 				header += "\tGPU\tUUID"
 			}
@@ -73,8 +78,9 @@ field names (docs/protocol.md).`,
 				if bytes {
 					size = strconv.FormatInt(s.Size, 10)
 				}
-				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\t%s", s.Name, size, s.Device,
-					owner(s.UID, s.GID), s.Mode, s.Opens, age(time.Since(time.Unix(0, s.Created))), lifetime(&s))
+				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\t%s\t%s\t%s", s.Name, size, s.Device,
+					owner(s.UID, s.GID), s.Mode, s.Opens, tier(&s), opened(&s),
+					age(time.Since(time.Unix(0, s.Created))), lifetime(&s))
 				if wide {
 					fmt.Fprintf(w, "\t%s", devName[s.Device])
 				}
@@ -110,6 +116,25 @@ func lifetime(s *gpushm.SegmentInfo) string {
 		return fmt.Sprintf("ttl %s (%s left)", ttl, left.Round(time.Second))
 	}
 	return "-"
+}
+
+// tier says where a segment's bytes are: "gpu", "gpu, pinned" or "host".
+func tier(s *gpushm.SegmentInfo) string {
+	switch {
+	case s.Tier == "":
+		return "-" // a daemon without tiers
+	case s.Pinned:
+		return s.Tier + ", pinned"
+	}
+	return s.Tier
+}
+
+// opened is how long ago a segment was last opened ("-" if unknown).
+func opened(s *gpushm.SegmentInfo) string {
+	if s.LastOpen == 0 {
+		return "-"
+	}
+	return age(time.Since(time.Unix(0, s.LastOpen)))
 }
 
 func owner(uid, gid uint32) string {

@@ -35,7 +35,7 @@ other users; --socket overrides both.`,
 	root.PersistentFlags().StringVar(&socketFlag, "socket", "", "daemon socket path (default $GPUSHM_SOCKET or "+gpushm.DefaultSocket()+")")
 	root.AddCommand(
 		daemonCmd(), infoCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(),
-		chmodCmd(), chownCmd(), mvCmd(),
+		chmodCmd(), chownCmd(), mvCmd(), evictCmd(), loadCmd(), pinCmd(true), pinCmd(false),
 		putCmd(), getCmd(), bench.Command(), bench.DemoCommand(), bench.ChildCommand(), installSystemdCmd(),
 	)
 	root.SetArgs(args)

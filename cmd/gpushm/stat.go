@@ -41,6 +41,11 @@ protocol's field names (docs/protocol.md, "Segment object").`,
 			fmt.Printf("owner:       %s (%d:%d)\n", owner(s.UID, s.GID), s.UID, s.GID)
 			fmt.Printf("mode:        %04o\n", s.Mode)
 			fmt.Printf("opens:       %d\n", s.Opens)
+			fmt.Printf("tier:        %s\n", tier(s))
+			if s.LastOpen != 0 {
+				last := time.Unix(0, s.LastOpen)
+				fmt.Printf("last open:   %s (%s ago)\n", last.Format(time.RFC3339), age(time.Since(last)))
+			}
 			created := time.Unix(0, s.Created)
 			fmt.Printf("created:     %s (%s ago)\n", created.Format(time.RFC3339), age(time.Since(created)))
 			fmt.Printf("lifetime:    %s\n", lifetime(s))

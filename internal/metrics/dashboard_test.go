@@ -40,6 +40,7 @@ func exported(t *testing.T) map[string][]string {
 	m := metrics.New("cuda", quotaSource{src})
 	m.SetGPUs(func() *wire.GPUReport { return report })
 	m.Observe("open", "", time.Millisecond)
+	m.ObserveMove("restore", 300, 10*time.Millisecond)
 	m.Connected(1)
 	mfs, err := m.Registry().Gather()
 	if err != nil {

@@ -22,6 +22,10 @@ type fakeSource struct {
 func (f fakeSource) Segments() []segment.Info        { return f.segs }
 func (f fakeSource) Quotas() []segment.QuotaUse      { return nil }
 func (f fakeSource) Devices() ([]wire.Device, error) { return f.devs, nil }
+func (f fakeSource) TierStats() segment.TierStats {
+	return segment.TierStats{Devices: []segment.DeviceTier{{Device: 0, Budget: 800, Bytes: 400, Peak: 600}},
+		HostBudget: 2000, HostBytes: 300, Evictions: 2, Restores: 1, EvictedBytes: 600, RestoredBytes: 300}
+}
 
 const uuid1 = "GPU-5e6f0000-aaaa-bbbb-cccc-000000000002"
 

@@ -30,6 +30,7 @@ type Source interface {
 	Segments() []segment.Info
 	Quotas() []segment.QuotaUse
 	Devices() ([]wire.Device, error)
+	TierStats() segment.TierStats
 }
 
 // Metrics is the daemon's metric set.
@@ -37,6 +38,7 @@ type Metrics struct {
 	reg      *prometheus.Registry
 	ops      *prometheus.CounterVec
 	latency  *prometheus.HistogramVec
+	moves    *prometheus.HistogramVec
 	conns    prometheus.Gauge
 	backend  string
 	src      Source
@@ -67,6 +69,14 @@ func New(backend string, src Source) *Metrics {
 			// large segments milliseconds.
 			Buckets: prometheus.ExponentialBuckets(5e-6, 2, 19),
 		}, []string{"op"}),
+		moves: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "gpushm_tier_move_duration_seconds",
+			Help: "Time to move a segment between its device and host memory, by kind: evict (to host) or restore (back, on an open or a load).",
+			// 1 ms to about 130 s: a small segment's move is a millisecond,
+			// 16 GiB at PCIe speed a third of a second, more when the
+			// restore has to evict first.
+			Buckets: prometheus.ExponentialBuckets(1e-3, 2, 18),
+		}, []string{"kind"}),
 		conns: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "gpushm_connections",
 			Help: "Client connections open now.",
@@ -85,7 +95,7 @@ func New(backend string, src Source) *Metrics {
 		devFree: prometheus.NewDesc("gpushm_device_memory_free_bytes",
 			"Free memory of each device the daemon serves, as the driver reports it.", []string{"device", "name", "uuid"}, nil),
 	}
-	m.reg.MustRegister(m.ops, m.latency, m.conns, (*state)(m),
+	m.reg.MustRegister(m.ops, m.latency, m.moves, m.conns, (*state)(m),
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -104,6 +114,11 @@ func (m *Metrics) Observe(op, code string, d time.Duration) {
 	}
 	m.ops.WithLabelValues(op, code).Inc()
 	m.latency.WithLabelValues(op).Observe(d.Seconds())
+}
+
+// ObserveMove records one move between tiers.
+func (m *Metrics) ObserveMove(kind string, _ int64, d time.Duration) {
+	m.moves.WithLabelValues(kind).Observe(d.Seconds())
 }
 
 // Connected counts a connection opening (+1) or closing (-1).
@@ -126,10 +141,22 @@ var (
 	gpuSourceDesc = prometheus.NewDesc("gpushm_gpu_source_info",
 		"Where the gpushm_gpu_* figures come from: nvml, cuda (the driver's cuMemGetInfo: memory only) or none; always 1.",
 		[]string{"source", "driver"}, nil)
-	gpuLabels      = []string{"gpu", "device", "name", "uuid"}
-	gpuTotalDesc   = prometheus.NewDesc("gpushm_gpu_memory_total_bytes", "Memory of each GPU of the node.", gpuLabels, nil)
-	gpuUsedDesc    = prometheus.NewDesc("gpushm_gpu_memory_used_bytes", "Memory in use on each GPU of the node, by every process and the driver.", gpuLabels, nil)
-	gpuUtilDesc    = prometheus.NewDesc("gpushm_gpu_utilization_ratio", "Share of NVML's last sample period in which a kernel ran on the GPU (NVML only).", gpuLabels, nil)
+	gpuLabels     = []string{"gpu", "device", "name", "uuid"}
+	gpuTotalDesc  = prometheus.NewDesc("gpushm_gpu_memory_total_bytes", "Memory of each GPU of the node.", gpuLabels, nil)
+	gpuUsedDesc   = prometheus.NewDesc("gpushm_gpu_memory_used_bytes", "Memory in use on each GPU of the node, by every process and the driver.", gpuLabels, nil)
+	gpuUtilDesc   = prometheus.NewDesc("gpushm_gpu_utilization_ratio", "Share of NVML's last sample period in which a kernel ran on the GPU (NVML only).", gpuLabels, nil)
+	tierBytesDesc = prometheus.NewDesc("gpushm_tier_bytes",
+		"Bytes of segments by where they live: tier gpu (on their device; on the host backend, the memory it serves) by device, or tier host (evicted to host memory).",
+		[]string{"tier", "device"}, nil)
+	tierBudgetDesc = prometheus.NewDesc("gpushm_tier_budget_bytes",
+		"The bound on each tier: a device's budget (tier gpu), or what may be evicted to host memory (tier host); 0 is none.",
+		[]string{"tier", "device"}, nil)
+	movesDesc = prometheus.NewDesc("gpushm_tier_moves_total",
+		"Segments moved between their device and host memory since the serving process started, by kind: evict or restore.",
+		[]string{"kind"}, nil)
+	movedBytesDesc = prometheus.NewDesc("gpushm_tier_moved_bytes_total",
+		"Bytes moved between devices and host memory since the serving process started, by kind: evict or restore.",
+		[]string{"kind"}, nil)
 	gpuProcessDesc = prometheus.NewDesc("gpushm_gpu_process_memory_bytes",
 		"GPU memory NVML charges to each process (NVML only); command, uid and user are empty where the daemon cannot see the process.",
 		[]string{"gpu", "device", "uuid", "pid", "command", "uid", "user"}, nil)
@@ -152,6 +179,10 @@ func (s *state) Describe(ch chan<- *prometheus.Desc) {
 	ch <- gpuUsedDesc
 	ch <- gpuUtilDesc
 	ch <- gpuProcessDesc
+	ch <- tierBytesDesc
+	ch <- tierBudgetDesc
+	ch <- movesDesc
+	ch <- movedBytesDesc
 }
 
 func (s *state) Collect(ch chan<- prometheus.Metric) {
@@ -172,6 +203,22 @@ func (s *state) Collect(ch chan<- prometheus.Metric) {
 	if s.gpus != nil {
 		s.collectGPUs(ch, s.gpus())
 	}
+	s.collectTiers(ch)
+}
+
+func (s *state) collectTiers(ch chan<- prometheus.Metric) {
+	t := s.src.TierStats()
+	for _, d := range t.Devices {
+		dev := strconv.Itoa(d.Device)
+		ch <- prometheus.MustNewConstMetric(tierBytesDesc, prometheus.GaugeValue, float64(d.Bytes), "gpu", dev)
+		ch <- prometheus.MustNewConstMetric(tierBudgetDesc, prometheus.GaugeValue, float64(d.Budget), "gpu", dev)
+	}
+	ch <- prometheus.MustNewConstMetric(tierBytesDesc, prometheus.GaugeValue, float64(t.HostBytes), "host", "")
+	ch <- prometheus.MustNewConstMetric(tierBudgetDesc, prometheus.GaugeValue, float64(t.HostBudget), "host", "")
+	ch <- prometheus.MustNewConstMetric(movesDesc, prometheus.CounterValue, float64(t.Evictions), "evict")
+	ch <- prometheus.MustNewConstMetric(movesDesc, prometheus.CounterValue, float64(t.Restores), "restore")
+	ch <- prometheus.MustNewConstMetric(movedBytesDesc, prometheus.CounterValue, float64(t.EvictedBytes), "evict")
+	ch <- prometheus.MustNewConstMetric(movedBytesDesc, prometheus.CounterValue, float64(t.RestoredBytes), "restore")
 }
 
 func (s *state) collectSegments(ch chan<- prometheus.Metric, uuids map[int]string) {

@@ -250,8 +250,15 @@ func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64) (
 	}
 	if capacity > 0 {
 		var err error
-		if nm, err = r.alloc.Allocate(s.device, capacity); err != nil {
-			return nil, fmt.Errorf("allocate %d bytes on device %d: %w", capacity, s.device, err)
+		r.mu.Lock()
+		alloc, dev, where := r.alloc, s.device, fmt.Sprintf("device %d", s.device)
+		if s.tier == OnHost {
+			// An evicted segment grows where it lives.
+			alloc, dev, where = r.tiers.cfg.Spill, 0, "host memory"
+		}
+		r.mu.Unlock()
+		if nm, err = alloc.Allocate(dev, capacity); err != nil {
+			return nil, fmt.Errorf("allocate %d bytes on %s: %w", capacity, where, err)
 		}
 		keep = min(keep, memSize(mem), nm.Size())
 		d, err := dataOf(nm)

@@ -53,7 +53,19 @@ type Record struct {
 	// retried commit has the first one's outcome.
 	Uncommitted  bool   `json:"uncommitted,omitempty"`
 	CommitOrigin string `json:"commit_origin,omitempty"`
+	// Tier is "host" for a segment evicted to host memory: its descriptor
+	// is then a memfd, whatever the backend (tier.go). Pin keeps it on its
+	// device; Published says its memory came from a client. LastOpen
+	// (Unix nanoseconds) is when it was last opened as of the record.
+	Tier      string `json:"tier,omitempty"`
+	Pin       bool   `json:"pin,omitempty"`
+	Published bool   `json:"published,omitempty"`
+	LastOpen  int64  `json:"last_open,omitempty"`
 }
+
+// OnHost reports whether the record's memory is host memory it was
+// evicted to.
+func (rec *Record) OnHost() bool { return rec.Tier == OnHost.String() }
 
 // Journal receives every change of state that must outlive the process:
 // the server hands it to a process that keeps the descriptors (see
@@ -152,6 +164,10 @@ func (s *Segment) recordLocked() Record {
 		TTL: int64(s.ttl), Bound: s.bound, Session: s.session, Origin: s.origin, Orphan: s.orphan,
 		Slots: s.slots, SlotBytes: s.slotBytes,
 		Uncommitted: s.uncommitted, CommitOrigin: s.commitOrigin,
+		Pin: s.resident, Published: s.published, LastOpen: s.lastOpen.UnixNano(),
+	}
+	if s.tier == OnHost {
+		rec.Tier = OnHost.String()
 	}
 	if s.bound || s.uncommitted {
 		rec.CreatorPID, rec.CreatorStart = s.creator.PID, s.creator.Start
@@ -306,6 +322,13 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			slots: rec.Slots, slotBytes: rec.SlotBytes,
 			doubt: true, wasInUse: rec.InUse && rec.TTL > 0,
 			uncommitted: rec.Uncommitted, commitOrigin: rec.CommitOrigin,
+			resident: rec.Pin, published: rec.Published, lastOpen: time.Unix(0, rec.LastOpen),
+		}
+		if rec.OnHost() {
+			s.tier = OnHost
+		}
+		if rec.LastOpen == 0 {
+			s.lastOpen = s.created
 		}
 		if s.size > memSize(s.mem) {
 			s.size = memSize(s.mem)
@@ -428,6 +451,9 @@ func (r *Registry) Reclaim(c Cred, id uint64, n int, readOnly bool) (*Segment, e
 	}
 	if !allowed(c, s, want) {
 		return nil, fmt.Errorf("%w: reclaim of %q (mode %#o, owner %d:%d)", ErrPermission, s.name, s.mode, s.uid, s.gid)
+	}
+	if err := r.onDeviceLocked(s); err != nil {
+		return nil, err
 	}
 	s.opens += n
 	r.inUseLocked(s)

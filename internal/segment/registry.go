@@ -116,6 +116,9 @@ type CreateOptions struct {
 	// open until Commit (commit.go); it ends with its creator as a Bound
 	// segment does. It needs Open, and no ExistOK, Pin, Memory or Slots.
 	Uncommitted bool
+	// Resident keeps the segment on its device: it is never evicted to
+	// host memory (tier.go).
+	Resident bool
 	// Trace, when set, times the steps of the create: check (validation,
 	// the name, limits), alloc or alloc-pool, export (waiting for the
 	// memory's descriptor), journal.
@@ -158,6 +161,11 @@ type Info struct {
 	Stride    int64
 	// Uncommitted: its creator is still filling it (commit.go).
 	Uncommitted bool
+	// Tier is where its bytes live; LastOpen when it was last opened (or
+	// created, or loaded); Resident that it is pinned to its device.
+	Tier     Tier
+	LastOpen time.Time
+	Resident bool
 }
 
 // Segment is one allocation in the registry.
@@ -211,6 +219,15 @@ type Segment struct {
 	// commitOrigin names the request that did.
 	uncommitted  bool
 	commitOrigin string
+	// Tiers (tier.go): where the bytes live, when it was last opened,
+	// whether it is pinned to its device, whether its memory came from a
+	// client; moving is closed when a move between tiers ends, nil while
+	// none runs.
+	tier      Tier
+	lastOpen  time.Time
+	resident  bool
+	published bool
+	moving    chan struct{}
 }
 
 // ID is unique for the registry's lifetime; IDs are never reused.
@@ -245,6 +262,7 @@ type Registry struct {
 	// waiters is closed, and set to nil, at the next change that may end
 	// an open's wait for a commit (commit.go); nil while nobody waits.
 	waiters chan struct{}
+	tiers   tierState
 }
 
 // New returns an empty registry allocating through alloc. changed, if not
@@ -257,6 +275,7 @@ func New(alloc Allocator, changed func()) *Registry {
 		alloc:  alloc,
 		byName: make(map[string]*Segment),
 		byID:   make(map[uint64]*Segment),
+		tiers:  tierState{restoring: map[int]int64{}, peak: map[int]int64{}},
 	}
 	// Whatever makes a name stop naming its segment may also end an open's
 	// wait for a commit (commit.go).
@@ -409,10 +428,23 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		origin:    o.Origin,
 		slots:     o.Slots,
 		slotBytes: o.SlotBytes,
+		lastOpen:  now,
+		resident:  o.Resident,
+		published: o.Memory != nil,
 
 		uncommitted: o.Uncommitted,
 	}
 	r.byName[o.Name] = s
+	if need > 0 {
+		// Counted from here on (deviceUseLocked): room is made for it now.
+		if err := r.roomLocked(o.Device, fmt.Sprintf("creating %q (%s)", o.Name, fmtBytes(need))); err != nil {
+			delete(r.byName, o.Name)
+			s.creating, s.linked, s.gone = false, false, true
+			close(s.ready)
+			r.mu.Unlock()
+			return nil, false, fmt.Errorf("allocate %d bytes on device %d: %w", o.Size, o.Device, err)
+		}
+	}
 	r.mu.Unlock()
 	o.Trace.Mark("check")
 
@@ -423,7 +455,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	} else if o.Slots > 0 {
 		mem, err = r.allocateChannel(o)
 	} else if o.Size > 0 {
-		mem, err = r.alloc.Allocate(o.Device, o.Size)
+		mem, err = r.allocate(o.Device, o.Size)
 	}
 	o.Trace.Mark(allocStep(mem))
 	fd := -1
@@ -515,7 +547,13 @@ func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
 	if s.mem == nil {
 		return fmt.Errorf("%w: %q has 0 bytes and no memory yet (write or truncate it first)", ErrEmpty, s.name)
 	}
+	// What goes out is the device's descriptor: bring s back first if it
+	// was evicted (the lock is dropped meanwhile).
+	if err := r.onDeviceLocked(s); err != nil {
+		return err
+	}
 	s.opens++
+	s.lastOpen = time.Now()
 	r.inUseLocked(s)
 	return nil
 }
@@ -698,6 +736,9 @@ func (r *Registry) infoLocked(s *Segment) Info {
 		SlotBytes:  s.slotBytes,
 
 		Uncommitted: s.uncommitted,
+		Tier:        s.tier,
+		LastOpen:    s.lastOpen,
+		Resident:    s.resident,
 	}
 	if s.slots > 0 {
 		inf.Stride = channelStride(s.slotBytes)

@@ -759,7 +759,8 @@ func wireTrace(t *segment.Trace, total time.Duration) *wire.Trace {
 func opLabel(op string) string {
 	switch op {
 	case wire.OpHello, wire.OpInfo, wire.OpCreate, wire.OpOpen, wire.OpClose, wire.OpUnlink, wire.OpStat, wire.OpList,
-		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish, wire.OpReclaim, wire.OpCommit, wire.OpFill, wire.OpDump:
+		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish, wire.OpReclaim, wire.OpCommit, wire.OpFill, wire.OpDump,
+		wire.OpEvict, wire.OpLoad, wire.OpPin:
 		return op
 	}
 	return "unknown"
@@ -875,7 +876,10 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 				rep.Pool = &ps
 			}
 		}
+		rep.Tiers = wireTiers(c.s.reg.TierStats())
 		return rep, -1
+	case wire.OpEvict, wire.OpLoad, wire.OpPin:
+		return c.tier(cred, req)
 	case wire.OpReclaim:
 		n := req.Count
 		if n == 0 {
@@ -948,9 +952,12 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		}
 		var seg *segment.Segment
 		var err error
-		if req.Wait != 0 {
-			// A wait must not hold one of the workers.
+		if req.Wait != 0 || c.s.reg.WouldRestore(req.Name) {
+			// A wait, or a copy back from host memory, must not hold
+			// one of the workers.
 			c.s.setAside(c.w)
+		}
+		if req.Wait != 0 {
 			seg, err = c.acquireWait(cred, req)
 		} else {
 			seg, err = c.s.reg.Acquire(cred, req.Name, req.ReadOnly)
@@ -1055,8 +1062,9 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 		Name: req.Name, Size: req.Size, Device: dev,
 		Mode: deref(req.Mode), UseMode: req.Mode != nil,
 		Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: req.ReadOnly,
-		Session: c.session,
-		Slots:   req.Slots, SlotBytes: req.SlotBytes,
+		Resident: req.Pin,
+		Session:  c.session,
+		Slots:    req.Slots, SlotBytes: req.SlotBytes,
 		Uncommitted: req.Uncommitted,
 	}
 	if len(req.Meta) > wire.MaxMeta {
@@ -1212,6 +1220,7 @@ func (s *Server) toWire(inf segment.Info) *wire.Segment {
 		UID: inf.UID, GID: inf.GID, Mode: inf.Mode, Opens: inf.Opens,
 		Created: inf.Created.UnixNano(), Meta: inf.Meta, Orphan: inf.Orphan,
 		Uncommitted: inf.Uncommitted,
+		Tier:        inf.Tier.String(), LastOpen: inf.LastOpen.UnixNano(), Pinned: inf.Resident,
 	}
 	if inf.HandleType == wire.HandleCUDA {
 		w.UUID = s.uuids[inf.Device]

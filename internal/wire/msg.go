@@ -49,6 +49,12 @@ const (
 	// work, with its warm CUDA context and pinned buffers.
 	OpFill = "fill"
 	OpDump = "dump"
+	// OpEvict moves a segment nobody holds to host memory now; OpLoad
+	// brings one back to its device ahead of an open; OpPin keeps one on
+	// its device (pin true) or lets it move again.
+	OpEvict = "evict"
+	OpLoad  = "load"
+	OpPin   = "pin"
 )
 
 // CarriesFD says whether a request of op comes with a descriptor.
@@ -104,6 +110,9 @@ type Request struct {
 	// Trace (any operation) asks the daemon to time the request's steps
 	// and send them in the reply, for benchmarks.
 	Trace bool `json:"trace,omitempty"`
+	// Pin (create, pin) keeps the segment on its device: it is never
+	// evicted to host memory.
+	Pin bool `json:"pin,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -124,6 +133,9 @@ type Reply struct {
 	Usage   *Usage   `json:"usage,omitempty"`
 	// Pool is absent while the daemon holds none.
 	Pool *Pool `json:"pool,omitempty"`
+	// Tiers is the devices' budgets and what moved between them and host
+	// memory.
+	Tiers *Tiers `json:"tiers,omitempty"`
 	// PID is the process serving the socket; SupervisorPID the one
 	// holding the segments' descriptors across its restarts (equal to PID
 	// when the daemon runs unsupervised). Restarts counts serving
@@ -290,6 +302,35 @@ type Segment struct {
 	// Uncommitted: its creator is still filling it; it cannot be opened
 	// until the creator commits it.
 	Uncommitted bool `json:"uncommitted,omitempty"`
+	// Tier is where its bytes are: "gpu" (on its device; on the host
+	// backend, the memory it serves) or "host" (evicted; an open brings it
+	// back). LastOpen (Unix nanoseconds) is when it was last opened,
+	// created or loaded; Pinned says it never leaves its device.
+	Tier     string `json:"tier,omitempty"`
+	LastOpen int64  `json:"last_open,omitempty"`
+	Pinned   bool   `json:"pinned,omitempty"`
+}
+
+// Tiers is what info says of budgets and eviction.
+type Tiers struct {
+	Devices []DeviceTier `json:"devices"`
+	// HostBudget bounds the bytes evicted to host memory (0: eviction is
+	// off); HostBytes is what they hold now.
+	HostBudget    int64  `json:"host_budget_bytes"`
+	HostBytes     int64  `json:"host_bytes"`
+	Evictions     uint64 `json:"evictions"`
+	Restores      uint64 `json:"restores"`
+	EvictedBytes  int64  `json:"evicted_bytes"`
+	RestoredBytes int64  `json:"restored_bytes"`
+}
+
+// DeviceTier is one device's budget (0: none), the bytes on it now, and
+// the most it held since the daemon started.
+type DeviceTier struct {
+	Device int   `json:"device"`
+	Budget int64 `json:"budget_bytes"`
+	Bytes  int64 `json:"bytes"`
+	Peak   int64 `json:"peak_bytes"`
 }
 
 // Channel is a channel's layout.
@@ -425,13 +466,14 @@ const (
 	fOffset
 	fAt
 	fTrace
+	fPin
 	fieldCount = iota
 )
 
 var fieldNames = [fieldCount]string{
 	"version", "name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "segment",
 	"after", "limit", "lifetime", "ttl_seconds", "uid", "gid", "to", "session", "count", "slots",
-	"slot_bytes", "role", "uncommitted", "wait", "offset", "at", "trace",
+	"slot_bytes", "role", "uncommitted", "wait", "offset", "at", "trace", "pin",
 }
 
 // used is the fields each operation reads. A field outside its
@@ -442,7 +484,7 @@ var fieldNames = [fieldCount]string{
 var used = map[string]uint32{
 	OpHello:   fTrace | fVersion | fSession,
 	OpInfo:    fTrace,
-	OpCreate:  fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted,
+	OpCreate:  fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted | fPin,
 	OpOpen:    fTrace | fName | fReadOnly | fRole | fWait,
 	OpClose:   fTrace | fSegment | fRole,
 	OpUnlink:  fTrace | fName,
@@ -456,6 +498,9 @@ var used = map[string]uint32{
 	OpCommit:  fTrace | fSegment,
 	OpFill:    fTrace | fSegment | fSize | fOffset | fAt,
 	OpDump:    fTrace | fSegment | fSize | fOffset | fAt,
+	OpEvict:   fTrace | fName,
+	OpLoad:    fTrace | fName,
+	OpPin:     fTrace | fName | fPin,
 }
 
 // setFields is the set of r's fields that hold something other than
@@ -495,6 +540,7 @@ func setFields(r *Request) uint32 {
 	set(fOffset, r.Offset != 0)
 	set(fAt, r.At != 0)
 	set(fTrace, r.Trace)
+	set(fPin, r.Pin)
 	return m
 }
 

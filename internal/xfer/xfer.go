@@ -116,8 +116,9 @@ func Store(t Target, ranges []Range, o *Options) (Stats, error) {
 // step is one chunk of one range.
 type step struct {
 	src      *source
-	off, len int64 // in the file
-	at       int64 // in the segment
+	mem      []byte // instead of src: host memory (Move)
+	off, len int64  // in the file
+	at       int64  // in the segment
 }
 
 func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err error) {
@@ -156,11 +157,19 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 		// read covering a chunk never exceeds the buffer.
 		for off := r.Off; off < r.Off+r.Len; {
 			end := min((off/chunk+1)*chunk, r.Off+r.Len)
-			steps = append(steps, step{s, off, end - off, r.At + off - r.Off})
+			steps = append(steps, step{src: s, off: off, len: end - off, at: r.At + off - r.Off})
 			st.Bytes += end - off
 			off = end
 		}
 	}
+	st.Chunk = chunk
+	return run(t, steps, st, o, load)
+}
+
+// run has workers copy steps, of st.Chunk bytes at most, between t and
+// their files or memory.
+func run(t Target, steps []step, st Stats, o *Options, load bool) (Stats, error) {
+	chunk := st.Chunk
 	workers := o.Workers
 	if workers <= 0 {
 		workers = min(maxCopyWorkers, runtime.NumCPU())
@@ -324,6 +333,10 @@ func (c *copier) close() error {
 
 func (c *copier) load(s step) error {
 	m := c.t
+	if m.Dev == nil && s.mem != nil {
+		copy(m.Host[s.at:s.at+s.len], s.mem)
+		return nil
+	}
 	if m.Dev == nil {
 		if s.src.wantDirect(s.off, s.len) {
 			if c.bounce == nil {
@@ -350,7 +363,10 @@ func (c *copier) load(s step) error {
 		return err
 	}
 	var b []byte
-	if s.src.wantDirect(s.off, s.len) {
+	if s.mem != nil {
+		b = c.buf[i][:s.len]
+		copy(b, s.mem)
+	} else if s.src.wantDirect(s.off, s.len) {
 		d, ok, err := s.src.readDirect(c.buf[i], s.off, s.len)
 		if err != nil {
 			return err
@@ -389,6 +405,10 @@ func (c *copier) store(s step) error {
 		if err := c.stream.Synchronize(); err != nil {
 			return fmt.Errorf("xfer: copy from device: %w", err)
 		}
+	}
+	if s.mem != nil {
+		copy(s.mem, b)
+		return nil
 	}
 	if _, err := s.src.f.WriteAt(b, s.off); err != nil {
 		return err

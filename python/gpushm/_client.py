@@ -555,7 +555,31 @@ class Client:
         return {"server": self.server, "backend": rep.get("backend"), "devices": rep.get("devices", []),
                 "usage": rep.get("usage", {}), "gpu": rep.get("gpu"), "pid": rep.get("pid", 0),
                 "supervisor_pid": rep.get("supervisor_pid", 0), "restarts": rep.get("restarts", 0),
-                "grace_seconds": rep.get("grace_seconds", 0.0)}
+                "grace_seconds": rep.get("grace_seconds", 0.0), "pool": rep.get("pool"),
+                "tiers": rep.get("tiers")}
+
+    def evict(self, name: str) -> SegmentInfo:
+        """Moves a segment nobody has open to host memory now, freeing its
+        GPU memory; the next open (or load) brings it back. Owner or root;
+        a segment open somewhere, pinned or a channel raises EBUSY
+        (docs/python.md, "More models than GPU memory")."""
+        rep, _ = self._call("evict", name=name)
+        return SegmentInfo.from_wire(rep["segment"])
+
+    def load(self, name: str) -> SegmentInfo:
+        """Brings an evicted segment back to its GPU ahead of an open (a
+        prefetch), evicting others if the GPU's budget needs room."""
+        rep, _ = self._call("load", name=name)
+        return SegmentInfo.from_wire(rep["segment"])
+
+    def pin(self, name: str, on: bool = True) -> SegmentInfo:
+        """Keeps a segment on its GPU (restoring it first if it was
+        evicted), or with on=False lets it be evicted again. Owner or root."""
+        fields = {"name": name}
+        if on:
+            fields["pin"] = True
+        rep, _ = self._call("pin", **fields)
+        return SegmentInfo.from_wire(rep["segment"])
 
     def _daemon_device(self, local: int) -> int:
         """The daemon's number for this process's GPU local: the daemon may
@@ -677,7 +701,7 @@ class Client:
 
     def create(self, name: str, nbytes: int | None = None, *, shape=None, dtype=None, device: int | None = None,
                mode: int = 0o600, exist_ok: bool = False, temporary: bool = False,
-               ttl: float | None = None, uncommitted: bool = False) -> Segment:
+               ttl: float | None = None, uncommitted: bool = False, pin: bool = False) -> Segment:
         """Creates a segment and opens it read-write.
 
         With shape and dtype it holds one tensor (nbytes defaults to what the
@@ -694,7 +718,10 @@ class Client:
         reader ever sees it half written. Its name is taken at once; it is
         listed with .uncommitted set; and it goes if this client lets go of
         it (every view of it gone, or close()) or its connection ends
-        before the commit. Not with exist_ok."""
+        before the commit. Not with exist_ok.
+
+        pin=True keeps it on its GPU: the daemon never evicts it to host
+        memory to make room for others."""
         lay = None
         if shape is not None or dtype is not None:
             lay = layout_of(shape, dtype, nbytes, "create")
@@ -707,14 +734,16 @@ class Client:
         elif nbytes is None:
             raise TypeError("gpushm: create needs nbytes, or shape and dtype")
         return self._create(name, nbytes, lay.meta() if lay else None, device, mode, exist_ok, temporary, ttl,
-                            uncommitted)
+                            uncommitted, pin)
 
     def _create(self, name, nbytes, meta, device, mode, exist_ok, temporary=False, ttl=None,
-                uncommitted=False) -> Segment:
+                uncommitted=False, pin=False) -> Segment:
         fields = {"name": name, "size": int(nbytes), "mode": int(mode), "open": True}
         fields.update(_lifetime(temporary, ttl))
         if uncommitted:
             fields["uncommitted"] = True
+        if pin:
+            fields["pin"] = True
         if device is not None:
             fields["device"] = int(device)
         if meta is not None:

@@ -27,6 +27,11 @@ class SegmentInfo:
     # be this process's (a container, CUDA_VISIBLE_DEVICES).
     uuid: str = None
     uncommitted: bool = False  # still being written: not openable until committed
+    # Where the bytes are: "gpu" (on its device) or "host" (evicted; an open
+    # brings it back). last_open: Unix nanoseconds. pinned: never evicted.
+    tier: str = "gpu"
+    last_open: int = 0
+    pinned: bool = False
 
     @classmethod
     def from_wire(cls, d: dict) -> SegmentInfo:

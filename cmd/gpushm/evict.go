@@ -1,0 +1,84 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
+)
+
+const tiersHelp = `A segment lives on its device (tier gpu) or, evicted, in host memory (tier
+host). The daemon evicts by itself when a create or a restore would take a
+device past its budget (gpushm daemon --gpu-budget), least recently opened
+first, and only segments nobody has open, not pinned, not channels; an
+open of an evicted segment brings it back before it returns
+(docs/architecture.md, "Tiers").`
+
+func evictCmd() *cobra.Command {
+	return tierCmd("evict NAME...", "Move segments nobody has open to host memory now, freeing their GPU memory",
+		tiersHelp+`
+
+'gpushm evict' does it now: the segment's bytes are copied to host memory
+and its device memory is freed. A segment open somewhere, pinned or a
+channel is refused (EBUSY); one in host memory already stays there. The
+owner or root may evict.`,
+		func(ctx context.Context, c *gpushm.Client, name string) (*gpushm.SegmentInfo, error) {
+			return c.Evict(ctx, name)
+		})
+}
+
+func loadCmd() *cobra.Command {
+	return tierCmd("load NAME...", "Bring evicted segments back to their GPU ahead of an open (prefetch)",
+		tiersHelp+`
+
+'gpushm load' brings a segment back now, so that the next open need not
+wait for the copy; a segment on its device already stays. Read access is
+enough.`,
+		func(ctx context.Context, c *gpushm.Client, name string) (*gpushm.SegmentInfo, error) {
+			return c.Load(ctx, name)
+		})
+}
+
+func pinCmd(on bool) *cobra.Command {
+	use, short, long := "pin NAME...", "Keep segments on their GPU: never evict them",
+		"\n\n'gpushm pin' keeps a segment on its device (bringing it back first if it was\nevicted) until 'gpushm unpin'. The owner or root may pin."
+	if !on {
+		use, short, long = "unpin NAME...", "Let pinned segments be evicted again",
+			"\n\n'gpushm unpin' undoes 'gpushm pin' (or 'gpushm create --pin'). The owner or\nroot may unpin."
+	}
+	return tierCmd(use, short, tiersHelp+long,
+		func(ctx context.Context, c *gpushm.Client, name string) (*gpushm.SegmentInfo, error) {
+			return c.Pin(ctx, name, on)
+		})
+}
+
+// tierCmd runs op on every name and says where each segment is now.
+func tierCmd(use, short, long string, op func(context.Context, *gpushm.Client, string) (*gpushm.SegmentInfo, error)) *cobra.Command {
+	return &cobra.Command{
+		Use:   use,
+		Short: short,
+		Long:  long,
+		Args:  cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := dial(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			var errs []error
+			for _, name := range args {
+				s, err := op(cmd.Context(), c, name)
+				if err != nil {
+					errs = append(errs, err)
+					continue
+				}
+				fmt.Printf("%s: %s, %s\n", s.Name, bytesize.Format(s.AllocSize), tier(s))
+			}
+			return errors.Join(errs...)
+		},
+	}
+}

@@ -1,0 +1,552 @@
+package segment
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"syscall"
+	"time"
+)
+
+// Tiers: a segment's bytes live on its device (a GPU, or the served memory
+// of the host backend) or, evicted, in host memory. A budget per device
+// bounds the bytes on it; a create, or a restore, that would go over it
+// first moves the least recently opened segments that nobody holds to host
+// memory, and an open of a segment on host moves it back before the
+// descriptor goes out. Only segments that nobody maps are moved: no open
+// lease, no pin of the daemon's own (a file open in the FUSE view), not
+// kept resident, not a channel, not published memory (its publisher may
+// still write it), not uncommitted, not in doubt after a restart, not an
+// orphan. Moves are journaled like any change of memory: the record says
+// where the segment lives and travels with its new descriptor, so a kill
+// at any moment leaves it whole in exactly one place.
+
+// Tier says where a segment's bytes live.
+type Tier uint8
+
+const (
+	OnDevice Tier = iota // on its device, ready to map
+	OnHost               // evicted to host memory
+)
+
+func (t Tier) String() string {
+	if t == OnHost {
+		return "host"
+	}
+	return "gpu"
+}
+
+// Mover copies n bytes from src to dst, where one is memory of the
+// registry's allocator and the other of the spill allocator.
+type Mover interface {
+	Move(dst, src Memory, n int64) error
+}
+
+// Tiers configures eviction (SetTiers).
+type Tiers struct {
+	// Budgets bounds the bytes on each device's own memory; a device
+	// missing, or at 0, has no budget.
+	Budgets map[int]int64
+	// HostBudget bounds the bytes evicted to host memory; 0 turns
+	// eviction off (budgets still refuse, with ErrNoRoom).
+	HostBudget int64
+	// Spill allocates host memory (device 0); Mover copies to and from it.
+	Spill Allocator
+	Mover Mover
+	// Observe, if set, is told of every move, outside the lock: "evict"
+	// or "restore", the segment's name, its bytes and how long it took.
+	Observe func(kind, name string, bytes int64, d time.Duration)
+}
+
+// ErrNoRoom: the budget cannot hold what was asked, even after moving
+// every segment that may move.
+var ErrNoRoom = &Error{"no room under the budget", syscall.ENOSPC}
+
+// ErrPinned: the segment may not move (it is open, pinned, a channel...).
+var ErrPinned = &Error{"segment cannot move", syscall.EBUSY}
+
+// TierStats is what the tiers hold, for info and metrics.
+type TierStats struct {
+	Devices []DeviceTier
+	// HostBudget and HostBytes: the spill's bound and what it holds.
+	HostBudget, HostBytes int64
+	// Evictions and Restores count moves since the process started;
+	// EvictedBytes and RestoredBytes their bytes.
+	Evictions, Restores         uint64
+	EvictedBytes, RestoredBytes int64
+}
+
+// DeviceTier is one device's budget and use.
+type DeviceTier struct {
+	Device int
+	// Budget is 0 for none. Bytes is what the device holds now, Peak the
+	// most it ever held (with creates and restores in flight counted from
+	// the moment they were let in).
+	Budget, Bytes, Peak int64
+}
+
+// tierState is the registry's part of the tiers; Registry.mu guards it.
+type tierState struct {
+	cfg       Tiers
+	restoring map[int]int64 // device bytes of restores in flight
+	spilling  int64         // host bytes of evictions in flight
+	peak      map[int]int64
+	stats     TierStats
+}
+
+// SetTiers turns on budgets and eviction; call it before the registry is
+// used, or again to change the budgets.
+func (r *Registry) SetTiers(t Tiers) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.tiers.cfg = t
+	if r.tiers.restoring == nil {
+		r.tiers.restoring = map[int]int64{}
+		r.tiers.peak = map[int]int64{}
+	}
+}
+
+// TierStats reports budgets, use and moves.
+func (r *Registry) TierStats() TierStats {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st := r.tiers.stats
+	st.HostBudget = r.tiers.cfg.HostBudget
+	st.HostBytes = r.hostUseLocked()
+	devs := map[int]bool{}
+	for d := range r.tiers.cfg.Budgets {
+		devs[d] = true
+	}
+	for _, s := range r.byID {
+		devs[s.device] = true
+	}
+	for d := range devs {
+		st.Devices = append(st.Devices, DeviceTier{Device: d, Budget: r.tiers.cfg.Budgets[d],
+			Bytes: r.deviceUseLocked(d), Peak: r.tiers.peak[d]})
+	}
+	sort.Slice(st.Devices, func(i, j int) bool { return st.Devices[i].Device < st.Devices[j].Device })
+	return st
+}
+
+// deviceUseLocked is what device d holds, or has let in: segments on it,
+// creates in progress, restores in flight.
+func (r *Registry) deviceUseLocked(d int) int64 {
+	var n int64
+	for _, s := range r.byID {
+		if s.device == d && s.tier == OnDevice {
+			n += memSize(s.mem)
+		}
+	}
+	for _, s := range r.byName {
+		if s.creating && s.device == d {
+			n += r.roundSize(d, s.size)
+		}
+	}
+	return n + r.tiers.restoring[d]
+}
+
+func (r *Registry) hostUseLocked() int64 {
+	var n int64
+	for _, s := range r.byID {
+		if s.tier == OnHost {
+			n += memSize(s.mem)
+		}
+	}
+	return n + r.tiers.spilling
+}
+
+// unmovableLocked says why s cannot be evicted now, or "".
+func (r *Registry) unmovableLocked(s *Segment) string {
+	switch {
+	case s.gone || s.creating:
+		return "it is being created or removed"
+	case s.mem == nil:
+		return "it holds no memory"
+	case s.moving != nil:
+		return "it is moving already"
+	case s.opens > 0:
+		return fmt.Sprintf("it is open (%d)", s.opens)
+	case s.pins > 0:
+		return "the daemon is using it (a file open in the FUSE view)"
+	case s.resident:
+		return "it is pinned to its device"
+	case s.slots > 0:
+		return "it is a channel"
+	case s.published:
+		return "its memory was published by a client, which may still write it"
+	case s.uncommitted:
+		return "its writer has not committed it"
+	case s.doubt:
+		return "the daemon restarted, and clients may still have it mapped"
+	case s.orphan != "":
+		return "it is orphaned"
+	}
+	return ""
+}
+
+// victimLocked is the least recently opened segment on device d that may
+// move, or nil.
+func (r *Registry) victimLocked(d int) *Segment {
+	var v *Segment
+	for _, s := range r.byID {
+		if s.device != d || s.tier != OnDevice || r.unmovableLocked(s) != "" {
+			continue
+		}
+		if v == nil || s.lastOpen.Before(v.lastOpen) || s.lastOpen.Equal(v.lastOpen) && s.id < v.id {
+			v = s
+		}
+	}
+	return v
+}
+
+// graceRunningLocked reports whether the grace period has not been ended
+// yet; a few seconds past its time, it counts as ended even if nobody
+// called EndGrace.
+func (r *Registry) graceRunningLocked() bool {
+	return !r.graceUntil.IsZero() && time.Since(r.graceUntil) < 5*time.Second
+}
+
+// inDoubtOnLocked reports whether device d holds segments that only the
+// grace period keeps from moving.
+func (r *Registry) inDoubtOnLocked(d int) bool {
+	for _, s := range r.byID {
+		if s.device == d && s.tier == OnDevice && s.doubt && s.opens == 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// movingOnLocked returns the channel of an eviction in flight from device
+// d, or nil.
+func (r *Registry) movingOnLocked(d int) chan struct{} {
+	for _, s := range r.byID {
+		if s.device == d && s.tier == OnDevice && s.moving != nil {
+			return s.moving
+		}
+	}
+	return nil
+}
+
+// roomLocked makes what device d holds and has let in fit its budget,
+// evicting the least recently opened segments that may move. The caller
+// has already counted what it asks for (a creating segment, a restore's
+// reservation). mu is held, and dropped while segments move.
+func (r *Registry) roomLocked(d int, what string) error {
+	budget := r.tiers.cfg.Budgets[d]
+	if budget <= 0 {
+		return nil
+	}
+	for {
+		used := r.deviceUseLocked(d)
+		if used <= budget {
+			r.tiers.peak[d] = max(r.tiers.peak[d], used)
+			return nil
+		}
+		v := r.victimLocked(d)
+		if v == nil {
+			if ch := r.movingOnLocked(d); ch != nil {
+				r.mu.Unlock()
+				<-ch
+				r.mu.Lock()
+				continue
+			}
+			if r.graceRunningLocked() && r.inDoubtOnLocked(d) {
+				// After a restart nobody knows yet which segments clients
+				// still map: those that nobody reclaims may move once the
+				// grace period ends (EndGrace).
+				r.mu.Unlock()
+				time.Sleep(20 * time.Millisecond)
+				r.mu.Lock()
+				continue
+			}
+			return r.noRoomLocked(d, what, used, budget)
+		}
+		if err := r.evictLocked(v); err != nil {
+			if errors.Is(err, ErrNoRoom) {
+				return fmt.Errorf("%w; %s on device %d needs %s more under its budget of %s",
+					err, what, d, fmtBytes(used-budget), fmtBytes(budget))
+			}
+			return err
+		}
+	}
+}
+
+func (r *Registry) noRoomLocked(d int, what string, used, budget int64) error {
+	var fixed int64
+	for _, s := range r.byID {
+		if s.device == d && s.tier == OnDevice {
+			fixed += memSize(s.mem)
+		}
+	}
+	return fmt.Errorf("%w: %s on device %d: %s of its budget of %s would be in use, and the %s on it now are all open, pinned or otherwise unable to move",
+		ErrNoRoom, what, d, fmtBytes(used), fmtBytes(budget), fmtBytes(fixed))
+}
+
+// allocate is Allocate, evicting a segment and trying again while the
+// device runs out of memory that its budget did not foresee (other
+// processes' allocations). mu is not held.
+func (r *Registry) allocate(d int, size int64) (Memory, error) {
+	for {
+		mem, err := r.alloc.Allocate(d, size)
+		if err == nil || !errors.Is(err, syscall.ENOMEM) {
+			return mem, err
+		}
+		r.mu.Lock()
+		v := r.victimLocked(d)
+		if v == nil || r.tiers.cfg.HostBudget <= 0 {
+			r.mu.Unlock()
+			return nil, err
+		}
+		e := r.evictLocked(v)
+		r.mu.Unlock()
+		if e != nil {
+			return nil, errors.Join(err, e)
+		}
+	}
+}
+
+// evictLocked moves s to host memory. mu is held, and dropped while the
+// bytes move.
+func (r *Registry) evictLocked(s *Segment) error {
+	if why := r.unmovableLocked(s); why != "" {
+		return fmt.Errorf("%w: %q: %s", ErrPinned, s.name, why)
+	}
+	if s.tier == OnHost {
+		return nil
+	}
+	cfg := r.tiers.cfg
+	size := memSize(s.mem)
+	if cfg.HostBudget <= 0 || cfg.Spill == nil || cfg.Mover == nil {
+		return fmt.Errorf("%w: eviction to host memory is off (no host budget)", ErrNoRoom)
+	}
+	if used := r.hostUseLocked(); used+size > cfg.HostBudget {
+		return fmt.Errorf("%w: evicting %q (%s) to host memory: %s of the host budget of %s in use",
+			ErrNoRoom, s.name, fmtBytes(size), fmtBytes(used), fmtBytes(cfg.HostBudget))
+	}
+	r.tiers.spilling += size
+	done := make(chan struct{})
+	s.moving = done
+	r.mu.Unlock()
+	err := r.move(s, OnHost, size)
+	r.mu.Lock()
+	r.tiers.spilling -= size
+	s.moving = nil
+	close(done)
+	return err
+}
+
+// restoreLocked moves s, on host, back to its device, making room first.
+// mu is held, and dropped while segments move.
+func (r *Registry) restoreLocked(s *Segment) error {
+	size := memSize(s.mem)
+	done := make(chan struct{})
+	s.moving = done
+	r.tiers.restoring[s.device] += size
+	err := r.roomLocked(s.device, fmt.Sprintf("restoring %q (%s)", s.name, fmtBytes(size)))
+	if err == nil {
+		r.mu.Unlock()
+		err = r.move(s, OnDevice, size)
+		r.mu.Lock()
+	}
+	r.tiers.restoring[s.device] -= size
+	s.moving = nil
+	close(done)
+	return err
+}
+
+// onDeviceLocked waits out a move of s and restores s if it is on host,
+// for an open: the descriptor handed out must be the device's. mu is held,
+// and dropped while waiting.
+func (r *Registry) onDeviceLocked(s *Segment) error {
+	for {
+		if s.gone {
+			return fmt.Errorf("%w: %q was removed", ErrNotFound, s.name)
+		}
+		if s.moving != nil {
+			ch := s.moving
+			r.mu.Unlock()
+			<-ch
+			r.mu.Lock()
+			continue
+		}
+		if s.tier == OnDevice {
+			return nil
+		}
+		if err := r.restoreLocked(s); err != nil {
+			return fmt.Errorf("restore %q to device %d: %w", s.name, s.device, err)
+		}
+	}
+}
+
+// move copies s's bytes to the other tier and swaps its memory there, in
+// one journaled change. s.moving is set, so nobody opens, evicts or
+// restores s meanwhile; s.io, held exclusively, keeps the daemon's own
+// copies (the FUSE view) out.
+func (r *Registry) move(s *Segment, to Tier, size int64) error {
+	start := time.Now()
+	s.io.Lock()
+	defer s.io.Unlock()
+	r.mu.Lock()
+	old := s.mem
+	r.mu.Unlock()
+	var (
+		nm  Memory
+		err error
+	)
+	if to == OnHost {
+		nm, err = r.tiers.cfg.Spill.Allocate(0, size)
+	} else {
+		nm, err = r.allocate(s.device, size)
+	}
+	if err != nil {
+		return fmt.Errorf("allocate %s on %s: %w", fmtBytes(size), tierPlace(to, s.device), err)
+	}
+	err = r.tiers.cfg.Mover.Move(nm, old, min(size, memSize(nm), memSize(old)))
+	fd := -1
+	if err == nil {
+		fd, err = r.durableFD(nm)
+	}
+	if err != nil {
+		free(nm)
+		return fmt.Errorf("copy %s of %q to %s: %w", fmtBytes(size), s.name, tierPlace(to, s.device), err)
+	}
+	r.mu.Lock()
+	if s.gone || s.mem != old {
+		r.mu.Unlock()
+		free(nm)
+		return fmt.Errorf("%w: %q was removed while it moved", ErrNotFound, s.name)
+	}
+	s.mem, s.tier = nm, to
+	r.noteLocked(s, fd)
+	kind := "evict"
+	if to == OnHost {
+		r.tiers.stats.Evictions++
+		r.tiers.stats.EvictedBytes += size
+	} else {
+		kind = "restore"
+		r.tiers.stats.Restores++
+		r.tiers.stats.RestoredBytes += size
+	}
+	observe, name := r.tiers.cfg.Observe, s.name
+	r.mu.Unlock()
+	err = free(old)
+	if observe != nil {
+		observe(kind, name, size, time.Since(start))
+	}
+	return err
+}
+
+func tierPlace(t Tier, d int) string {
+	if t == OnHost {
+		return "host memory"
+	}
+	return fmt.Sprintf("device %d", d)
+}
+
+// Evict moves the named segment to host memory now. The owner or root
+// may; a segment already on host is left there.
+func (r *Registry) Evict(c Cred, name string) error {
+	if err := ValidName(name); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s, err := r.find(name)
+	if err != nil {
+		return err
+	}
+	if err := mayRemove(c, s); err != nil {
+		return err
+	}
+	for s.moving != nil {
+		ch := s.moving
+		r.mu.Unlock()
+		<-ch
+		r.mu.Lock()
+	}
+	if s.tier == OnHost || s.gone {
+		return nil
+	}
+	return r.evictLocked(s)
+}
+
+// Load brings the named segment back to its device ahead of an open (a
+// prefetch); it counts as an open for the order of eviction. Read access
+// is enough.
+func (r *Registry) Load(c Cred, name string) (Info, error) {
+	if err := ValidName(name); err != nil {
+		return Info{}, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s, err := r.find(name)
+	if err != nil {
+		return Info{}, err
+	}
+	if !allowed(c, s, Read) {
+		return Info{}, fmt.Errorf("%w: read access to %q (mode %#o, owner %d:%d)", ErrPermission, s.name, s.mode, s.uid, s.gid)
+	}
+	if s.orphan != "" {
+		return Info{}, fmt.Errorf("%w: %q: %s", ErrOrphan, s.name, s.orphan)
+	}
+	if s.mem == nil {
+		return Info{}, fmt.Errorf("%w: %q has no memory yet", ErrEmpty, s.name)
+	}
+	if err := r.onDeviceLocked(s); err != nil {
+		return Info{}, err
+	}
+	s.lastOpen = time.Now()
+	return r.infoLocked(s), nil
+}
+
+// SetResident pins s to its device (on) or lets it move again. Pinning a
+// segment on host restores it first. The owner or root may; it is
+// journaled.
+func (r *Registry) SetResident(c Cred, name string, on bool) (Info, error) {
+	if err := ValidName(name); err != nil {
+		return Info{}, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s, err := r.find(name)
+	if err != nil {
+		return Info{}, err
+	}
+	if err := mayRemove(c, s); err != nil {
+		return Info{}, err
+	}
+	if on && s.mem != nil && s.orphan == "" {
+		if err := r.onDeviceLocked(s); err != nil {
+			return Info{}, err
+		}
+	}
+	if s.resident != on && !s.gone {
+		s.resident = on
+		r.noteLocked(s, -1)
+	}
+	return r.infoLocked(s), nil
+}
+
+// WouldRestore reports whether opening name now would wait for its bytes
+// to come back from host memory (or for a move to end): the server lets
+// such an open leave its worker.
+func (r *Registry) WouldRestore(name string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s := r.byName[name]
+	return s != nil && (s.tier == OnHost || s.moving != nil)
+}
+
+func fmtBytes(n int64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%d B", n)
+	}
+	v, i := float64(n), -1
+	for v >= unit && i < 5 {
+		v /= unit
+		i++
+	}
+	return fmt.Sprintf("%.1f %ciB", v, "KMGTPE"[i])
+}

@@ -1,0 +1,367 @@
+package segment
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+const page = 4096
+
+// fakeMover keeps every fake memory's bytes, so that a move can be checked
+// to carry them, and counts moves; delay makes moves slow.
+type fakeMover struct {
+	mu       sync.Mutex
+	data     map[int][]byte // by descriptor
+	moves    atomic.Int32
+	delay    time.Duration
+	failNext atomic.Bool
+}
+
+func (m *fakeMover) Move(dst, src Memory, n int64) error {
+	time.Sleep(m.delay)
+	if m.failNext.Swap(false) {
+		return syscall.EIO
+	}
+	m.moves.Add(1)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	d, _ := dst.FD()
+	s, _ := src.FD()
+	m.data[d] = bytes.Clone(m.data[s][:min(int64(len(m.data[s])), n)])
+	return nil
+}
+
+func (m *fakeMover) set(s *Segment, b []byte) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	fd, _ := s.FD()
+	m.data[fd] = b
+}
+
+func (m *fakeMover) get(s *Segment) []byte {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	fd, _ := s.FD()
+	return m.data[fd]
+}
+
+type tierFixture struct {
+	r            *Registry
+	dev, spill   *fakeAlloc
+	mover        *fakeMover
+	budget, host int64
+}
+
+func newTiers(t *testing.T, budgetPages, hostPages int64) *tierFixture {
+	t.Helper()
+	f := &tierFixture{dev: newFake(), spill: newFake(), mover: &fakeMover{data: map[int][]byte{}},
+		budget: budgetPages * page, host: hostPages * page}
+	f.spill.next = 1 << 20 // descriptors apart from the device's
+	f.r = New(f.dev, nil)
+	f.r.SetTiers(Tiers{Budgets: map[int]int64{0: f.budget}, HostBudget: f.host, Spill: f.spill, Mover: f.mover})
+	return f
+}
+
+// put creates name of one page holding its own name, unopened.
+func (f *tierFixture) put(t *testing.T, name string) *Segment {
+	t.Helper()
+	s, _, err := f.r.Create(alice, CreateOptions{Name: name, Size: page})
+	if err != nil {
+		t.Fatalf("create %s: %v", name, err)
+	}
+	f.mover.set(s, []byte(name))
+	return s
+}
+
+// use opens and closes name, checking its bytes on the device.
+func (f *tierFixture) use(t *testing.T, name string) {
+	t.Helper()
+	s, err := f.r.Acquire(alice, name, false)
+	if err != nil {
+		t.Fatalf("open %s: %v", name, err)
+	}
+	f.checkOpen(t, s, name)
+	if err := f.r.Release(s); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (f *tierFixture) checkOpen(t *testing.T, s *Segment, name string) {
+	t.Helper()
+	if inf := f.r.Info(s); inf.Tier != OnDevice {
+		t.Fatalf("%s is open on tier %s", name, inf.Tier)
+	}
+	if got := f.mover.get(s); string(got) != name {
+		t.Fatalf("%s holds %q", name, got)
+	}
+}
+
+func (f *tierFixture) tiers(t *testing.T) map[string]Tier {
+	t.Helper()
+	out := map[string]Tier{}
+	for _, inf := range f.r.List("", 0) {
+		out[inf.Name] = inf.Tier
+	}
+	if st := f.r.TierStats(); st.Devices[0].Peak > f.budget || st.Devices[0].Bytes > f.budget {
+		t.Fatalf("device 0 holds %d bytes (peak %d), budget %d", st.Devices[0].Bytes, st.Devices[0].Peak, f.budget)
+	}
+	return out
+}
+
+func TestTierLeastRecentlyOpenedGoesFirst(t *testing.T) {
+	f := newTiers(t, 3, 100)
+	for _, n := range []string{"a", "b", "c"} {
+		f.put(t, n)
+		time.Sleep(time.Millisecond) // distinct times, whatever the clock's grain
+	}
+	for _, n := range []string{"b", "a", "c"} {
+		f.use(t, n)
+		time.Sleep(time.Millisecond)
+	}
+	f.put(t, "d") // b was opened longest ago
+	if got := f.tiers(t); got["b"] != OnHost || got["a"] != OnDevice || got["c"] != OnDevice {
+		t.Fatalf("after d: %v, want b on host", got)
+	}
+	time.Sleep(time.Millisecond)
+	f.use(t, "b") // back, and a (opened before c and d) makes room
+	if got := f.tiers(t); got["a"] != OnHost || got["b"] != OnDevice {
+		t.Fatalf("after opening b: %v, want a on host", got)
+	}
+	for _, n := range []string{"a", "b", "c", "d"} {
+		f.use(t, n)
+	}
+	st := f.r.TierStats()
+	if st.Evictions < 3 || st.Restores < 2 || st.HostBytes != page {
+		t.Fatalf("stats %+v", st)
+	}
+	if f.dev.liveCount() != 3 || f.spill.liveCount() != 1 {
+		t.Fatalf("%d device and %d host allocations live, want 3 and 1", f.dev.liveCount(), f.spill.liveCount())
+	}
+}
+
+func TestTierOpenAndPinnedNeverMove(t *testing.T) {
+	f := newTiers(t, 3, 100)
+	held := f.put(t, "held")
+	if _, err := f.r.Acquire(alice, "held", true); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := f.r.Create(alice, CreateOptions{Name: "pinned", Size: page, Resident: true}); err != nil {
+		t.Fatal(err)
+	}
+	f.put(t, "x")
+	for i := range 5 {
+		f.put(t, fmt.Sprintf("y%d", i)) // each pushes the last out
+	}
+	got := f.tiers(t)
+	if got["held"] != OnDevice || got["pinned"] != OnDevice {
+		t.Fatalf("%v: an open or pinned segment moved", got)
+	}
+	for _, name := range []string{"held", "pinned"} {
+		if err := f.r.Evict(alice, name); !errors.Is(err, ErrPinned) || !errors.Is(err, syscall.EBUSY) {
+			t.Fatalf("evict %s: %v, want EBUSY", name, err)
+		}
+	}
+	// Every other segment open too: no room, and nothing left behind.
+	for _, name := range []string{"x", "y0", "y1", "y2", "y3", "y4"} {
+		if got[name] == OnDevice {
+			if _, err := f.r.Acquire(alice, name, true); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	live := f.dev.liveCount()
+	_, _, err := f.r.Create(alice, CreateOptions{Name: "z", Size: page})
+	if !errors.Is(err, ErrNoRoom) || !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("create past a budget of open segments: %v, want ENOSPC", err)
+	}
+	if _, err := f.r.Stat("z"); !errors.Is(err, ErrNotFound) || f.dev.liveCount() != live {
+		t.Fatalf("a refused create left %v, %d allocations (was %d)", err, f.dev.liveCount(), live)
+	}
+	// An evicted segment cannot come back either.
+	if _, err := f.r.Acquire(alice, "y0", true); !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("open of y0 with no room: %v", err)
+	}
+	// Unpinned, the pinned one makes room.
+	if _, err := f.r.SetResident(alice, "pinned", false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.r.SetResident(bob, "held", false); !errors.Is(err, ErrNotOwner) {
+		t.Fatalf("unpin by another user: %v", err)
+	}
+	f.put(t, "z")
+	if got := f.tiers(t); got["pinned"] != OnHost || got["held"] != OnDevice {
+		t.Fatalf("%v", got)
+	}
+	f.checkOpen(t, held, "held")
+}
+
+func TestTierHostBudget(t *testing.T) {
+	f := newTiers(t, 2, 1)
+	f.put(t, "a")
+	f.put(t, "b")
+	f.put(t, "c") // a goes to host, which is then full
+	_, _, err := f.r.Create(alice, CreateOptions{Name: "d", Size: page})
+	if !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("create with the host budget full: %v, want ENOSPC", err)
+	}
+	if got := f.tiers(t); got["a"] != OnHost || got["b"] != OnDevice || got["c"] != OnDevice || len(got) != 3 {
+		t.Fatalf("%v", got)
+	}
+	// Eviction off: creates past the budget fail, nothing moves.
+	g := newTiers(t, 1, 0)
+	g.put(t, "a")
+	if _, _, err := g.r.Create(alice, CreateOptions{Name: "b", Size: page}); !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("create past the budget with eviction off: %v", err)
+	}
+	if err := g.r.Evict(alice, "a"); !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("evict with eviction off: %v", err)
+	}
+}
+
+func TestTierConcurrentOpensShareOneRestore(t *testing.T) {
+	f := newTiers(t, 4, 100)
+	f.put(t, "big")
+	if err := f.r.Evict(alice, "big"); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.r.Evict(bob, "big"); !errors.Is(err, ErrNotOwner) {
+		t.Fatalf("evict by another user: %v", err)
+	}
+	f.mover.delay = 20 * time.Millisecond
+	before := f.mover.moves.Load()
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for range 8 {
+		wg.Go(func() {
+			s, err := f.r.Acquire(alice, "big", true)
+			if err == nil {
+				if got := f.mover.get(s); string(got) != "big" {
+					err = fmt.Errorf("holds %q", got)
+				}
+				f.r.Release(s)
+			}
+			errs <- err
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := f.mover.moves.Load() - before; n != 1 {
+		t.Fatalf("%d moves for 8 concurrent opens, want 1", n)
+	}
+}
+
+func TestTierFailedMoveLeavesItWhole(t *testing.T) {
+	f := newTiers(t, 2, 100)
+	f.put(t, "a")
+	devLive, hostLive := f.dev.liveCount(), f.spill.liveCount()
+	f.mover.failNext.Store(true)
+	if err := f.r.Evict(alice, "a"); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("evict with a failing copy: %v", err)
+	}
+	if got := f.tiers(t); got["a"] != OnDevice || f.dev.liveCount() != devLive || f.spill.liveCount() != hostLive {
+		t.Fatalf("after a failed eviction: %v, %d/%d allocations", got, f.dev.liveCount(), f.spill.liveCount())
+	}
+	if err := f.r.Evict(alice, "a"); err != nil {
+		t.Fatal(err)
+	}
+	f.mover.failNext.Store(true)
+	if _, err := f.r.Acquire(alice, "a", true); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("open with a failing restore: %v", err)
+	}
+	if got := f.tiers(t); got["a"] != OnHost || f.dev.liveCount() != devLive-1 {
+		t.Fatalf("after a failed restore: %v, %d device allocations", got, f.dev.liveCount())
+	}
+	f.use(t, "a")
+}
+
+func TestTierJournaled(t *testing.T) {
+	f := newTiers(t, 2, 100)
+	j := newJournal()
+	f.r.SetJournal(j)
+	s := f.put(t, "a")
+	if err := f.r.Evict(alice, "a"); err != nil {
+		t.Fatal(err)
+	}
+	rec, fd := j.recs[s.ID()], j.fds[s.ID()]
+	if !rec.OnHost() || fd < 1<<20 {
+		t.Fatalf("after eviction the journal has tier %q, descriptor %d (want host memory's)", rec.Tier, fd)
+	}
+	// What a restarted daemon makes of it.
+	g := newTiers(t, 2, 100)
+	mem, _ := g.spill.Allocate(0, rec.Alloc)
+	g.r.Restore([]Restored{{Record: rec, Memory: mem}}, rec.ID, 0)
+	g.r.EndGrace()
+	if inf, err := g.r.Stat("a"); err != nil || inf.Tier != OnHost {
+		t.Fatalf("restored: %+v, %v", inf, err)
+	}
+	mfd, _ := mem.FD()
+	g.mover.data[mfd] = []byte("a")
+	g.use(t, "a")
+	if _, err := f.r.Acquire(alice, "a", true); err != nil {
+		t.Fatal(err)
+	}
+	if rec := j.recs[s.ID()]; rec.OnHost() || j.fds[s.ID()] >= 1<<20 {
+		t.Fatalf("after the restore the journal has tier %q, descriptor %d", rec.Tier, j.fds[s.ID()])
+	}
+}
+
+func TestTierRestoreWaitsForGrace(t *testing.T) {
+	f := newTiers(t, 1, 100)
+	j := newJournal()
+	f.r.SetJournal(j)
+	a := f.put(t, "a")
+	b := f.put(t, "b") // a is evicted
+	recs := []Record{j.recs[a.ID()], j.recs[b.ID()]}
+	g := newTiers(t, 1, 100)
+	var items []Restored
+	for _, rec := range recs {
+		alloc := g.dev
+		if rec.OnHost() {
+			alloc = g.spill
+		}
+		mem, _ := alloc.Allocate(0, rec.Alloc)
+		fd, _ := mem.FD()
+		g.mover.data[fd] = []byte(rec.Name)
+		items = append(items, Restored{Record: rec, Memory: mem})
+	}
+	g.r.Restore(items, b.ID(), 150*time.Millisecond)
+	go func() {
+		time.Sleep(150 * time.Millisecond)
+		g.r.EndGrace()
+	}()
+	start := time.Now()
+	g.use(t, "a") // b may still be mapped until the grace period ends
+	if d := time.Since(start); d < 100*time.Millisecond {
+		t.Fatalf("a came back after %s, before the grace period ended", d)
+	}
+	if got := g.tiers(t); got["b"] != OnHost {
+		t.Fatalf("%v", got)
+	}
+}
+
+func TestTierGrowsWhereItLives(t *testing.T) {
+	f := newTiers(t, 4, 100)
+	f.put(t, "a")
+	if err := f.r.Evict(alice, "a"); err != nil {
+		t.Fatal(err)
+	}
+	s, _, _ := f.r.Lookup("a")
+	f.spill.failWith = syscall.ENOMEM
+	f.dev.failWith = syscall.EIO
+	err := f.r.Resize(s, 3*page)
+	if !errors.Is(err, syscall.ENOMEM) || !strings.Contains(err.Error(), "host memory") {
+		t.Fatalf("a resize of a segment on host: %v, want the host allocator's ENOMEM", err)
+	}
+}

@@ -1,0 +1,64 @@
+package server
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// tier answers evict, load and pin (segment/tier.go). Each may copy a
+// segment's bytes between its device and host memory, which takes a
+// worker's time for as long as the copy: the request leaves the workers
+// first.
+func (c *conn) tier(cred segment.Cred, req *wire.Request) (*wire.Reply, int) {
+	c.s.setAside(c.w)
+	var (
+		inf segment.Info
+		err error
+	)
+	switch req.Op {
+	case wire.OpEvict:
+		if err = c.s.reg.Evict(cred, req.Name); err == nil {
+			inf, err = c.s.reg.Stat(req.Name)
+		}
+	case wire.OpLoad:
+		inf, err = c.s.reg.Load(cred, req.Name)
+	case wire.OpPin:
+		inf, err = c.s.reg.SetResident(cred, req.Name, req.Pin)
+	}
+	if err != nil {
+		return fail(fmt.Errorf("%s: %w", req.Op, err))
+	}
+	return &wire.Reply{Segment: c.s.toWire(inf)}, -1
+}
+
+// wireTiers is info's account of budgets and moves.
+func wireTiers(st segment.TierStats) *wire.Tiers {
+	w := &wire.Tiers{
+		Devices:    make([]wire.DeviceTier, len(st.Devices)),
+		HostBudget: st.HostBudget, HostBytes: st.HostBytes,
+		Evictions: st.Evictions, Restores: st.Restores,
+		EvictedBytes: st.EvictedBytes, RestoredBytes: st.RestoredBytes,
+	}
+	for i, d := range st.Devices {
+		w.Devices[i] = wire.DeviceTier{Device: d.Device, Budget: d.Budget, Bytes: d.Bytes, Peak: d.Peak}
+	}
+	return w
+}
+
+// MoveObserver is told of every move between tiers (the metrics).
+type MoveObserver interface {
+	ObserveMove(kind string, bytes int64, d time.Duration)
+}
+
+// ObserveMove logs a move between a device and host memory, and counts it
+// when the observer takes moves; the registry calls it (segment.Tiers).
+func (s *Server) ObserveMove(kind, name string, bytes int64, d time.Duration) {
+	s.log.Info(kind, "name", name, "bytes", bytes, "seconds", d.Seconds(),
+		"GB/s", float64(bytes)/max(d.Seconds(), 1e-9)/1e9)
+	if m, ok := s.obs.(MoveObserver); ok {
+		m.ObserveMove(kind, bytes, d)
+	}
+}

@@ -1,0 +1,39 @@
+package xfer
+
+import (
+	"fmt"
+	"time"
+)
+
+// Move copies t.Size bytes between t and host memory: from host into t
+// when in is true, from t into host otherwise. It is the copy engine's
+// memory-to-memory form, for the daemon's moves of a segment between a
+// GPU and host memory: several copiers each move their own chunks, on
+// cuda through their two pinned buffers and stream, so that one copier's
+// memcpy overlaps another's DMA, and the page faults of new host memory
+// are taken on several cores at once. On host targets the copiers copy
+// directly.
+func Move(t Target, host []byte, in bool, o *Options) (st Stats, err error) {
+	start := time.Now()
+	defer func() { st.Elapsed = time.Since(start) }()
+	if o == nil {
+		o = &Options{}
+	}
+	chunk := o.Chunk
+	if chunk == 0 {
+		chunk = defaultChunk
+	}
+	if chunk < 0 || chunk%chunkUnit != 0 {
+		return st, fmt.Errorf("xfer: copy chunk %d is not a positive multiple of %d", chunk, chunkUnit)
+	}
+	if int64(len(host)) < t.Size {
+		return st, fmt.Errorf("xfer: move of %d bytes with %d bytes of host memory", t.Size, len(host))
+	}
+	var steps []step
+	for at := int64(0); at < t.Size; at += chunk {
+		n := min(chunk, t.Size-at)
+		steps = append(steps, step{mem: host[at : at+n], len: n, at: at})
+	}
+	st.Bytes, st.Chunk = t.Size, chunk
+	return run(t, steps, st, o, in)
+}
