@@ -60,6 +60,13 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if os.Getenv("GPUSHM_TEST_TIERS") != "" {
+		if err := tiersMain(); err != nil {
+			fmt.Fprintf(os.Stderr, "tiers client: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if k := os.Getenv("GPUSHM_TEST_CHAOS"); k != "" {
 		n, _ := strconv.Atoi(k)
 		if err := chaosClientMain(n); err != nil {

@@ -151,7 +151,9 @@ func memfds(t *testing.T, pid int) int {
 	}
 	n := 0
 	for _, e := range ents {
-		if l, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil && strings.HasPrefix(l, "/memfd:gpushm (deleted)") {
+		// Segments' memfds, and the host memory evicted ones live in.
+		if l, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil &&
+			(strings.HasPrefix(l, "/memfd:gpushm (deleted)") || strings.HasPrefix(l, "/memfd:gpushm-spill (deleted)")) {
 			n++
 		}
 	}
@@ -266,7 +268,9 @@ func TestSurviveChaos(t *testing.T) {
 	os.Chmod(dir, 0o755) // a client runs as another user
 	sock := filepath.Join(dir, "gpushm.sock")
 	mnt := filepath.Join(dir, "mnt")
-	args := []string{"--grace", "3s"}
+	// A budget the clients' segments exceed now and then, so that creates
+	// and opens evict, besides the clients' own evictions.
+	args := []string{"--grace", "3s", "--gpu-budget", "12MiB"}
 	fuse := fuseUsable()
 	if fuse {
 		args = append(args, "--mount", mnt)
@@ -417,7 +421,7 @@ func chaosClientMain(k int) error {
 					fmt.Printf("fail stop: %v\n", err)
 					continue
 				}
-				fmt.Printf("ok ops=%d reconnects=%d\n", cl.ops, c.Reconnects())
+				fmt.Printf("ok ops=%d evicts=%d reconnects=%d\n", cl.ops, cl.evicts, c.Reconnects())
 				return nil
 			}
 			fmt.Printf("ok %d\n", len(cl.segs))
@@ -441,14 +445,15 @@ type acked struct {
 }
 
 type chaos struct {
-	k     int
-	c     *gpushm.Client
-	ctx   context.Context
-	rng   *rand.Rand
-	segs  map[string]*acked
-	next  int
-	ops   int
-	mount string
+	k      int
+	c      *gpushm.Client
+	ctx    context.Context
+	rng    *rand.Rand
+	segs   map[string]*acked
+	next   int
+	ops    int
+	evicts int
+	mount  string
 }
 
 func chaosBytes(seed uint64, n int64) []byte {
@@ -494,8 +499,10 @@ func (cl *chaos) step() error {
 		return cl.publish()
 	case r < 52:
 		return cl.rewrite()
-	case r < 66:
+	case r < 60:
 		return cl.check(cl.pick(false))
+	case r < 66:
+		return cl.evict()
 	case r < 80 && n > 4:
 		return cl.unlink()
 	case r < 86:
@@ -605,6 +612,21 @@ func (cl *chaos) check(name string) error {
 	if !bytes.Equal(got, chaosBytes(a.seed, a.size)) {
 		return fmt.Errorf("%s: bytes differ from what was written", name)
 	}
+	return nil
+}
+
+// evict moves one of this client's segments to host memory; the next
+// check, or another client's open, brings it back. Published memory and
+// segments in doubt after a restart refuse (EBUSY).
+func (cl *chaos) evict() error {
+	name := cl.pick(false)
+	if name == "" {
+		return nil
+	}
+	if _, err := cl.c.Evict(cl.ctx, name); err != nil && !errors.Is(err, syscall.EBUSY) {
+		return fmt.Errorf("evict %s: %w", name, err)
+	}
+	cl.evicts++
 	return nil
 }
 

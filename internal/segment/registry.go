@@ -228,6 +228,7 @@ type Segment struct {
 	resident  bool
 	published bool
 	moving    chan struct{}
+	copying   bool // moving, past waiting for room
 }
 
 // ID is unique for the registry's lifetime; IDs are never reused.
@@ -437,7 +438,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	r.byName[o.Name] = s
 	if need > 0 {
 		// Counted from here on (deviceUseLocked): room is made for it now.
-		if err := r.roomLocked(o.Device, fmt.Sprintf("creating %q (%s)", o.Name, fmtBytes(need))); err != nil {
+		if err := r.roomLocked(o.Device, nil, fmt.Sprintf("creating %q (%s)", o.Name, fmtBytes(need))); err != nil {
 			delete(r.byName, o.Name)
 			s.creating, s.linked, s.gone = false, false, true
 			close(s.ready)

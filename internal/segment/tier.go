@@ -145,10 +145,13 @@ func (r *Registry) deviceUseLocked(d int) int64 {
 	return n + r.tiers.restoring[d]
 }
 
+// hostUseLocked is what host memory holds of evicted segments, or has let
+// in for evictions in flight. A segment on its way back to its device
+// counts as gone: the eviction its restore makes room with takes its place.
 func (r *Registry) hostUseLocked() int64 {
 	var n int64
 	for _, s := range r.byID {
-		if s.tier == OnHost {
+		if s.tier == OnHost && s.moving == nil {
 			n += memSize(s.mem)
 		}
 	}
@@ -217,11 +220,14 @@ func (r *Registry) inDoubtOnLocked(d int) bool {
 	return false
 }
 
-// movingOnLocked returns the channel of an eviction in flight from device
-// d, or nil.
-func (r *Registry) movingOnLocked(d int) chan struct{} {
+// movingOnLocked returns the channel of a move in flight to or from
+// device d other than self's, or nil: when it ends, room may have come
+// free (an eviction done, a restore's reservation turned into a segment
+// that its opener may have let go again). Only moves past waiting for room
+// count, so that two restores never wait for each other.
+func (r *Registry) movingOnLocked(d int, self *Segment) chan struct{} {
 	for _, s := range r.byID {
-		if s.device == d && s.tier == OnDevice && s.moving != nil {
+		if s.device == d && s.moving != nil && s.copying && s != self {
 			return s.moving
 		}
 	}
@@ -231,8 +237,10 @@ func (r *Registry) movingOnLocked(d int) chan struct{} {
 // roomLocked makes what device d holds and has let in fit its budget,
 // evicting the least recently opened segments that may move. The caller
 // has already counted what it asks for (a creating segment, a restore's
-// reservation). mu is held, and dropped while segments move.
-func (r *Registry) roomLocked(d int, what string) error {
+// reservation of self). When nothing may move, it waits for moves in
+// flight, and for the grace period after a restart; then it fails. mu is
+// held, and dropped while segments move.
+func (r *Registry) roomLocked(d int, self *Segment, what string) error {
 	budget := r.tiers.cfg.Budgets[d]
 	if budget <= 0 {
 		return nil
@@ -245,7 +253,7 @@ func (r *Registry) roomLocked(d int, what string) error {
 		}
 		v := r.victimLocked(d)
 		if v == nil {
-			if ch := r.movingOnLocked(d); ch != nil {
+			if ch := r.movingOnLocked(d, self); ch != nil {
 				r.mu.Unlock()
 				<-ch
 				r.mu.Lock()
@@ -262,7 +270,8 @@ func (r *Registry) roomLocked(d int, what string) error {
 			}
 			return r.noRoomLocked(d, what, used, budget)
 		}
-		if err := r.evictLocked(v); err != nil {
+		if err := r.evictLocked(v); err != nil && !errors.Is(err, ErrNotFound) {
+			// (A victim removed while it moved made room all the same.)
 			if errors.Is(err, ErrNoRoom) {
 				return fmt.Errorf("%w; %s on device %d needs %s more under its budget of %s",
 					err, what, d, fmtBytes(used-budget), fmtBytes(budget))
@@ -300,7 +309,7 @@ func (r *Registry) allocate(d int, size int64) (Memory, error) {
 		}
 		e := r.evictLocked(v)
 		r.mu.Unlock()
-		if e != nil {
+		if e != nil && !errors.Is(e, ErrNotFound) {
 			return nil, errors.Join(err, e)
 		}
 	}
@@ -326,12 +335,12 @@ func (r *Registry) evictLocked(s *Segment) error {
 	}
 	r.tiers.spilling += size
 	done := make(chan struct{})
-	s.moving = done
+	s.moving, s.copying = done, true
 	r.mu.Unlock()
 	err := r.move(s, OnHost, size)
 	r.mu.Lock()
 	r.tiers.spilling -= size
-	s.moving = nil
+	s.moving, s.copying = nil, false
 	close(done)
 	return err
 }
@@ -343,14 +352,15 @@ func (r *Registry) restoreLocked(s *Segment) error {
 	done := make(chan struct{})
 	s.moving = done
 	r.tiers.restoring[s.device] += size
-	err := r.roomLocked(s.device, fmt.Sprintf("restoring %q (%s)", s.name, fmtBytes(size)))
+	err := r.roomLocked(s.device, s, fmt.Sprintf("restoring %q (%s)", s.name, fmtBytes(size)))
 	if err == nil {
+		s.copying = true
 		r.mu.Unlock()
 		err = r.move(s, OnDevice, size)
 		r.mu.Lock()
 	}
 	r.tiers.restoring[s.device] -= size
-	s.moving = nil
+	s.moving, s.copying = nil, false
 	close(done)
 	return err
 }

@@ -365,3 +365,53 @@ func TestTierGrowsWhereItLives(t *testing.T) {
 		t.Fatalf("a resize of a segment on host: %v, want the host allocator's ENOMEM", err)
 	}
 }
+
+// Restores that race for a budget too small for all of them wait for each
+// other's copies, never for each other's room: they all end, each either
+// served or refused with ENOSPC, and the budget holds.
+func TestTierRacingRestoresEnd(t *testing.T) {
+	f := newTiers(t, 2, 100)
+	names := []string{"a", "b", "c", "d", "e"}
+	for _, n := range names {
+		f.put(t, n)
+	}
+	f.mover.delay = time.Millisecond
+	var served, refused atomic.Int32
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		var wg sync.WaitGroup
+		for g := range 4 {
+			wg.Go(func() {
+				for i := range 20 {
+					name := names[(g+i)%len(names)]
+					s, err := f.r.Acquire(alice, name, true)
+					if errors.Is(err, ErrNoRoom) {
+						refused.Add(1)
+						continue
+					}
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					if got := f.mover.get(s); string(got) != name {
+						t.Errorf("%s holds %q", name, got)
+					}
+					served.Add(1)
+					f.r.Release(s)
+				}
+			})
+		}
+		wg.Wait()
+	}()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("racing restores did not end in 30s")
+	}
+	f.tiers(t)
+	if served.Load() == 0 {
+		t.Fatalf("no open served (%d refused)", refused.Load())
+	}
+	t.Logf("%d served, %d refused for want of room", served.Load(), refused.Load())
+}
