@@ -253,15 +253,16 @@ def llama_tensors(hidden, inter, heads, kv_heads, vocab, tied, layers):
         yield "lm_head.weight", (vocab, hidden)
 
 
-def synthesize(dir: Path, shape: dict, layers: int, shard_bytes: int):
+def synthesize(dir: Path, shape: dict, layers: int, shard_bytes: int, seed: int = 0):
     """Writes a Llama-style checkpoint as save_pretrained would (bf16
     shards named model-0000i-of-0000n.safetensors, the index, config.json,
     generation_config.json) without torch: weights are small random bf16
-    values from one pool, norms are ones. Returns the tensor bytes."""
+    values from one pool (seed makes another), norms are ones. Returns the
+    tensor bytes."""
     import numpy as np
 
     dir.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     pool = ((rng.standard_normal(8 << 20, dtype=np.float32) * 0.02).view(np.uint32) >> 16).astype(np.uint16)
     specs = list(llama_tensors(layers=layers, **shape))
     shards, cur, size = [], [], 0

@@ -1,0 +1,77 @@
+package backend
+
+import (
+	"bytes"
+	"log/slog"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/gpushm/gpushm/internal/cuda"
+	"github.com/gpushm/gpushm/internal/segment"
+)
+
+// TestMoveRoundTrip moves bytes from a device's memory to spill memory and
+// back into a new allocation, as an eviction and a restore do, on every
+// backend this machine has: the host's always, cuda's with a GPU.
+func TestMoveRoundTrip(t *testing.T) {
+	names := []string{"host"}
+	if cuda.Init() == nil {
+		names = append(names, "cuda")
+	} else {
+		t.Log("cuda: skipped, no usable GPU (libcuda.so.1 absent or no device)")
+	}
+	for _, name := range names {
+		t.Run(name, func(t *testing.T) {
+			b, err := Open(name, "all", slog.Default())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			host, err := NewHost()
+			if err != nil {
+				t.Fatal(err)
+			}
+			mover := b.(segment.Mover)
+			// Not a multiple of the copy engine's chunk, so the last is short.
+			const n = 3<<23 + 12345
+			want := make([]byte, n)
+			rand.NewChaCha8([32]byte{7}).Read(want)
+			dev := b.DefaultDevice()
+			src, err := b.Allocate(dev, n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer src.Free()
+			if err := src.(segment.Data).WriteAt(want, 0); err != nil {
+				t.Fatal(err)
+			}
+			spill, err := Spill{host}.Allocate(0, n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer spill.Free()
+			if err := mover.Move(spill, src, n); err != nil {
+				t.Fatalf("out: %v", err)
+			}
+			got := make([]byte, n)
+			if err := spill.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+				t.Fatalf("host memory after the move out: equal %v, %v", bytes.Equal(got, want), err)
+			}
+			back, err := b.Allocate(dev, n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer back.Free()
+			if err := mover.Move(back, spill, n); err != nil {
+				t.Fatalf("back: %v", err)
+			}
+			clear(got)
+			if err := back.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+				t.Fatalf("device memory after the move back: equal %v, %v", bytes.Equal(got, want), err)
+			}
+			if err := mover.Move(back, src, n); name == "cuda" && err == nil {
+				t.Fatal("a move between two GPU allocations was taken")
+			}
+		})
+	}
+}
