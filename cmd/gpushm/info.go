@@ -61,9 +61,9 @@ every segment across restarts of the serving process.`,
 				if t.HostBudget > 0 {
 					hostBudget = "budget " + bytesize.Format(t.HostBudget)
 				}
-				fmt.Printf("tier host: %s evicted, %s; %d evictions (%s), %d restores (%s)\n",
-					bytesize.Format(t.HostBytes), hostBudget, t.Evictions, bytesize.Format(t.EvictedBytes),
-					t.Restores, bytesize.Format(t.RestoredBytes))
+				fmt.Printf("tier host: %s evicted, %s in copies of segments back on their GPU, %s; %d evictions (%s), %d restores (%s)\n",
+					bytesize.Format(t.HostBytes), bytesize.Format(t.CleanBytes), hostBudget, t.Evictions,
+					bytesize.Format(t.EvictedBytes), t.Restores, bytesize.Format(t.RestoredBytes))
 			}
 			fmt.Println()
 			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)

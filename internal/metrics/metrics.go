@@ -146,7 +146,7 @@ var (
 	gpuUsedDesc   = prometheus.NewDesc("gpushm_gpu_memory_used_bytes", "Memory in use on each GPU of the node, by every process and the driver.", gpuLabels, nil)
 	gpuUtilDesc   = prometheus.NewDesc("gpushm_gpu_utilization_ratio", "Share of NVML's last sample period in which a kernel ran on the GPU (NVML only).", gpuLabels, nil)
 	tierBytesDesc = prometheus.NewDesc("gpushm_tier_bytes",
-		"Bytes of segments by where they live: tier gpu (on their device; on the host backend, the memory it serves) by device, or tier host (evicted to host memory).",
+		"Bytes of segments by where they live: tier gpu (on their device; on the host backend, the memory it serves) by device, tier host (evicted to host memory), or tier host_copy (host copies of segments back on their device and opened only read-only since, which make their next eviction a swap).",
 		[]string{"tier", "device"}, nil)
 	tierBudgetDesc = prometheus.NewDesc("gpushm_tier_budget_bytes",
 		"The bound on each tier: a device's budget (tier gpu), or what may be evicted to host memory (tier host); 0 is none.",
@@ -214,6 +214,7 @@ func (s *state) collectTiers(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(tierBudgetDesc, prometheus.GaugeValue, float64(d.Budget), "gpu", dev)
 	}
 	ch <- prometheus.MustNewConstMetric(tierBytesDesc, prometheus.GaugeValue, float64(t.HostBytes), "host", "")
+	ch <- prometheus.MustNewConstMetric(tierBytesDesc, prometheus.GaugeValue, float64(t.CleanBytes), "host_copy", "")
 	ch <- prometheus.MustNewConstMetric(tierBudgetDesc, prometheus.GaugeValue, float64(t.HostBudget), "host", "")
 	ch <- prometheus.MustNewConstMetric(movesDesc, prometheus.CounterValue, float64(t.Evictions), "evict")
 	ch <- prometheus.MustNewConstMetric(movesDesc, prometheus.CounterValue, float64(t.Restores), "restore")

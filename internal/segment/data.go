@@ -125,6 +125,7 @@ func (r *Registry) WriteAt(s *Segment, p []byte, off int64) (int, error) {
 	if end <= size {
 		s.modified = time.Now()
 	}
+	r.dirtyLocked(s)
 	r.mu.Unlock()
 	if end > size {
 		s.io.RUnlock()
@@ -282,6 +283,7 @@ func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64) (
 		free(nm)
 		return nil, err
 	}
+	r.dirtyLocked(s)
 	s.mem = nm
 	if nm != nil {
 		r.byID[s.id] = s
@@ -343,6 +345,7 @@ func (r *Registry) Resize(s *Segment, size int64) error {
 	if _, _, err := r.resizableLocked(s); err != nil {
 		return err
 	}
+	r.dirtyLocked(s)
 	s.size = size
 	s.modified = time.Now()
 	r.noteLocked(s, -1)

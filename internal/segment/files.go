@@ -76,6 +76,9 @@ func (r *Registry) Pin(c Cred, s *Segment, want uint32) error {
 		// Its creator is still filling it through a mapping of its own.
 		return uncommittedError(s)
 	}
+	if want&Write != 0 {
+		r.dirtyLocked(s)
+	}
 	s.pins++
 	return nil
 }

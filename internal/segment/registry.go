@@ -229,6 +229,11 @@ type Segment struct {
 	published bool
 	moving    chan struct{}
 	copying   bool // moving, past waiting for room
+	// clean, for a segment on its device, is host memory that holds the
+	// same bytes: the copy it was restored from, kept while every open
+	// since was read-only, so that evicting it again is a swap rather
+	// than a copy (tier.go). Not journaled: a cache.
+	clean Memory
 }
 
 // ID is unique for the registry's lifetime; IDs are never reused.
@@ -264,6 +269,10 @@ type Registry struct {
 	// an open's wait for a commit (commit.go); nil while nobody waits.
 	waiters chan struct{}
 	tiers   tierState
+	// background frees host memory that nothing needs any more off the
+	// path of the request that let it go (a restore's source: half a
+	// second at 4 GiB).
+	background sync.WaitGroup
 }
 
 // New returns an empty registry allocating through alloc. changed, if not
@@ -553,6 +562,9 @@ func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
 	if err := r.onDeviceLocked(s); err != nil {
 		return err
 	}
+	if !readOnly {
+		r.dirtyLocked(s)
+	}
 	s.opens++
 	s.lastOpen = time.Now()
 	r.inUseLocked(s)
@@ -615,6 +627,7 @@ func (r *Registry) detachLocked(s *Segment) Memory {
 	delete(r.byID, s.id)
 	mem := s.mem
 	s.mem = nil
+	r.dirtyLocked(s)
 	r.noteLocked(s, -1)
 	return mem
 }
@@ -807,6 +820,7 @@ func (r *Registry) Close() error {
 	for _, s := range r.byID {
 		mems = append(mems, held{s, s.mem})
 		s.mem = nil
+		r.dirtyLocked(s)
 	}
 	for _, s := range r.byName {
 		s.linked = false
@@ -824,5 +838,6 @@ func (r *Registry) Close() error {
 	for _, h := range mems {
 		errs = append(errs, h.s.free(h.mem))
 	}
+	r.background.Wait()
 	return errors.Join(errs...)
 }

@@ -68,8 +68,10 @@ var ErrPinned = &Error{"segment cannot move", syscall.EBUSY}
 // TierStats is what the tiers hold, for info and metrics.
 type TierStats struct {
 	Devices []DeviceTier
-	// HostBudget and HostBytes: the spill's bound and what it holds.
-	HostBudget, HostBytes int64
+	// HostBudget and HostBytes: the spill's bound and what evicted
+	// segments hold of it; CleanBytes what it holds of copies of segments
+	// back on their device (dropped first when room is needed).
+	HostBudget, HostBytes, CleanBytes int64
 	// Evictions and Restores count moves since the process started;
 	// EvictedBytes and RestoredBytes their bytes.
 	Evictions, Restores         uint64
@@ -112,7 +114,8 @@ func (r *Registry) TierStats() TierStats {
 	defer r.mu.Unlock()
 	st := r.tiers.stats
 	st.HostBudget = r.tiers.cfg.HostBudget
-	st.HostBytes = r.hostUseLocked()
+	st.CleanBytes = r.cleanUseLocked()
+	st.HostBytes = r.hostUseLocked() - st.CleanBytes
 	devs := map[int]bool{}
 	for d := range r.tiers.cfg.Budgets {
 		devs[d] = true
@@ -145,9 +148,10 @@ func (r *Registry) deviceUseLocked(d int) int64 {
 	return n + r.tiers.restoring[d]
 }
 
-// hostUseLocked is what host memory holds of evicted segments, or has let
-// in for evictions in flight. A segment on its way back to its device
-// counts as gone: the eviction its restore makes room with takes its place.
+// hostUseLocked is what host memory holds of evicted segments and of
+// clean copies, or has let in for evictions in flight. A segment on its
+// way back to its device counts as gone: the eviction its restore makes
+// room with takes its place (and its copy stays only while it is clean).
 func (r *Registry) hostUseLocked() int64 {
 	var n int64
 	for _, s := range r.byID {
@@ -155,7 +159,56 @@ func (r *Registry) hostUseLocked() int64 {
 			n += memSize(s.mem)
 		}
 	}
-	return n + r.tiers.spilling
+	return n + r.cleanUseLocked() + r.tiers.spilling
+}
+
+func (r *Registry) cleanUseLocked() int64 {
+	var n int64
+	for _, s := range r.byID {
+		n += memSize(s.clean)
+	}
+	return n
+}
+
+// dirtyLocked forgets s's clean copy: s may be written now (a read-write
+// open, a write, a resize) or is going. The copy is freed in the
+// background.
+func (r *Registry) dirtyLocked(s *Segment) {
+	if s.clean == nil {
+		return
+	}
+	m := s.clean
+	s.clean = nil
+	r.freeLater(m)
+}
+
+// freeLater frees m off the caller's path; Close waits for it.
+func (r *Registry) freeLater(m Memory) {
+	r.background.Add(1)
+	go func() {
+		defer r.background.Done()
+		free(m)
+	}()
+}
+
+// hostRoomLocked makes room for need more bytes under the host budget by
+// dropping clean copies, those of the least recently opened segments
+// first, and reports whether they fit.
+func (r *Registry) hostRoomLocked(need int64) bool {
+	budget := r.tiers.cfg.HostBudget
+	for r.hostUseLocked()+need > budget {
+		var v *Segment
+		for _, s := range r.byID {
+			if s.clean != nil && (v == nil || s.lastOpen.Before(v.lastOpen)) {
+				v = s
+			}
+		}
+		if v == nil {
+			return false
+		}
+		r.dirtyLocked(v)
+	}
+	return true
 }
 
 // unmovableLocked says why s cannot be evicted now, or "".
@@ -329,15 +382,19 @@ func (r *Registry) evictLocked(s *Segment) error {
 	if cfg.HostBudget <= 0 || cfg.Spill == nil || cfg.Mover == nil {
 		return fmt.Errorf("%w: eviction to host memory is off (no host budget)", ErrNoRoom)
 	}
-	if used := r.hostUseLocked(); used+size > cfg.HostBudget {
+	if s.clean != nil {
+		// Its bytes are in host memory already, counted there.
+		size = 0
+	} else if !r.hostRoomLocked(size) {
+		used := r.hostUseLocked()
 		return fmt.Errorf("%w: evicting %q (%s) to host memory: %s of the host budget of %s in use",
-			ErrNoRoom, s.name, fmtBytes(size), fmtBytes(used), fmtBytes(cfg.HostBudget))
+			ErrNoRoom, s.name, fmtBytes(memSize(s.mem)), fmtBytes(used), fmtBytes(cfg.HostBudget))
 	}
 	r.tiers.spilling += size
 	done := make(chan struct{})
 	s.moving, s.copying = done, true
 	r.mu.Unlock()
-	err := r.move(s, OnHost, size)
+	err := r.move(s, OnHost, memSize(s.mem))
 	r.mu.Lock()
 	r.tiers.spilling -= size
 	s.moving, s.copying = nil, false
@@ -398,21 +455,29 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 	s.io.Lock()
 	defer s.io.Unlock()
 	r.mu.Lock()
-	old := s.mem
+	// The clean copy is this move's from here on: nothing else frees it.
+	old, clean := s.mem, s.clean
+	s.clean = nil
 	r.mu.Unlock()
 	var (
 		nm  Memory
 		err error
 	)
-	if to == OnHost {
+	switch {
+	case to == OnHost && clean != nil:
+		// Nobody wrote it since it came back: its copy is current.
+		nm = clean
+	case to == OnHost:
 		nm, err = r.tiers.cfg.Spill.Allocate(0, size)
-	} else {
+	default:
 		nm, err = r.allocate(s.device, size)
 	}
 	if err != nil {
 		return fmt.Errorf("allocate %s on %s: %w", fmtBytes(size), tierPlace(to, s.device), err)
 	}
-	err = r.tiers.cfg.Mover.Move(nm, old, min(size, memSize(nm), memSize(old)))
+	if nm != clean {
+		err = r.tiers.cfg.Mover.Move(nm, old, min(size, memSize(nm), memSize(old)))
+	}
 	fd := -1
 	if err == nil {
 		fd, err = r.durableFD(nm)
@@ -428,6 +493,11 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 		return fmt.Errorf("%w: %q was removed while it moved", ErrNotFound, s.name)
 	}
 	s.mem, s.tier = nm, to
+	if to == OnDevice && r.hostUseLocked()+memSize(old) <= r.tiers.cfg.HostBudget {
+		// Kept while nobody writes, and while the host budget has room
+		// for it: the next eviction is a swap.
+		s.clean, old = old, nil
+	}
 	r.noteLocked(s, fd)
 	kind := "evict"
 	if to == OnHost {
@@ -440,7 +510,13 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 	}
 	observe, name := r.tiers.cfg.Observe, s.name
 	r.mu.Unlock()
-	err = free(old)
+	if to == OnHost {
+		// Device memory goes at once: a restore may be waiting for it.
+		err = free(old)
+	} else if old != nil {
+		// Host memory off the open's path (half a second at 4 GiB).
+		r.freeLater(old)
+	}
 	if observe != nil {
 		observe(kind, name, size, time.Since(start))
 	}

@@ -141,6 +141,7 @@ func TestTierLeastRecentlyOpenedGoesFirst(t *testing.T) {
 	if st.Evictions < 3 || st.Restores < 2 || st.HostBytes != page {
 		t.Fatalf("stats %+v", st)
 	}
+	f.r.background.Wait()
 	if f.dev.liveCount() != 3 || f.spill.liveCount() != 1 {
 		t.Fatalf("%d device and %d host allocations live, want 3 and 1", f.dev.liveCount(), f.spill.liveCount())
 	}
@@ -280,6 +281,7 @@ func TestTierFailedMoveLeavesItWhole(t *testing.T) {
 	if _, err := f.r.Acquire(alice, "a", true); !errors.Is(err, syscall.EIO) {
 		t.Fatalf("open with a failing restore: %v", err)
 	}
+	f.r.background.Wait()
 	if got := f.tiers(t); got["a"] != OnHost || f.dev.liveCount() != devLive-1 {
 		t.Fatalf("after a failed restore: %v, %d device allocations", got, f.dev.liveCount())
 	}
@@ -414,4 +416,90 @@ func TestTierRacingRestoresEnd(t *testing.T) {
 		t.Fatalf("no open served (%d refused)", refused.Load())
 	}
 	t.Logf("%d served, %d refused for want of room", served.Load(), refused.Load())
+}
+
+// A segment brought back and opened only read-only keeps its host copy:
+// evicting it again copies nothing. A read-write open, a write through
+// the daemon or a resize drops the copy, and so does a need for room
+// under the host budget.
+func TestTierCleanCopy(t *testing.T) {
+	f := newTiers(t, 1, 3)
+	f.put(t, "a")
+	if err := f.r.Evict(alice, "a"); err != nil {
+		t.Fatal(err)
+	}
+	read := func(name string) {
+		t.Helper()
+		s, err := f.r.Acquire(alice, name, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.checkOpen(t, s, name)
+		f.r.Release(s)
+	}
+	read("a") // restored, with a clean copy
+	if st := f.r.TierStats(); st.CleanBytes != page || st.HostBytes != 0 {
+		t.Fatalf("after a read-only restore: %+v", st)
+	}
+	moves := f.mover.moves.Load()
+	if err := f.r.Evict(alice, "a"); err != nil {
+		t.Fatal(err)
+	}
+	if n := f.mover.moves.Load() - moves; n != 0 {
+		t.Fatalf("evicting a clean segment copied %d times", n)
+	}
+	read("a")
+	if s, err := f.r.Acquire(alice, "a", false); err != nil {
+		t.Fatal(err)
+	} else {
+		f.r.Release(s)
+	}
+	f.r.background.Wait()
+	if st := f.r.TierStats(); st.CleanBytes != 0 || f.spill.liveCount() != 0 {
+		t.Fatalf("after a read-write open: %+v, %d host allocations", st, f.spill.liveCount())
+	}
+	moves = f.mover.moves.Load()
+	if err := f.r.Evict(alice, "a"); err != nil {
+		t.Fatal(err)
+	}
+	if n := f.mover.moves.Load() - moves; n != 1 {
+		t.Fatalf("evicting a segment opened read-write copied %d times, want 1", n)
+	}
+	// A daemon write (the FUSE view's), through a pin for writing.
+	read("a")
+	s, _, _ := f.r.Lookup("a")
+	if err := f.r.Pin(alice, s, Write); err != nil {
+		t.Fatal(err)
+	}
+	f.r.Unpin(s)
+	if st := f.r.TierStats(); st.CleanBytes != 0 {
+		t.Fatalf("after a pin for writing: %+v", st)
+	}
+}
+
+// A clean copy never takes host memory past its budget: kept only when
+// there is room, dropped first when an eviction needs room.
+func TestTierCleanCopyWithinHostBudget(t *testing.T) {
+	f := newTiers(t, 1, 2)
+	read := func(name string) {
+		t.Helper()
+		s, err := f.r.Acquire(alice, name, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.r.Release(s)
+	}
+	f.put(t, "a")
+	f.put(t, "b") // a to host
+	read("a")     // b to host, a back with a clean copy: 2 of 2
+	if st := f.r.TierStats(); st.HostBytes != page || st.CleanBytes != page {
+		t.Fatalf("%+v", st)
+	}
+	f.put(t, "c") // a's eviction is a swap: a and b on host
+	read("c")
+	read("b") // c to host needs room: host holds a, c; b's copy would make 3
+	f.r.background.Wait()
+	if st := f.r.TierStats(); st.HostBytes != 2*page || st.CleanBytes != 0 || f.spill.liveCount() != 2 {
+		t.Fatalf("%+v, %d host allocations", st, f.spill.liveCount())
+	}
 }

@@ -38,7 +38,7 @@ func (c *conn) tier(cred segment.Cred, req *wire.Request) (*wire.Reply, int) {
 func wireTiers(st segment.TierStats) *wire.Tiers {
 	w := &wire.Tiers{
 		Devices:    make([]wire.DeviceTier, len(st.Devices)),
-		HostBudget: st.HostBudget, HostBytes: st.HostBytes,
+		HostBudget: st.HostBudget, HostBytes: st.HostBytes, CleanBytes: st.CleanBytes,
 		Evictions: st.Evictions, Restores: st.Restores,
 		EvictedBytes: st.EvictedBytes, RestoredBytes: st.RestoredBytes,
 	}

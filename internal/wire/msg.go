@@ -316,8 +316,13 @@ type Tiers struct {
 	Devices []DeviceTier `json:"devices"`
 	// HostBudget bounds the bytes evicted to host memory (0: eviction is
 	// off); HostBytes is what they hold now.
-	HostBudget    int64  `json:"host_budget_bytes"`
-	HostBytes     int64  `json:"host_bytes"`
+	HostBudget int64 `json:"host_budget_bytes"`
+	HostBytes  int64 `json:"host_bytes"`
+	// CleanBytes is host memory that holds copies of segments back on
+	// their device, opened only read-only since: evicting one again is a
+	// swap, not a copy. It counts against the host budget, and goes first
+	// when an eviction needs room.
+	CleanBytes    int64  `json:"host_copy_bytes"`
 	Evictions     uint64 `json:"evictions"`
 	Restores      uint64 `json:"restores"`
 	EvictedBytes  int64  `json:"evicted_bytes"`

@@ -231,7 +231,8 @@ def expected_sums(bundles, out):
 
 
 class SMI:
-    """nvidia-smi's memory in use on GPU 0, sampled every 250 ms."""
+    """nvidia-smi's memory in use on GPU 0, sampled every 250 ms, and by
+    process every second."""
 
     def __init__(self, path):
         self.path, self.p = path, None
@@ -240,12 +241,27 @@ class SMI:
             self.p = subprocess.Popen(["nvidia-smi", "-i", "0", "--query-gpu=timestamp,memory.used",
                                        "--format=csv,noheader,nounits", "-lms", "250"], stdout=self.f,
                                       stderr=subprocess.DEVNULL)
+            self.fa = open(str(path) + ".apps", "w")
+            self.pa = subprocess.Popen(["nvidia-smi", "-i", "0", "--query-compute-apps=pid,used_memory",
+                                        "--format=csv,noheader,nounits", "-lms", "1000"], stdout=self.fa,
+                                       stderr=subprocess.DEVNULL)
+
+    def apps(self):
+        """The most each process was seen to use, MiB by pid."""
+        top = {}
+        for line in open(str(self.path) + ".apps"):
+            parts = [x.strip() for x in line.split(",")]
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                top[int(parts[0])] = max(top.get(int(parts[0]), 0), int(parts[1]))
+        return top
 
     def stop(self):
         if self.p is None:
             return []
-        self.p.terminate()
-        self.p.wait()
+        for p in (self.p, self.pa):
+            p.terminate()
+            p.wait()
+        self.fa.close()
         self.f.close()
         out = []
         for line in open(self.path):
@@ -271,6 +287,11 @@ def part_churn(run, torch_ok, used0):
     reps = [collect(p, f"churn-{k}", timeout=a.seconds + 600) for k, p in enumerate(procs)]
     wall = time.monotonic() - t0
     used = smi.stop()
+    if used:
+        roles = {pid: "daemon" for pid in run.daemon.pids()}
+        roles.update({p.pid: f"worker {k}" for k, p in enumerate(procs)})
+        say("INFO", "churn-by-process", "the most nvidia-smi saw each process use (MiB): " + ", ".join(
+            f"{roles.get(pid, 'pid ' + str(pid))} {mib}" for pid, mib in sorted(smi.apps().items())))
     opens, bad = [], []
     for k, r in enumerate(reps):
         if "error" in r:
@@ -429,11 +450,13 @@ def w_churn(a):
             got = torch.stack([sd[k].view(torch.int16).sum(dtype=torch.int64) for k in keys]).tolist()
             k = rng.choice(keys)
             path = sums[name][k][0]
+            # Compared on the CPU: a copy on the GPU would stay in torch's
+            # cache, and count as this worker's memory.
             with safe_open(path, "pt", device="cpu") as f:
-                whole = torch.equal(f.get_tensor(k).cuda(), sd[k])
+                whole = torch.equal(f.get_tensor(k), sd[k].cpu())
             del sd
         else:
-            b = c.tensors(name)
+            b = c.tensors(name, readonly=True)
             open_s = time.perf_counter() - t
             keys = list(b)
             got = [int(np.frombuffer(b[k].memoryview(), dtype=np.int16).sum(dtype=np.int64)) for k in keys]
