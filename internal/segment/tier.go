@@ -262,6 +262,22 @@ func (r *Registry) graceRunningLocked() bool {
 	return !r.graceUntil.IsZero() && time.Since(r.graceUntil) < 5*time.Second
 }
 
+// freeableLocked is what device d could give up: segments that may move,
+// evictions under way, and segments only the grace period keeps.
+func (r *Registry) freeableLocked(d int) int64 {
+	var n int64
+	for _, s := range r.byID {
+		if s.device != d || s.tier != OnDevice {
+			continue
+		}
+		why := r.unmovableLocked(s)
+		if why == "" || s.moving != nil && s.copying || s.doubt && s.opens == 0 && s.pins == 0 && r.graceRunningLocked() {
+			n += memSize(s.mem)
+		}
+	}
+	return n
+}
+
 // inDoubtOnLocked reports whether device d holds segments that only the
 // grace period keeps from moving.
 func (r *Registry) inDoubtOnLocked(d int) bool {
@@ -303,6 +319,10 @@ func (r *Registry) roomLocked(d int, self *Segment, what string) error {
 		if used <= budget {
 			r.tiers.peak[d] = max(r.tiers.peak[d], used)
 			return nil
+		}
+		if used-r.freeableLocked(d) > budget {
+			// Evicting all that may go would not be enough: evict nothing.
+			return r.noRoomLocked(d, what, used, budget)
 		}
 		v := r.victimLocked(d)
 		if v == nil {

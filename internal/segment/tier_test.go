@@ -503,3 +503,21 @@ func TestTierCleanCopyWithinHostBudget(t *testing.T) {
 		t.Fatalf("%+v, %d host allocations", st, f.spill.liveCount())
 	}
 }
+
+// A create that could not fit even with everything evicted fails at once,
+// evicting nothing.
+func TestTierHopelessCreateEvictsNothing(t *testing.T) {
+	f := newTiers(t, 3, 100)
+	for _, n := range []string{"a", "b", "c"} {
+		f.put(t, n)
+	}
+	if _, _, err := f.r.Create(alice, CreateOptions{Name: "big", Size: 4 * page}); !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("create larger than the budget: %v", err)
+	}
+	if got := f.tiers(t); got["a"] != OnDevice || got["b"] != OnDevice || got["c"] != OnDevice {
+		t.Fatalf("a hopeless create evicted: %v", got)
+	}
+	if st := f.r.TierStats(); st.Evictions != 0 {
+		t.Fatalf("%d evictions", st.Evictions)
+	}
+}

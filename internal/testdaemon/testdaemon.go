@@ -11,6 +11,7 @@ import (
 
 	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/cuda"
+	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
 )
 
@@ -68,6 +69,9 @@ func StartWith(t testing.TB, backendName string, setup func(*server.Server, back
 		t.Fatal(err)
 	}
 	srv.Registry().SetControlAllocator(host)
+	// No budget (as the daemon on the host backend), and a host budget:
+	// segments move when asked to.
+	srv.Registry().SetTiers(segment.Tiers{HostBudget: 1 << 30, Spill: backend.Spill{Host: host}, Mover: b.(segment.Mover)})
 	if setup != nil {
 		setup(srv, b)
 	}

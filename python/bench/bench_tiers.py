@@ -424,6 +424,15 @@ def w_open(a):
     return {"open_s": open_s, "ptr": ptr, "ok": ok}
 
 
+def _sum16(torch, t):
+    """The sum of t's 16-bit words, in pieces of 16M words: a sum to int64
+    casts its input first, and a whole embedding cast would be 4 GiB of
+    this worker's own GPU memory."""
+    w = t.reshape(-1).view(torch.int16)
+    step = 16 << 20
+    return torch.stack([w[i:i + step].sum(dtype=torch.int64) for i in range(0, w.numel(), step)]).sum()
+
+
 def w_churn(a):
     sums = json.loads(Path(a.sums).read_text())
     names = a.names.split(",")
@@ -447,7 +456,7 @@ def w_churn(a):
             sd = gt.state_dict(name, client=c)
             open_s = time.perf_counter() - t
             keys = list(sd)
-            got = torch.stack([sd[k].view(torch.int16).sum(dtype=torch.int64) for k in keys]).tolist()
+            got = torch.stack([_sum16(torch, sd[k]) for k in keys]).tolist()
             k = rng.choice(keys)
             path = sums[name][k][0]
             # Compared on the CPU: a copy on the GPU would stay in torch's
@@ -455,6 +464,7 @@ def w_churn(a):
             with safe_open(path, "pt", device="cpu") as f:
                 whole = torch.equal(f.get_tensor(k), sd[k].cpu())
             del sd
+            torch.cuda.empty_cache()
         else:
             b = c.tensors(name, readonly=True)
             open_s = time.perf_counter() - t

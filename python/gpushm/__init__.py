@@ -8,7 +8,8 @@ describes it and docs/protocol.md the protocol it speaks.
     x = torch.from_dlpack(gpushm.connect().open("x"))   # another, no copy
 """
 
-from ._client import (Bundle, BusyError, Client, Error, ExistsError, InvalidError, NotCommittedError, NotFoundError,
+from ._client import (Bundle, BusyError, Client, Error, ExistsError, InvalidError, NoSpaceError, NotCommittedError,
+                      NotFoundError,
                       OutOfMemoryError, PermissionDeniedError, Segment, SegmentInfo, WaitTimeoutError, connect,
                       default_socket)
 from ._binary import binary
@@ -17,7 +18,8 @@ from ._cuda import CUDAError
 from ._view import View
 
 __all__ = ["BrokenMessageError", "Bundle", "BusyError", "CUDAError", "Channel", "ChannelRemovedError", "Client",
-           "Error", "ExistsError", "InvalidError", "Message", "NoConsumerError", "NotCommittedError", "NotFoundError",
+           "Error", "ExistsError", "InvalidError", "Message", "NoConsumerError", "NoSpaceError", "NotCommittedError",
+           "NotFoundError",
            "OutOfMemoryError", "PermissionDeniedError", "Segment", "SegmentInfo", "View", "WaitTimeoutError", "connect",
            "binary", "default_socket"]
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ import time
 import weakref
 
 from . import _alloc, _channel, _cuda, _dlpack, _mapping
-from ._errors import (BusyError, Error, ExistsError, InvalidError, NotCommittedError, NotFoundError,  # noqa: F401
+from ._errors import (BusyError, Error, ExistsError, InvalidError, NoSpaceError, NotCommittedError, NotFoundError,  # noqa: F401
                       OutOfMemoryError, PermissionDeniedError, WaitTimeoutError, error)
 from ._tensors import _DTYPES
 from ._tensors import (Layout, bundle_files, bundle_meta, decode_bundle, encode_bundle, is_bundle,

@@ -40,6 +40,11 @@ class BusyError(Error):
     channel's producer or consumer role that another process holds)."""
 
 
+class NoSpaceError(Error):
+    """ENOSPC: no room: a quota, or a GPU's budget that evicting every
+    segment that may move would not bring under (the message says which)."""
+
+
 class NotCommittedError(Error, BlockingIOError):
     """EAGAIN: the segment is still being written; its writer has not
     committed it (open it with wait= to wait for that)."""
@@ -52,7 +57,7 @@ class WaitTimeoutError(Error, TimeoutError):
 _ERRORS = {"ENOENT": NotFoundError, "EEXIST": ExistsError, "EACCES": PermissionDeniedError,
            "EPERM": PermissionDeniedError, "ENOMEM": OutOfMemoryError, "EINVAL": InvalidError,
            "ENAMETOOLONG": InvalidError, "ENODEV": InvalidError, "EBUSY": BusyError,
-           "EAGAIN": NotCommittedError, "ETIMEDOUT": WaitTimeoutError}
+           "EAGAIN": NotCommittedError, "ETIMEDOUT": WaitTimeoutError, "ENOSPC": NoSpaceError}
 
 
 def error(code: str, message: str) -> Error:
