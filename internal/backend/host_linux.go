@@ -91,8 +91,12 @@ func (h *Host) PoolStats() wire.Pool { return h.pool.stats() }
 // their replies are sent.
 func (h *Host) Refill() { h.pool.refill() }
 
-func (h *Host) allocate(alloc int64) (segment.Memory, error) {
-	fd, err := unix.MemfdCreate("gpushm", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+func (h *Host) allocate(alloc int64) (segment.Memory, error) { return h.allocateNamed("gpushm", alloc) }
+
+// allocateNamed makes a committed, sealed memfd of alloc bytes, named for
+// /proc/PID/fd.
+func (h *Host) allocateNamed(name string, alloc int64) (segment.Memory, error) {
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, fmt.Errorf("memfd_create: %w", err)
 	}

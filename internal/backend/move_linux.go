@@ -1,12 +1,7 @@
 package backend
 
 import (
-	"errors"
 	"fmt"
-	"runtime"
-	"sync"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/xfer"
@@ -18,96 +13,18 @@ var (
 	_ segment.Allocator = Spill{}
 )
 
-// Spill allocates the host memory that segments are evicted to: sealed
-// memfds as Host makes them, except that their pages are made by several
-// threads at once (MADV_POPULATE_WRITE, which reports running out of
-// memory as an error where a fault would be a SIGBUS) rather than by one
-// fallocate, which zeroes every page on one core: at 6 GiB that alone was
-// half a second.
+// Spill allocates the host memory that segments are evicted to: sealed,
+// committed memfds as Host makes them, named gpushm-spill. Making the
+// pages is most of a first eviction's time (the kernel zeroes 4 KiB pages
+// one at a time: 0.77 s at 4 GiB on an H200 machine); several threads
+// populating one memfd at once (MADV_POPULATE_WRITE) were slower still
+// (0.95 s), the shmem allocator being what they wait on.
 type Spill struct{ *Host }
 
 // Allocate implements segment.Allocator.
 func (s Spill) Allocate(device int, size int64) (segment.Memory, error) {
 	g := s.Granularity()
-	alloc := (size + g - 1) / g * g
-	fd, err := unix.MemfdCreate("gpushm-spill", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
-	if err != nil {
-		return nil, fmt.Errorf("memfd_create: %w", err)
-	}
-	m := &hostMemory{fd: fd, size: alloc}
-	fail := func(err error) (segment.Memory, error) {
-		m.Free()
-		return nil, err
-	}
-	if err := unix.Ftruncate(fd, alloc); err != nil {
-		return fail(fmt.Errorf("ftruncate: %w", err))
-	}
-	b, err := m.bytes()
-	if err != nil {
-		return fail(err)
-	}
-	if err := populate(b); errors.Is(err, unix.EINVAL) {
-		// A kernel older than 5.14.
-		if err := unix.Fallocate(fd, 0, 0, alloc); err != nil {
-			return fail(fmt.Errorf("fallocate: %w", noMem(err)))
-		}
-	} else if err != nil {
-		return fail(err)
-	}
-	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
-		return fail(fmt.Errorf("seal: %w", err))
-	}
-	restrict(fd)
-	return m, nil
-}
-
-func noMem(err error) error {
-	if err == unix.ENOSPC || err == unix.EFAULT {
-		return unix.ENOMEM
-	}
-	return err
-}
-
-// populateChunk is what one thread populates at a time.
-const populateChunk = 64 << 20
-
-// populate makes every page of b, a shared mapping of a memfd, on up to
-// 16 threads.
-func populate(b []byte) error {
-	n := (len(b) + populateChunk - 1) / populateChunk
-	workers := min(n, 16, runtime.NumCPU())
-	var (
-		mu   sync.Mutex
-		next int
-		errs []error
-		wg   sync.WaitGroup
-	)
-	for range workers {
-		wg.Go(func() {
-			for {
-				mu.Lock()
-				i := next
-				next++
-				stop := i >= n || len(errs) > 0
-				mu.Unlock()
-				if stop {
-					return
-				}
-				p := b[i*populateChunk : min((i+1)*populateChunk, len(b))]
-				if err := unix.Madvise(p, unix.MADV_POPULATE_WRITE); err != nil {
-					mu.Lock()
-					errs = append(errs, noMem(err))
-					mu.Unlock()
-					return
-				}
-			}
-		})
-	}
-	wg.Wait()
-	if len(errs) > 0 {
-		return fmt.Errorf("populate %d bytes of host memory: %w", len(b), errs[0])
-	}
-	return nil
+	return s.allocateNamed("gpushm-spill", (size+g-1)/g*g)
 }
 
 // Move implements segment.Mover: both memories are memfds, copied on

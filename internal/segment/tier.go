@@ -42,6 +42,13 @@ type Mover interface {
 	Move(dst, src Memory, n int64) error
 }
 
+// Syncer is a Journal whose keeper can say when it has applied every
+// change so far (supervisor.Link): once an eviction's record is applied,
+// the keeper has let go of the device memory, which is then free for good.
+type Syncer interface {
+	Sync(timeout time.Duration)
+}
+
 // Tiers configures eviction (SetTiers).
 type Tiers struct {
 	// Budgets bounds the bytes on each device's own memory; a device
@@ -529,10 +536,18 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 		r.tiers.stats.RestoredBytes += size
 	}
 	observe, name := r.tiers.cfg.Observe, s.name
+	syncer, _ := r.journal.(Syncer)
 	r.mu.Unlock()
 	if to == OnHost {
 		// Device memory goes at once: a restore may be waiting for it.
+		// The journal's keeper holds a descriptor of it too, which it
+		// closes when it applies the record above: wait for that, so that
+		// what the device holds never exceeds its budget, even for a
+		// moment.
 		err = free(old)
+		if syncer != nil {
+			syncer.Sync(time.Second)
+		}
 	} else if old != nil {
 		// Host memory off the open's path (half a second at 4 GiB).
 		r.freeLater(old)

@@ -56,6 +56,8 @@ type msg struct {
 	// Batches, in "go", says the supervisor applies batches; a serving
 	// process started by an older one sends their changes one by one.
 	Batches bool `json:"batches,omitempty"`
+	// Syncs, in "go", says the supervisor answers "sync" (Link.Sync).
+	Syncs bool `json:"syncs,omitempty"`
 	// Heal, in "go", lets the serving process start a new supervisor if
 	// this one dies (heal.go).
 	Heal bool `json:"heal,omitempty"`
@@ -84,6 +86,8 @@ const (
 	tInit     = "init"     // the backend is up; waiting for the state
 	tReady    = "ready"    // serving
 	tQuiesced = "quiesced" // every connection has been sent
+	tSync     = "sync"     // answer "synced" once everything before this is applied
+	tSynced   = "synced"   // supervisor -> server: the sync of this id
 	// A serving process whose supervisor died and the one it started in
 	// its place (heal.go, adopt.go): the new supervisor says "init" when it
 	// reads, the server sends every record (put, ctl) and then "handed",
@@ -132,6 +136,10 @@ type Link struct {
 	cmds chan string
 	// batches: the supervisor applies batches (it said so in "go").
 	batches bool
+	// syncs: it answers "sync"; syncing holds the waiting Syncs by id.
+	syncs   bool
+	syncID  uint64
+	syncing map[uint64]chan struct{}
 	// parked is set from "quiesce" to "resume", ending from "exit" or
 	// "stop" on: a supervisor lost then is not replaced.
 	parked, ending bool
@@ -265,7 +273,7 @@ func (l *Link) Receive() (*Start, error) {
 			st.Conns = append(st.Conns, Parked{FD: fd, State: m.State})
 		case tGo:
 			st.NextID, st.Reason, st.Restarts, st.SupervisorPID = m.NextID, m.Reason, m.Restarts, m.PID
-			l.batches = m.Batches
+			l.batches, l.syncs = m.Batches, m.Syncs
 			st.Heal = m.Heal && l.lock != nil && l.epoch != nil
 			if st.Heal {
 				// From now on a lost supervisor is replaced once Heal is
@@ -355,6 +363,12 @@ func (l *Link) read(c *wire.Conn) {
 			l.ending = true
 		}
 		h := l.heal
+		if m.T == tSynced {
+			if ch := l.syncing[m.ID]; ch != nil {
+				delete(l.syncing, m.ID)
+				close(ch)
+			}
+		}
 		l.mu.Unlock()
 		switch m.T {
 		case tQuiesce, tResume, tExit, tStop:
@@ -365,6 +379,36 @@ func (l *Link) read(c *wire.Conn) {
 			}
 		}
 	}
+}
+
+// Sync returns once the supervisor has applied every change journaled
+// before it, or after timeout, or at once when there is no supervisor or
+// it does not answer syncs. A journal message is never waited for; Sync is
+// for what must wait for its effect: the supervisor closing its descriptor
+// of memory that was replaced, which frees a GPU allocation for good.
+func (l *Link) Sync(timeout time.Duration) {
+	l.mu.Lock()
+	if l.conn == nil || !l.syncs {
+		l.mu.Unlock()
+		return
+	}
+	l.syncID++
+	id, ch := l.syncID, make(chan struct{})
+	if l.syncing == nil {
+		l.syncing = map[uint64]chan struct{}{}
+	}
+	l.syncing[id] = ch
+	err := send(l.conn, msg{T: tSync, ID: id}, -1)
+	l.mu.Unlock()
+	if err == nil {
+		select {
+		case <-ch:
+		case <-time.After(timeout):
+		}
+	}
+	l.mu.Lock()
+	delete(l.syncing, id)
+	l.mu.Unlock()
 }
 
 // Commands delivers the supervisor's commands: "quiesce" (hand over to a

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -326,4 +327,65 @@ func equalMaps(a, b map[string]string) bool {
 		}
 	}
 	return true
+}
+
+// TestSyncWaitsForTheSupervisor: Sync returns only once the supervisor has
+// applied what came before it (here: a put that replaces a descriptor,
+// closing the old one), and at once without a supervisor that syncs.
+func TestSyncWaitsForTheSupervisor(t *testing.T) {
+	st := newState()
+	s, c, l := controlPair(t, st)
+	l.syncs = true
+	go l.read(l.conn)
+	t.Cleanup(func() {
+		// The test's end closes the socket under the reader: no loss.
+		l.mu.Lock()
+		l.Lost = func(error) {}
+		l.mu.Unlock()
+	})
+	old, repl := memfd(t, 4096), memfd(t, 4096)
+	rec := json.RawMessage(`{"id":1,"name":"a","linked":true,"size":4096,"alloc":4096}`)
+	l.mu.Lock()
+	l.journalLocked(msg{T: tPut, ID: 1, Rec: rec}, old)
+	l.journalLocked(msg{T: tPut, ID: 1, Rec: rec}, repl)
+	l.mu.Unlock()
+	unix.Close(old)
+	unix.Close(repl)
+	applied := make(chan struct{})
+	const slow = 200 * time.Millisecond
+	go func() {
+		defer close(applied)
+		time.Sleep(slow) // a supervisor busy elsewhere
+		for range 3 { // two puts and the sync
+			m, fd, err := recv(c.conn)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			s.apply(c, ctl{m, fd})
+		}
+	}()
+	start := time.Now()
+	done := make(chan struct{})
+	go func() { l.Sync(10 * time.Second); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Sync did not return once the supervisor applied it")
+	}
+	if d := time.Since(start); d < slow {
+		t.Fatalf("Sync returned after %s, before the supervisor applied anything", d)
+	}
+	<-applied
+	if n := st.FDs(); n != 1 {
+		t.Fatalf("the supervisor holds %d descriptors after the sync, want 1 (the replacement)", n)
+	}
+	l.mu.Lock()
+	l.syncs = false
+	l.mu.Unlock()
+	start = time.Now()
+	l.Sync(10 * time.Second)
+	if time.Since(start) > time.Second {
+		t.Fatal("Sync waited for a supervisor that does not sync")
+	}
 }

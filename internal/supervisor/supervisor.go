@@ -434,6 +434,10 @@ func (s *Supervisor) apply(c *child, m ctl) {
 	case tConn:
 		// Only during an upgrade; a stray one is closed.
 		closeFD(m.fd)
+	case tSync:
+		// Everything this process sent before is applied.
+		closeFD(m.fd)
+		send(c.conn, msg{T: tSynced, ID: m.m.ID}, -1)
 	default:
 		closeFD(m.fd)
 	}
@@ -465,7 +469,7 @@ func (s *Supervisor) handState(c *child, conns []Parked, reason string) error {
 			return fmt.Errorf("hand over a connection: %w", err)
 		}
 	}
-	g := msg{T: tGo, NextID: s.st.nextID, Reason: reason, Restarts: s.restarts, PID: os.Getpid(), Batches: true,
+	g := msg{T: tGo, NextID: s.st.nextID, Reason: reason, Restarts: s.restarts, PID: os.Getpid(), Batches: true, Syncs: true,
 		Heal: s.cfg.Heal && s.cfg.Lock != nil}
 	if time.Now().Before(s.grace) {
 		g.GraceUntil = s.grace.UnixNano()
