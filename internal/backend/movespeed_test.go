@@ -48,7 +48,7 @@ func TestMoveSpeed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	line("spill allocate (fallocate)", time.Since(start))
+	line("spill allocate (populate)", time.Since(start))
 	mover := b.(segment.Mover)
 	for i := range 2 {
 		start = time.Now()
