@@ -356,7 +356,7 @@ func TestSyncWaitsForTheSupervisor(t *testing.T) {
 	go func() {
 		defer close(applied)
 		time.Sleep(slow) // a supervisor busy elsewhere
-		for range 3 { // two puts and the sync
+		for range 3 {    // two puts and the sync
 			m, fd, err := recv(c.conn)
 			if err != nil {
 				t.Error(err)
