@@ -170,7 +170,13 @@ func gpuReserve(total int64) int64 { return max(total/16, 2<<30) }
 
 // tiers resolves --gpu-budget and --host-budget (segment/tier.go).
 func (o daemonOptions) tiers(b backend.Backend, host *backend.Host) (segment.Tiers, error) {
-	t := segment.Tiers{Budgets: map[int]int64{}, Spill: backend.Spill{Host: host}}
+	hostTotal, err := host.Capacity(0)
+	if err != nil {
+		return segment.Tiers{}, err
+	}
+	// Spill memory let go of is kept a while for the next eviction of its
+	// size, up to an eighth of host memory (backend.Spill).
+	t := segment.Tiers{Budgets: map[int]int64{}, Spill: backend.NewSpill(host, hostTotal/8)}
 	mover, ok := b.(segment.Mover)
 	if !ok {
 		return t, fmt.Errorf("the %s backend cannot move segments to host memory", b.Name())
@@ -195,10 +201,6 @@ func (o daemonOptions) tiers(b backend.Backend, host *backend.Host) (segment.Tie
 			}
 		}
 		t.Budgets[d.Index] = n
-	}
-	hostTotal, err := host.Capacity(0)
-	if err != nil {
-		return t, err
 	}
 	switch hb := strings.TrimSpace(o.hostBudget); hb {
 	case "", "auto":

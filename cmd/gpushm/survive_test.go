@@ -162,15 +162,21 @@ func memfds(t *testing.T, pid int) int {
 
 // pooled is how many memfds the serving process may hold for no segment:
 // its pool's allocations made ahead of time, once none is being made
-// (-1 while one is, which no count equals).
+// (-1 while one is, which no count equals), and the spill memory it keeps
+// for the next eviction of its size.
 func pooled(inf *gpushm.Info) int {
+	spare := 0
+	if inf.Tiers != nil {
+		// Spill memory kept for the next eviction of its size.
+		spare = inf.Tiers.Spare
+	}
 	switch {
 	case inf.Pool == nil:
-		return 0
+		return spare
 	case inf.Pool.Filling > 0:
 		return -1
 	}
-	return inf.Pool.Ready
+	return inf.Pool.Ready + spare
 }
 
 // children lists a process's children (each thread's: a child belongs to

@@ -149,6 +149,9 @@ type hostMemory struct {
 	size   int64
 	view   hostView // the daemon's own mapping, for the FUSE view
 	pooled bool     // made ahead of the create that took it
+	// recycle, for spill memory, takes it back for reuse instead of a
+	// free (Spill); false: free it.
+	recycle func(*hostMemory) bool
 }
 
 // FromPool implements segment.Pooled, for a create's trace.
@@ -157,7 +160,12 @@ func (m *hostMemory) setPooled()     { m.pooled = true }
 
 func (m *hostMemory) FD() (int, error) { return m.fd, nil }
 func (m *hostMemory) Size() int64      { return m.size }
-func (m *hostMemory) Free() error      { return errors.Join(m.view.unmap(), unix.Close(m.fd)) }
+func (m *hostMemory) Free() error {
+	if m.recycle != nil && m.recycle(m) {
+		return nil
+	}
+	return errors.Join(m.view.unmap(), unix.Close(m.fd))
+}
 
 // Name implements server.Backend.
 func (h *Host) Name() string { return "host" }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -15,7 +16,6 @@ import (
 var (
 	_ segment.Mover     = (*Host)(nil)
 	_ segment.Mover     = (*CUDA)(nil)
-	_ segment.Allocator = Spill{}
 )
 
 // Spill allocates the host memory that segments are evicted to: sealed
@@ -27,22 +27,60 @@ var (
 // 0.81 s, but the copy then faulted every page into the daemon's mapping,
 // 1.80 s. Making 4 KiB pages is most of a first eviction's time either way
 // (without transparent huge pages for shmem, which that machine has off).
-type Spill struct{ *Host }
+type Spill struct {
+	host *Host
+	// recycled holds spill memory let go of, by size, for the next
+	// eviction of that size: a restore that was written to after leaves
+	// its host memory, and an eviction that reuses it copies at the copy
+	// engine's speed instead of waiting for the kernel to make pages.
+	mu       sync.Mutex
+	recycled map[int64][]*recycledMem
+	bytes    int64
+	limit    int64
+	timer    *time.Timer
+}
 
-// Allocate implements segment.Allocator.
-func (s Spill) Allocate(device int, size int64) (segment.Memory, error) {
-	g := s.Granularity()
-	alloc := (size + g - 1) / g * g
+type recycledMem struct {
+	m     *hostMemory
+	since time.Time
+}
+
+var (
+	_ segment.Allocator        = (*Spill)(nil)
+	_ segment.ScratchAllocator = (*Spill)(nil)
+)
+
+// recycleIdle is how long spill memory waits for an eviction of its size
+// before it is freed.
+const recycleIdle = 30 * time.Second
+
+// NewSpill returns the spill allocator over host, keeping up to limit
+// bytes of freed spill memory for reuse (0: none).
+func NewSpill(host *Host, limit int64) *Spill {
+	return &Spill{host: host, recycled: map[int64][]*recycledMem{}, limit: limit}
+}
+
+// HandleType implements segment.Allocator.
+func (s *Spill) HandleType() string { return s.host.HandleType() }
+
+// Capacity implements segment.Allocator.
+func (s *Spill) Capacity(device int) (int64, error) { return s.host.Capacity(device) }
+
+// Allocate implements segment.Allocator: new memory, zeroed.
+func (s *Spill) Allocate(device int, size int64) (segment.Memory, error) {
+	g := s.host.Granularity()
+	size = (size + g - 1) / g * g
 	fd, err := unix.MemfdCreate("gpushm-spill", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, fmt.Errorf("memfd_create: %w", err)
 	}
-	m := &hostMemory{fd: fd, size: alloc}
+	m := &hostMemory{fd: fd, size: size, recycle: s.recycle}
 	fail := func(err error) (segment.Memory, error) {
+		m.recycle = nil
 		m.Free()
 		return nil, err
 	}
-	if err := unix.Ftruncate(fd, alloc); err != nil {
+	if err := unix.Ftruncate(fd, size); err != nil {
 		return fail(fmt.Errorf("ftruncate: %w", err))
 	}
 	b, err := m.bytes()
@@ -51,7 +89,7 @@ func (s Spill) Allocate(device int, size int64) (segment.Memory, error) {
 	}
 	if err := populate(b); errors.Is(err, unix.EINVAL) {
 		// A kernel older than 5.14.
-		if err := unix.Fallocate(fd, 0, 0, alloc); err != nil {
+		if err := unix.Fallocate(fd, 0, 0, size); err != nil {
 			return fail(fmt.Errorf("fallocate: %w", noMem(err)))
 		}
 	} else if err != nil {
@@ -62,6 +100,80 @@ func (s Spill) Allocate(device int, size int64) (segment.Memory, error) {
 	}
 	restrict(fd)
 	return m, nil
+}
+
+// AllocateScratch implements segment.ScratchAllocator: memory of exactly
+// size bytes (rounded to a page) whose bytes are whatever an earlier
+// segment left there, for a caller that overwrites every one of them (an
+// eviction's copy) before anyone reads them.
+func (s *Spill) AllocateScratch(device int, size int64) (segment.Memory, error) {
+	g := s.host.Granularity()
+	size = (size + g - 1) / g * g
+	s.mu.Lock()
+	if l := s.recycled[size]; len(l) > 0 {
+		r := l[len(l)-1]
+		s.recycled[size] = l[:len(l)-1]
+		s.bytes -= size
+		s.mu.Unlock()
+		return r.m, nil
+	}
+	s.mu.Unlock()
+	return s.Allocate(device, size)
+}
+
+// Kept reports the spill memory kept for reuse: how many memfds, how many
+// bytes.
+func (s *Spill) Kept() (int, int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, l := range s.recycled {
+		n += len(l)
+	}
+	return n, s.bytes
+}
+
+// recycle keeps m, freed, for a later eviction of its size; false when
+// there is no room for it (the caller frees it).
+func (s *Spill) recycle(m *hostMemory) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.bytes+m.size > s.limit {
+		return false
+	}
+	s.recycled[m.size] = append(s.recycled[m.size], &recycledMem{m: m, since: time.Now()})
+	s.bytes += m.size
+	if s.timer == nil {
+		s.timer = time.AfterFunc(recycleIdle, s.trim)
+	}
+	return true
+}
+
+// trim frees what waited longer than recycleIdle.
+func (s *Spill) trim() {
+	s.mu.Lock()
+	var old []*hostMemory
+	for size, l := range s.recycled {
+		kept := l[:0]
+		for _, r := range l {
+			if time.Since(r.since) >= recycleIdle {
+				old = append(old, r.m)
+				s.bytes -= size
+			} else {
+				kept = append(kept, r)
+			}
+		}
+		s.recycled[size] = kept
+	}
+	s.timer = nil
+	if s.bytes > 0 {
+		s.timer = time.AfterFunc(recycleIdle, s.trim)
+	}
+	s.mu.Unlock()
+	for _, m := range old {
+		m.recycle = nil
+		m.Free()
+	}
 }
 
 func noMem(err error) error {

@@ -45,7 +45,7 @@ func TestMoveRoundTrip(t *testing.T) {
 			if err := src.(segment.Data).WriteAt(want, 0); err != nil {
 				t.Fatal(err)
 			}
-			spill, err := Spill{host}.Allocate(0, n)
+			spill, err := NewSpill(host, 0).Allocate(0, n)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -73,5 +73,55 @@ func TestMoveRoundTrip(t *testing.T) {
 				t.Fatal("a move between two GPU allocations was taken")
 			}
 		})
+	}
+}
+
+// TestSpillRecycles: spill memory let go of comes back, as it was, to the
+// next eviction of its size (AllocateScratch), never to Allocate (which
+// gives zeroed memory), and only up to the limit.
+func TestSpillRecycles(t *testing.T) {
+	host, err := NewHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := NewSpill(host, 3<<20)
+	a, err := s.Allocate(0, 2<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.(segment.Data).WriteAt([]byte("left over"), 0)
+	fd, _ := a.FD()
+	a.Free()
+	fresh, err := s.Allocate(0, 2<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 9)
+	fresh.(segment.Data).ReadAt(got, 0)
+	if f, _ := fresh.FD(); f == fd || string(got) != "\x00\x00\x00\x00\x00\x00\x00\x00\x00" {
+		t.Fatalf("Allocate gave recycled memory: fd %d (was %d), %q", f, fd, got)
+	}
+	if other, _ := s.AllocateScratch(0, 1<<20); other != nil {
+		if f, _ := other.FD(); f == fd {
+			t.Fatal("memory of another size was recycled")
+		}
+		other.Free()
+	}
+	b, err := s.AllocateScratch(0, 2<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f, _ := b.FD(); f != fd {
+		t.Fatalf("AllocateScratch made new memory (fd %d), not the one let go of (%d)", f, fd)
+	}
+	// The 1 MiB is kept, and one 2 MiB; the other is over the limit
+	// (3 MiB) and freed.
+	b.Free()
+	fresh.Free()
+	s.mu.Lock()
+	kept, twos := s.bytes, len(s.recycled[2<<20])
+	s.mu.Unlock()
+	if kept != 3<<20 || twos != 1 {
+		t.Fatalf("%d bytes kept for reuse, %d of 2 MiB; want 3 MiB, one of 2 MiB", kept, twos)
 	}
 }

@@ -44,7 +44,7 @@ func TestMoveSpeed(t *testing.T) {
 	g.FD()
 	line("allocate + export", time.Since(start))
 	start = time.Now()
-	s, err := Spill{host}.Allocate(0, n)
+	s, err := NewSpill(host, 0).Allocate(0, n)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -89,8 +89,23 @@ func TestMoveSpeed(t *testing.T) {
 			}
 		}
 	}
+	sp := NewSpill(host, 2*n)
 	start = time.Now()
+	s.(*hostMemory).recycle = sp.recycle
 	s.Free()
+	line("free spill (kept for reuse)", time.Since(start))
+	start = time.Now()
+	r, err := sp.AllocateScratch(0, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := mover.Move(r, g, n); err != nil {
+		t.Fatal(err)
+	}
+	line("evict into reused spill memory", time.Since(start))
+	start = time.Now()
+	r.(*hostMemory).recycle = nil
+	r.Free()
 	line("free spill", time.Since(start))
 	start = time.Now()
 	g.Free()

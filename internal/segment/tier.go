@@ -42,6 +42,13 @@ type Mover interface {
 	Move(dst, src Memory, n int64) error
 }
 
+// ScratchAllocator is a spill allocator that can hand out memory whose
+// bytes are left over from an earlier segment, for a caller that
+// overwrites all of them (an eviction), faster than new memory.
+type ScratchAllocator interface {
+	AllocateScratch(device int, size int64) (Memory, error)
+}
+
 // Syncer is a Journal whose keeper can say when it has applied every
 // change so far (supervisor.Link): once an eviction's record is applied,
 // the keeper has let go of the device memory, which is then free for good.
@@ -79,6 +86,10 @@ type TierStats struct {
 	// segments hold of it; CleanBytes what it holds of copies of segments
 	// back on their device (dropped first when room is needed).
 	HostBudget, HostBytes, CleanBytes int64
+	// Spare and SpareBytes: host memory let go of and kept, by the spill
+	// allocator, for the next eviction of its size.
+	Spare      int
+	SpareBytes int64
 	// Evictions and Restores count moves since the process started;
 	// EvictedBytes and RestoredBytes their bytes.
 	Evictions, Restores         uint64
@@ -123,6 +134,9 @@ func (r *Registry) TierStats() TierStats {
 	st.HostBudget = r.tiers.cfg.HostBudget
 	st.CleanBytes = r.cleanUseLocked()
 	st.HostBytes = r.hostUseLocked() - st.CleanBytes
+	if k, ok := r.tiers.cfg.Spill.(interface{ Kept() (int, int64) }); ok {
+		st.Spare, st.SpareBytes = k.Kept()
+	}
 	devs := map[int]bool{}
 	for d := range r.tiers.cfg.Budgets {
 		devs[d] = true
@@ -495,7 +509,12 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 		// Nobody wrote it since it came back: its copy is current.
 		nm = clean
 	case to == OnHost:
-		nm, err = r.tiers.cfg.Spill.Allocate(0, size)
+		if sa, ok := r.tiers.cfg.Spill.(ScratchAllocator); ok {
+			// Every byte is copied over below.
+			nm, err = sa.AllocateScratch(0, size)
+		} else {
+			nm, err = r.tiers.cfg.Spill.Allocate(0, size)
+		}
 	default:
 		nm, err = r.allocate(s.device, size)
 	}

@@ -39,6 +39,7 @@ func wireTiers(st segment.TierStats) *wire.Tiers {
 	w := &wire.Tiers{
 		Devices:    make([]wire.DeviceTier, len(st.Devices)),
 		HostBudget: st.HostBudget, HostBytes: st.HostBytes, CleanBytes: st.CleanBytes,
+		Spare: st.Spare, SpareBytes: st.SpareBytes,
 		Evictions: st.Evictions, Restores: st.Restores,
 		EvictedBytes: st.EvictedBytes, RestoredBytes: st.RestoredBytes,
 	}

@@ -71,7 +71,7 @@ func StartWith(t testing.TB, backendName string, setup func(*server.Server, back
 	srv.Registry().SetControlAllocator(host)
 	// No budget (as the daemon on the host backend), and a host budget:
 	// segments move when asked to.
-	srv.Registry().SetTiers(segment.Tiers{HostBudget: 1 << 30, Spill: backend.Spill{Host: host}, Mover: b.(segment.Mover)})
+	srv.Registry().SetTiers(segment.Tiers{HostBudget: 1 << 30, Spill: backend.NewSpill(host, 64<<20), Mover: b.(segment.Mover)})
 	if setup != nil {
 		setup(srv, b)
 	}

@@ -322,7 +322,11 @@ type Tiers struct {
 	// their device, opened only read-only since: evicting one again is a
 	// swap, not a copy. It counts against the host budget, and goes first
 	// when an eviction needs room.
-	CleanBytes    int64  `json:"host_copy_bytes"`
+	CleanBytes int64 `json:"host_copy_bytes"`
+	// Spare and SpareBytes: host memory let go of (memfds), kept a while
+	// for the next eviction of its size.
+	Spare         int    `json:"spare_memfds"`
+	SpareBytes    int64  `json:"spare_bytes"`
 	Evictions     uint64 `json:"evictions"`
 	Restores      uint64 `json:"restores"`
 	EvictedBytes  int64  `json:"evicted_bytes"`
