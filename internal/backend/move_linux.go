@@ -14,8 +14,8 @@ import (
 )
 
 var (
-	_ segment.Mover     = (*Host)(nil)
-	_ segment.Mover     = (*CUDA)(nil)
+	_ segment.Mover = (*Host)(nil)
+	_ segment.Mover = (*CUDA)(nil)
 )
 
 // Spill allocates the host memory that segments are evicted to: sealed
