@@ -174,9 +174,10 @@ func (o daemonOptions) tiers(b backend.Backend, host *backend.Host) (segment.Tie
 	if err != nil {
 		return segment.Tiers{}, err
 	}
-	// Spill memory let go of is kept a while for the next eviction of its
-	// size, up to an eighth of host memory (backend.Spill).
-	t := segment.Tiers{Budgets: map[int]int64{}, Spill: backend.NewSpill(host, hostTotal/8)}
+	// Spill memory let go of is kept up to 30 s for the next eviction of
+	// its size, up to a quarter of host memory (backend.Spill): a 16 GiB
+	// segment's, on a machine of 128 GiB.
+	t := segment.Tiers{Budgets: map[int]int64{}, Spill: backend.NewSpill(host, hostTotal/4)}
 	mover, ok := b.(segment.Mover)
 	if !ok {
 		return t, fmt.Errorf("the %s backend cannot move segments to host memory", b.Name())
