@@ -659,3 +659,55 @@ func abortConnection(t *testing.T, dir string) {
 		t.Fatal(err)
 	}
 }
+
+// TestEvictedFile: a segment evicted to host memory is read and written
+// through the FUSE view where it lies, its host copy, without coming back
+// to its device; a write past its end grows it there. The next open
+// through the socket brings back what the files said.
+func TestEvictedFile(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, e *env) {
+		ctx := context.Background()
+		data := random(7, 3<<20+5)
+		if err := os.WriteFile(e.path("w"), data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		tier := func() string {
+			t.Helper()
+			inf, err := e.c.Stat(ctx, "w")
+			if err != nil {
+				t.Fatal(err)
+			}
+			return inf.Tier
+		}
+		if _, err := e.c.Evict(ctx, "w"); err != nil || tier() != "host" {
+			t.Fatalf("evict: %v, tier %q", err, tier())
+		}
+		got, err := os.ReadFile(e.path("w"))
+		if err != nil || !bytes.Equal(got, data) || tier() != "host" {
+			t.Fatalf("read through the view: equal %v, %v; tier %q after", bytes.Equal(got, data), err, tier())
+		}
+		f, err := os.OpenFile(e.path("w"), os.O_WRONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		patch := random(8, 1000)
+		if _, err := f.WriteAt(patch, 4096); err != nil {
+			t.Fatal(err)
+		}
+		tail := random(9, 1<<20)
+		if _, err := f.WriteAt(tail, int64(len(data))); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.Close(); err != nil {
+			t.Fatal(err)
+		}
+		copy(data[4096:], patch)
+		data = append(data, tail...)
+		if tier() != "host" {
+			t.Fatalf("a write through the view moved it: tier %q", tier())
+		}
+		if got := e.segmentBytes(t, "w"); !bytes.Equal(got[:len(data)], data) || tier() != "gpu" {
+			t.Fatalf("open after the writes: equal %v, tier %q", bytes.Equal(got[:len(data)], data), tier())
+		}
+	})
+}

@@ -521,3 +521,25 @@ func TestTierHopelessCreateEvictsNothing(t *testing.T) {
 		t.Fatalf("%d evictions", st.Evictions)
 	}
 }
+
+// A user's quota counts a segment once, wherever it lives: evicting one
+// frees no quota, and bringing it back takes none.
+func TestTierQuotaCountsOnce(t *testing.T) {
+	f := newTiers(t, 2, 100)
+	f.r.SetLimits(Limits{UserBytes: 3 * page})
+	f.put(t, "a")
+	f.put(t, "b")
+	if err := f.r.Evict(alice, "a"); err != nil {
+		t.Fatal(err)
+	}
+	f.put(t, "c") // the third page of the quota, with a on host
+	if _, _, err := f.r.Create(alice, CreateOptions{Name: "d", Size: page}); !errors.Is(err, ErrQuota) {
+		t.Fatalf("a fourth page past a quota of three, one of them evicted: %v", err)
+	}
+	f.use(t, "a") // back, evicting another: still three pages, no refusal
+	for _, q := range f.r.Quotas() {
+		if q.Kind == "user_bytes" && q.Used != 3*page {
+			t.Fatalf("quota use %d, want %d", q.Used, 3*page)
+		}
+	}
+}
