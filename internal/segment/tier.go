@@ -587,12 +587,9 @@ func tierPlace(t Tier, d int) string {
 // Evict moves the named segment to host memory now. The owner or root
 // may; a segment already on host is left there.
 func (r *Registry) Evict(c Cred, name string) error {
-	if err := ValidName(name); err != nil {
-		return err
-	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	s, err := r.find(name)
+	s, err := r.findNamed(name)
 	if err != nil {
 		return err
 	}
@@ -615,12 +612,9 @@ func (r *Registry) Evict(c Cred, name string) error {
 // prefetch); it counts as an open for the order of eviction. Read access
 // is enough.
 func (r *Registry) Load(c Cred, name string) (Info, error) {
-	if err := ValidName(name); err != nil {
-		return Info{}, err
-	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	s, err := r.find(name)
+	s, err := r.findNamed(name)
 	if err != nil {
 		return Info{}, err
 	}
@@ -644,12 +638,9 @@ func (r *Registry) Load(c Cred, name string) (Info, error) {
 // segment on host restores it first. The owner or root may; it is
 // journaled.
 func (r *Registry) SetResident(c Cred, name string, on bool) (Info, error) {
-	if err := ValidName(name); err != nil {
-		return Info{}, err
-	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	s, err := r.find(name)
+	s, err := r.findNamed(name)
 	if err != nil {
 		return Info{}, err
 	}
@@ -666,6 +657,15 @@ func (r *Registry) SetResident(c Cred, name string, on bool) (Info, error) {
 		r.noteLocked(s, -1)
 	}
 	return r.infoLocked(s), nil
+}
+
+// findNamed checks name and finds its segment; mu is held (find may
+// drop it while a creation finishes).
+func (r *Registry) findNamed(name string) (*Segment, error) {
+	if err := ValidName(name); err != nil {
+		return nil, err
+	}
+	return r.find(name)
 }
 
 // WouldRestore reports whether opening name now would wait for its bytes

@@ -19,12 +19,9 @@ func Move(t Target, host []byte, in bool, o *Options) (st Stats, err error) {
 	if o == nil {
 		o = &Options{}
 	}
-	chunk := o.Chunk
-	if chunk == 0 {
-		chunk = defaultChunk
-	}
-	if chunk < 0 || chunk%chunkUnit != 0 {
-		return st, fmt.Errorf("xfer: copy chunk %d is not a positive multiple of %d", chunk, chunkUnit)
+	chunk, err := o.chunk()
+	if err != nil {
+		return st, err
 	}
 	if int64(len(host)) < t.Size {
 		return st, fmt.Errorf("xfer: move of %d bytes with %d bytes of host memory", t.Size, len(host))

@@ -113,6 +113,18 @@ func Store(t Target, ranges []Range, o *Options) (Stats, error) {
 	return copyFiles(t, ranges, o, false)
 }
 
+// chunk is the bytes a copier moves per step: Chunk, or the default.
+func (o *Options) chunk() (int64, error) {
+	c := o.Chunk
+	if c == 0 {
+		c = defaultChunk
+	}
+	if c < 0 || c%chunkUnit != 0 {
+		return 0, fmt.Errorf("xfer: copy chunk %d is not a positive multiple of %d", c, chunkUnit)
+	}
+	return c, nil
+}
+
 // step is one chunk of one range.
 type step struct {
 	src      *source
@@ -127,12 +139,9 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 	if o == nil {
 		o = &Options{}
 	}
-	chunk := o.Chunk
-	if chunk == 0 {
-		chunk = defaultChunk
-	}
-	if chunk < 0 || chunk%chunkUnit != 0 {
-		return st, fmt.Errorf("xfer: copy chunk %d is not a positive multiple of %d", chunk, chunkUnit)
+	chunk, err := o.chunk()
+	if err != nil {
+		return st, err
 	}
 	srcs := map[*os.File]*source{}
 	defer func() {

@@ -74,7 +74,7 @@ SIZES = {
 INIT_OPS = {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log_normal_", "cauchy_", "geometric_",
             "erfinv_"}
 
-from _report import check, say, table, verdicts as _verdicts  # noqa: E402
+from _report import check, leftovers, say, table, verdicts as _verdicts  # noqa: E402
 
 
 def have(*modules):
@@ -439,17 +439,8 @@ def main():
             run.client.close()
         if run.daemon is not None:
             run.daemon.stop()
-        alive = testing.still_alive(run.started, naming=run.daemon.socket if run.daemon else None)
-        check(not alive, "leftover-processes", "processes this run started, still alive: " + ("; ".join(alive) or "none"))
-        if a.backend == "cuda":
-            used = gpu_memory(torch_ok)
-            if used is None or used0 is None:
-                say("INFO", "leftover-gpu-memory", "neither nvidia-smi nor torch could say: not checked")
-            else:
-                check(all(u <= u0 + 64 for u, u0 in zip(used, used0)), "leftover-gpu-memory",
-                      f"GPU memory in use at the end {used} MiB, at the start {used0} MiB")
-        else:
-            say("INFO", "leftover-gpu-memory", "host backend: no GPU memory to check")
+        leftovers(run.started, run.daemon.socket if run.daemon else None, a.backend, used0,
+                  lambda: gpu_memory(torch_ok))
         if made:
             shutil.rmtree(a.work, ignore_errors=True)
         print("\n=== summary")

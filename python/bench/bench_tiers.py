@@ -61,7 +61,7 @@ sys.path.insert(0, str(HERE.parent))
 import gpushm  # noqa: E402
 from gpushm import testing  # noqa: E402
 
-from _report import check, say, table, verdicts as _verdicts  # noqa: E402
+from _report import check, leftovers, say, table, verdicts as _verdicts  # noqa: E402
 
 GIB = 1 << 30
 # Llama-3-8B's shapes; layers sets the size (9: 5.9 GiB).
@@ -605,17 +605,7 @@ def main():
             run.client.close()
         if run.daemon is not None:
             run.daemon.stop()
-        alive = testing.still_alive(run.started, naming=run.daemon.socket if run.daemon else None)
-        check(not alive, "leftover-processes", "processes this run started, still alive: " + ("; ".join(alive) or "none"))
-        if a.backend == "cuda":
-            used = testing.gpu_memory_used()
-            if used is None or used0 is None:
-                say("INFO", "leftover-gpu-memory", "nvidia-smi could not say: not checked")
-            else:
-                check(all(u <= u0 + 64 for u, u0 in zip(used, used0)), "leftover-gpu-memory",
-                      f"GPU memory in use at the end {used} MiB, at the start {used0} MiB")
-        else:
-            say("INFO", "leftover-gpu-memory", "host backend: no GPU memory to check")
+        leftovers(run.started, run.daemon.socket if run.daemon else None, a.backend, used0, testing.gpu_memory_used)
         if made:
             shutil.rmtree(a.work, ignore_errors=True)
         print("\n=== summary")
