@@ -12,7 +12,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
-	"github.com/gpushm/gpushm/internal/checkpoint"
+	"github.com/gpushm/gpushm/checkpoint"
+	layout "github.com/gpushm/gpushm/internal/checkpoint"
 )
 
 func getCmd() *cobra.Command {
@@ -63,10 +64,10 @@ for the name to appear.`,
 			}
 			defer seg.Close()
 			info := seg.Info()
-			if meta, ok, _ := checkpoint.ParseMeta(info.Meta, info.Size); ok && meta.Source == "dir" && !raw && path != "-" {
+			if meta, ok, _ := layout.ParseMeta(info.Meta, info.Size); ok && meta.Source == "dir" && !raw && path != "-" {
 				bar := newProgress("get "+name, info.Size)
 				co.Progress = bar.fn()
-				st, err := c.GetCheckpoint(ctx, name, path, co)
+				st, err := checkpoint.Get(ctx, c, name, path, co)
 				bar.finish(err)
 				if err != nil {
 					return err

@@ -14,8 +14,9 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/checkpoint"
 	"github.com/gpushm/gpushm/internal/bytesize"
-	"github.com/gpushm/gpushm/internal/checkpoint"
+	layout "github.com/gpushm/gpushm/internal/checkpoint"
 )
 
 func putCmd() *cobra.Command {
@@ -86,7 +87,7 @@ segment goes with it.`,
 				return fmt.Errorf("put %s: %s is empty, and a segment has at least one byte", name, path)
 			}
 			o := &gpushm.CreateOptions{Mode: perm}
-			if o.Meta, err = checkpoint.FileMeta(f, size, readOnly); err != nil {
+			if o.Meta, err = layout.FileMeta(f, size, readOnly); err != nil {
 				return fmt.Errorf("put %s: %w", name, err)
 			}
 			if o.Meta == nil && readOnly {
@@ -177,7 +178,7 @@ func (c *copyFlags) options() (*gpushm.CopyOptions, error) {
 }
 
 func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnly bool, co *gpushm.CopyOptions, inDaemon bool, verbose bool, start time.Time) error {
-	ck, err := gpushm.OpenCheckpoint(dir)
+	ck, err := checkpoint.Open(dir)
 	if err != nil {
 		return fmt.Errorf("put %s: %w", name, err)
 	}
@@ -191,17 +192,17 @@ func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnl
 		return err
 	}
 	defer c.Close()
-	o := &gpushm.PutOptions{Mode: perm, ReadOnlyDefault: readOnly, Copy: *co, InDaemon: inDaemon}
+	o := &checkpoint.PutOptions{Mode: perm, ReadOnlyDefault: readOnly, Copy: *co, InDaemon: inDaemon}
 	if o.Device, err = resolveDevice(ctx, c, device); err != nil {
 		return err
 	}
 	bar := newProgress("put "+name, ck.DataBytes()+ck.FileBytes())
 	o.Copy.Progress = bar.fn()
-	st, err := c.PutCheckpoint(ctx, name, ck, o)
+	st, err := checkpoint.Put(ctx, c, name, ck, o)
 	if o.InDaemon && errors.Is(err, syscall.ENOSYS) {
 		// A daemon from before fill: copy here.
 		o.InDaemon = false
-		st, err = c.PutCheckpoint(ctx, name, ck, o)
+		st, err = checkpoint.Put(ctx, c, name, ck, o)
 	}
 	bar.finish(err)
 	if err != nil {

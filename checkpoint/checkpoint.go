@@ -1,4 +1,11 @@
-package gpushm
+// Package checkpoint puts a model's checkpoint directory (safetensors
+// shards, the index, config.json and the tokenizer's files) into gpushm as
+// one bundle segment, and writes a bundle back out as the directory it came
+// from, byte for byte: what 'gpushm put NAME DIR' and 'gpushm get NAME DIR'
+// do. It is built on the client (package gpushm) and its copy engine; the
+// bundle's layout is docs/protocol.md's ("A checkpoint directory's
+// bundle").
+package checkpoint
 
 import (
 	"context"
@@ -10,7 +17,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/gpushm/gpushm/internal/checkpoint"
+	"github.com/gpushm/gpushm"
+	layout "github.com/gpushm/gpushm/internal/checkpoint"
 )
 
 // Checkpoint is a checkpoint directory, checked and ready to load: its
@@ -19,15 +27,15 @@ import (
 // tokenizer's, the index: every other regular file at its top level of at
 // most 64 MiB). It holds the files open; Close it.
 type Checkpoint struct {
-	p *checkpoint.Plan
+	p *layout.Plan
 }
 
-// OpenCheckpoint reads and checks dir. Every shard's header is checked; a
+// Open reads and checks dir. Every shard's header is checked; a
 // corrupt header, an unknown dtype, a tensor in two shards, a shard the
 // index names but the directory lacks, or a directory without safetensors
 // files is an error naming the file. Nothing is allocated.
-func OpenCheckpoint(dir string) (*Checkpoint, error) {
-	p, err := checkpoint.Scan(dir)
+func Open(dir string) (*Checkpoint, error) {
+	p, err := layout.Scan(dir)
 	if err != nil {
 		return nil, err
 	}
@@ -78,7 +86,7 @@ func (ck *Checkpoint) Files() []string {
 // ("original/ (a directory)").
 func (ck *Checkpoint) Skipped() []string { return ck.p.Skipped }
 
-// PutOptions are the optional parts of PutCheckpoint.
+// PutOptions are the optional parts of Put.
 type PutOptions struct {
 	// Device is the GPU ordinal; nil means the daemon's default device.
 	Device *int
@@ -88,19 +96,19 @@ type PutOptions struct {
 	// unless they ask for write access.
 	ReadOnlyDefault bool
 	// Copy tunes the copy.
-	Copy CopyOptions
-	// InDaemon has the daemon copy (Segment.Fill): this process then maps
+	Copy gpushm.CopyOptions
+	// InDaemon has the daemon copy (gpushm.Segment.Fill): this process then maps
 	// nothing and needs no CUDA context. Copy's tuning does not apply.
 	InDaemon bool
 }
 
-// PutCheckpoint creates name as one bundle segment holding the
+// Put creates name as one bundle segment holding the
 // checkpoint: a safetensors header naming every tensor of every shard, the
 // shards' data, the small files and what it takes to write the shards back
 // byte for byte (docs/protocol.md, "Metadata conventions"). The segment is
 // created uncommitted and committed once full, so nobody opens it half
 // written; on any failure, or if this process dies first, it goes.
-func (c *Client) PutCheckpoint(ctx context.Context, name string, ck *Checkpoint, o *PutOptions) (st CopyStats, err error) {
+func Put(ctx context.Context, c *gpushm.Client, name string, ck *Checkpoint, o *PutOptions) (st gpushm.CopyStats, err error) {
 	if o == nil {
 		o = &PutOptions{}
 	}
@@ -108,7 +116,7 @@ func (c *Client) PutCheckpoint(ctx context.Context, name string, ck *Checkpoint,
 	if err != nil {
 		return st, err
 	}
-	seg, err := c.Create(ctx, name, ck.p.Size, &CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, Uncommitted: true})
+	seg, err := c.Create(ctx, name, ck.p.Size, &gpushm.CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, Uncommitted: true})
 	if err != nil {
 		return st, err
 	}
@@ -118,14 +126,14 @@ func (c *Client) PutCheckpoint(ctx context.Context, name string, ck *Checkpoint,
 			err = cerr
 		}
 	}()
-	var ranges []FileRange
+	var ranges []gpushm.FileRange
 	for _, r := range ck.p.Ranges() {
-		ranges = append(ranges, FileRange{File: r.File, Off: r.Off, Len: r.Len, At: r.At})
+		ranges = append(ranges, gpushm.FileRange{File: r.File, Off: r.Off, Len: r.Len, At: r.At})
 	}
 	if o.InDaemon {
-		st, err = fillCheckpoint(ctx, seg, ck.p.Pieces(), ranges)
+		st, err = fill(ctx, seg, ck.p.Pieces(), ranges)
 	} else {
-		st, err = loadCheckpoint(seg, ck.p.Pieces(), ranges, &o.Copy)
+		st, err = load(seg, ck.p.Pieces(), ranges, &o.Copy)
 	}
 	if err != nil {
 		return st, fmt.Errorf("gpushm: put %s: %w", name, err)
@@ -133,23 +141,24 @@ func (c *Client) PutCheckpoint(ctx context.Context, name string, ck *Checkpoint,
 	return st, seg.Commit(ctx)
 }
 
-func loadCheckpoint(seg *Segment, pieces []checkpoint.Piece, ranges []FileRange, o *CopyOptions) (CopyStats, error) {
+// load copies the checkpoint in this process, through its own mapping.
+func load(seg *gpushm.Segment, pieces []layout.Piece, ranges []gpushm.FileRange, o *gpushm.CopyOptions) (gpushm.CopyStats, error) {
 	m, err := seg.Map()
 	if err != nil {
-		return CopyStats{}, err
+		return gpushm.CopyStats{}, err
 	}
 	for _, p := range pieces {
 		if _, err := m.WriteAt(p.Data, p.At); err != nil {
-			return CopyStats{}, err
+			return gpushm.CopyStats{}, err
 		}
 	}
 	return m.LoadFiles(ranges, o)
 }
 
-// fillCheckpoint has the daemon copy the checkpoint: the pieces this
+// fill has the daemon copy the checkpoint: the pieces this
 // process holds (headers, the shard table) from a memfd where each lies at
 // its place in the segment, then every file range, one fill each.
-func fillCheckpoint(ctx context.Context, seg *Segment, pieces []checkpoint.Piece, ranges []FileRange) (st CopyStats, err error) {
+func fill(ctx context.Context, seg *gpushm.Segment, pieces []layout.Piece, ranges []gpushm.FileRange) (st gpushm.CopyStats, err error) {
 	fd, err := unix.MemfdCreate("gpushm-pieces", unix.MFD_CLOEXEC)
 	if err != nil {
 		return st, fmt.Errorf("memfd for the headers: %w", err)
@@ -160,7 +169,7 @@ func fillCheckpoint(ctx context.Context, seg *Segment, pieces []checkpoint.Piece
 		if _, err := mf.WriteAt(p.Data, p.At); err != nil {
 			return st, fmt.Errorf("headers into a memfd: %w", err)
 		}
-		ranges = append(ranges, FileRange{File: mf, Off: p.At, Len: int64(len(p.Data)), At: p.At})
+		ranges = append(ranges, gpushm.FileRange{File: mf, Off: p.At, Len: int64(len(p.Data)), At: p.At})
 	}
 	start := time.Now()
 	for _, r := range ranges {
@@ -180,17 +189,17 @@ func fillCheckpoint(ctx context.Context, seg *Segment, pieces []checkpoint.Piece
 	return st, nil
 }
 
-// GetCheckpoint writes a checkpoint directory's bundle back as the
+// Get writes a checkpoint directory's bundle back as the
 // directory it came from: the shard files byte for byte, and the small
 // files. dir must not exist, or be empty; on failure what was written is
 // removed again.
-func (c *Client) GetCheckpoint(ctx context.Context, name, dir string, o *CopyOptions) (st CopyStats, err error) {
-	seg, err := c.Open(ctx, name, &OpenOptions{ReadOnly: true})
+func Get(ctx context.Context, c *gpushm.Client, name, dir string, o *gpushm.CopyOptions) (st gpushm.CopyStats, err error) {
+	seg, err := c.Open(ctx, name, &gpushm.OpenOptions{ReadOnly: true})
 	if err != nil {
 		return st, err
 	}
 	defer seg.Close()
-	meta, ok, err := checkpoint.ParseMeta(seg.Info().Meta, seg.Size())
+	meta, ok, err := layout.ParseMeta(seg.Info().Meta, seg.Size())
 	if err == nil && (!ok || meta.Source != "dir") {
 		err = errors.New("it is not a checkpoint directory's bundle (write it to a file instead)")
 	}
@@ -229,7 +238,7 @@ func (c *Client) GetCheckpoint(ctx context.Context, name, dir string, o *CopyOpt
 			}
 		}
 	}()
-	var ranges []FileRange
+	var ranges []gpushm.FileRange
 	for _, out := range outs {
 		f, err := os.OpenFile(filepath.Join(dir, out.Name), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 		if err != nil {
@@ -238,7 +247,7 @@ func (c *Client) GetCheckpoint(ctx context.Context, name, dir string, o *CopyOpt
 		files = append(files, f)
 		var off int64
 		for _, p := range out.Pieces {
-			ranges = append(ranges, FileRange{File: f, Off: off, Len: p.Size, At: p.At})
+			ranges = append(ranges, gpushm.FileRange{File: f, Off: off, Len: p.Size, At: p.At})
 			off += p.Size
 		}
 		if err := f.Truncate(off); err != nil {
@@ -263,50 +272,4 @@ func prepareDir(dir string) (made bool, err error) {
 		return false, fmt.Errorf("%s is not empty: give a new or empty directory", dir)
 	}
 	return false, nil
-}
-
-// BundleFile is a small file kept in a bundle beside its tensors.
-type BundleFile struct {
-	Name   string
-	Offset int64 // in the segment
-	Size   int64
-}
-
-// BundleFiles lists the small files a bundle segment keeps (none for a
-// bundle of one safetensors file, or of put_tensors).
-func (s *Segment) BundleFiles() ([]BundleFile, error) {
-	meta, ok, err := checkpoint.ParseMeta(s.Info().Meta, s.Size())
-	if err != nil {
-		return nil, err
-	}
-	if !ok {
-		return nil, fmt.Errorf("gpushm: segment %q is not a tensor bundle", s.Info().Name)
-	}
-	var out []BundleFile
-	for _, f := range meta.Files {
-		out = append(out, BundleFile{Name: f.Name, Offset: f.At, Size: f.Size})
-	}
-	return out, nil
-}
-
-// Files reads the small files a bundle segment keeps (config.json, the
-// tokenizer's, ...), by name.
-func (s *Segment) Files() (map[string][]byte, error) {
-	list, err := s.BundleFiles()
-	if err != nil {
-		return nil, err
-	}
-	m, err := s.Map()
-	if err != nil {
-		return nil, err
-	}
-	out := make(map[string][]byte, len(list))
-	for _, f := range list {
-		b := make([]byte, f.Size)
-		if _, err := m.ReadAt(b, f.Offset); err != nil {
-			return nil, fmt.Errorf("gpushm: read %s from %q: %w", f.Name, s.Info().Name, err)
-		}
-		out[f.Name] = b
-	}
-	return out, nil
 }

@@ -1,9 +1,10 @@
-package gpushm_test
+package checkpoint_test
 
 import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
@@ -12,8 +13,15 @@ import (
 	"testing"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/checkpoint"
 	"github.com/gpushm/gpushm/internal/testdaemon"
 )
+
+func pattern(seed uint64, n int64) []byte {
+	b := make([]byte, n)
+	rand.NewChaCha8([32]byte{byte(seed), byte(seed >> 8)}).Read(b)
+	return b
+}
 
 // writeSafetensors writes U8 tensors of the given sizes, filled from
 // pattern, as the safetensors library lays a file out.
@@ -58,7 +66,7 @@ func TestCheckpoint(t *testing.T) {
 			os.WriteFile(filepath.Join(dir, "model.safetensors.index.json"), []byte(`{"weight_map":{"a":"model-00001-of-00002.safetensors","b":"model-00001-of-00002.safetensors","c":"model-00002-of-00002.safetensors"}}`), 0o644)
 			os.WriteFile(filepath.Join(dir, "config.json"), []byte(`{"model_type":"llama"}`), 0o644)
 
-			ck, err := gpushm.OpenCheckpoint(dir)
+			ck, err := checkpoint.Open(dir)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -66,7 +74,7 @@ func TestCheckpoint(t *testing.T) {
 			if ck.Tensors() != 3 || !slices.Equal(ck.Files(), []string{"config.json", "model.safetensors.index.json"}) || len(ck.Shards()) != 2 {
 				t.Fatalf("checkpoint: %d tensors, files %v, shards %v", ck.Tensors(), ck.Files(), ck.Shards())
 			}
-			st, err := c.PutCheckpoint(ctx, "m", ck, &gpushm.PutOptions{ReadOnlyDefault: true, Copy: gpushm.CopyOptions{Chunk: 1 << 20}})
+			st, err := checkpoint.Put(ctx, c, "m", ck, &checkpoint.PutOptions{ReadOnlyDefault: true, Copy: gpushm.CopyOptions{Chunk: 1 << 20}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -105,7 +113,7 @@ func TestCheckpoint(t *testing.T) {
 			}
 
 			back := filepath.Join(t.TempDir(), "back")
-			if _, err := c.GetCheckpoint(ctx, "m", back, &gpushm.CopyOptions{Workers: 2}); err != nil {
+			if _, err := checkpoint.Get(ctx, c, "m", back, &gpushm.CopyOptions{Workers: 2}); err != nil {
 				t.Fatal(err)
 			}
 			ents, _ := os.ReadDir(dir)
@@ -116,14 +124,14 @@ func TestCheckpoint(t *testing.T) {
 					t.Errorf("%s written back differs (%v)", e.Name(), err)
 				}
 			}
-			if _, err := c.GetCheckpoint(ctx, "m", back, nil); err == nil || !strings.Contains(err.Error(), "not empty") {
+			if _, err := checkpoint.Get(ctx, c, "m", back, nil); err == nil || !strings.Contains(err.Error(), "not empty") {
 				t.Errorf("GetCheckpoint into a full directory: %v", err)
 			}
-			if _, err := c.PutCheckpoint(ctx, "m", ck, nil); err == nil {
+			if _, err := checkpoint.Put(ctx, c, "m", ck, nil); err == nil {
 				t.Error("PutCheckpoint over an existing name succeeded")
 			}
 			c.Create(ctx, "plain", 10, nil)
-			if _, err := c.GetCheckpoint(ctx, "plain", filepath.Join(t.TempDir(), "x"), nil); err == nil || !strings.Contains(err.Error(), "not a checkpoint directory's bundle") {
+			if _, err := checkpoint.Get(ctx, c, "plain", filepath.Join(t.TempDir(), "x"), nil); err == nil || !strings.Contains(err.Error(), "not a checkpoint directory's bundle") {
 				t.Errorf("GetCheckpoint of a plain segment: %v", err)
 			}
 		})
