@@ -1,9 +1,6 @@
 package xfer
 
-import (
-	"fmt"
-	"time"
-)
+import "fmt"
 
 // Move copies t.Size bytes between t and host memory: from host into t
 // when in is true, from t into host otherwise. It is the copy engine's
@@ -14,12 +11,7 @@ import (
 // are taken on several cores at once. On host targets the copiers copy
 // directly.
 func Move(t Target, host []byte, in bool, o *Options) (st Stats, err error) {
-	start := time.Now()
-	defer func() { st.Elapsed = time.Since(start) }()
-	if o == nil {
-		o = &Options{}
-	}
-	chunk, err := o.chunk()
+	o, chunk, err := o.check()
 	if err != nil {
 		return st, err
 	}

@@ -113,16 +113,20 @@ func Store(t Target, ranges []Range, o *Options) (Stats, error) {
 	return copyFiles(t, ranges, o, false)
 }
 
-// chunk is the bytes a copier moves per step: Chunk, or the default.
-func (o *Options) chunk() (int64, error) {
+// check returns o (the defaults for nil) and the bytes a copier moves per
+// step: Chunk, or the default.
+func (o *Options) check() (*Options, int64, error) {
+	if o == nil {
+		o = &Options{}
+	}
 	c := o.Chunk
 	if c == 0 {
 		c = defaultChunk
 	}
 	if c < 0 || c%chunkUnit != 0 {
-		return 0, fmt.Errorf("xfer: copy chunk %d is not a positive multiple of %d", c, chunkUnit)
+		return o, 0, fmt.Errorf("xfer: copy chunk %d is not a positive multiple of %d", c, chunkUnit)
 	}
-	return c, nil
+	return o, c, nil
 }
 
 // step is one chunk of one range.
@@ -134,12 +138,7 @@ type step struct {
 }
 
 func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err error) {
-	start := time.Now()
-	defer func() { st.Elapsed = time.Since(start) }()
-	if o == nil {
-		o = &Options{}
-	}
-	chunk, err := o.chunk()
+	o, chunk, err := o.check()
 	if err != nil {
 		return st, err
 	}
@@ -178,6 +177,7 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 // run has workers copy steps, of st.Chunk bytes at most, between t and
 // their files or memory.
 func run(t Target, steps []step, st Stats, o *Options, load bool) (Stats, error) {
+	start := time.Now()
 	chunk := st.Chunk
 	workers := o.Workers
 	if workers <= 0 {
@@ -186,6 +186,7 @@ func run(t Target, steps []step, st Stats, o *Options, load bool) (Stats, error)
 	workers = min(workers, max(len(steps), 1))
 	st.Workers, st.Chunk = workers, chunk
 	if len(steps) == 0 {
+		st.Elapsed = time.Since(start)
 		return st, nil
 	}
 	var (
@@ -233,6 +234,7 @@ func run(t Target, steps []step, st Stats, o *Options, load bool) (Stats, error)
 	}
 	wg.Wait()
 	st.Direct = direct.Load()
+	st.Elapsed = time.Since(start)
 	return st, errors.Join(errs...)
 }
 
