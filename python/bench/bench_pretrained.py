@@ -74,70 +74,18 @@ SIZES = {
 INIT_OPS = {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log_normal_", "cauchy_", "geometric_",
             "erfinv_"}
 
-from _report import check, leftovers, say, table, verdicts as _verdicts  # noqa: E402
+import _run  # noqa: E402
+from _report import check, say, table  # noqa: E402
+from _run import fmt_s, have  # noqa: E402
 
 
-def have(*modules):
-    """The modules of those not importable here, with the reason."""
-    missing = []
-    for m in modules:
-        try:
-            __import__(m)
-        except Exception as e:
-            missing.append(f"{m} ({type(e).__name__}: {e})")
-    return missing
-
-
-def fmt_s(x):
-    return "-" if x is None else (f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s")
-
-
-# ---- the run -----------------------------------------------------------------
-
-class Run:
+class Run(_run.Run):
     def __init__(self, a):
-        self.a = a
-        self.out, self.work = Path(a.out), Path(a.work)
-        self.started = {}  # pid -> start time, of every process this run started
+        super().__init__(a, HERE, "pretrained")
         self.deadline = time.monotonic() + a.budget
-        self.daemon = None
-        self.env = None
 
     def start_daemon(self):
-        self.daemon = testing.Daemon(self.a.backend, "--log-level", "warn", binary=self.a.gpushm,
-                                     log=str(self.out / "pretrained-daemon.log"), new_session=True)
-        for pid in self.daemon.pids():
-            self.started[pid] = testing.start_time(pid)
-        self.env = dict(os.environ, GPUSHM_SOCKET=self.daemon.socket, PYTHONPATH=str(REPO / "python"))
-        self.env.pop("PYTHONSTARTUP", None)
-        self.client = gpushm.connect(self.daemon.socket)
-
-    def gpushm(self, *argv, timeout=600):
-        t = time.perf_counter()
-        p = subprocess.Popen([self.a.gpushm, *argv], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
-        self.started[p.pid] = testing.start_time(p.pid)
-        out, err = p.communicate(timeout=timeout)
-        return p.returncode, out + err, time.perf_counter() - t
-
-    def worker(self, label, *argv, timeout=600):
-        """Runs a worker in a fresh interpreter; returns its JSON report (or
-        {"error": ...}). Its stderr goes to OUT/pretrained-LABEL.log."""
-        log = self.out / f"pretrained-{label}.log"
-        with open(log, "w") as err:
-            p = subprocess.Popen([sys.executable, "-u", str(HERE), "worker", *argv], env=self.env,
-                                 stdout=subprocess.PIPE, stderr=err, text=True)
-            self.started[p.pid] = testing.start_time(p.pid)
-            try:
-                out, _ = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, _ = p.communicate()
-                return {"error": f"timed out after {timeout}s (log: {log})"}
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        if p.returncode != 0 or not lines:
-            return {"error": f"exit status {p.returncode} (log: {log})"}
-        return json.loads(lines[-1])
+        super().start_daemon("--log-level", "warn")
 
     def time_left(self):
         return self.deadline - time.monotonic()
@@ -435,18 +383,8 @@ def main():
         check(False, "setup", f"{type(e).__name__}: {e}")
     finally:
         # Also when stopped by SIGTERM (a time limit): what ran is reported.
-        if getattr(run, "client", None) is not None:
-            run.client.close()
-        if run.daemon is not None:
-            run.daemon.stop()
-        leftovers(run.started, run.daemon.socket if run.daemon else None, a.backend, used0,
-                  lambda: gpu_memory(torch_ok))
-        if made:
-            shutil.rmtree(a.work, ignore_errors=True)
-        print("\n=== summary")
-        for v in _verdicts:
-            print(v)
-    return 1 if any(v.startswith("FAIL") for v in _verdicts) else 0
+        status = run.finish(used0, lambda: gpu_memory(torch_ok), made)
+    return status
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ sys.path.insert(0, str(HERE.parent))
 import gpushm  # noqa: E402
 from gpushm import testing  # noqa: E402
 
-from _report import check, leftovers, say, table, verdicts as _verdicts  # noqa: E402
+import _run  # noqa: E402
+from _report import check, say, table  # noqa: E402
+from _run import fmt_s, have  # noqa: E402
 
 GIB = 1 << 30
 # Llama-3-8B's shapes; layers sets the size (9: 5.9 GiB).
@@ -70,54 +72,9 @@ SHAPE_8B = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, vocab=128256, ti
 SHAPE_SMOKE = dict(hidden=256, inter=512, heads=4, kv_heads=2, vocab=4096, tied=False)
 
 
-def fmt_s(x):
-    return "-" if x is None else (f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s")
-
-
-def have(*modules):
-    missing = []
-    for m in modules:
-        try:
-            __import__(m)
-        except Exception as e:
-            missing.append(f"{m} ({type(e).__name__}: {e})")
-    return missing
-
-
-class Run:
+class Run(_run.Run):
     def __init__(self, a):
-        self.a = a
-        self.out, self.work = Path(a.out), Path(a.work)
-        self.started = {}
-        self.daemon = None
-
-    def start_daemon(self, *args):
-        self.daemon = testing.Daemon(self.a.backend, "--log-level", "info", *args, binary=self.a.gpushm,
-                                     log=str(self.out / "tiers-daemon.log"), new_session=True)
-        for pid in self.daemon.pids():
-            self.started[pid] = testing.start_time(pid)
-        self.env = dict(os.environ, GPUSHM_SOCKET=self.daemon.socket, PYTHONPATH=str(REPO / "python"))
-        self.env.pop("PYTHONSTARTUP", None)
-        self.client = gpushm.connect(self.daemon.socket, timeout=600)
-
-    def gpushm(self, *argv, timeout=600):
-        t = time.perf_counter()
-        p = subprocess.Popen([self.a.gpushm, *argv], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
-        self.started[p.pid] = testing.start_time(p.pid)
-        out, _ = p.communicate(timeout=timeout)
-        return p.returncode, out, time.perf_counter() - t
-
-    def spawn(self, label, *argv):
-        log = open(self.out / f"tiers-{label}.log", "w")
-        p = subprocess.Popen([sys.executable, "-u", str(HERE), "worker", *argv], env=self.env,
-                             stdout=subprocess.PIPE, stderr=log, text=True)
-        self.started[p.pid] = testing.start_time(p.pid)
-        return p
-
-    def worker(self, label, *argv, timeout=600):
-        p = self.spawn(label, *argv)
-        return collect(p, label, timeout)
+        super().__init__(a, HERE, "tiers")
 
     def moves(self):
         """The daemon's log of moves: (kind, name, bytes, seconds)."""
@@ -127,19 +84,6 @@ class Run:
             if m:
                 out.append((m[1], m[2], int(m[3]), float(m[4])))
         return out
-
-
-def collect(p, label, timeout=600):
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        return {"error": f"{label}: timed out after {timeout}s"}
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        return {"error": f"{label}: exit status {p.returncode} (log: tiers-{label}.log)"}
-    return json.loads(lines[-1])
 
 
 # ---- 1. one big restore --------------------------------------------------------
@@ -292,7 +236,7 @@ def part_churn(run, torch_ok, used0):
     t0 = time.monotonic()
     procs = [run.spawn(f"churn-{k}", "churn", "--names", ",".join(names), "--sums", str(sums), "--seconds",
                        str(a.seconds), "--seed", str(k), *(["--torch"] if torch_ok else [])) for k in range(a.workers)]
-    reps = [collect(p, f"churn-{k}", timeout=a.seconds + 600) for k, p in enumerate(procs)]
+    reps = [run.collect(p, f"churn-{k}", timeout=a.seconds + 600) for k, p in enumerate(procs)]
     wall = time.monotonic() - t0
     used = smi.stop()
     if used:
@@ -584,7 +528,7 @@ def main():
             import numpy as np
             one = sum(2 * int(np.prod(sh)) for _, sh in llama_tensors(layers=2, **SHAPE_SMOKE))
             a.budget = str(max(int(2.5 * one), a.big + (1 << 20)))
-        run.start_daemon("--gpu-budget", a.budget)
+        run.start_daemon("--log-level", "info", "--gpu-budget", a.budget)
         a.budget_bytes = run.client.info()["tiers"]["devices"][0]["budget_bytes"]
         if "restore" in parts:
             print(f"\n=== {time.strftime('%H:%M:%S')} 1. restore", flush=True)
@@ -601,17 +545,8 @@ def main():
         traceback.print_exc()
         check(False, "run", f"{type(e).__name__}: {e}")
     finally:
-        if getattr(run, "client", None) is not None:
-            run.client.close()
-        if run.daemon is not None:
-            run.daemon.stop()
-        leftovers(run.started, run.daemon.socket if run.daemon else None, a.backend, used0, testing.gpu_memory_used)
-        if made:
-            shutil.rmtree(a.work, ignore_errors=True)
-        print("\n=== summary")
-        for v in _verdicts:
-            print(v)
-    return 1 if any(v.startswith("FAIL") for v in _verdicts) else 0
+        status = run.finish(used0, testing.gpu_memory_used, made)
+    return status
 
 
 if __name__ == "__main__":

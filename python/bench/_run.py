@@ -1,0 +1,108 @@
+"""What the benchmark programs share besides their report: a run's daemon,
+the processes it starts (fresh interpreters running the program's own
+'worker' subcommand, and the gpushm binary), where their logs go, and
+small helpers."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gpushm
+from gpushm import testing
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def have(*modules):
+    """The modules of those not importable here, with the reason."""
+    missing = []
+    for m in modules:
+        try:
+            __import__(m)
+        except Exception as e:
+            missing.append(f"{m} ({type(e).__name__}: {e})")
+    return missing
+
+
+def fmt_s(x):
+    return "-" if x is None else (f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s")
+
+
+class Run:
+    """One benchmark run: program is the script its workers run, prefix
+    names its logs in out (PREFIX-daemon.log, PREFIX-LABEL.log), and
+    started records every process it started, for the leftover check."""
+
+    def __init__(self, a, program, prefix):
+        self.a, self.program, self.prefix = a, str(program), prefix
+        self.out, self.work = Path(a.out), Path(a.work)
+        self.started = {}
+        self.daemon = self.client = self.env = None
+
+    def start_daemon(self, *args):
+        self.daemon = testing.Daemon(self.a.backend, *args, binary=self.a.gpushm,
+                                     log=str(self.out / f"{self.prefix}-daemon.log"), new_session=True)
+        for pid in self.daemon.pids():
+            self.started[pid] = testing.start_time(pid)
+        self.env = dict(os.environ, GPUSHM_SOCKET=self.daemon.socket, PYTHONPATH=str(REPO / "python"))
+        self.env.pop("PYTHONSTARTUP", None)
+        self.client = gpushm.connect(self.daemon.socket, timeout=600)
+
+    def gpushm(self, *argv, timeout=600):
+        """Runs the gpushm binary; returns its status, output and seconds."""
+        t = time.perf_counter()
+        p = subprocess.Popen([self.a.gpushm, *argv], env=self.env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        self.started[p.pid] = testing.start_time(p.pid)
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, out, time.perf_counter() - t
+
+    def spawn(self, label, *argv):
+        """Starts a worker in a fresh interpreter; its stderr goes to
+        OUT/PREFIX-LABEL.log."""
+        with open(self.out / f"{self.prefix}-{label}.log", "w") as log:
+            p = subprocess.Popen([sys.executable, "-u", self.program, "worker", *argv], env=self.env,
+                                 stdout=subprocess.PIPE, stderr=log, text=True)
+        self.started[p.pid] = testing.start_time(p.pid)
+        return p
+
+    def collect(self, p, label, timeout=600):
+        """A worker's JSON report (its last line starting with "{"), or
+        {"error": ...}."""
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            return {"error": f"{label}: timed out after {timeout}s (log: {self.prefix}-{label}.log)"}
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if p.returncode != 0 or not lines:
+            return {"error": f"{label}: exit status {p.returncode} (log: {self.prefix}-{label}.log)"}
+        return json.loads(lines[-1])
+
+    def worker(self, label, *argv, timeout=600):
+        return self.collect(self.spawn(label, *argv), label, timeout)
+
+    def finish(self, used0, used_now, remove_work):
+        """Ends the run, also after a failure or SIGTERM: closes the client,
+        stops the daemon, checks what is left behind (_report.leftovers),
+        removes the work directory if the run made it, prints the summary,
+        and returns the exit status (1 if anything failed)."""
+        import shutil
+
+        from _report import leftovers, verdicts
+
+        if self.client is not None:
+            self.client.close()
+        if self.daemon is not None:
+            self.daemon.stop()
+        leftovers(self.started, self.daemon.socket if self.daemon else None, self.a.backend, used0, used_now)
+        if remove_work:
+            shutil.rmtree(self.work, ignore_errors=True)
+        print("\n=== summary")
+        for v in verdicts:
+            print(v)
+        return 1 if any(v.startswith("FAIL") for v in verdicts) else 0
