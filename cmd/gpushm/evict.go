@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/spf13/cobra"
@@ -64,21 +63,13 @@ func tierCmd(use, short, long string, op func(context.Context, *gpushm.Client, s
 		Long:  long,
 		Args:  cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := dial(cmd.Context())
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			var errs []error
-			for _, name := range args {
+			return eachName(cmd.Context(), args, func(c *gpushm.Client, name string) error {
 				s, err := op(cmd.Context(), c, name)
-				if err != nil {
-					errs = append(errs, err)
-					continue
+				if err == nil {
+					fmt.Printf("%s: %s, %s\n", s.Name, bytesize.Format(s.AllocSize), tier(s))
 				}
-				fmt.Printf("%s: %s, %s\n", s.Name, bytesize.Format(s.AllocSize), tier(s))
-			}
-			return errors.Join(errs...)
+				return err
+			})
 		},
 	}
 }

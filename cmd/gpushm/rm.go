@@ -5,6 +5,8 @@ import (
 	"io/fs"
 
 	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
 )
 
 func rmCmd() *cobra.Command {
@@ -14,20 +16,13 @@ func rmCmd() *cobra.Command {
 		Short: "Remove segments (memory is freed when the last process closes it)",
 		Args:  cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := dial(cmd.Context())
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			var errs []error
-			for _, name := range args {
+			return eachName(cmd.Context(), args, func(c *gpushm.Client, name string) error {
 				err := c.Unlink(cmd.Context(), name)
 				if force && errors.Is(err, fs.ErrNotExist) {
-					continue
+					return nil
 				}
-				errs = append(errs, err)
-			}
-			return errors.Join(errs...)
+				return err
+			})
 		},
 	}
 	cmd.Flags().BoolVarP(&force, "force", "f", false, "ignore names that do not exist")

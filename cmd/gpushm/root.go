@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -51,6 +52,21 @@ func socketPath() string {
 
 func dial(ctx context.Context) (*gpushm.Client, error) {
 	return gpushm.Dial(ctx, socketPath())
+}
+
+// eachName runs fn for every name on one connection, going on past
+// failures, and returns them all.
+func eachName(ctx context.Context, names []string, fn func(c *gpushm.Client, name string) error) error {
+	c, err := dial(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	var errs []error
+	for _, name := range names {
+		errs = append(errs, fn(c, name))
+	}
+	return errors.Join(errs...)
 }
 
 // isTerminal says whether f is a terminal. A character device is not enough:

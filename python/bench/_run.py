@@ -106,3 +106,17 @@ class Run:
         for v in verdicts:
             print(v)
         return 1 if any(v.startswith("FAIL") for v in verdicts) else 0
+
+
+def parser(doc):
+    """The arguments every benchmark program takes: --gpushm, --backend,
+    --out, --work."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpushm", default=os.environ.get("GPUSHM_BIN", str(REPO / ".gpu" / "gpushm")),
+                    help="the gpushm binary (default $GPUSHM_BIN, else .gpu/gpushm)")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "host"])
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"), help="logs go here")
+    ap.add_argument("--work", default=None, help="where checkpoints are written (default: a new directory)")
+    return ap

@@ -313,14 +313,9 @@ def w_numpy(a):
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         return worker(sys.argv[2:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpushm", default=os.environ.get("GPUSHM_BIN", str(REPO / ".gpu" / "gpushm")),
-                    help="the gpushm binary (default $GPUSHM_BIN, else .gpu/gpushm)")
-    ap.add_argument("--backend", default="cuda", choices=["cuda", "host"])
+    ap = _run.parser(__doc__)
     ap.add_argument("--sizes", default="1.1B,16G", help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--reps", type=int, default=3, help="fresh workers each way per size")
-    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"), help="logs go here")
-    ap.add_argument("--work", default=None, help="where checkpoints are written (default: a new directory)")
     ap.add_argument("--budget", type=float, default=210, help="seconds; later rounds are skipped to stay within it")
     ap.add_argument("--smoke", action="store_true", help="CI: --backend host --sizes tiny --reps 1")
     a = ap.parse_args()

@@ -479,10 +479,7 @@ def w_load(a):
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         return worker(sys.argv[2:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpushm", default=os.environ.get("GPUSHM_BIN", str(REPO / ".gpu" / "gpushm")),
-                    help="the gpushm binary (default $GPUSHM_BIN, else .gpu/gpushm)")
-    ap.add_argument("--backend", default="cuda", choices=["cuda", "host"])
+    ap = _run.parser(__doc__)
     ap.add_argument("--budget", default="24GiB", help="the daemon's --gpu-budget")
     ap.add_argument("--big", type=int, default=16 * GIB, help="bytes of part 1's segment")
     ap.add_argument("--reps", type=int, default=3, help="rounds of part 1 that open read-only")
@@ -492,8 +489,6 @@ def main():
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=120, help="how long the workers open bundles")
     ap.add_argument("--parts", default="restore,churn,loaders")
-    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"), help="logs go here")
-    ap.add_argument("--work", default=None, help="where checkpoints are written (default: a new directory)")
     ap.add_argument("--smoke", action="store_true", help="CI: host backend, tiny bundles, 2 workers, 3 seconds")
     a = ap.parse_args()
     if a.smoke:
