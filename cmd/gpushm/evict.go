@@ -30,31 +30,6 @@ owner or root may evict.`,
 		})
 }
 
-func loadCmd() *cobra.Command {
-	return tierCmd("load NAME...", "Bring evicted segments back to their GPU ahead of an open (prefetch)",
-		tiersHelp+`
-
-'gpushm load' brings a segment back now, so that the next open need not
-wait for the copy; a segment on its device already stays. Read access is
-enough.`,
-		func(ctx context.Context, c *gpushm.Client, name string) (*gpushm.SegmentInfo, error) {
-			return c.Load(ctx, name)
-		})
-}
-
-func pinCmd(on bool) *cobra.Command {
-	use, short, long := "pin NAME...", "Keep segments on their GPU: never evict them",
-		"\n\n'gpushm pin' keeps a segment on its device (bringing it back first if it was\nevicted) until 'gpushm unpin'. The owner or root may pin."
-	if !on {
-		use, short, long = "unpin NAME...", "Let pinned segments be evicted again",
-			"\n\n'gpushm unpin' undoes 'gpushm pin' (or 'gpushm create --pin'). The owner or\nroot may unpin."
-	}
-	return tierCmd(use, short, tiersHelp+long,
-		func(ctx context.Context, c *gpushm.Client, name string) (*gpushm.SegmentInfo, error) {
-			return c.Pin(ctx, name, on)
-		})
-}
-
 // tierCmd runs op on every name and says where each segment is now.
 func tierCmd(use, short, long string, op func(context.Context, *gpushm.Client, string) (*gpushm.SegmentInfo, error)) *cobra.Command {
 	return &cobra.Command{
