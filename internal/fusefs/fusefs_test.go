@@ -679,7 +679,14 @@ func TestEvictedFile(t *testing.T) {
 			}
 			return inf.Tier
 		}
-		if _, err := e.c.Evict(ctx, "w"); err != nil || tier() != "host" {
+		// The kernel releases the file written above a moment after
+		// close: until then the daemon holds it, and it may not move.
+		var err error
+		waitFor(t, "the view to let go of the file", func() bool {
+			_, err = e.c.Evict(ctx, "w")
+			return !errors.Is(err, syscall.EBUSY)
+		})
+		if err != nil || tier() != "host" {
 			t.Fatalf("evict: %v, tier %q", err, tier())
 		}
 		got, err := os.ReadFile(e.path("w"))
