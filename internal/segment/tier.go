@@ -434,8 +434,9 @@ func (r *Registry) evictLocked(s *Segment) error {
 	r.tiers.spilling += size
 	done := make(chan struct{})
 	s.moving, s.copying = done, true
+	n := memSize(s.mem)
 	r.mu.Unlock()
-	err := r.move(s, OnHost, memSize(s.mem))
+	err := r.move(s, OnHost, n)
 	r.mu.Lock()
 	r.tiers.spilling -= size
 	s.moving, s.copying = nil, false
@@ -497,7 +498,7 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 	defer s.io.Unlock()
 	r.mu.Lock()
 	// The clean copy is this move's from here on: nothing else frees it.
-	old, clean := s.mem, s.clean
+	old, clean, name := s.mem, s.clean, s.name
 	s.clean = nil
 	r.mu.Unlock()
 	var (
@@ -530,13 +531,13 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 	}
 	if err != nil {
 		free(nm)
-		return fmt.Errorf("copy %s of %q to %s: %w", fmtBytes(size), s.name, tierPlace(to, s.device), err)
+		return fmt.Errorf("copy %s of %q to %s: %w", fmtBytes(size), name, tierPlace(to, s.device), err)
 	}
 	r.mu.Lock()
 	if s.gone || s.mem != old {
 		r.mu.Unlock()
 		free(nm)
-		return fmt.Errorf("%w: %q was removed while it moved", ErrNotFound, s.name)
+		return fmt.Errorf("%w: %q was removed while it moved", ErrNotFound, name)
 	}
 	s.mem, s.tier = nm, to
 	if to == OnDevice && r.hostUseLocked()+memSize(old) <= r.tiers.cfg.HostBudget {
@@ -554,7 +555,7 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 		r.tiers.stats.Restores++
 		r.tiers.stats.RestoredBytes += size
 	}
-	observe, name := r.tiers.cfg.Observe, s.name
+	observe := r.tiers.cfg.Observe
 	syncer, _ := r.journal.(Syncer)
 	r.mu.Unlock()
 	if to == OnHost {
