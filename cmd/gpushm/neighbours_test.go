@@ -103,7 +103,12 @@ func steady(t *testing.T, pid int) procStats {
 // near reports whether v is at most 10% (or 1, for small counts) over
 // idle.
 func near(v, idle int) bool {
-	return v-idle <= max(idle/10, 1)
+	// At least two over: on a loaded machine Go makes a thread for a P
+	// handed off from a goroutine blocked in a system call (a memfd's
+	// fallocate, say), and keeps it parked for good; what a neighbour
+	// could leak grows with what it does (hundreds of segments or
+	// connections here), not by one or two.
+	return v-idle <= max(idle/10, 2)
 }
 
 // settle waits until the serving process's threads, descriptors and
