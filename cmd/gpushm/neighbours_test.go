@@ -100,7 +100,7 @@ func steady(t *testing.T, pid int) procStats {
 	}
 }
 
-// near reports whether v is at most 10% (or 1, for small counts) over
+// near reports whether v is at most 10% (or 2, for small counts) over
 // idle.
 func near(v, idle int) bool {
 	// At least two over: on a loaded machine Go makes a thread for a P
