@@ -91,32 +91,48 @@ func (h *Host) PoolStats() wire.Pool { return h.pool.stats() }
 // their replies are sent.
 func (h *Host) Refill() { h.pool.refill() }
 
-func (h *Host) allocate(alloc int64) (segment.Memory, error) { return h.allocateNamed("gpushm", alloc) }
+func (h *Host) allocate(alloc int64) (segment.Memory, error) {
+	return newMemfd("gpushm", alloc, func(m *hostMemory) error {
+		if err := unix.Fallocate(m.fd, 0, 0, alloc); err != nil {
+			return fmt.Errorf("fallocate: %w", noMem(err))
+		}
+		return nil
+	})
+}
 
-// allocateNamed makes a committed, sealed memfd of alloc bytes, named for
-// /proc/PID/fd.
-func (h *Host) allocateNamed(name string, alloc int64) (segment.Memory, error) {
+// newMemfd makes a memfd of alloc bytes named for /proc/PID/fd, has
+// commit make its pages (so that running out of memory is an error here,
+// not a SIGBUS in a client later), and seals its size.
+func newMemfd(name string, alloc int64, commit func(*hostMemory) error) (*hostMemory, error) {
 	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, fmt.Errorf("memfd_create: %w", err)
 	}
-	if err := unix.Ftruncate(fd, alloc); err != nil {
-		unix.Close(fd)
-		return nil, fmt.Errorf("ftruncate: %w", err)
+	m := &hostMemory{fd: fd, size: alloc}
+	fail := func(err error) (*hostMemory, error) {
+		m.Free()
+		return nil, err
 	}
-	if err := unix.Fallocate(fd, 0, 0, alloc); err != nil {
-		unix.Close(fd)
-		if err == unix.ENOSPC {
-			err = unix.ENOMEM
-		}
-		return nil, fmt.Errorf("fallocate: %w", err)
+	if err := unix.Ftruncate(fd, alloc); err != nil {
+		return fail(fmt.Errorf("ftruncate: %w", err))
+	}
+	if err := commit(m); err != nil {
+		return fail(err)
 	}
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
-		unix.Close(fd)
-		return nil, fmt.Errorf("seal: %w", err)
+		return fail(fmt.Errorf("seal: %w", err))
 	}
 	restrict(fd)
-	return &hostMemory{fd: fd, size: alloc}, nil
+	return m, nil
+}
+
+// noMem is the errno out of memory is reported as: fallocate says ENOSPC,
+// a populate EFAULT.
+func noMem(err error) error {
+	if err == unix.ENOSPC || err == unix.EFAULT {
+		return unix.ENOMEM
+	}
+	return err
 }
 
 // restrict takes the memfd's permission bits away from everyone but its

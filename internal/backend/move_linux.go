@@ -70,35 +70,24 @@ func (s *Spill) Capacity(device int) (int64, error) { return s.host.Capacity(dev
 func (s *Spill) Allocate(device int, size int64) (segment.Memory, error) {
 	g := s.host.Granularity()
 	size = (size + g - 1) / g * g
-	fd, err := unix.MemfdCreate("gpushm-spill", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	m, err := newMemfd("gpushm-spill", size, func(m *hostMemory) error {
+		b, err := m.bytes()
+		if err != nil {
+			return err
+		}
+		if err := populate(b); !errors.Is(err, unix.EINVAL) {
+			return err
+		}
+		// A kernel older than 5.14.
+		if err := unix.Fallocate(m.fd, 0, 0, size); err != nil {
+			return fmt.Errorf("fallocate: %w", noMem(err))
+		}
+		return nil
+	})
 	if err != nil {
-		return nil, fmt.Errorf("memfd_create: %w", err)
-	}
-	m := &hostMemory{fd: fd, size: size, recycle: s.recycle}
-	fail := func(err error) (segment.Memory, error) {
-		m.recycle = nil
-		m.Free()
 		return nil, err
 	}
-	if err := unix.Ftruncate(fd, size); err != nil {
-		return fail(fmt.Errorf("ftruncate: %w", err))
-	}
-	b, err := m.bytes()
-	if err != nil {
-		return fail(err)
-	}
-	if err := populate(b); errors.Is(err, unix.EINVAL) {
-		// A kernel older than 5.14.
-		if err := unix.Fallocate(fd, 0, 0, size); err != nil {
-			return fail(fmt.Errorf("fallocate: %w", noMem(err)))
-		}
-	} else if err != nil {
-		return fail(err)
-	}
-	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
-		return fail(fmt.Errorf("seal: %w", err))
-	}
-	restrict(fd)
+	m.recycle = s.recycle
 	return m, nil
 }
 
@@ -174,13 +163,6 @@ func (s *Spill) trim() {
 		m.recycle = nil
 		m.Free()
 	}
-}
-
-func noMem(err error) error {
-	if err == unix.ENOSPC || err == unix.EFAULT {
-		return unix.ENOMEM
-	}
-	return err
 }
 
 // populateChunk is what one thread populates at a time.
