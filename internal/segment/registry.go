@@ -445,26 +445,23 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		uncommitted: o.Uncommitted,
 	}
 	r.byName[o.Name] = s
+	err = nil // find's ErrNotFound
 	if need > 0 {
-		// Counted from here on (deviceUseLocked): room is made for it now.
-		if err := r.roomLocked(o.Device, nil, fmt.Sprintf("creating %q (%s)", o.Name, fmtBytes(need))); err != nil {
-			delete(r.byName, o.Name)
-			s.creating, s.linked, s.gone = false, false, true
-			close(s.ready)
-			r.mu.Unlock()
-			return nil, false, fmt.Errorf("allocate %d bytes on device %d: %w", o.Size, o.Device, err)
-		}
+		// Counted from here on (deviceUseLocked): room is made for it now,
+		// and no room ends the create as a failed allocation does.
+		err = r.roomLocked(o.Device, nil, fmt.Sprintf("creating %q (%s)", o.Name, fmtBytes(need)))
 	}
 	r.mu.Unlock()
 	o.Trace.Mark("check")
 
 	var mem Memory
-	err = nil // find's ErrNotFound
-	if o.Memory != nil {
+	switch {
+	case err != nil:
+	case o.Memory != nil:
 		mem, pending = o.Memory, nil
-	} else if o.Slots > 0 {
+	case o.Slots > 0:
 		mem, err = r.allocateChannel(o)
-	} else if o.Size > 0 {
+	case o.Size > 0:
 		mem, err = r.allocate(o.Device, o.Size)
 	}
 	o.Trace.Mark(allocStep(mem))
@@ -522,10 +519,7 @@ func (r *Registry) find(name string) (*Segment, error) {
 		if !s.creating {
 			return s, nil
 		}
-		ch := s.ready
-		r.mu.Unlock()
-		<-ch
-		r.mu.Lock()
+		r.waitLocked(s.ready)
 	}
 }
 

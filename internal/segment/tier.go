@@ -120,10 +120,6 @@ func (r *Registry) SetTiers(t Tiers) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.tiers.cfg = t
-	if r.tiers.restoring == nil {
-		r.tiers.restoring = map[int]int64{}
-		r.tiers.peak = map[int]int64{}
-	}
 }
 
 // TierStats reports budgets, use and moves.
@@ -132,8 +128,7 @@ func (r *Registry) TierStats() TierStats {
 	defer r.mu.Unlock()
 	st := r.tiers.stats
 	st.HostBudget = r.tiers.cfg.HostBudget
-	st.CleanBytes = r.cleanUseLocked()
-	st.HostBytes = r.hostUseLocked() - st.CleanBytes
+	st.HostBytes, st.CleanBytes = r.hostBytesLocked()
 	if k, ok := r.tiers.cfg.Spill.(interface{ Kept() (int, int64) }); ok {
 		st.Spare, st.SpareBytes = k.Kept()
 	}
@@ -174,21 +169,20 @@ func (r *Registry) deviceUseLocked(d int) int64 {
 // way back to its device counts as gone: the eviction its restore makes
 // room with takes its place (and its copy stays only while it is clean).
 func (r *Registry) hostUseLocked() int64 {
-	var n int64
-	for _, s := range r.byID {
-		if s.tier == OnHost && s.moving == nil {
-			n += memSize(s.mem)
-		}
-	}
-	return n + r.cleanUseLocked() + r.tiers.spilling
+	evicted, clean := r.hostBytesLocked()
+	return evicted + clean + r.tiers.spilling
 }
 
-func (r *Registry) cleanUseLocked() int64 {
-	var n int64
+// hostBytesLocked is what host memory holds of evicted segments (not on
+// their way back) and of clean copies.
+func (r *Registry) hostBytesLocked() (evicted, clean int64) {
 	for _, s := range r.byID {
-		n += memSize(s.clean)
+		if s.tier == OnHost && s.moving == nil {
+			evicted += memSize(s.mem)
+		}
+		clean += memSize(s.clean)
 	}
-	return n
+	return evicted, clean
 }
 
 // dirtyLocked forgets s's clean copy: s may be written now (a read-write
@@ -218,12 +212,7 @@ func (r *Registry) freeLater(m Memory) {
 func (r *Registry) hostRoomLocked(need int64) bool {
 	budget := r.tiers.cfg.HostBudget
 	for r.hostUseLocked()+need > budget {
-		var v *Segment
-		for _, s := range r.byID {
-			if s.clean != nil && (v == nil || s.lastOpen.Before(v.lastOpen)) {
-				v = s
-			}
-		}
+		v := r.oldestLocked(func(s *Segment) bool { return s.clean != nil })
 		if v == nil {
 			return false
 		}
@@ -253,23 +242,37 @@ func (r *Registry) unmovableLocked(s *Segment) string {
 		return "its memory was published by a client, which may still write it"
 	case s.uncommitted:
 		return "its writer has not committed it"
-	case s.doubt:
-		return "the daemon restarted, and clients may still have it mapped"
 	case s.orphan != "":
 		return "it is orphaned"
+	case s.doubt:
+		// Last: a segment held by nothing else moves once the grace
+		// period ends (afterGraceLocked).
+		return whyDoubt
 	}
 	return ""
+}
+
+const whyDoubt = "the daemon restarted, and clients may still have it mapped"
+
+// afterGraceLocked reports whether only the grace period, still running,
+// keeps s from moving.
+func (r *Registry) afterGraceLocked(s *Segment) bool {
+	return r.graceRunningLocked() && r.unmovableLocked(s) == whyDoubt
 }
 
 // victimLocked is the least recently opened segment on device d that may
 // move, or nil.
 func (r *Registry) victimLocked(d int) *Segment {
+	return r.oldestLocked(func(s *Segment) bool {
+		return s.device == d && s.tier == OnDevice && r.unmovableLocked(s) == ""
+	})
+}
+
+// oldestLocked is the least recently opened segment that ok takes, or nil.
+func (r *Registry) oldestLocked(ok func(*Segment) bool) *Segment {
 	var v *Segment
 	for _, s := range r.byID {
-		if s.device != d || s.tier != OnDevice || r.unmovableLocked(s) != "" {
-			continue
-		}
-		if v == nil || s.lastOpen.Before(v.lastOpen) || s.lastOpen.Equal(v.lastOpen) && s.id < v.id {
+		if ok(s) && (v == nil || s.lastOpen.Before(v.lastOpen) || s.lastOpen.Equal(v.lastOpen) && s.id < v.id) {
 			v = s
 		}
 	}
@@ -291,8 +294,7 @@ func (r *Registry) freeableLocked(d int) int64 {
 		if s.device != d || s.tier != OnDevice {
 			continue
 		}
-		why := r.unmovableLocked(s)
-		if why == "" || s.moving != nil && s.copying || s.doubt && s.opens == 0 && s.pins == 0 && r.graceRunningLocked() {
+		if r.unmovableLocked(s) == "" || s.moving != nil && s.copying || r.afterGraceLocked(s) {
 			n += memSize(s.mem)
 		}
 	}
@@ -300,14 +302,21 @@ func (r *Registry) freeableLocked(d int) int64 {
 }
 
 // inDoubtOnLocked reports whether device d holds segments that only the
-// grace period keeps from moving.
+// grace period, still running, keeps from moving.
 func (r *Registry) inDoubtOnLocked(d int) bool {
 	for _, s := range r.byID {
-		if s.device == d && s.tier == OnDevice && s.doubt && s.opens == 0 {
+		if s.device == d && s.tier == OnDevice && r.afterGraceLocked(s) {
 			return true
 		}
 	}
 	return false
+}
+
+// waitLocked waits for ch to close, with mu dropped meanwhile.
+func (r *Registry) waitLocked(ch chan struct{}) {
+	r.mu.Unlock()
+	<-ch
+	r.mu.Lock()
 }
 
 // movingOnLocked returns the channel of a move in flight to or from
@@ -348,12 +357,10 @@ func (r *Registry) roomLocked(d int, self *Segment, what string) error {
 		v := r.victimLocked(d)
 		if v == nil {
 			if ch := r.movingOnLocked(d, self); ch != nil {
-				r.mu.Unlock()
-				<-ch
-				r.mu.Lock()
+				r.waitLocked(ch)
 				continue
 			}
-			if r.graceRunningLocked() && r.inDoubtOnLocked(d) {
+			if r.inDoubtOnLocked(d) {
 				// After a restart nobody knows yet which segments clients
 				// still map: those that nobody reclaims may move once the
 				// grace period ends (EndGrace).
@@ -473,10 +480,7 @@ func (r *Registry) onDeviceLocked(s *Segment) error {
 			return fmt.Errorf("%w: %q was removed", ErrNotFound, s.name)
 		}
 		if s.moving != nil {
-			ch := s.moving
-			r.mu.Unlock()
-			<-ch
-			r.mu.Lock()
+			r.waitLocked(s.moving)
 			continue
 		}
 		if s.tier == OnDevice {
@@ -585,28 +589,30 @@ func tierPlace(t Tier, d int) string {
 	return fmt.Sprintf("device %d", d)
 }
 
-// Evict moves the named segment to host memory now. The owner or root
-// may; a segment already on host is left there.
-func (r *Registry) Evict(c Cred, name string) error {
+// Evict moves the named segment to host memory now, and describes it
+// then. The owner or root may; a segment already on host is left there.
+func (r *Registry) Evict(c Cred, name string) (Info, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	s, err := r.findNamed(name)
 	if err != nil {
-		return err
+		return Info{}, err
 	}
 	if err := mayRemove(c, s); err != nil {
-		return err
+		return Info{}, err
 	}
 	for s.moving != nil {
-		ch := s.moving
-		r.mu.Unlock()
-		<-ch
-		r.mu.Lock()
+		r.waitLocked(s.moving)
 	}
-	if s.tier == OnHost || s.gone {
-		return nil
+	if s.gone {
+		return Info{}, fmt.Errorf("%w: %q was removed", ErrNotFound, name)
 	}
-	return r.evictLocked(s)
+	if s.tier == OnDevice {
+		if err := r.evictLocked(s); err != nil {
+			return Info{}, err
+		}
+	}
+	return r.infoLocked(s), nil
 }
 
 // Load brings the named segment back to its device ahead of an open (a

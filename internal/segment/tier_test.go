@@ -165,7 +165,7 @@ func TestTierOpenAndPinnedNeverMove(t *testing.T) {
 		t.Fatalf("%v: an open or pinned segment moved", got)
 	}
 	for _, name := range []string{"held", "pinned"} {
-		if err := f.r.Evict(alice, name); !errors.Is(err, ErrPinned) || !errors.Is(err, syscall.EBUSY) {
+		if _, err := f.r.Evict(alice, name); !errors.Is(err, ErrPinned) || !errors.Is(err, syscall.EBUSY) {
 			t.Fatalf("evict %s: %v, want EBUSY", name, err)
 		}
 	}
@@ -221,7 +221,7 @@ func TestTierHostBudget(t *testing.T) {
 	if _, _, err := g.r.Create(alice, CreateOptions{Name: "b", Size: page}); !errors.Is(err, ErrNoRoom) {
 		t.Fatalf("create past the budget with eviction off: %v", err)
 	}
-	if err := g.r.Evict(alice, "a"); !errors.Is(err, ErrNoRoom) {
+	if _, err := g.r.Evict(alice, "a"); !errors.Is(err, ErrNoRoom) {
 		t.Fatalf("evict with eviction off: %v", err)
 	}
 }
@@ -229,10 +229,10 @@ func TestTierHostBudget(t *testing.T) {
 func TestTierConcurrentOpensShareOneRestore(t *testing.T) {
 	f := newTiers(t, 4, 100)
 	f.put(t, "big")
-	if err := f.r.Evict(alice, "big"); err != nil {
+	if _, err := f.r.Evict(alice, "big"); err != nil {
 		t.Fatal(err)
 	}
-	if err := f.r.Evict(bob, "big"); !errors.Is(err, ErrNotOwner) {
+	if _, err := f.r.Evict(bob, "big"); !errors.Is(err, ErrNotOwner) {
 		t.Fatalf("evict by another user: %v", err)
 	}
 	f.mover.delay = 20 * time.Millisecond
@@ -268,13 +268,13 @@ func TestTierFailedMoveLeavesItWhole(t *testing.T) {
 	f.put(t, "a")
 	devLive, hostLive := f.dev.liveCount(), f.spill.liveCount()
 	f.mover.failNext.Store(true)
-	if err := f.r.Evict(alice, "a"); !errors.Is(err, syscall.EIO) {
+	if _, err := f.r.Evict(alice, "a"); !errors.Is(err, syscall.EIO) {
 		t.Fatalf("evict with a failing copy: %v", err)
 	}
 	if got := f.tiers(t); got["a"] != OnDevice || f.dev.liveCount() != devLive || f.spill.liveCount() != hostLive {
 		t.Fatalf("after a failed eviction: %v, %d/%d allocations", got, f.dev.liveCount(), f.spill.liveCount())
 	}
-	if err := f.r.Evict(alice, "a"); err != nil {
+	if _, err := f.r.Evict(alice, "a"); err != nil {
 		t.Fatal(err)
 	}
 	f.mover.failNext.Store(true)
@@ -293,7 +293,7 @@ func TestTierJournaled(t *testing.T) {
 	j := newJournal()
 	f.r.SetJournal(j)
 	s := f.put(t, "a")
-	if err := f.r.Evict(alice, "a"); err != nil {
+	if _, err := f.r.Evict(alice, "a"); err != nil {
 		t.Fatal(err)
 	}
 	rec, fd := j.recs[s.ID()], j.fds[s.ID()]
@@ -356,7 +356,7 @@ func TestTierRestoreWaitsForGrace(t *testing.T) {
 func TestTierGrowsWhereItLives(t *testing.T) {
 	f := newTiers(t, 4, 100)
 	f.put(t, "a")
-	if err := f.r.Evict(alice, "a"); err != nil {
+	if _, err := f.r.Evict(alice, "a"); err != nil {
 		t.Fatal(err)
 	}
 	s, _, _ := f.r.Lookup("a")
@@ -425,7 +425,7 @@ func TestTierRacingRestoresEnd(t *testing.T) {
 func TestTierCleanCopy(t *testing.T) {
 	f := newTiers(t, 1, 3)
 	f.put(t, "a")
-	if err := f.r.Evict(alice, "a"); err != nil {
+	if _, err := f.r.Evict(alice, "a"); err != nil {
 		t.Fatal(err)
 	}
 	read := func(name string) {
@@ -442,7 +442,7 @@ func TestTierCleanCopy(t *testing.T) {
 		t.Fatalf("after a read-only restore: %+v", st)
 	}
 	moves := f.mover.moves.Load()
-	if err := f.r.Evict(alice, "a"); err != nil {
+	if _, err := f.r.Evict(alice, "a"); err != nil {
 		t.Fatal(err)
 	}
 	if n := f.mover.moves.Load() - moves; n != 0 {
@@ -459,7 +459,7 @@ func TestTierCleanCopy(t *testing.T) {
 		t.Fatalf("after a read-write open: %+v, %d host allocations", st, f.spill.liveCount())
 	}
 	moves = f.mover.moves.Load()
-	if err := f.r.Evict(alice, "a"); err != nil {
+	if _, err := f.r.Evict(alice, "a"); err != nil {
 		t.Fatal(err)
 	}
 	if n := f.mover.moves.Load() - moves; n != 1 {
@@ -529,7 +529,7 @@ func TestTierQuotaCountsOnce(t *testing.T) {
 	f.r.SetLimits(Limits{UserBytes: 3 * page})
 	f.put(t, "a")
 	f.put(t, "b")
-	if err := f.r.Evict(alice, "a"); err != nil {
+	if _, err := f.r.Evict(alice, "a"); err != nil {
 		t.Fatal(err)
 	}
 	f.put(t, "c") // the third page of the quota, with a on host

@@ -20,9 +20,7 @@ func (c *conn) tier(cred segment.Cred, req *wire.Request) (*wire.Reply, int) {
 	)
 	switch req.Op {
 	case wire.OpEvict:
-		if err = c.s.reg.Evict(cred, req.Name); err == nil {
-			inf, err = c.s.reg.Stat(req.Name)
-		}
+		inf, err = c.s.reg.Evict(cred, req.Name)
 	case wire.OpLoad:
 		inf, err = c.s.reg.Load(cred, req.Name)
 	case wire.OpPin:
