@@ -52,9 +52,7 @@ func startLoggedDaemon(t *testing.T, socket string, args ...string) *lockedBuffe
 	}
 	t.Cleanup(func() {
 		killDaemon(socket, cmd)
-		if t.Failed() {
-			t.Logf("daemon log:\n%s", log)
-		}
+		dumpDaemonLog(t, log.String())
 	})
 	for i := 0; cli(t, nil, "--socket", socket, "info").code != 0; i++ {
 		if i > 500 {

@@ -81,9 +81,7 @@ func startSupervised(t *testing.T, exe, socket string, args ...string) *supervis
 		killDaemon(socket, nil)
 		d.cmd.Process.Kill()
 		<-d.done
-		if t.Failed() {
-			t.Logf("daemon log:\n%s", d.log.String())
-		}
+		dumpDaemonLog(t, d.log.String())
 	})
 	d.waitServing(t, 0)
 	return d

@@ -501,6 +501,14 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 	s.io.Lock()
 	defer s.io.Unlock()
 	r.mu.Lock()
+	if s.gone || s.mem == nil {
+		// Removed (or emptied) while this move waited for the daemon's
+		// own copies to end: nothing is left to move, and an eviction
+		// made its room all the same.
+		name := s.name
+		r.mu.Unlock()
+		return fmt.Errorf("%w: %q was removed before it could move", ErrNotFound, name)
+	}
 	// The clean copy is this move's from here on: nothing else frees it.
 	old, clean, name := s.mem, s.clean, s.name
 	s.clean = nil

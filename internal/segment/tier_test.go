@@ -543,3 +543,55 @@ func TestTierQuotaCountsOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestTierVictimRemovedBeforeItMoves: the segment an eviction picked is
+// unlinked (and freed) while the eviction waits to copy it. The eviction
+// has nothing to copy then, and the create it made room for goes on: the
+// removal made the room.
+func TestTierVictimRemovedBeforeItMoves(t *testing.T) {
+	f := newTiers(t, 2, 100)
+	a := f.put(t, "a")
+	f.put(t, "b")
+	a.io.Lock() // the daemon's own copy of a, which the move waits for
+	created := make(chan error, 1)
+	go func() {
+		_, _, err := f.r.Create(alice, CreateOptions{Name: "c", Size: page})
+		created <- err
+	}()
+	waitFor(t, "the eviction of a", func() bool {
+		f.r.mu.Lock()
+		defer f.r.mu.Unlock()
+		return a.moving != nil
+	})
+	unlinked := make(chan error, 1)
+	go func() { unlinked <- f.r.Unlink(alice, "a") }()
+	waitFor(t, "a's removal", func() bool {
+		f.r.mu.Lock()
+		defer f.r.mu.Unlock()
+		return a.gone
+	})
+	a.io.Unlock()
+	if err := <-unlinked; err != nil {
+		t.Fatalf("unlink: %v", err)
+	}
+	if err := <-created; err != nil {
+		t.Fatalf("create, while the segment it evicted was removed: %v", err)
+	}
+	f.r.background.Wait()
+	if got := f.tiers(t); len(got) != 2 || got["b"] != OnDevice || got["c"] != OnDevice {
+		t.Fatalf("after the create: %v", got)
+	}
+	if n := f.spill.liveCount(); n != 0 {
+		t.Fatalf("%d host allocations left, want 0", n)
+	}
+}
+
+func waitFor(t *testing.T, what string, ok func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !ok(); {
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s within 10s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
