@@ -21,6 +21,8 @@ import (
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/fusefs"
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/server"
 	"github.com/gpushm/gpushm/internal/testdaemon"
 )
 
@@ -48,8 +50,14 @@ func (e *env) path(name string) string { return filepath.Join(e.dir, name) }
 // test, and a socket client.
 func mount(t *testing.T, backendName string) *env {
 	t.Helper()
+	return mountWith(t, backendName, nil)
+}
+
+// mountWith is mount with setup run on the daemon before it serves.
+func mountWith(t *testing.T, backendName string, setup func(*server.Server, backend.Backend)) *env {
+	t.Helper()
 	requireFUSE(t)
-	d := testdaemon.Start(t, backendName)
+	d := testdaemon.StartWith(t, backendName, setup)
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	// statfs asks a backend about its devices; a second handle on the same
 	// devices answers as the daemon's would.
@@ -717,4 +725,59 @@ func TestEvictedFile(t *testing.T) {
 			t.Fatalf("open after the writes: equal %v, tier %q", bytes.Equal(got[:len(data)], data), tier())
 		}
 	})
+}
+
+// TestCopyUnderBudget: a file copied into the view grows under the
+// device's budget as a create would: the least recently opened segment
+// goes to host memory to make room, and the device never holds more than
+// its budget, counting the old memory and the new while a growing file's
+// bytes are copied over.
+func TestCopyUnderBudget(t *testing.T) {
+	const budget = 16 << 20
+	for _, b := range testdaemon.Backends() {
+		t.Run(b, func(t *testing.T) {
+			var reg *segment.Registry
+			e := mountWith(t, b, func(srv *server.Server, be backend.Backend) {
+				host, err := backend.NewHost()
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { host.Close() })
+				reg = srv.Registry()
+				reg.SetTiers(segment.Tiers{Budgets: map[int]int64{0: budget}, HostBudget: 1 << 30,
+					Spill: backend.NewSpill(host, 0), Mover: be.(segment.Mover)})
+			})
+			ctx := context.Background()
+			old := random(10, 8<<20)
+			s, err := e.c.Create(ctx, "old", int64(len(old)), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			m, err := s.Map()
+			if err == nil {
+				_, err = m.WriteAt(old, 0)
+			}
+			s.Close()
+			if err != nil {
+				t.Fatal(err)
+			}
+			data := random(11, 6<<20+3)
+			if err := os.WriteFile(e.path("new"), data, 0o600); err != nil {
+				t.Fatalf("copy into the view: %v", err)
+			}
+			inf, err := e.c.Stat(ctx, "old")
+			if err != nil || inf.Tier != "host" {
+				t.Fatalf("the segment the copy made room with: %+v, %v; want it on host", inf, err)
+			}
+			if st := reg.TierStats(); st.Devices[0].Peak > budget {
+				t.Fatalf("the device held %d bytes at its peak, over its budget of %d", st.Devices[0].Peak, budget)
+			}
+			if got := e.segmentBytes(t, "new"); !bytes.Equal(got[:len(data)], data) {
+				t.Fatal("the copied file's bytes differ")
+			}
+			if got := e.segmentBytes(t, "old"); !bytes.Equal(got[:len(old)], old) {
+				t.Fatal("the evicted segment's bytes differ")
+			}
+		})
+	}
 }

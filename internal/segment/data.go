@@ -256,6 +256,12 @@ func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64) (
 		if s.tier == OnHost {
 			// An evicted segment grows where it lives.
 			alloc, dev, where = r.tiers.cfg.Spill, 0, "host memory"
+		} else if err := r.reserveLocked(s, capacity); err != nil {
+			r.mu.Unlock()
+			return nil, err
+		} else {
+			// Let go once the new memory is s's (or was not made).
+			defer r.unreserve(s.device, r.roundSize(s.device, capacity))
 		}
 		r.mu.Unlock()
 		if nm, err = alloc.Allocate(dev, capacity); err != nil {

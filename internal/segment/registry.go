@@ -285,7 +285,7 @@ func New(alloc Allocator, changed func()) *Registry {
 		alloc:  alloc,
 		byName: make(map[string]*Segment),
 		byID:   make(map[uint64]*Segment),
-		tiers:  tierState{restoring: map[int]int64{}, peak: map[int]int64{}},
+		tiers:  tierState{reserved: map[int]int64{}, peak: map[int]int64{}},
 	}
 	// Whatever makes a name stop naming its segment may also end an open's
 	// wait for a commit (commit.go).

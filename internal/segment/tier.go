@@ -100,15 +100,15 @@ type TierStats struct {
 type DeviceTier struct {
 	Device int
 	// Budget is 0 for none. Bytes is what the device holds now, Peak the
-	// most it ever held (with creates and restores in flight counted from
-	// the moment they were let in).
+	// most it ever held (with creates, restores and growths in flight
+	// counted from the moment they were let in).
 	Budget, Bytes, Peak int64
 }
 
 // tierState is the registry's part of the tiers; Registry.mu guards it.
 type tierState struct {
 	cfg       Tiers
-	restoring map[int]int64 // device bytes of restores in flight
+	reserved  map[int]int64 // device bytes of restores and growths in flight
 	spilling  int64         // host bytes of evictions in flight
 	peak      map[int]int64
 	stats     TierStats
@@ -161,7 +161,7 @@ func (r *Registry) deviceUseLocked(d int) int64 {
 			n += r.roundSize(d, s.size)
 		}
 	}
-	return n + r.tiers.restoring[d]
+	return n + r.tiers.reserved[d]
 }
 
 // hostUseLocked is what host memory holds of evicted segments and of
@@ -451,13 +451,34 @@ func (r *Registry) evictLocked(s *Segment) error {
 	return err
 }
 
+// reserveLocked lets in capacity bytes more of s's device, for new memory
+// of s (a file that grows in the FUSE view), evicting to make room as a
+// create does. The old memory and the new are both on the device while
+// the bytes are copied over, so both count until unreserve. mu is held,
+// and dropped while segments move.
+func (r *Registry) reserveLocked(s *Segment, capacity int64) error {
+	n := r.roundSize(s.device, capacity)
+	r.tiers.reserved[s.device] += n
+	if err := r.roomLocked(s.device, s, fmt.Sprintf("growing %q to %s", s.name, fmtBytes(capacity))); err != nil {
+		r.tiers.reserved[s.device] -= n
+		return err
+	}
+	return nil
+}
+
+func (r *Registry) unreserve(d int, n int64) {
+	r.mu.Lock()
+	r.tiers.reserved[d] -= n
+	r.mu.Unlock()
+}
+
 // restoreLocked moves s, on host, back to its device, making room first.
 // mu is held, and dropped while segments move.
 func (r *Registry) restoreLocked(s *Segment) error {
 	size := memSize(s.mem)
 	done := make(chan struct{})
 	s.moving = done
-	r.tiers.restoring[s.device] += size
+	r.tiers.reserved[s.device] += size
 	err := r.roomLocked(s.device, s, fmt.Sprintf("restoring %q (%s)", s.name, fmtBytes(size)))
 	if err == nil {
 		s.copying = true
@@ -465,7 +486,7 @@ func (r *Registry) restoreLocked(s *Segment) error {
 		err = r.move(s, OnDevice, size)
 		r.mu.Lock()
 	}
-	r.tiers.restoring[s.device] -= size
+	r.tiers.reserved[s.device] -= size
 	s.moving, s.copying = nil, false
 	close(done)
 	return err

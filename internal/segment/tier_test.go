@@ -595,3 +595,69 @@ func waitFor(t *testing.T, what string, ok func() bool) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// dataMover moves the bytes of files_test.go's fake memory.
+type dataMover struct{}
+
+func (dataMover) Move(dst, src Memory, n int64) error { return dst.(*dataMem).CopyFrom(src, n) }
+
+// TestTierGrowthEvicts: a file that grows in the FUSE view (a write past
+// its end) makes room under the budget as a create does, evicting the
+// least recently opened segment, and fails with ENOSPC when nothing may
+// move; the budget holds throughout.
+func TestTierGrowthEvicts(t *testing.T) {
+	const budget = 4 * page
+	r := New(newDataAlloc(), nil)
+	r.SetTiers(Tiers{Budgets: map[int]int64{0: budget}, HostBudget: 100 * page, Spill: newDataAlloc(), Mover: dataMover{}})
+	create := func(name string) *Segment {
+		t.Helper()
+		s, _, err := r.Create(alice, CreateOptions{Name: name, Size: page})
+		if err != nil {
+			t.Fatalf("create %s: %v", name, err)
+		}
+		return s
+	}
+	check := func(want map[string]Tier) {
+		t.Helper()
+		r.background.Wait()
+		for _, inf := range r.List("", 0) {
+			if w, ok := want[inf.Name]; ok && inf.Tier != w {
+				t.Errorf("%s on %s, want %s", inf.Name, inf.Tier, w)
+			}
+		}
+		if st := r.TierStats(); st.Devices[0].Peak > budget {
+			t.Fatalf("device 0 held %d bytes at its peak, budget %d", st.Devices[0].Peak, budget)
+		}
+	}
+	create("a")
+	create("b")
+	file := create("file")
+	if err := r.Pin(alice, file, Read|Write); err != nil {
+		t.Fatal(err)
+	}
+	defer r.Unpin(file)
+	// One page grows to two: with a and b, and the old page while the
+	// bytes are copied, five would be in use.
+	if _, err := r.WriteAt(file, []byte("grown"), page); err != nil {
+		t.Fatalf("a write that grows the file: %v", err)
+	}
+	check(map[string]Tier{"a": OnHost, "b": OnDevice, "file": OnDevice})
+	c := create("c")
+	if err := r.Pin(alice, c, Read); err != nil {
+		t.Fatal(err)
+	}
+	defer r.Unpin(c)
+	if _, err := r.Evict(alice, "b"); err != nil {
+		t.Fatal(err)
+	}
+	// The file (two pages) and c, both pinned, leave one page free: no
+	// growth fits beside the file's copy.
+	if _, err := r.WriteAt(file, []byte("more"), 2*page); !errors.Is(err, ErrNoRoom) {
+		t.Fatalf("a growth that nothing may make room for: %v, want ErrNoRoom", err)
+	}
+	check(map[string]Tier{"a": OnHost, "b": OnHost, "c": OnDevice, "file": OnDevice})
+	got := make([]byte, 5)
+	if _, err := r.ReadAt(file, got, page); err != nil || string(got) != "grown" {
+		t.Fatalf("the file after the refused growth: %q, %v", got, err)
+	}
+}
