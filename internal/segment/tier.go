@@ -107,11 +107,11 @@ type DeviceTier struct {
 
 // tierState is the registry's part of the tiers; Registry.mu guards it.
 type tierState struct {
-	cfg       Tiers
-	reserved  map[int]int64 // device bytes of restores and growths in flight
-	spilling  int64         // host bytes of evictions in flight
-	peak      map[int]int64
-	stats     TierStats
+	cfg      Tiers
+	reserved map[int]int64 // device bytes of restores and growths in flight
+	spilling int64         // host bytes of evictions in flight
+	peak     map[int]int64
+	stats    TierStats
 }
 
 // SetTiers turns on budgets and eviction; call it before the registry is
