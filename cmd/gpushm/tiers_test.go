@@ -493,8 +493,14 @@ func TestSurviveTiers(t *testing.T) {
 		}
 	}()
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 3))
-	midMove := 0
-	for i := range kills {
+	// At least half the kills must come mid-move: a busy machine that
+	// lets the churn fall idle more often gets more rounds, not a failure.
+	midMove, rounds := 0, 0
+	for i := 0; i < kills || midMove < kills/2; i++ {
+		if i == 10*kills {
+			t.Fatalf("only %d of %d kills came while a segment moved", midMove, i)
+		}
+		rounds++
 		// Segments move again once the grace period is over: kill then,
 		// mid-move most of the time.
 		var inf *gpushm.Info
@@ -529,11 +535,8 @@ func TestSurviveTiers(t *testing.T) {
 	reader.ask(t, 0, all)
 	tiers := tiersOf(t, d.socket)
 	if len(tiers) != count {
-		t.Fatalf("segments after %d kills: %v", kills, tiers)
+		t.Fatalf("segments after %d kills: %v", rounds, tiers)
 	}
 	t.Logf("%d kills, %d of them while an evict or a load was on its way, during %d evictions and loads; tiers at the end %v",
-		kills, midMove, moves.Load(), tiers)
-	if midMove < kills/2 {
-		t.Fatalf("only %d of %d kills came while a segment moved", midMove, kills)
-	}
+		rounds, midMove, moves.Load(), tiers)
 }
