@@ -5,9 +5,9 @@
  * docs/allocator.md says how to use it and what it cannot do.
  *
  * Builds without the CUDA toolkit: the few driver types are declared below
- * (layouts as in internal/cuda/cuda_cgo.go, checked against cuda.h by
- * `make check-cuda-h` where a toolkit is installed) and every driver entry
- * point is resolved from libcuda.so.1 on first use.
+ * and in internal/cuda/vmm.h, which the Go package shares (checked against
+ * cuda.h by `make check-cuda-h` where a toolkit is installed), and every
+ * driver entry point is resolved from libcuda.so.1 on first use.
  *
  * The whole of the library's state:
  *   cu      driver entry points, and the GPUSHM_PEER_ACCESS switch, written
@@ -76,41 +76,9 @@ typedef int CUmemAllocationType, CUmemAllocationHandleType, CUmemLocationType,
 #define GS_ENUMERATOR(name, value) name = value,
 enum { GS_CONSTANTS(GS_ENUMERATOR) };
 enum { GS_RUNTIME_ERRORS(GS_ENUMERATOR) };
-
-typedef struct CUmemLocation_st {
-	CUmemLocationType type;
-	int id;
-} CUmemLocation;
-
-typedef struct CUmemAllocationProp_st {
-	CUmemAllocationType type;
-	CUmemAllocationHandleType requestedHandleTypes;
-	CUmemLocation location;
-	void *win32HandleMetaData;
-	struct {
-		unsigned char compressionType;
-		unsigned char gpuDirectRDMACapable;
-		unsigned short usage;
-		unsigned char reserved[4];
-	} allocFlags;
-} CUmemAllocationProp;
-
-typedef struct CUmemAccessDesc_st {
-	CUmemLocation location;
-	CUmemAccess_flags flags;
-} CUmemAccessDesc;
 #endif
-
-/* A wrong layout would make the driver read garbage properties or past the
- * access descriptor, so refuse to build rather than guess. */
-_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation layout");
-_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
-_Static_assert(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp.location");
-_Static_assert(offsetof(CUmemAllocationProp, win32HandleMetaData) == 16, "CUmemAllocationProp.win32HandleMetaData");
-_Static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp.allocFlags");
-_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout");
-_Static_assert(offsetof(CUmemAccessDesc, flags) == 8, "CUmemAccessDesc.flags");
-_Static_assert(sizeof(CUdeviceptr) == 8 && sizeof(CUmemGenericAllocationHandle) == 8, "64-bit handles");
+/* The VMM structures and their layout checks, shared with the Go package. */
+#include "../internal/cuda/vmm.h"
 
 /* Driver entry points: field name (the cuda.h name), exported symbol, and
  * parameters. The _v2 symbols are the ones cuda.h maps the names to. */

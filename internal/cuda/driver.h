@@ -79,41 +79,9 @@ typedef enum CUevent_flags_enum {
 	CU_EVENT_DISABLE_TIMING = 0x2
 } CUevent_flags;
 
-typedef struct CUmemLocation_st {
-	CUmemLocationType type;
-	int id;
-} CUmemLocation;
+#include "vmm.h"
 
-typedef struct CUmemAllocationProp_st {
-	CUmemAllocationType type;
-	CUmemAllocationHandleType requestedHandleTypes;
-	CUmemLocation location;
-	void *win32HandleMetaData;
-	struct {
-		unsigned char compressionType;
-		unsigned char gpuDirectRDMACapable;
-		unsigned short usage;
-		unsigned char reserved[4];
-	} allocFlags;
-} CUmemAllocationProp;
-
-typedef struct CUmemAccessDesc_st {
-	CUmemLocation location;
-	CUmemAccess_flags flags;
-} CUmemAccessDesc;
-
-// A wrong layout here would make the driver read garbage properties or write
-// past a descriptor array, so refuse to build if the compiler lays them out
-// differently from the LP64 layout of cuda.h.
-_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation layout");
-_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
-_Static_assert(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp.location");
-_Static_assert(offsetof(CUmemAllocationProp, win32HandleMetaData) == 16, "CUmemAllocationProp.win32HandleMetaData");
-_Static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp.allocFlags");
-_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout");
-_Static_assert(offsetof(CUmemAccessDesc, flags) == 8, "CUmemAccessDesc.flags");
 _Static_assert(sizeof(CUuuid) == 16, "CUuuid layout");
-_Static_assert(sizeof(CUdeviceptr) == 8, "CUdeviceptr size");
 
 // Function pointers resolved from libcuda.so.1. The field names are the
 // cuda.h API names; gpushm_syms gives the exported symbol for each.
