@@ -1,11 +1,12 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"strconv"
 
 	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
 )
 
 func chmodCmd() *cobra.Command {
@@ -22,16 +23,9 @@ segment read-only, rw read-write. Only the owner or root may chmod.`,
 			if err != nil || m > 0o777 {
 				return fmt.Errorf("mode %q: want octal permission bits such as 0640", args[0])
 			}
-			c, err := dial(cmd.Context())
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			var errs []error
-			for _, name := range args[1:] {
-				errs = append(errs, c.Chmod(cmd.Context(), name, uint32(m)))
-			}
-			return errors.Join(errs...)
+			return eachName(cmd.Context(), args[1:], func(c *gpushm.Client, name string) error {
+				return c.Chmod(cmd.Context(), name, uint32(m))
+			})
 		},
 	}
 }

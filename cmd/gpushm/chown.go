@@ -1,13 +1,14 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"os/user"
 	"strconv"
 	"strings"
 
 	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
 )
 
 func chownCmd() *cobra.Command {
@@ -22,16 +23,9 @@ may change the owner; the owner may change the group to its own group.`,
 			if err != nil {
 				return err
 			}
-			c, err := dial(cmd.Context())
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			var errs []error
-			for _, name := range args[1:] {
-				errs = append(errs, c.Chown(cmd.Context(), name, uid, gid))
-			}
-			return errors.Join(errs...)
+			return eachName(cmd.Context(), args[1:], func(c *gpushm.Client, name string) error {
+				return c.Chown(cmd.Context(), name, uid, gid)
+			})
 		},
 	}
 }

@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -41,13 +42,7 @@ func verifyChildCmd() *cobra.Command {
 	var seed, writeSeed uint64
 	cmd := &cobra.Command{
 		Use: "verify",
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			c, err := gpushm.Dial(ctx, socketOf(cmd))
-			if err != nil {
-				return err
-			}
-			defer c.Close()
+		RunE: withClient(func(ctx context.Context, c *gpushm.Client) error {
 			var r verifyResult
 			t := time.Now()
 			seg, err := c.Open(ctx, name, nil)
@@ -77,7 +72,7 @@ func verifyChildCmd() *cobra.Command {
 			}
 			r.WriteNS = time.Since(t).Nanoseconds()
 			return emit(r)
-		},
+		}),
 	}
 	cmd.Flags().StringVar(&name, "name", "", "segment")
 	cmd.Flags().Uint64Var(&seed, "seed", 0, "pattern to expect")
@@ -109,13 +104,8 @@ func openChildCmd() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use: "open",
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			c, err := gpushm.Dial(ctx, socketOf(cmd))
-			if err != nil {
-				return err
-			}
-			defer c.Close()
+		RunE: withClient(func(ctx context.Context, c *gpushm.Client) error {
+			var err error
 			var tr gpushm.Trace
 			o := &gpushm.OpenOptions{ReadOnly: readOnly, Trace: &tr}
 			if reopen {
@@ -180,7 +170,7 @@ func openChildCmd() *cobra.Command {
 				}
 			}
 			return emit(s)
-		},
+		}),
 	}
 	cmd.Flags().StringVar(&name, "name", "", "segment")
 	cmd.Flags().IntVar(&iters, "iters", 100, "iterations")
@@ -190,6 +180,19 @@ func openChildCmd() *cobra.Command {
 	cmd.Flags().IntVar(&floor.device, "floor-device", 0, "GPU ordinal of fd 3")
 	cmd.Flags().Int64Var(&floor.size, "floor-size", 0, "bytes to map of fd 3")
 	return cmd
+}
+
+// withClient makes a child's RunE: fn with a client of the daemon the
+// child was given.
+func withClient(fn func(ctx context.Context, c *gpushm.Client) error) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, _ []string) error {
+		c, err := gpushm.Dial(cmd.Context(), socketOf(cmd))
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		return fn(cmd.Context(), c)
+	}
 }
 
 // socketOf is the daemon socket a child was given: the root command's

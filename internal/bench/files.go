@@ -43,12 +43,9 @@ The bytes got back are compared with SRC. Rates are the size over the whole
 command's time; ratios compare get with cp in the same run.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			list, err := bytesize.ParseList(sizes)
+			list, err := parseSizes(sizes, "--reps", reps)
 			if err != nil {
 				return err
-			}
-			if reps < 1 {
-				return fmt.Errorf("--reps %d: want at least 1", reps)
 			}
 			return withPrivateDaemon(cmd.Context(), backend, func(d *privateDaemon, c *gpushm.Client) error {
 				return benchFiles(cmd.Context(), d, c, list, dir, reps)

@@ -27,6 +27,15 @@ func Command() *cobra.Command {
 	return cmd
 }
 
+// parseSizes reads a bench's --sizes and checks its count flag (--iters,
+// --reps), which needs at least 1.
+func parseSizes(sizes, flag string, n int) ([]int64, error) {
+	if n < 1 {
+		return nil, fmt.Errorf("%s %d: want at least 1", flag, n)
+	}
+	return bytesize.ParseList(sizes)
+}
+
 func benchOpenCmd() *cobra.Command {
 	var (
 		backend string
@@ -63,12 +72,9 @@ whether any process of the private daemon outlived it, and the memory in
 use against its start.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			list, err := bytesize.ParseList(sizes)
+			list, err := parseSizes(sizes, "--iters", iters)
 			if err != nil {
 				return err
-			}
-			if iters < 1 {
-				return fmt.Errorf("--iters %d: want at least 1", iters)
 			}
 			var daemonArgs []string
 			if pool != "" {

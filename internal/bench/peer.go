@@ -37,12 +37,9 @@ segment's mapping against a private buffer. Its figures say nothing about
 GPUs; it checks that the benchmark still runs (scripts/bench-smoke).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			list, err := bytesize.ParseList(sizes)
+			list, err := parseSizes(sizes, "--iters", iters)
 			if err != nil {
 				return err
-			}
-			if iters < 1 {
-				return fmt.Errorf("--iters %d: want at least 1", iters)
 			}
 			return runBenchPeer(cmd.Context(), backend, list, iters)
 		},

@@ -623,11 +623,8 @@ func tierPlace(t Tier, d int) string {
 func (r *Registry) Evict(c Cred, name string) (Info, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	s, err := r.findNamed(name)
+	s, err := r.findOwned(c, name)
 	if err != nil {
-		return Info{}, err
-	}
-	if err := mayRemove(c, s); err != nil {
 		return Info{}, err
 	}
 	for s.moving != nil {
@@ -676,11 +673,8 @@ func (r *Registry) Load(c Cred, name string) (Info, error) {
 func (r *Registry) SetResident(c Cred, name string, on bool) (Info, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	s, err := r.findNamed(name)
+	s, err := r.findOwned(c, name)
 	if err != nil {
-		return Info{}, err
-	}
-	if err := mayRemove(c, s); err != nil {
 		return Info{}, err
 	}
 	if on && s.mem != nil && s.orphan == "" {
@@ -702,6 +696,18 @@ func (r *Registry) findNamed(name string) (*Segment, error) {
 		return nil, err
 	}
 	return r.find(name)
+}
+
+// findOwned is findNamed for a change only the owner or root may make.
+func (r *Registry) findOwned(c Cred, name string) (*Segment, error) {
+	s, err := r.findNamed(name)
+	if err != nil {
+		return nil, err
+	}
+	if err := mayRemove(c, s); err != nil {
+		return nil, err
+	}
+	return s, nil
 }
 
 // WouldRestore reports whether opening name now would wait for its bytes

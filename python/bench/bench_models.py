@@ -316,6 +316,22 @@ def shard_files(dir: Path):
     return sorted(dir.glob("*.safetensors"))
 
 
+def same_as_shards(views, dir: Path):
+    """Whether views (a tensor's name to its bytes, as numpy uint8 arrays)
+    hold exactly the tensors of dir's shards, byte for byte."""
+    views = dict(views)
+    for p in shard_files(dir):
+        raw = p.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        for k, e in json.loads(raw[8:8 + n]).items():
+            if k != "__metadata__":
+                lo, hi = e["data_offsets"]
+                v = views.pop(k, None)
+                if v is None or v.tobytes() != raw[8 + n + lo:8 + n + hi]:
+                    return False
+    return not views
+
+
 def same_tree(a: Path, b: Path):
     """diff -r where diff exists, filecmp otherwise; returns (equal, how)."""
     if shutil.which("diff"):
@@ -749,16 +765,9 @@ def w_np(a):
     b = c.tensors(a.name)  # put with --readonly-default: mapped read-only
     views = {k: np.frombuffer(v.memoryview(), dtype=np.uint8) for k, v in b.items()}
     rep = {"attach_s": time.perf_counter() - t, "tensors": len(views)}
-    ok = all(not v.flags.writeable for v in views.values())
-    for p in shard_files(Path(a.dir)):
-        raw = p.read_bytes()
-        n = int.from_bytes(raw[:8], "little")
-        for k, e in json.loads(raw[8:8 + n]).items():
-            if k != "__metadata__":
-                lo, hi = e["data_offsets"]
-                ok = ok and views.pop(k).tobytes() == raw[8 + n + lo:8 + n + hi]
+    ok = all(not v.flags.writeable for v in views.values()) and same_as_shards(views, Path(a.dir))
     files = c.files(a.name)
-    rep["ok"] = ok and not views and json.loads(files["config.json"])["model_type"] == "llama"
+    rep["ok"] = ok and json.loads(files["config.json"])["model_type"] == "llama"
     _ready(rep)
     print(json.dumps({"done": True}), flush=True)
 

@@ -288,7 +288,7 @@ def w_numpy(a):
     files."""
     import numpy as np
 
-    from bench_models import shard_files
+    from bench_models import same_as_shards
 
     c = gpushm.connect()
     t = time.perf_counter()
@@ -296,15 +296,8 @@ def w_numpy(a):
     views = {k: np.frombuffer(v.memoryview(), dtype=np.uint8) for k, v in b.items()}
     files = b.files(lambda n: n.endswith(".json"))
     rep = {"attach_s": time.perf_counter() - t, "tensors": len(views)}
-    ok = all(not v.flags.writeable for v in views.values())
-    for p in shard_files(Path(a.dir)):
-        raw = p.read_bytes()
-        n = int.from_bytes(raw[:8], "little")
-        for k, e in json.loads(raw[8:8 + n]).items():
-            if k != "__metadata__":
-                lo, hi = e["data_offsets"]
-                ok = ok and views.pop(k).tobytes() == raw[8 + n + lo:8 + n + hi]
-    rep["ok"] = ok and not views and json.loads(files["config.json"])["model_type"] == "llama"
+    ok = all(not v.flags.writeable for v in views.values()) and same_as_shards(views, Path(a.dir))
+    rep["ok"] = ok and json.loads(files["config.json"])["model_type"] == "llama"
     return rep
 
 
