@@ -151,7 +151,9 @@ func clientTimeout() time.Duration {
 // serving process crashed or was upgraded), the client reconnects on the
 // next operation, reclaims the leases of the segments it has open and its
 // temporary segments, and retries the operation; mappings never depended
-// on the connection and keep working throughout.
+// on the connection and keep working throughout. A client that holds
+// segments or channels but makes no call notices the restart within
+// WatchInterval and reclaims them then, inside the daemon's grace period.
 type Client struct {
 	socket  string
 	server  string
@@ -167,6 +169,7 @@ type Client struct {
 	timeout    time.Duration
 	oldEpochs  []*epoch.Page // pages of earlier connections, unmapped at Close
 	reconnects int
+	stopWatch  chan struct{} // closed by Close: ends watch
 
 	cmu      sync.Mutex
 	cache    map[cacheKey]*shared
@@ -197,6 +200,7 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 		timeout:   timeout,
 		cache:     make(map[cacheKey]*shared),
 		open:      make(map[*shared]struct{}),
+		stopWatch: make(chan struct{}),
 	}
 	c.mu.Lock()
 	err = c.helloLocked(ctx)
@@ -205,7 +209,67 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 		conn.Close()
 		return nil, err
 	}
+	go c.watch()
 	return c, nil
+}
+
+// WatchInterval is how often a client that holds segments or channels
+// checks, between its calls, whether the daemon ended its connection. After
+// a restart the daemon keeps what clients held for its grace period (10 s
+// by default) and no longer: a client that maps a segment and makes no call
+// would otherwise lose its lease, and the segment could be evicted or
+// expire under it.
+const WatchInterval = time.Second
+
+// watch reconnects c, between its calls, when the daemon ends its
+// connection while c holds something, until Close.
+func (c *Client) watch() {
+	t := time.NewTicker(WatchInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-c.stopWatch:
+			return
+		case <-t.C:
+		}
+		c.cmu.Lock()
+		holds := len(c.open)+len(c.channels) > 0
+		c.cmu.Unlock()
+		// A call in flight holds mu, and reconnects by itself.
+		if holds && c.mu.TryLock() {
+			c.rejoinLocked()
+			c.mu.Unlock()
+		}
+	}
+}
+
+// rejoinLocked reconnects a client whose connection the daemon ended since
+// its last call and reclaims its leases, if the daemon answers at once.
+// If it does not, the old connection stays, for the next tick or call to
+// find ended.
+func (c *Client) rejoinLocked() {
+	if c.broken != nil || c.reconnect <= 0 || !c.conn.HungUp() {
+		return
+	}
+	conn, err := wire.DialTimeout(c.socket, c.timeout)
+	if err != nil {
+		return
+	}
+	conn.SetSpin(clientSpin())
+	old := c.conn
+	c.conn = conn
+	ctx := context.Background()
+	if err := c.helloLocked(ctx); err != nil {
+		// A hello that failed may have marked the new connection
+		// unusable; the client as a whole is not.
+		c.conn, c.broken = old, nil
+		conn.Close()
+		return
+	}
+	old.Close()
+	c.reconnects++
+	// A connection lost again while reclaiming is found by the next tick.
+	_ = c.reclaimLocked(ctx)
 }
 
 // helloLocked greets the daemon on c.conn and maps its epoch page.
@@ -278,6 +342,7 @@ func (c *Client) Close() error {
 		return nil
 	}
 	c.closed = true
+	close(c.stopWatch)
 	chans := make([]*Channel, 0, len(c.channels))
 	for ch := range c.channels {
 		chans = append(chans, ch)
@@ -421,6 +486,16 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 		wait = min(2*wait, 100*time.Millisecond)
 	}
 	c.reconnects++
+	if err := c.reclaimLocked(ctx); err != nil {
+		return c.reconnectLocked(ctx, err)
+	}
+	return nil
+}
+
+// reclaimLocked takes back, on a new connection, the leases of every
+// segment and channel c holds. It fails only with a lost connection
+// (errLost).
+func (c *Client) reclaimLocked(ctx context.Context) error {
 	// Names may mean other segments now: ask the daemon again for each.
 	c.cmu.Lock()
 	clear(c.cache)
@@ -434,7 +509,7 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 		_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpReclaim, Segment: sh.info.ID, Count: 1, ReadOnly: sh.readOnly}, -1)
 		closeFD(fd)
 		if errors.Is(err, errLost) {
-			return c.reconnectLocked(ctx, err)
+			return err
 		}
 		if err != nil {
 			// Gone (or no longer ours to open): the mapping still works,
@@ -445,7 +520,7 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 		}
 	}
 	if err := c.reclaimChannelsLocked(ctx); errors.Is(err, errLost) {
-		return c.reconnectLocked(ctx, err)
+		return err
 	}
 	return nil
 }

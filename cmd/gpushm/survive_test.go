@@ -993,6 +993,74 @@ func TestSurviveReclaim(t *testing.T) {
 	d.stop(t)
 }
 
+// TestSurviveIdleHolder: a client maps a segment and writes it all the
+// time, making no call, while the serving process is SIGKILLed; the grace
+// period (1 s) ends long before its next call. Its client notices the
+// restart by itself (WatchInterval) and reclaims its lease in time: the
+// segment stays open, so it may not move (an evict is refused, as a budget's
+// would be), and what the client writes after the grace period is what
+// another process reads.
+func TestSurviveIdleHolder(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	d := startSupervised(t, os.Args[0], sock, "--grace", "1s")
+	holder := startChaosClient(t, sock, 0, "GPUSHM_TEST_HOLDER=held")
+	if line, _ := holder.out.ReadString('\n'); strings.TrimSpace(line) != "ok ready" {
+		t.Fatalf("holder: %q\n%s", line, holder.errs.String())
+	}
+	inf := d.waitServing(t, 0)
+	syscall.Kill(inf.PID, syscall.SIGKILL)
+	d.waitServing(t, inf.PID)
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		inf, err := d.info()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if inf.Grace <= 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("grace period still running after 30s: %s left", inf.Grace)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetReconnect(0)
+	if _, err := c.Evict(ctx, "held"); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("evict of a segment its idle holder maps, past the grace period: %v, want EBUSY", err)
+	}
+	var n uint64
+	if _, err := fmt.Sscanf(holder.ask(t, 0, "count"), "ok %d", &n); err != nil {
+		t.Fatal(err)
+	}
+	seg, err := c.Open(ctx, "held", &gpushm.OpenOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer seg.Close()
+	m, err := seg.Map()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 8)
+	if _, err := m.ReadAt(b, 0); err != nil {
+		t.Fatal(err)
+	}
+	if got := binary.LittleEndian.Uint64(b); got < n {
+		t.Fatalf("another process reads write %d of the holder, which had made %d: its writes went elsewhere", got, n)
+	}
+	// The watcher reconnected; the holder's first call needs no other.
+	if got := holder.ask(t, 0, "op"); got != "ok reconnects=1" {
+		t.Fatalf("idle holder's first call after the restart: %s", got)
+	}
+	d.stop(t)
+}
+
 // idleMain makes a temporary segment of the given name, holding 1000
 // float32 (0, 1, 2, ...), and then makes no call until told: "check" reads
 // its mapping and opens the name again (a call, which reconnects), "close"
@@ -1106,7 +1174,9 @@ func waitNamesAt(t *testing.T, sock string, want []string, why string) {
 // making no call, for 60 seconds through 5 SIGKILLs of the serving
 // process, each followed by a grace period (1 s) that runs out long before
 // the client calls again. Its segment stays, with its bytes, because its
-// process lives; its next call works; when it exits, the segment goes.
+// process lives (and its client reclaims it between calls, see
+// TestSurviveIdleHolder); its next call works; when it exits, the segment
+// goes.
 func TestSurviveIdle(t *testing.T) {
 	idle, kills := 60*time.Second, 5
 	if testing.Short() {
@@ -1165,10 +1235,11 @@ func TestSurviveIdle(t *testing.T) {
 		}
 		check(fmt.Sprintf("after restart %d and its grace period", i+1))
 	}
-	// The client's first call since the segment was made: it reconnects
-	// once, and finds its segment.
-	if got := cc.ask(t, 0, "check"); got != "ok reconnects=1" {
-		t.Fatalf("idle client's next call: %s", got)
+	// The client's first call since the segment was made finds its
+	// segment; the client reconnected after each restart by itself, as it
+	// holds the segment (WatchInterval), and not again for the call.
+	if got, want := cc.ask(t, 0, "check"), fmt.Sprintf("ok reconnects=%d", kills); got != want {
+		t.Fatalf("idle client's next call: %s, want %s", got, want)
 	}
 	if got := listAtQuiet(sock); !slices.Equal(got, []string{"idle-share"}) {
 		t.Fatalf("before the client exits: %v", got)

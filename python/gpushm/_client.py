@@ -139,6 +139,39 @@ def _set_timeouts(s, seconds):
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
+# How often (seconds) a client that holds segments or channels checks,
+# between its calls, whether the daemon ended its connection. After a
+# restart the daemon keeps what clients held for its grace period (10 s by
+# default) and no longer: a client that maps a segment and makes no call
+# would otherwise lose its lease, and the segment could be evicted or expire
+# under it. One thread per process watches every client.
+WATCH_INTERVAL = 1.0
+
+_watched = weakref.WeakSet()
+_watcher = None
+_watch_lock = threading.Lock()
+
+
+def _watch(client):
+    global _watcher
+    with _watch_lock:
+        _watched.add(client)
+        # A forked child has the set but not the thread.
+        if _watcher is None or not _watcher.is_alive():
+            _watcher = threading.Thread(target=_watch_loop, name="gpushm-watch", daemon=True)
+            _watcher.start()
+
+
+def _watch_loop():
+    while True:
+        time.sleep(WATCH_INTERVAL)
+        for c in list(_watched):
+            try:
+                c._rejoin()
+            except Exception:
+                pass  # the client's next call meets the same trouble, and says it
+
+
 class Client:
     """A connection to the daemon. Close it (or use it as a context manager)
     to end its leases; memory still used by live tensors stays mapped until
@@ -175,6 +208,7 @@ class Client:
         except BaseException:
             self._sock.close()
             raise
+        _watch(self)
 
     def _dial(self):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -364,6 +398,54 @@ class Client:
             time.sleep(wait)
             wait = min(2 * wait, 0.1)
         self._reconnects += 1
+        self._reclaim()
+
+    def _rejoin(self):
+        """From the watcher thread, between calls: if the daemon ended this
+        client's connection while it holds leases or channels, reconnects at
+        once and reclaims them, so that they outlast the daemon's grace
+        period. When the daemon does not answer yet, the old connection
+        stays, for the next tick or call to find ended. The lock is only
+        taken when the connection ended and no call holds it."""
+        if self._closed or self._broken or self._pid != os.getpid() or self._reconnect <= 0:
+            return
+        if not self._holds() or not self._hung_up() or not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._closed or self._broken or not self._hung_up():
+                return
+            old = self._sock
+            try:
+                self._sock = self._dial()
+                self._hello()
+            except Exception:
+                # A failed hello may have marked the connection broken;
+                # the client is not.
+                if self._sock is not old:
+                    self._sock.close()
+                self._sock, self._broken = old, None
+                return
+            old.close()
+            self._reconnects += 1
+            try:
+                self._reclaim()
+            except _Lost:
+                pass  # ended again: the next tick or call finds it
+        finally:
+            self._lock.release()
+        self._flush()
+
+    def _holds(self):
+        """Whether this client holds a lease or a channel's role."""
+        try:
+            return bool(self._channels) or any(m.lease.client is self and m.lease.count > 0
+                                               for m in list(self._by_id.values()))
+        except RuntimeError:  # changed while read: look again next time
+            return True
+
+    def _reclaim(self):
+        """Takes back, on a new connection, the leases of every segment this
+        client has mapped and its channels' roles; the lock is held."""
         # Leases of the old connection ended with it; names may mean other
         # segments now.
         self._pending.clear()

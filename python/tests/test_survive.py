@@ -147,9 +147,47 @@ def test_idle_share_survives_restarts(sdaemon):
             got = np.asarray(c.open("idle-share", readonly=True).memoryview()).view(np.float32)
             assert (got == want).all(), f"restart {i + 1}: the bytes changed"
     peer.send("check")
-    peer.expect("ok reconnects=1")
+    peer.expect("ok reconnects=5")           # by itself after each restart, as it holds the segment
     peer.close()                             # exits: its connection ends
     wait_names(sdaemon.socket, lambda names: "idle-share" not in names, "the segment outlived its client's process")
+
+
+HOLD = """
+    import sys, gpushm, numpy as np
+    c = gpushm.connect()
+    arr = np.asarray(c.open(sys.argv[1]).memoryview())
+    print("ok", flush=True)
+    for line in sys.stdin:                  # idle: no call until asked
+        arr[:] = int(line)                  # into its mapping, no call either
+        print(f"ok reconnects={c.reconnects}", flush=True)
+"""
+
+
+def test_idle_holder_keeps_its_lease(sdaemon):
+    """A process maps a segment and makes no call while the serving process
+    is SIGKILLed, the grace period (2 s) running out long before its next
+    call. Its client notices the restart by itself (WATCH_INTERVAL) and
+    reclaims the lease in time: the segment stays open, so it may not move
+    (an evict is refused, as a budget's would be), and what the process
+    writes into its mapping afterwards is what another process reads."""
+    with gpushm.connect(sdaemon.socket) as c:
+        np.asarray(c.create("held", 4096).memoryview())[:] = 7
+    peer = Peer(sdaemon.socket, HOLD, "held")
+    peer.expect("ok")
+    pid = serving_pid(sdaemon.socket)
+    os.kill(pid, signal.SIGKILL)
+    wait_new_pid(sdaemon.socket, pid)
+    deadline = time.monotonic() + 30
+    while grace_left(sdaemon.socket) > 0:
+        assert time.monotonic() < deadline, "grace period still running after 30s"
+        time.sleep(0.05)
+    with gpushm.connect(sdaemon.socket, reconnect=0) as c:
+        with pytest.raises(gpushm.BusyError):
+            c.evict("held")
+        peer.send("9")
+        peer.expect("ok reconnects=1")
+        assert np.asarray(c.open("held", readonly=True).memoryview()).tolist() == [9] * 4096
+    peer.close()
 
 
 @pytest.fixture
