@@ -296,16 +296,18 @@ def test_permission_errors_for_another_user(client, daemon, name):
 
 
 def _counts():
+    """Descriptors, mappings of memfds (segments, epoch pages) and all
+    mappings of this process."""
     with open("/proc/self/maps") as f:
-        maps = sum(1 for _ in f)
-    return len(os.listdir("/proc/self/fd")), maps
+        lines = f.readlines()
+    return len(os.listdir("/proc/self/fd")), sum("/memfd:" in l for l in lines), len(lines)
 
 
 def test_10000_open_drop_cycles_leak_nothing(client, name):
     seg = client.create(name, shape=(16,), dtype="int64")
     seg.close()
     gc.collect()
-    fds, maps = _counts()
+    fds, memfds, maps = _counts()
     opens = client.info()["usage"]["opens"]
     seen = 0
     for i in range(10000):
@@ -318,7 +320,12 @@ def test_10000_open_drop_cycles_leak_nothing(client, name):
             seen += int(a[0])
         del s, a                                         # unmapped here: the next open maps anew
     gc.collect()
-    assert _counts() == (fds, maps)
+    fds2, memfds2, maps2 = _counts()
+    assert (fds2, memfds2) == (fds, memfds)
+    # Other threads (the clients' watch among them) allocate too, and the C
+    # library may split or merge a mapping of its own meanwhile; a leak of
+    # one a cycle would be thousands.
+    assert abs(maps2 - maps) <= 2, (maps, maps2)
     assert client.info()["usage"]["opens"] == opens
     assert client.open(name).numpy()[0] == 5000 and seen == sum(range(5000))
 
