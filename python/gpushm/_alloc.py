@@ -35,7 +35,9 @@ def library_path() -> str:
         cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "gpushm"
         cache.mkdir(parents=True, exist_ok=True)
         out = cache / "libgpushm_alloc.so"
-        if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
+        # The source includes the Go package's VMM header.
+        newest = max(p.stat().st_mtime for p in (src, src.parent.parent / "internal" / "cuda" / "vmm.h") if p.exists())
+        if not out.exists() or out.stat().st_mtime < newest:
             tmp = tempfile.mktemp(dir=cache, suffix=".so")
             subprocess.run([cc, "-std=c11", "-shared", "-fPIC", "-O2", "-o", tmp, str(src), "-ldl", "-lpthread"],
                            check=True, capture_output=True)

@@ -162,6 +162,47 @@ def test_gpu_10000_open_drop_cycles_leak_nothing(gclient, name, torch):
     print(f"free memory before {free0}, after {free1}")
 
 
+def test_gpu_idle_holder_keeps_its_lease(name, torch):
+    """test_survive's test_idle_holder_keeps_its_lease on cuda: a torch
+    process maps a segment and makes no call while the serving process is
+    SIGKILLed and the grace period (2 s) runs out. Its client reclaims the
+    lease by itself, so an evict is refused, and what its kernels write
+    afterwards is what another process reads."""
+    from test_survive import grace_left, serving_pid, wait_new_pid
+    d = Daemon("cuda", "--grace", "2s")
+    try:
+        with gpushm.connect(d.socket) as c:
+            torch.from_dlpack(c.create(name, shape=(1 << 20,), dtype="float32")).fill_(7)
+            torch.cuda.synchronize()
+        peer = Peer(d.socket, """
+            import sys, torch, gpushm
+            c = gpushm.connect()
+            t = torch.from_dlpack(c.open(sys.argv[1]))
+            print("ok", flush=True)
+            for line in sys.stdin:                  # idle: no call until asked
+                t.fill_(float(line))                # a kernel on the mapping, no call either
+                torch.cuda.synchronize()
+                print(f"ok reconnects={c.reconnects}", flush=True)
+        """, name)
+        peer.expect("ok")
+        pid = serving_pid(d.socket)
+        os.kill(pid, 9)
+        wait_new_pid(d.socket, pid)
+        deadline = time.monotonic() + 30
+        while grace_left(d.socket) > 0:
+            assert time.monotonic() < deadline, "grace period still running after 30s"
+            time.sleep(0.05)
+        with gpushm.connect(d.socket, reconnect=0) as c:
+            with pytest.raises(gpushm.BusyError):
+                c.evict(name)
+            peer.send("9")
+            peer.expect("ok reconnects=1")
+            assert bool((torch.from_dlpack(c.open(name, readonly=True)) == 9).all())
+        peer.close()
+    finally:
+        d.stop()
+
+
 def test_gpu_bundle(gclient, gpu_daemon, name, torch):
     ts = {
         "w": torch.randn(256, 128, device="cuda", dtype=torch.bfloat16),
