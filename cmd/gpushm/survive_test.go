@@ -120,6 +120,24 @@ func (d *supervised) waitServing(t *testing.T, notPID int) *gpushm.Info {
 	}
 }
 
+// waitGraceOver waits until the serving process's grace period has ended.
+func (d *supervised) waitGraceOver(t *testing.T) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		inf, err := d.info()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if inf.Grace <= 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("grace period still running after 30s: %s left", inf.Grace)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
 // stop sends SIGTERM to the supervisor and expects a clean exit.
 func (d *supervised) stop(t *testing.T) {
 	t.Helper()
@@ -959,19 +977,7 @@ func TestSurviveReclaim(t *testing.T) {
 	if inf, err := d.info(); err != nil || inf.Grace <= 0 {
 		t.Fatalf("info = %+v, %v: the grace period must still run (2s): the creator's death, not the grace period, ends its segment", inf, err)
 	}
-	for deadline := time.Now().Add(30 * time.Second); ; {
-		inf, err := d.info()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if inf.Grace <= 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("grace period still running after 30s: %s left", inf.Grace)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	d.waitGraceOver(t)
 	if got := names(); !slices.Equal(got, []string{"held", "held-temp", "victim"}) {
 		t.Fatalf("after the grace period: %v, want [held held-temp victim]", got)
 	}
@@ -1011,19 +1017,7 @@ func TestSurviveIdleHolder(t *testing.T) {
 	inf := d.waitServing(t, 0)
 	syscall.Kill(inf.PID, syscall.SIGKILL)
 	d.waitServing(t, inf.PID)
-	for deadline := time.Now().Add(30 * time.Second); ; {
-		inf, err := d.info()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if inf.Grace <= 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("grace period still running after 30s: %s left", inf.Grace)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	d.waitGraceOver(t)
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, sock)
 	if err != nil {
@@ -1220,19 +1214,7 @@ func TestSurviveIdle(t *testing.T) {
 		syscall.Kill(inf.PID, syscall.SIGKILL)
 		d.waitServing(t, inf.PID)
 		// Past the grace period, which used to end the segment.
-		for deadline := time.Now().Add(30 * time.Second); ; {
-			inf, err := d.info()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if inf.Grace <= 0 {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("grace period still running after 30s: %s left", inf.Grace)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+		d.waitGraceOver(t)
 		check(fmt.Sprintf("after restart %d and its grace period", i+1))
 	}
 	// The client's first call since the segment was made finds its

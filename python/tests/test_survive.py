@@ -106,6 +106,14 @@ def grace_left(sock):
         return c.info()["grace_seconds"]
 
 
+def wait_grace_over(sock, timeout=30):
+    """Waits until the serving process's grace period has ended."""
+    deadline = time.monotonic() + timeout
+    while grace_left(sock) > 0:
+        assert time.monotonic() < deadline, f"grace period still running after {timeout}s"
+        time.sleep(0.05)
+
+
 IDLE = """
     import sys, gpushm, numpy as np
     c = gpushm.connect()
@@ -139,10 +147,7 @@ def test_idle_share_survives_restarts(sdaemon):
         pid = serving_pid(sdaemon.socket)
         os.kill(pid, signal.SIGKILL)
         wait_new_pid(sdaemon.socket, pid)
-        deadline = time.monotonic() + 30
-        while grace_left(sdaemon.socket) > 0:
-            assert time.monotonic() < deadline, "grace period still running after 30s"
-            time.sleep(0.05)
+        wait_grace_over(sdaemon.socket)
         with gpushm.connect(sdaemon.socket, reconnect=0) as c:
             got = np.asarray(c.open("idle-share", readonly=True).memoryview()).view(np.float32)
             assert (got == want).all(), f"restart {i + 1}: the bytes changed"
@@ -177,10 +182,7 @@ def test_idle_holder_keeps_its_lease(sdaemon):
     pid = serving_pid(sdaemon.socket)
     os.kill(pid, signal.SIGKILL)
     wait_new_pid(sdaemon.socket, pid)
-    deadline = time.monotonic() + 30
-    while grace_left(sdaemon.socket) > 0:
-        assert time.monotonic() < deadline, "grace period still running after 30s"
-        time.sleep(0.05)
+    wait_grace_over(sdaemon.socket)
     with gpushm.connect(sdaemon.socket, reconnect=0) as c:
         with pytest.raises(gpushm.BusyError):
             c.evict("held")
