@@ -248,28 +248,39 @@ func (c *Client) watch() {
 // If it does not, the old connection stays, for the next tick or call to
 // find ended.
 func (c *Client) rejoinLocked() {
-	if c.broken != nil || c.reconnect <= 0 || !c.conn.HungUp() {
+	ctx := context.Background()
+	if !c.freshConnLocked(ctx) {
 		return
+	}
+	c.reconnects++
+	// A connection lost again while reclaiming is found by the next tick.
+	_ = c.reclaimLocked(ctx)
+}
+
+// freshConnLocked replaces a connection that the daemon ended with a new
+// one, greeted with this client's session, and reports whether it did. If
+// the daemon does not answer (within ctx), c keeps the old connection, for
+// the next call to find ended.
+func (c *Client) freshConnLocked(ctx context.Context) bool {
+	if c.broken != nil || c.reconnect <= 0 || !c.conn.HungUp() {
+		return false
 	}
 	conn, err := wire.DialTimeout(c.socket, c.timeout)
 	if err != nil {
-		return
+		return false
 	}
 	conn.SetSpin(clientSpin())
 	old := c.conn
 	c.conn = conn
-	ctx := context.Background()
 	if err := c.helloLocked(ctx); err != nil {
 		// A hello that failed may have marked the new connection
 		// unusable; the client as a whole is not.
 		c.conn, c.broken = old, nil
 		conn.Close()
-		return
+		return false
 	}
 	old.Close()
-	c.reconnects++
-	// A connection lost again while reclaiming is found by the next tick.
-	_ = c.reclaimLocked(ctx)
+	return true
 }
 
 // helloLocked greets the daemon on c.conn and maps its epoch page.
@@ -382,23 +393,9 @@ func (c *Client) Close() error {
 // closed, takes them back to end with that connection. If the daemon does
 // not answer in time, they end when this process exits.
 func (c *Client) endLostConnLocked() {
-	if c.broken != nil || c.reconnect <= 0 || !c.conn.HungUp() {
-		return
-	}
-	conn, err := wire.Dial(c.socket)
-	if err != nil {
-		return
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), min(c.reconnect, 5*time.Second))
 	defer cancel()
-	old := c.conn
-	c.conn = conn
-	if err := c.helloLocked(ctx); err != nil {
-		c.conn = old
-		conn.Close()
-		return
-	}
-	old.Close()
+	c.freshConnLocked(ctx)
 }
 
 // roundTrip sends req and waits for its reply. A reply carrying an error is

@@ -907,6 +907,17 @@ func holderMain() error {
 	return nil
 }
 
+// startHolder starts client k as a holder (holderMain) of the segment
+// prefix and waits until it holds it.
+func startHolder(t *testing.T, sock string, k int, prefix string) *chaosClient {
+	t.Helper()
+	cc := startChaosClient(t, sock, k, "GPUSHM_TEST_HOLDER="+prefix)
+	if line, _ := cc.out.ReadString('\n'); strings.TrimSpace(line) != "ok ready" {
+		t.Fatalf("holder %s: %q\n%s", prefix, line, cc.errs.String())
+	}
+	return cc
+}
+
 // TestSurviveReclaim: a client keeps using its mapping while the serving
 // process is down, and after the restart reclaims its lease and its
 // temporary segment; the temporary segment of a client that died while
@@ -915,15 +926,9 @@ func TestSurviveReclaim(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := startSupervised(t, os.Args[0], sock, "--grace", "2s")
-	holder := startChaosClient(t, sock, 0, "GPUSHM_TEST_HOLDER=held")
-	if line, _ := holder.out.ReadString('\n'); strings.TrimSpace(line) != "ok ready" {
-		t.Fatalf("holder: %q\n%s", line, holder.errs.String())
-	}
+	holder := startHolder(t, sock, 0, "held")
 	// Another client with a temporary segment, which dies with the daemon.
-	victim := startChaosClient(t, sock, 1, "GPUSHM_TEST_HOLDER=victim")
-	if line, _ := victim.out.ReadString('\n'); strings.TrimSpace(line) != "ok ready" {
-		t.Fatalf("victim: %q\n%s", line, victim.errs.String())
-	}
+	victim := startHolder(t, sock, 1, "victim")
 	inf := d.waitServing(t, 0)
 	if inf.Usage.Named != 4 {
 		t.Fatalf("%d segments named before the kill, want 4", inf.Usage.Named)
@@ -1010,10 +1015,7 @@ func TestSurviveIdleHolder(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := startSupervised(t, os.Args[0], sock, "--grace", "1s")
-	holder := startChaosClient(t, sock, 0, "GPUSHM_TEST_HOLDER=held")
-	if line, _ := holder.out.ReadString('\n'); strings.TrimSpace(line) != "ok ready" {
-		t.Fatalf("holder: %q\n%s", line, holder.errs.String())
-	}
+	holder := startHolder(t, sock, 0, "held")
 	inf := d.waitServing(t, 0)
 	syscall.Kill(inf.PID, syscall.SIGKILL)
 	d.waitServing(t, inf.PID)

@@ -286,18 +286,29 @@ class Client:
         if self._reconnect <= 0 or not self._hung_up():
             return
         try:
-            new = self._dial()
-        except OSError:
-            return
-        _set_timeouts(new, min(self._reconnect, 5.0))
-        self._sock.close()
-        self._sock = new
-        try:
-            _, fd = self._exchange("hello", {"version": VERSION, "session": self._session}, -1)
-            if fd >= 0:
-                os.close(fd)
-        except OSError:
+            self._fresh_connection(min(self._reconnect, 5.0))
+        except Exception:
             pass
+
+    def _fresh_connection(self, timeout=None):
+        """Dials the daemon and says hello with this client's session on a
+        new connection (with timeout, if given), which replaces the old one.
+        If either fails, the old connection and _broken stay as they were,
+        and the error is raised. The lock is held."""
+        old, broken = self._sock, self._broken
+        try:
+            self._sock = self._dial()
+            if timeout is not None:
+                _set_timeouts(self._sock, timeout)
+            self._hello()
+        except BaseException:
+            # A failed hello may have marked the connection broken; the
+            # client is not.
+            if self._sock is not old:
+                self._sock.close()
+            self._sock, self._broken = old, broken
+            raise
+        old.close()
 
     def _hung_up(self):
         """Whether the daemon closed this client's connection, without
@@ -414,18 +425,10 @@ class Client:
         try:
             if self._closed or self._broken or not self._hung_up():
                 return
-            old = self._sock
             try:
-                self._sock = self._dial()
-                self._hello()
+                self._fresh_connection()
             except Exception:
-                # A failed hello may have marked the connection broken;
-                # the client is not.
-                if self._sock is not old:
-                    self._sock.close()
-                self._sock, self._broken = old, None
                 return
-            old.close()
             self._reconnects += 1
             try:
                 self._reclaim()
