@@ -98,10 +98,21 @@ func TestPoolTrimsIdleSizes(t *testing.T) {
 	p := newPool(1<<30, func(size int64) (segment.Memory, error) {
 		return &fakeMem{size: size, freed: &freed}, nil
 	})
-	p.idle = 20 * time.Millisecond
+	p.idle = time.Hour
 	defer p.close()
 	p.take(4096)
 	p.take(4096)
+	// Both made first: a trim that came while they were still being made
+	// would rightly leave them unmade, on a busy machine.
+	waitFor(t, "the size's allocations to be made", func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return len(p.sizes[4096].ready) == 2
+	})
+	p.mu.Lock()
+	p.idle = 20 * time.Millisecond
+	p.armTrimLocked(4096, p.sizes[4096])
+	p.mu.Unlock()
 	waitFor(t, "the idle size to be given back", func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
