@@ -152,6 +152,16 @@ _watcher = None
 _watch_lock = threading.Lock()
 
 
+def _after_fork():
+    # The watch thread may have held the lock at the fork; the child has
+    # no such thread.
+    global _watch_lock
+    _watch_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def _watch(client):
     global _watcher
     with _watch_lock:
@@ -165,11 +175,20 @@ def _watch(client):
 def _watch_loop():
     while True:
         time.sleep(WATCH_INTERVAL)
-        for c in list(_watched):
+        # Weak references, each made strong only while its client is looked
+        # at: the watch must not keep a client nobody else holds alive (its
+        # finalizer unmaps its epoch pages).
+        with _watch_lock:
+            refs = [weakref.ref(c) for c in _watched]
+        for r in refs:
+            c = r()
+            if c is None:
+                continue
             try:
                 c._rejoin()
             except Exception:
                 pass  # the client's next call meets the same trouble, and says it
+            del c
 
 
 class Client:
@@ -275,6 +294,8 @@ class Client:
             self._broken = "the client was closed"
             self._pending.clear()
             self._sock.close()
+        with _watch_lock:
+            _watched.discard(self)
 
     def _end_lost_connection(self):
         """Ends the temporary segments of a connection that a crash of the
