@@ -113,6 +113,16 @@ func clientSpin() time.Duration {
 	return DefaultSpin
 }
 
+// dialConn connects to the daemon at socket, with the client's spin.
+func dialConn(socket string, timeout time.Duration) (*wire.Conn, error) {
+	conn, err := wire.DialTimeout(socket, timeout)
+	if err != nil {
+		return nil, err
+	}
+	conn.SetSpin(clientSpin())
+	return conn, nil
+}
+
 // DefaultReconnect is how long a client keeps trying to reach a daemon
 // that went away (restarted, upgraded) before an operation fails.
 // GPUSHM_RECONNECT (a Go duration, "0" to never reconnect) overrides it.
@@ -185,11 +195,10 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 		socket = DefaultSocket()
 	}
 	timeout := clientTimeout()
-	conn, err := wire.DialTimeout(socket, timeout)
+	conn, err := dialConn(socket, timeout)
 	if err != nil {
 		return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (is 'gpushm daemon' running?): %w", socket, err)
 	}
-	conn.SetSpin(clientSpin())
 	var sid [16]byte
 	rand.Read(sid[:])
 	c := &Client{
@@ -265,11 +274,10 @@ func (c *Client) freshConnLocked(ctx context.Context) bool {
 	if c.broken != nil || c.reconnect <= 0 || !c.conn.HungUp() {
 		return false
 	}
-	conn, err := wire.DialTimeout(c.socket, c.timeout)
+	conn, err := dialConn(c.socket, c.timeout)
 	if err != nil {
 		return false
 	}
-	conn.SetSpin(clientSpin())
 	old := c.conn
 	c.conn = conn
 	if err := c.helloLocked(ctx); err != nil {
@@ -460,9 +468,8 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 	deadline := time.Now().Add(c.reconnect)
 	wait := 2 * time.Millisecond
 	for {
-		conn, err := wire.DialTimeout(c.socket, c.timeout)
+		conn, err := dialConn(c.socket, c.timeout)
 		if err == nil {
-			conn.SetSpin(clientSpin())
 			c.conn = conn
 			if err = c.helloLocked(ctx); err == nil {
 				break
