@@ -907,6 +907,18 @@ func holderMain() error {
 	return nil
 }
 
+// dialOnce connects to sock with a client that does not reconnect: one
+// that checks what survived a restart must not ride a restart itself.
+func dialOnce(t *testing.T, sock string) *gpushm.Client {
+	t.Helper()
+	c, err := gpushm.Dial(context.Background(), sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetReconnect(0)
+	return c
+}
+
 // startHolder starts client k as a holder (holderMain) of the segment
 // prefix and waits until it holds it.
 func startHolder(t *testing.T, sock string, k int, prefix string) *chaosClient {
@@ -1021,12 +1033,8 @@ func TestSurviveIdleHolder(t *testing.T) {
 	d.waitServing(t, inf.PID)
 	d.waitGraceOver(t)
 	ctx := context.Background()
-	c, err := gpushm.Dial(ctx, sock)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := dialOnce(t, sock)
 	defer c.Close()
-	c.SetReconnect(0)
 	if _, err := c.Evict(ctx, "held"); !errors.Is(err, syscall.EBUSY) {
 		t.Fatalf("evict of a segment its idle holder maps, past the grace period: %v, want EBUSY", err)
 	}
@@ -1175,12 +1183,8 @@ func TestSurviveIdle(t *testing.T) {
 	check := func(when string) {
 		t.Helper()
 		ctx := context.Background()
-		c, err := gpushm.Dial(ctx, sock)
-		if err != nil {
-			t.Fatal(err)
-		}
+		c := dialOnce(t, sock)
 		defer c.Close()
-		c.SetReconnect(0)
 		seg, err := c.Open(ctx, "idle-share", &gpushm.OpenOptions{ReadOnly: true})
 		if err != nil {
 			t.Fatalf("%s: open idle-share: %v", when, err)
