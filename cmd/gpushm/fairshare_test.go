@@ -192,3 +192,37 @@ func TestSystemdUnitLimits(t *testing.T) {
 		}
 	}
 }
+
+// Under systemd's store, --max-segments auto is what the store keeps; a
+// larger one is allowed, with a warning.
+func TestLimitsFromStore(t *testing.T) {
+	b, err := backend.Open("host", "all", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	for _, tc := range []struct {
+		name        string
+		flag        string
+		nofile      int
+		store, segs int
+		warn        bool
+	}{
+		{"no store", "auto", 65536, 0, 32768, false},
+		{"store", "auto", 65536, 6144, 6140, false},
+		{"store above half", "auto", 2048, 6144, 1024, false},
+		{"flag above store", "10000", 65536, 6144, 10000, true},
+		{"no cap", "0", 65536, 6144, 0, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l, err := daemonOptions{maxSegments: tc.flag}.limits(b, tc.nofile, tc.store)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if l.seg.Segments != tc.segs || (l.storeNote != "") != tc.warn {
+				t.Errorf("limits(--max-segments %s, nofile %d, store %d): %d segments, warning %q; want %d, warning %v",
+					tc.flag, tc.nofile, tc.store, l.seg.Segments, l.storeNote, tc.segs, tc.warn)
+			}
+		})
+	}
+}
