@@ -75,7 +75,13 @@ Limits are on by default, so that no user can starve the others: each
 user other than root may hold --user-connections connections,
 --user-segments segments and --user-quota bytes, and the daemon as a whole
 --max-segments segments and --max-connections connections, sized from its
-descriptor limit (raised to the hard limit at start). A request over a
+descriptor limit (raised to the hard limit at start). The daemon's own
+limits (--max-segments, --max-connections, --max-memory) are shared
+fairly, so that no group of users at their limits can lock out another
+user, or root: once half of one is in use, a user above its fair share
+(what lies below the top eighth, in equal parts among the users holding
+some) waits; the top eighth is kept for users holding little, each up to
+an eighth of it, and the top thirty-second for root. A request over a
 limit is refused with an error naming the limit and its numbers
 (docs/security.md).
 
@@ -118,12 +124,12 @@ socket, and replaces a stale socket file.`,
 	f.IntVar(&device, "device", 0, "serve only this GPU ordinal (short for --devices N)")
 	f.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	f.StringVar(&o.socketGroup, "socket-group", "", "let only this group connect (socket mode 0660; default: every user, 0666)")
-	f.StringVar(&o.maxMemory, "max-memory", "", "cap what segments may hold on each device: a size (64G) or a share of the device (90%)")
+	f.StringVar(&o.maxMemory, "max-memory", "", "cap what segments may hold on each device, for all users and root, shared fairly as --max-segments is: a size (64G) or a share of the device (90%)")
 	f.StringVar(&o.userQuota, "user-quota", "auto", "cap the bytes each non-root user's segments may hold: a share of each device (30%), a size for all devices together (64G), 0 (no cap), or auto: 50% of each GPU, 25% of host memory")
 	f.StringVar(&o.userSegments, "user-segments", "auto", "cap how many segments each non-root user may hold: a number, 0 (no cap), or auto: 4096 (or a quarter of --max-segments, if less)")
 	f.StringVar(&o.userConnections, "user-connections", "auto", "cap how many connections each non-root user may hold open: a number, 0 (no cap), or auto: 1024 (or a quarter of --max-connections, if less)")
-	f.StringVar(&o.maxSegments, "max-segments", "auto", "cap the segments the daemon holds, for all users and root (a channel counts as 2): a number, 0 (no cap), or auto: half the descriptor limit (ulimit -n)")
-	f.StringVar(&o.maxConnections, "max-connections", "auto", "cap the connections the daemon serves, for all users and root: a number, 0 (no cap), or auto: the descriptor limit less --max-segments and a sixteenth kept for the daemon")
+	f.StringVar(&o.maxSegments, "max-segments", "auto", "cap the segments the daemon holds, for all users and root (a channel counts as 2), shared fairly: past half, users above their fair share wait, the top eighth is for users holding few and the top thirty-second for root: a number, 0 (no cap), or auto: half the descriptor limit (ulimit -n), and under systemd no more than its file descriptor store keeps (FileDescriptorStoreMax= less 4)")
+	f.StringVar(&o.maxConnections, "max-connections", "auto", "cap the connections the daemon serves, for all users and root, shared fairly as --max-segments is: a number, 0 (no cap), or auto: the descriptor limit less --max-segments and a sixteenth kept for the daemon")
 	f.StringVar(&o.createPool, "create-pool", "auto", "make allocations ahead of creates of sizes asked for before, so a create need not wait for the driver (docs/architecture.md): bytes a device (256M), 0 (none), or auto: 2% of each GPU, 1% of host memory")
 	f.StringVar(&o.gpuBudget, "gpu-budget", "auto", "bound the bytes of segments on each GPU; past it, creates and restores first evict the least recently opened segments nobody holds to host memory (docs/architecture.md, \"Tiers\"): a size (24GiB), a share of each GPU (80%), 0 (no budget), or auto: each GPU's memory less a sixteenth, at least 2 GiB, for the CUDA contexts and own memory of the processes using it (no budget on the host backend)")
 	f.StringVar(&o.hostBudget, "host-budget", "auto", "bound the bytes evicted to host memory; past it, eviction stops and creates that need room fail with ENOSPC: a size (64GiB), a share of host memory (50%), 0 (never evict), or auto: half of host memory")
@@ -203,6 +209,9 @@ func runSupervisor(ctx context.Context, log *slog.Logger, o daemonOptions) error
 		return fmt.Errorf("find this binary to run it as the serving process: %w", err)
 	}
 	store := o.fdStore || supervisor.StoreWanted()
+	if store {
+		passStoreMax()
+	}
 	sup := supervisor.New(supervisor.Config{
 		Exe: exe, Args: os.Args[1:], Listener: listener, Epoch: page,
 		Grace: o.grace, Store: store, Log: log,
@@ -271,7 +280,7 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 	if err != nil {
 		return err
 	}
-	lim, err := o.limits(b, o.nofile)
+	lim, err := o.limits(b, o.nofile, storeMax())
 	if err != nil {
 		return err
 	}
@@ -693,6 +702,9 @@ func logLimits(log *slog.Logger, l daemonLimits) {
 		args = append(args, "max_bytes_device_"+strconv.Itoa(d), n)
 	}
 	log.Info("limits", args...)
+	if l.storeNote != "" {
+		log.Warn(l.storeNote)
+	}
 	if l.seg.Segments == 0 {
 		log.Warn("no --max-segments: the supervisor, which holds a descriptor of every segment, may run out of descriptors")
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 	"syscall"
@@ -45,6 +46,31 @@ func raiseNOFILE() int {
 	return int(min(lim.Cur, 1<<31-1))
 }
 
+// envStoreMax passes the size of systemd's file descriptor store
+// ($FDSTORE, the unit's FileDescriptorStoreMax=) from the supervisor, which
+// alone talks to systemd, to the serving process, whose segment limit it
+// bounds.
+const envStoreMax = "GPUSHM_FD_STORE_MAX"
+
+// storeOwn is what the supervisor keeps in systemd's store besides
+// segments: the listening socket, the epoch page, and the journal, two of
+// them while it is rewritten.
+const storeOwn = 4
+
+// passStoreMax tells the serving process the size of systemd's store, when
+// the supervisor keeps everything there.
+func passStoreMax() {
+	if n, _ := strconv.Atoi(os.Getenv("FDSTORE")); n > 0 {
+		os.Setenv(envStoreMax, strconv.Itoa(n))
+	}
+}
+
+// storeMax is the size of systemd's store that the supervisor passed, or 0.
+func storeMax() int {
+	n, _ := strconv.Atoi(os.Getenv(envStoreMax))
+	return max(n, 0)
+}
+
 // descriptorReserve is how many of nofile descriptors the limits leave to
 // the daemon itself: listening and control sockets, the epoch page, the
 // GPU driver's device files, the FUSE device, metrics connections,
@@ -59,17 +85,28 @@ type daemonLimits struct {
 	conn server.ConnLimits
 	// shareNote says how the user byte quota was chosen, for the log.
 	shareNote string
+	// storeNote warns that segments past systemd's store do not survive
+	// a restart of the whole service.
+	storeNote string
 }
 
-// limits resolves the limit flags for b's devices and a descriptor limit
-// of nofile.
-func (o daemonOptions) limits(b backend.Backend, nofile int) (daemonLimits, error) {
+// limits resolves the limit flags for b's devices, a descriptor limit of
+// nofile and, under systemd, a file descriptor store of store descriptors
+// (0: none).
+func (o daemonOptions) limits(b backend.Backend, nofile, store int) (daemonLimits, error) {
 	var l daemonLimits
 	l.conn.Descriptors = nofile
 	reserve := descriptorReserve(nofile)
-	maxSegs, err := countFlag("--max-segments", o.maxSegments, nofile/2)
+	autoSegs := nofile / 2
+	if store > 0 {
+		autoSegs = min(autoSegs, max(1, store-storeOwn))
+	}
+	maxSegs, err := countFlag("--max-segments", o.maxSegments, autoSegs)
 	if err != nil {
 		return l, err
+	}
+	if store > 0 && (maxSegs == 0 || maxSegs > store-storeOwn) {
+		l.storeNote = fmt.Sprintf("systemd's file descriptor store keeps %d segments (FileDescriptorStoreMax=%d, less %d of the daemon's own), fewer than --max-segments allows: those past it do not survive a restart of the whole service", max(0, store-storeOwn), store, storeOwn)
 	}
 	maxConns, err := countFlag("--max-connections", o.maxConnections, max(0, nofile-maxSegs-reserve))
 	if err != nil {

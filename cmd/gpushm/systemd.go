@@ -39,11 +39,17 @@ RestartSec=1s
 # SIGTERM to the supervisor only: it stops the serving process in order.
 KillMode=mixed
 TimeoutStopSec=60
-FileDescriptorStoreMax=4096
+# Every segment is a descriptor in systemd's store. A restart hands them
+# back with their names in one environment variable, LISTEN_FDNAMES, which
+# the kernel bounds to 128 KiB: 6144 names fit, whatever the segment ids.
+# The daemon holds no more segments than the store keeps (6140), and its
+# other limits follow from LimitNOFILE: 55300 connections, 4096
+# descriptors for itself (docs/security.md, "Limits").
+FileDescriptorStoreMax=6144
 FileDescriptorStorePreserve=restart
 RuntimeDirectory=gpushm
 RuntimeDirectoryPreserve=restart
-LimitNOFILE=1048576
+LimitNOFILE=65536
 LimitMEMLOCK=infinity
 
 [Install]

@@ -5,6 +5,8 @@ import (
 	"sort"
 	"strconv"
 	"syscall"
+
+	"github.com/gpushm/gpushm/internal/fairshare"
 )
 
 // Limits are quotas; a zero limit is no limit. They bound what is allocated,
@@ -26,6 +28,12 @@ type Limits struct {
 	// the descriptor table of the daemon's processes.
 	Segments int
 }
+
+// Segments and DeviceBytes are shared fairly (internal/fairshare): once
+// half is in use, a uid other than root above its fair share is refused
+// before the others; the top eighth is kept for uids holding little, and
+// the top thirty-second for root. So no group of users at their limits
+// can lock out another user, or root.
 
 // ErrQuota is a quota refusal.
 var ErrQuota = &Error{"quota exceeded", syscall.ENOSPC}
@@ -87,6 +95,7 @@ type tally struct {
 	user     int64 // the uid's bytes, all devices
 	userDev  int64 // the uid's bytes on the device
 	userSegs int   // the uid's segments
+	userDesc int   // the uid's descriptors
 	descs    int   // descriptors held, all users
 }
 
@@ -102,6 +111,7 @@ func (r *Registry) tallyLocked(uid uint32, device int) tally {
 		if s.uid == uid {
 			t.user += bytes
 			t.userSegs++
+			t.userDesc += descs
 			if s.device == device {
 				t.userDev += bytes
 			}
@@ -139,7 +149,36 @@ func (r *Registry) checkLimitsLocked(c Cred, device int, bytes int64, descs int,
 	if newSegment && l.UserSegments > 0 && t.userSegs+1 > l.UserSegments {
 		return fmt.Errorf("%w: segments per user: uid %d: asked for a segment, %d held, limit %d", ErrQuota, c.UID, t.userSegs, l.UserSegments)
 	}
+	if max := l.DeviceBytes[device]; max > 0 {
+		holders := func() int {
+			return r.holdersLocked(c.UID, func(s *Segment, bytes int64, _ int) bool { return s.device == device && bytes > 0 })
+		}
+		if no := (fairshare.Shares{Cap: max}).Check(t.dev, t.userDev, bytes, holders); no != nil {
+			return fmt.Errorf("%w: %s", ErrQuota, no.Describe("bytes on device "+strconv.Itoa(device), "free", c.UID))
+		}
+	}
+	if l.Segments > 0 {
+		holders := func() int {
+			return r.holdersLocked(c.UID, func(_ *Segment, _ int64, descs int) bool { return descs > 0 })
+		}
+		if no := (fairshare.Shares{Cap: int64(l.Segments)}).Check(int64(t.descs), int64(t.userDesc), int64(descs), holders); no != nil {
+			return fmt.Errorf("%w: %s", ErrQuota, no.Describe("segments (a channel counts as 2)", "free", c.UID))
+		}
+	}
 	return nil
+}
+
+// holdersLocked counts the uids other than root holding a segment that
+// holds says counts, and uid (the asker) whether it holds one or not. It
+// runs only once half a limit is in use.
+func (r *Registry) holdersLocked(uid uint32, holds func(s *Segment, bytes int64, descs int) bool) int {
+	seen := map[uint32]bool{uid: true}
+	r.eachHeldLocked(func(s *Segment, bytes int64, descs int) {
+		if s.uid != 0 && holds(s, bytes, descs) {
+			seen[s.uid] = true
+		}
+	})
+	return len(seen)
 }
 
 // QuotaUse is one limit in force and its use.

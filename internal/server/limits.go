@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gpushm/gpushm/internal/fairshare"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -25,7 +26,11 @@ import (
 // over a limit, or one that arrives when this process is out of
 // descriptors, is never dropped in silence: its first request is answered
 // with the refusal, naming the limit and its numbers, and then it is
-// closed.
+// closed. Total is shared fairly (internal/fairshare): once half of it is
+// open, a uid above its fair share is refused before the others, the top
+// eighth is kept for uids holding few connections and the top
+// thirty-second for root, so that no group of users at their limits locks
+// out another user, or root.
 
 // ConnLimits bound the connections the server serves; a zero limit is no
 // limit.
@@ -54,10 +59,29 @@ func (s *Server) admitLocked(c *conn) error {
 		if uid != 0 && l.PerUser > 0 && s.userConns[uid] >= l.PerUser {
 			return fmt.Errorf("connections per user: uid %d has %d open, limit %d; close some and try again: %w", uid, s.userConns[uid], l.PerUser, syscall.EAGAIN)
 		}
+		if uid != 0 {
+			shares := fairshare.Shares{Cap: int64(l.Total)}
+			if no := shares.Check(int64(s.nconns), int64(s.userConns[uid]), 1, func() int { return s.connUsersLocked(uid) }); no != nil {
+				return fmt.Errorf("%s: %w", no.Describe("connections", "close", uid), syscall.EAGAIN)
+			}
+		}
 	}
 	s.nconns++
 	s.userConns[uid]++
 	return nil
+}
+
+// connUsersLocked counts the uids other than root with connections open,
+// and uid whether it has one or not. s.mu is held.
+func (s *Server) connUsersLocked(uid uint32) int {
+	n := len(s.userConns)
+	if s.userConns[0] > 0 {
+		n--
+	}
+	if s.userConns[uid] == 0 {
+		n++
+	}
+	return n
 }
 
 // leave uncounts a connection that ended.
