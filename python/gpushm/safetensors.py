@@ -248,10 +248,11 @@ def held(path, client=None, quiet=False):
             if client is None:
                 _holdings[c.socket] = h
         try:
-            if not h.listed:
+            fresh = not h.listed
+            if fresh:
                 h.refresh()
             found, changed = h.find(d, base, st, owner_ok)
-            if found is None:
+            if found is None and not fresh:
                 h.refresh()
                 found, changed = h.find(d, base, st, owner_ok)
         except (Error, OSError):
