@@ -27,8 +27,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # gpushm.torch and gpushm.transformers import torch, which most users of
-    # gpushm need not pay for.
-    if name in ("torch", "transformers"):
+    # gpushm need not pay for; gpushm.safetensors imports them when asked.
+    if name in ("torch", "transformers", "safetensors"):
         import importlib
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'gpushm' has no attribute {name!r}")

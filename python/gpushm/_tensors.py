@@ -350,3 +350,88 @@ def layout_of(shape, dtype, nbytes, what: str) -> Layout:
     if isinstance(shape, int):
         shape = (shape,)
     return Layout(dt, shape)
+
+
+def shard_table_region(meta, size: int):
+    """Where a checkpoint directory's bundle keeps its shard table
+    (offset, length), checked to lie inside the segment; None for a bundle
+    without one (a single file, put_tensors)."""
+    r = meta.get("shards") if isinstance(meta, dict) else None
+    if r is None:
+        return None
+    try:
+        off, n = r["offset"], r["size"]
+    except (KeyError, TypeError):
+        raise ValueError(f"gpushm: bundle meta names its shard table as {r!r}") from None
+    if not (type(off) is int and type(n) is int and 0 <= off and 0 < n and off + n <= size):
+        raise ValueError(f"gpushm: bundle shard table [{off!r}, +{n!r}) lies outside the segment's {size} bytes")
+    return off, n
+
+
+def decode_shard_table(raw: bytes, size: int) -> list:
+    """The shards of a checkpoint directory's bundle from its table's bytes:
+    dicts with "name", "header" and "data" ((offset, length) inside the
+    segment, checked) and "origin" (what put recorded of the file, or
+    None)."""
+    try:
+        table = json.loads(raw.decode())
+        shards = table["shards"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"gpushm: bundle shard table is not valid: {e}") from None
+    out = []
+    for s in shards if isinstance(shards, list) else [None]:
+        try:
+            name, header, data = s["name"], tuple(s["header"]), tuple(s["data"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"gpushm: bundle shard table lists a shard as {s!r}") from None
+        if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"gpushm: bundle shard table lists a shard named {name!r}, which is not a plain file name")
+        for what, (off, n) in (("header", header), ("data", data)):
+            if not (type(off) is int and type(n) is int and 0 <= off and 0 <= n and off + n <= size):
+                raise ValueError(f"gpushm: bundle shard {name!r}: {what} [{off!r}, +{n!r}) lies outside the segment's {size} bytes")
+        origin = s.get("origin")
+        out.append({"name": name, "header": header, "data": data, "origin": origin if isinstance(origin, dict) else None})
+    return out
+
+
+def index_layout(lay: Layout, key) -> Layout:
+    """The layout of lay[key] for numpy's basic indexing: ints (negative
+    from the end), slices with a positive step, and one Ellipsis, in a
+    tuple or alone. What it gives is a view of the same bytes."""
+    if isinstance(key, list):
+        if key:
+            raise TypeError("gpushm: indexing with a non-empty list is not supported (safetensors' slices take ints and slices)")
+        key = ()
+    if not isinstance(key, tuple):
+        key = (key,)
+    if sum(k is Ellipsis for k in key) > 1:
+        raise IndexError("gpushm: an index can only have a single ellipsis ('...')")
+    nd = len(lay.shape)
+    given = len(key) - (Ellipsis in key)
+    if given > nd:
+        raise IndexError(f"gpushm: too many indices: the tensor has {nd} dimensions, {given} were indexed")
+    if Ellipsis in key:
+        i = key.index(Ellipsis)
+        key = key[:i] + (slice(None),) * (nd - given) + key[i + 1:]
+    else:
+        key = key + (slice(None),) * (nd - given)
+    size = lay.dtype.itemsize
+    offset, shape, strides = lay.offset, [], []
+    for dim, (k, n, s) in enumerate(zip(key, lay.shape, lay.element_strides())):
+        if isinstance(k, slice):
+            start, stop, step = k.indices(n)
+            if step <= 0:
+                raise ValueError(f"gpushm: slice step {k.step} in dimension {dim}: only positive steps are supported")
+            count = max(0, (stop - start + step - 1) // step)
+            if count:
+                offset += start * s * size
+            shape.append(count)
+            strides.append(s * step)
+        elif hasattr(k, "__index__") and not isinstance(k, bool):
+            i = k.__index__()
+            if not -n <= i < n:
+                raise IndexError(f"gpushm: index {i} is out of bounds for dimension {dim} of size {n}")
+            offset += (i % n) * s * size
+        else:
+            raise TypeError(f"gpushm: cannot index a tensor with {k!r}: use ints, slices and '...'")
+    return Layout(lay.dtype, tuple(shape), tuple(strides), offset)

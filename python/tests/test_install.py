@@ -54,6 +54,11 @@ def test_platform_wheel(tmp_path):
 
     gpushm_bin = venv / "bin" / "gpushm"
     assert os.access(gpushm_bin, os.X_OK), "the wheel did not install an executable gpushm"
+    # The wheel's .pth installs the safetensors hook when the environment
+    # asks (containers), and imports none of gpushm for it.
+    probe = "import sys; print(type(sys.meta_path[0]).__name__, 'gpushm' in sys.modules)"
+    assert _run([venv / "bin" / "python", "-c", probe], dict(env, GPUSHM_SAFETENSORS="1")).split() == ["_Finder", "False"]
+    assert _run([venv / "bin" / "python", "-c", probe], env).split()[0] != "_Finder"
     # The whole path, from the installed binary alone: it starts its own
     # daemon (itself) and a second process (itself).
     demo = _run([gpushm_bin, "demo", "--backend", "host", "--size", "8MiB"], env, cwd=tmp_path)
