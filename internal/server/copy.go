@@ -82,14 +82,17 @@ func (l *copyLimits) leave(uid uint32) {
 func (c *conn) copyFile(req *wire.Request, fd int) (*wire.Reply, int) {
 	f := os.NewFile(uintptr(fd), "client file")
 	defer f.Close()
-	rep, err := c.copyFileErr(req, f)
+	rep, err := c.copyFileErr(req, f, fd)
 	if err != nil {
 		return fail(fmt.Errorf("%s: %w", req.Op, err))
 	}
 	return rep, -1
 }
 
-func (c *conn) copyFileErr(req *wire.Request, f *os.File) (*wire.Reply, error) {
+// copyFileErr copies between the segment and f, whose descriptor is fd.
+// The daemon never calls f.Fd: it would put a non-blocking descriptor in
+// blocking mode, on the description the client shares.
+func (c *conn) copyFileErr(req *wire.Request, f *os.File, fd int) (*wire.Reply, error) {
 	fill := req.Op == wire.OpFill
 	l := c.leases[req.Segment]
 	if l == nil {
@@ -109,7 +112,7 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File) (*wire.Reply, error) {
 	if req.Size < 0 || req.Offset < 0 || req.At < 0 || req.At > size || req.Size > size-req.At {
 		return nil, fmt.Errorf("%d bytes at %d of a %d-byte segment (file offset %d): %w", req.Size, req.At, size, req.Offset, syscall.EINVAL)
 	}
-	st, err := statClientFile(fill, f)
+	st, err := statClientFile(fill, fd)
 	if err != nil {
 		return nil, err
 	}
@@ -149,10 +152,9 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File) (*wire.Reply, error) {
 	return &wire.Reply{Bytes: cs.Bytes, CopySeconds: cs.Elapsed.Seconds(), Copiers: cs.Workers, Direct: cs.Direct}, nil
 }
 
-// statClientFile checks f, a descriptor a client sent with fill or dump,
+// statClientFile checks fd, a descriptor a client sent with fill or dump,
 // with checkClientFile, and returns its fstat.
-func statClientFile(fill bool, f *os.File) (*unix.Stat_t, error) {
-	fd := int(f.Fd())
+func statClientFile(fill bool, fd int) (*unix.Stat_t, error) {
 	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
 	if err != nil {
 		return nil, fmt.Errorf("the file's flags: %w", err)

@@ -54,10 +54,10 @@ func TestClientFileFlags(t *testing.T) {
 			}
 			f := os.NewFile(uintptr(fd), path)
 			defer f.Close()
-			if _, err := statClientFile(true, f); !errors.Is(err, tc.fill) || (err == nil) != (tc.fill == nil) {
+			if _, err := statClientFile(true, fd); !errors.Is(err, tc.fill) || (err == nil) != (tc.fill == nil) {
 				t.Errorf("fill: %v, want %v", err, tc.fill)
 			}
-			if _, err := statClientFile(false, f); !errors.Is(err, tc.dump) || (err == nil) != (tc.dump == nil) {
+			if _, err := statClientFile(false, fd); !errors.Is(err, tc.dump) || (err == nil) != (tc.dump == nil) {
 				t.Errorf("dump: %v, want %v", err, tc.dump)
 			}
 		})
@@ -113,17 +113,17 @@ func TestClientFileKinds(t *testing.T) {
 			}
 			defer f.Close()
 			if tc.fill != nil {
-				if _, err := statClientFile(true, f); !errors.Is(err, tc.fill) {
+				if _, err := statClientFile(true, int(f.Fd())); !errors.Is(err, tc.fill) {
 					t.Errorf("fill: %v, want %v", err, tc.fill)
 				}
 			}
 			if tc.dump != nil {
-				if _, err := statClientFile(false, f); !errors.Is(err, tc.dump) {
+				if _, err := statClientFile(false, int(f.Fd())); !errors.Is(err, tc.dump) {
 					t.Errorf("dump: %v, want %v", err, tc.dump)
 				}
 			}
 			if tc.okDump {
-				if _, err := statClientFile(false, f); err != nil {
+				if _, err := statClientFile(false, int(f.Fd())); err != nil {
 					t.Errorf("dump: %v, want it taken", err)
 				}
 			}

@@ -474,7 +474,7 @@ func (s *source) setup() {
 	s.size = st.Size()
 	if s.borrowed {
 		if s.direct == DirectAlways {
-			s.dfd = int(s.f.Fd())
+			s.dfd = fdOf(s.f)
 		}
 		return
 	}
@@ -537,6 +537,17 @@ func (s *source) close() {
 type residency interface {
 	cached(off, n int64) bool
 	close()
+}
+
+// fdOf returns f's descriptor without the side effect of f.Fd, which puts
+// a non-blocking descriptor in blocking mode: on the open file
+// description, which a borrowed file shares with its owner.
+func fdOf(f *os.File) int {
+	fd := -1
+	if rc, err := f.SyscallConn(); err == nil {
+		rc.Control(func(u uintptr) { fd = int(u) })
+	}
+	return fd
 }
 
 func readFull(r io.ReaderAt, b []byte, off int64) error {

@@ -32,7 +32,7 @@ func openDirect(f *os.File) (fd int, align int64) {
 // ownDirect says whether f's own open file description reads with
 // O_DIRECT, and the alignment to read it with.
 func ownDirect(f *os.File) (bool, int64) {
-	fl, err := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0)
+	fl, err := unix.FcntlInt(uintptr(fdOf(f)), unix.F_GETFL, 0)
 	if err != nil || fl&unix.O_DIRECT == 0 {
 		return false, 0
 	}
@@ -45,7 +45,7 @@ func ownDirect(f *os.File) (bool, int64) {
 func directAlign(f *os.File) (int64, bool) {
 	var sx unix.Statx_t
 	align := int64(dioAlign)
-	if unix.Statx(int(f.Fd()), "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
+	if unix.Statx(fdOf(f), "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
 		if sx.Dio_offset_align == 0 || sx.Dio_mem_align == 0 {
 			return 0, false // the file system says: no O_DIRECT here
 		}
