@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -661,6 +662,28 @@ func TestPublishOutlivesThePublisher(t *testing.T) {
 	}
 	if _, err := c.Publish(ctx, "pub", fd, 4096, nil); !errors.Is(err, fs.ErrExist) {
 		t.Fatalf("publish over an existing name = %v, want EEXIST", err)
+	}
+	opath, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", fd), unix.O_PATH|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(opath)
+	if _, err := c.Publish(ctx, "opath", opath, 4096, nil); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("publish of an O_PATH descriptor = %v, want EINVAL", err)
+	}
+	// A regular file, open read-write, shorter than a page: refused before
+	// the daemon grows it to one.
+	plain, err := os.OpenFile(filepath.Join(t.TempDir(), "plain"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	plain.Write(make([]byte, 100))
+	if _, err := c.Publish(ctx, "plain", int(plain.Fd()), 100, nil); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("publish of a regular file = %v, want EINVAL", err)
+	}
+	if st, err := plain.Stat(); err != nil || st.Size() != 100 {
+		t.Fatalf("a refused publish changed the file it was sent: %v, %v", st.Size(), err)
 	}
 	if u := usage(t, c); u.Segments != 1 {
 		t.Fatalf("failed publishes left %+v", u)

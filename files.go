@@ -65,15 +65,18 @@ func (m *Mapping) target() xfer.Target {
 // Fill has the daemon copy n bytes at off in f, a regular file, into the
 // segment at at, with its copy engine (the same as LoadFiles', with a warm
 // CUDA context and pinned buffers): this process maps nothing and needs no
-// CUDA context. The segment must be open read-write. A daemon too old to
-// fill answers ENOSYS.
+// CUDA context. The segment must be open read-write. The daemon reads only
+// through f, which must be open for reading (else EBADF); it reads with
+// O_DIRECT only if f was opened with O_DIRECT. A daemon too old to fill
+// answers ENOSYS.
 func (s *Segment) Fill(ctx context.Context, f *os.File, off, at, n int64) (CopyStats, error) {
 	return s.copyFile(ctx, wire.OpFill, f, off, at, n)
 }
 
 // Dump has the daemon copy n bytes of the segment at at into f at off: a
 // regular file (which the daemon writes with parallel pwrites; it does not
-// truncate or extend it first) or a character device such as /dev/null.
+// truncate or extend it first), /dev/null, /dev/zero or /dev/full. f must
+// be open for writing (else EBADF), and not with O_APPEND (EINVAL).
 func (s *Segment) Dump(ctx context.Context, f *os.File, off, at, n int64) (CopyStats, error) {
 	return s.copyFile(ctx, wire.OpDump, f, off, at, n)
 }

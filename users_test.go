@@ -24,6 +24,13 @@ import (
 // returns the result code of each ("OK" or an errno name).
 func asUser(t *testing.T, socket string, uid, gid uint32, ops ...string) []string {
 	t.Helper()
+	return asUserFiles(t, socket, uid, gid, nil, ops...)
+}
+
+// asUserFiles is asUser with files passed on to the client, as descriptors
+// 3, 4, ... (exec.Cmd's ExtraFiles).
+func asUserFiles(t *testing.T, socket string, uid, gid uint32, files []*os.File, ops ...string) []string {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("running clients as other users needs root")
 	}
@@ -50,6 +57,7 @@ func asUser(t *testing.T, socket string, uid, gid uint32, ops ...string) []strin
 	cmd := exec.Command(bin, "-test.run=^$")
 	cmd.Env = append(os.Environ(), "GPUSHM_TEST_CHILD=ops", "GPUSHM_SOCKET="+socket, "OPS="+strings.Join(ops, " "))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: gid}}
+	cmd.ExtraFiles = files
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, os.Stderr
 	if err := cmd.Run(); err != nil {
@@ -79,6 +87,12 @@ func opsChild(ctx context.Context, c *gpushm.Client) error {
 					f.Close()
 				}
 				s.Close()
+			}
+		case "fill-path", "dump-path", "fill-fd", "dump-fd": // fdaccess_test.go
+			var oe *openError
+			if err = copyOp(ctx, c, verb, name); errors.As(err, &oe) {
+				fmt.Println(oe)
+				continue
 			}
 		case "unlink":
 			err = c.Unlink(ctx, name)

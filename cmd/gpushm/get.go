@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/checkpoint"
@@ -79,7 +80,8 @@ for the name to appear.`,
 			if err != nil {
 				return err
 			}
-			if path != "-" && inDaemon {
+			stream := path == "-" || !daemonWrites(path)
+			if !stream && inDaemon {
 				st, err := dumpFile(ctx, seg, path)
 				if err == nil {
 					report("get", name, info.Size, time.Since(start), st, verbose)
@@ -96,12 +98,15 @@ for the name to appear.`,
 			}
 			bar := newProgress("get "+name, m.Size())
 			var st gpushm.CopyStats
-			if path == "-" {
-				w := bufio.NewWriterSize(os.Stdout, 1<<20)
-				_, err = m.WriteTo(bar.writer(w))
-				if err == nil {
-					err = w.Flush()
-				}
+			if stream {
+				err = streamTo(path, func(out *os.File) error {
+					w := bufio.NewWriterSize(out, 1<<20)
+					_, err := m.WriteTo(bar.writer(w))
+					if err == nil {
+						err = w.Flush()
+					}
+					return err
+				})
 			} else {
 				co.Progress = bar.fn()
 				st, err = getFile(m, path, co)
@@ -119,6 +124,42 @@ for the name to appear.`,
 	cmd.Flags().DurationVar(&wait, "wait", 0, "wait this long (e.g. 30s, 5m; at most 1h) for a segment being written, or not there yet")
 	copyOpts.register(cmd)
 	return cmd
+}
+
+// streamTo has write write to standard output ("-") or to path, a FIFO or
+// a device, in order.
+func streamTo(path string, write func(*os.File) error) error {
+	if path == "-" {
+		return write(os.Stdout)
+	}
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	err = write(f)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// daemonWrites says whether path is a file to write with offsets, by the
+// daemon (docs/protocol.md, "fill and dump") or this process's parallel
+// writes: a regular file (or none yet), /dev/null, /dev/zero or
+// /dev/full. Other devices and FIFOs are written in order, by this process.
+func daemonWrites(path string) bool {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return true
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		return true
+	case unix.S_IFCHR:
+		min := unix.Minor(st.Rdev)
+		return unix.Major(st.Rdev) == 1 && (min == 3 || min == 5 || min == 7)
+	}
+	return false
 }
 
 // dumpFile has the daemon write seg into path (intoFile).

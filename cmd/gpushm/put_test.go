@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"io"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +14,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/safetensors"
 )
@@ -357,5 +360,33 @@ func sameFile(t *testing.T, a, b string) bool {
 		if ea != nil || eb != nil {
 			return ea == eb || (ea == io.ErrUnexpectedEOF && eb == io.ErrUnexpectedEOF && na == nb)
 		}
+	}
+}
+
+// TestGetToFIFO: get into a FIFO (a shell's process substitution, say) is
+// copied by the client, since the daemon writes only regular files and
+// /dev/null, /dev/zero and /dev/full; the reader gets every byte.
+func TestGetToFIFO(t *testing.T) {
+	root := socketDir(t)
+	sock := filepath.Join(root, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	data := make([]byte, 3<<20+5)
+	rand.NewChaCha8([32]byte{9}).Read(data)
+	in := filepath.Join(root, "in")
+	os.WriteFile(in, data, 0o644)
+	mustRun(t, nil, "put", "f", in)
+	fifo := filepath.Join(root, "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan []byte)
+	go func() {
+		b, _ := os.ReadFile(fifo)
+		got <- b
+	}()
+	mustRun(t, nil, "get", "f", fifo)
+	if b := <-got; !bytes.Equal(b, data) {
+		t.Fatalf("get into a FIFO: the reader got %d bytes, want the segment's %d", len(b), len(data))
 	}
 }

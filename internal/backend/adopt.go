@@ -78,10 +78,20 @@ func (h *Host) Adopt(device int, fd int, size int64) (segment.Memory, error) {
 	if err != nil {
 		return nil, fmt.Errorf("publish: fcntl: %w", err)
 	}
-	if fl&unix.O_ACCMODE != unix.O_RDWR {
+	if fl&unix.O_PATH != 0 || fl&unix.O_ACCMODE != unix.O_RDWR {
 		// The daemon writes through it (the FUSE view) and hands out
-		// read-write opens of it.
+		// read-write opens of it: the publisher must have had both.
 		return nil, fmt.Errorf("publish: the descriptor is not open for reading and writing: %w", syscall.EINVAL)
+	}
+	// Nothing is changed (grown, sealed, chmodded) before the descriptor
+	// is known to be a memfd that takes seals: the daemon must not grow
+	// another kind of file the client sent, with its own privileges.
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return nil, fmt.Errorf("publish: the descriptor is not a memfd (mode %#o): %w", st.Mode&unix.S_IFMT, syscall.EINVAL)
+	}
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil || seals&unix.F_SEAL_SEAL != 0 {
+		return nil, fmt.Errorf("publish: the descriptor is not a memfd that takes seals (one made with MFD_ALLOW_SEALING is needed): %w", syscall.EINVAL)
 	}
 	if st.Size < alloc {
 		if err := unix.Ftruncate(fd, alloc); err != nil {

@@ -68,6 +68,19 @@ type Options struct {
 	// Progress, if set, is told of every n bytes copied, from any
 	// copier's goroutine.
 	Progress func(n int64)
+	// Borrowed says that the files are descriptors another process lent
+	// (the daemon's fill and dump): the copy reads and writes only through
+	// them and never opens a file again. A reopen through /proc/self/fd,
+	// as Direct needs, checks permissions as this process, not as the one
+	// that opened the file, and makes a new open file description with
+	// this process's credentials: for a daemon running as root, access the
+	// lender may not have. Setting O_DIRECT on the lender's description
+	// instead (F_SETFL) would change it under the lender and every other
+	// process sharing it. So a borrowed file is read through the page
+	// cache, unless its description was opened with O_DIRECT by its owner:
+	// then every chunk is read with O_DIRECT through it, and Direct is
+	// ignored.
+	Borrowed bool
 }
 
 // Stats say how a copy went.
@@ -155,9 +168,15 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 		}
 		s := srcs[r.File]
 		if s == nil {
-			s = &source{f: r.File, direct: DirectNever, dfd: -1}
+			s = &source{f: r.File, direct: DirectNever, dfd: -1, borrowed: o.Borrowed}
 			if load {
 				s.direct = o.Direct
+				if o.Borrowed {
+					s.direct = DirectNever
+					if ok, align := ownDirect(r.File); ok {
+						s.direct, s.align = DirectAlways, align
+					}
+				}
 			}
 			srcs[r.File] = s
 		}
@@ -433,6 +452,11 @@ type source struct {
 	f      *os.File
 	direct Direct // DirectNever for stores
 
+	// borrowed: f is another process's (Options.Borrowed), never opened
+	// again; dfd is then f's own descriptor, when its description reads
+	// with O_DIRECT, and is not closed.
+	borrowed bool
+
 	once     sync.Once
 	dfd      int   // the file reopened with O_DIRECT; -1 until then, or if it cannot be
 	align    int64 // its alignment
@@ -448,6 +472,12 @@ func (s *source) setup() {
 		return
 	}
 	s.size = st.Size()
+	if s.borrowed {
+		if s.direct == DirectAlways {
+			s.dfd = fdOf(s.f)
+		}
+		return
+	}
 	s.dfd, s.align = openDirect(s.f)
 	if s.dfd >= 0 && s.direct == DirectAuto {
 		s.cache = newResidency(s.f, s.size)
@@ -495,7 +525,7 @@ func (s *source) readDirect(buf []byte, off, n int64) (b []byte, ok bool, err er
 }
 
 func (s *source) close() {
-	if s.dfd >= 0 {
+	if s.dfd >= 0 && !s.borrowed {
 		syscall.Close(s.dfd)
 	}
 	if s.cache != nil {
@@ -507,6 +537,17 @@ func (s *source) close() {
 type residency interface {
 	cached(off, n int64) bool
 	close()
+}
+
+// fdOf returns f's descriptor without the side effect of f.Fd, which puts
+// a non-blocking descriptor in blocking mode: on the open file
+// description, which a borrowed file shares with its owner.
+func fdOf(f *os.File) int {
+	fd := -1
+	if rc, err := f.SyscallConn(); err == nil {
+		rc.Control(func(u uintptr) { fd = int(u) })
+	}
+	return fd
 }
 
 func readFull(r io.ReaderAt, b []byte, off int64) error {

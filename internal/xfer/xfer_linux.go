@@ -14,20 +14,44 @@ import (
 // cache). It returns -1 when the file system refuses O_DIRECT (tmpfs before
 // Linux 6.6, many FUSE and overlay mounts) or says it has no alignment for
 // it, and the alignment to use otherwise.
+//
+// Only for files this process opened itself: the reopen checks permissions
+// as this process (Options.Borrowed).
 func openDirect(f *os.File) (fd int, align int64) {
-	var sx unix.Statx_t
-	align = dioAlign
-	if unix.Statx(int(f.Fd()), "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
-		if sx.Dio_offset_align == 0 || sx.Dio_mem_align == 0 {
-			return -1, 0 // the file system says: no O_DIRECT here
-		}
-		align = max(align, int64(sx.Dio_offset_align), int64(sx.Dio_mem_align))
+	align, ok := directAlign(f)
+	if !ok {
+		return -1, 0
 	}
 	fd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(int(f.Fd())), unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return -1, 0
 	}
 	return fd, align
+}
+
+// ownDirect says whether f's own open file description reads with
+// O_DIRECT, and the alignment to read it with.
+func ownDirect(f *os.File) (bool, int64) {
+	fl, err := unix.FcntlInt(uintptr(fdOf(f)), unix.F_GETFL, 0)
+	if err != nil || fl&unix.O_DIRECT == 0 {
+		return false, 0
+	}
+	align, ok := directAlign(f)
+	return ok, align
+}
+
+// directAlign returns the alignment of O_DIRECT reads of f, or false when
+// its file system says it has none.
+func directAlign(f *os.File) (int64, bool) {
+	var sx unix.Statx_t
+	align := int64(dioAlign)
+	if unix.Statx(fdOf(f), "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
+		if sx.Dio_offset_align == 0 || sx.Dio_mem_align == 0 {
+			return 0, false // the file system says: no O_DIRECT here
+		}
+		align = max(align, int64(sx.Dio_offset_align), int64(sx.Dio_mem_align))
+	}
+	return align, true
 }
 
 // preadDirect fills b from off, stopping at the end of the file (a read

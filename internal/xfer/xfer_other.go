@@ -8,6 +8,7 @@ import (
 )
 
 func openDirect(*os.File) (int, int64)                     { return -1, 0 }
+func ownDirect(*os.File) (bool, int64)                     { return false, 0 }
 func preadDirect(int, []byte, int64, int64) (int64, error) { return 0, errors.ErrUnsupported }
 func directUnsupported(error) bool                         { return true }
 func closeFDInt(int)                                       {}
