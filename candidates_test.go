@@ -111,6 +111,16 @@ func TestDialFindsTheNodesDaemon(t *testing.T) {
 	if _, err := mine.Server.Registry().Stat("after"); err == nil {
 		t.Fatal("the client moved to the user's own daemon on reconnecting")
 	}
+	// The variable chooses one, and the error says so.
+	t.Setenv("GPUSHM_SOCKET", filepath.Join(dir, "nowhere.sock"))
+	_, err = gpushm.Dial(ctx, "")
+	want = "gpushm: cannot reach a daemon: " + filepath.Join(dir, "nowhere.sock") +
+		": no such file (is 'gpushm daemon' running? the path is $GPUSHM_SOCKET)"
+	if err == nil || err.Error() != want {
+		t.Fatalf("Dial with $GPUSHM_SOCKET: %v\nwant %s", err, want)
+	}
+	t.Setenv("GPUSHM_SOCKET", "")
+
 	// A new client finds the user's own first.
 	c2, err := gpushm.Dial(ctx, "")
 	if err != nil {

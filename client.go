@@ -143,8 +143,9 @@ func nothingListens(err error) bool {
 // unreachableError is Dial's error when no candidate socket answered: each
 // path tried, with its dial error.
 type unreachableError struct {
-	paths []string
-	errs  []error
+	paths   []string
+	errs    []error
+	fromEnv bool // the one path was $GPUSHM_SOCKET
 }
 
 func (e *unreachableError) Error() string {
@@ -156,7 +157,11 @@ func (e *unreachableError) Error() string {
 		}
 		b.WriteString(p + ": " + dialReason(e.errs[i]))
 	}
-	b.WriteString(" (is 'gpushm daemon' running? set $GPUSHM_SOCKET to choose a socket)")
+	if e.fromEnv {
+		b.WriteString(" (is 'gpushm daemon' running? the path is $GPUSHM_SOCKET)")
+	} else {
+		b.WriteString(" (is 'gpushm daemon' running? set $GPUSHM_SOCKET to choose a socket)")
+	}
 	return b.String()
 }
 
@@ -286,7 +291,7 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 		}
 		return greet(ctx, socket, conn, timeout)
 	}
-	var tried unreachableError
+	tried := unreachableError{fromEnv: os.Getenv("GPUSHM_SOCKET") != ""}
 	for _, path := range SocketCandidates() {
 		conn, err := dialConn(path, timeout)
 		if err == nil {

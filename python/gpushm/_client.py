@@ -289,8 +289,9 @@ class Client:
                     break  # a daemon may be there: say so rather than reach another
         last = tried[-1][1]
         paths = "; ".join(f"{p}: {_dial_reason(e)}" for p, e in tried)
-        raise type(last)(last.errno, f"gpushm: cannot reach a daemon: {paths} "
-                         "(is 'gpushm daemon' running? set $GPUSHM_SOCKET to choose a socket)") from None
+        hint = ("the path is $GPUSHM_SOCKET" if os.environ.get("GPUSHM_SOCKET")
+                else "set $GPUSHM_SOCKET to choose a socket")
+        raise type(last)(last.errno, f"gpushm: cannot reach a daemon: {paths} (is 'gpushm daemon' running? {hint})") from None
 
     def _dial(self):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)

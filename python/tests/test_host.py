@@ -76,6 +76,13 @@ def test_client_finds_the_nodes_daemon(monkeypatch, tmp_path, daemon):
         gpushm.connect()
     assert str(e.value) == f"[Errno 111] gpushm: cannot reach a daemon: {own}: no such file; {system}: connection refused{hint}"
 
+    monkeypatch.setenv("GPUSHM_SOCKET", str(tmp_path / "nowhere.sock"))
+    with pytest.raises(FileNotFoundError) as e:
+        gpushm.connect()
+    assert str(e.value) == (f"[Errno 2] gpushm: cannot reach a daemon: {tmp_path}/nowhere.sock: no such file "
+                            "(is 'gpushm daemon' running? the path is $GPUSHM_SOCKET)")
+    monkeypatch.delenv("GPUSHM_SOCKET")
+
     monkeypatch.setattr(_client, "SYSTEM_SOCKET", daemon.socket)
     with gpushm.connect() as c:
         assert c.socket == daemon.socket
