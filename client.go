@@ -8,10 +8,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -78,20 +80,107 @@ type Pool = wire.Pool
 // GPUReport is what the daemon knows of the node's GPUs, and from where.
 type GPUReport = wire.GPUReport
 
-// DefaultSocket is the socket path used when none is given: $GPUSHM_SOCKET,
-// else /run/gpushm/gpushm.sock for root, else
-// $XDG_RUNTIME_DIR/gpushm/gpushm.sock (or /tmp/gpushm-UID/gpushm.sock).
+// SystemSocket is where a daemon run as root listens by default ('gpushm
+// install-systemd', the Kubernetes DaemonSet): the node's daemon, which
+// every local user may reach.
+const SystemSocket = "/run/gpushm/gpushm.sock"
+
+// systemSocket is SystemSocket, and geteuid os.Geteuid; tests of the
+// candidates point them elsewhere.
+var (
+	systemSocket = SystemSocket
+	geteuid      = os.Geteuid
+)
+
+// DefaultSocket is where 'gpushm daemon' listens when given no socket:
+// $GPUSHM_SOCKET, else the user's own socket: SystemSocket for root, else
+// $XDG_RUNTIME_DIR/gpushm/gpushm.sock (or $TMPDIR/gpushm-UID/gpushm.sock,
+// /tmp by default). Clients look in SocketCandidates.
 func DefaultSocket() string {
 	if p := os.Getenv("GPUSHM_SOCKET"); p != "" {
 		return p
 	}
-	if os.Geteuid() == 0 {
-		return "/run/gpushm/gpushm.sock"
+	return userSocket()
+}
+
+// userSocket is the user's own socket, where a daemon the user runs
+// listens by default.
+func userSocket() string {
+	euid := geteuid()
+	if euid == 0 {
+		return systemSocket
 	}
 	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
 		return filepath.Join(d, "gpushm", "gpushm.sock")
 	}
-	return filepath.Join(os.TempDir(), fmt.Sprintf("gpushm-%d", os.Geteuid()), "gpushm.sock")
+	return filepath.Join(os.TempDir(), fmt.Sprintf("gpushm-%d", euid), "gpushm.sock")
+}
+
+// SocketCandidates is where a client given no socket (Dial with "") looks
+// for the daemon, in order: $GPUSHM_SOCKET alone when it is set; else the
+// user's own socket (DefaultSocket: a daemon the user runs), then
+// SystemSocket (the node's daemon, run as root). For root the two are one,
+// tried once. Dial moves on to the next only when nothing listens at a
+// path (no such file, connection refused).
+func SocketCandidates() []string {
+	if p := os.Getenv("GPUSHM_SOCKET"); p != "" {
+		return []string{p}
+	}
+	own := userSocket()
+	if own == systemSocket {
+		return []string{own}
+	}
+	return []string{own, systemSocket}
+}
+
+// nothingListens says whether err, from a dial, means that no daemon
+// listens at the path (so the next candidate may be tried), rather than
+// that one is there but cannot be used (permission denied, a timeout).
+func nothingListens(err error) bool {
+	return errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)
+}
+
+// unreachableError is Dial's error when no candidate socket answered: each
+// path tried, with its dial error.
+type unreachableError struct {
+	paths   []string
+	errs    []error
+	fromEnv bool // the one path was $GPUSHM_SOCKET
+}
+
+func (e *unreachableError) Error() string {
+	var b strings.Builder
+	b.WriteString("gpushm: cannot reach a daemon: ")
+	for i, p := range e.paths {
+		if i > 0 {
+			b.WriteString("; ")
+		}
+		b.WriteString(p + ": " + dialReason(e.errs[i]))
+	}
+	if e.fromEnv {
+		b.WriteString(" (is 'gpushm daemon' running? the path is $GPUSHM_SOCKET)")
+	} else {
+		b.WriteString(" (is 'gpushm daemon' running? set $GPUSHM_SOCKET to choose a socket)")
+	}
+	return b.String()
+}
+
+func (e *unreachableError) Unwrap() []error { return e.errs }
+
+// dialReason is err, from a dial, without the path it repeats.
+func dialReason(err error) string {
+	var op *net.OpError
+	if errors.As(err, &op) {
+		err = op.Err
+	}
+	var sc *os.SyscallError
+	if errors.As(err, &sc) {
+		err = sc.Err
+	}
+	if errors.Is(err, syscall.ENOENT) {
+		return "no such file"
+	}
+	return err.Error()
 }
 
 // DefaultSpin is how long a client polls for a reply before it sleeps:
@@ -188,17 +277,38 @@ type Client struct {
 	closed   bool
 }
 
-// Dial connects to the daemon at socket ("" for DefaultSocket) and says
-// hello.
+// Dial connects to the daemon at socket and says hello. With socket ""
+// it tries SocketCandidates in order, and the client keeps the one that
+// answered (Socket) for the rest of its life: after a restart it
+// reconnects there, never to another candidate. When none answers, the
+// error names every path tried, each with its reason.
 func Dial(ctx context.Context, socket string) (*Client, error) {
-	if socket == "" {
-		socket = DefaultSocket()
-	}
 	timeout := clientTimeout()
-	conn, err := dialConn(socket, timeout)
-	if err != nil {
-		return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (is 'gpushm daemon' running?): %w", socket, err)
+	if socket != "" {
+		conn, err := dialConn(socket, timeout)
+		if err != nil {
+			return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (is 'gpushm daemon' running?): %w", socket, err)
+		}
+		return greet(ctx, socket, conn, timeout)
 	}
+	tried := unreachableError{fromEnv: os.Getenv("GPUSHM_SOCKET") != ""}
+	for _, path := range SocketCandidates() {
+		conn, err := dialConn(path, timeout)
+		if err == nil {
+			return greet(ctx, path, conn, timeout)
+		}
+		tried.paths, tried.errs = append(tried.paths, path), append(tried.errs, err)
+		if !nothingListens(err) {
+			// A daemon may be there: say so rather than reach another.
+			break
+		}
+	}
+	return nil, &tried
+}
+
+// greet makes the client of conn, a new connection to socket, and says
+// hello; conn is closed if that fails.
+func greet(ctx context.Context, socket string, conn *wire.Conn, timeout time.Duration) (*Client, error) {
 	var sid [16]byte
 	rand.Read(sid[:])
 	c := &Client{
@@ -212,7 +322,7 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 		stopWatch: make(chan struct{}),
 	}
 	c.mu.Lock()
-	err = c.helloLocked(ctx)
+	err := c.helloLocked(ctx)
 	c.mu.Unlock()
 	if err != nil {
 		conn.Close()
@@ -349,7 +459,9 @@ func (c *Client) SetReconnect(d time.Duration) {
 // Backend is "cuda" or "host".
 func (c *Client) Backend() string { return c.backend }
 
-// Socket is the path this client dialed.
+// Socket is the path of the daemon this client reached: the one it was
+// given, or the candidate that answered (SocketCandidates). It reconnects
+// there after a restart.
 func (c *Client) Socket() string { return c.socket }
 
 // Close closes every Segment opened through c (unmapping its memory) and the

@@ -1,7 +1,7 @@
 // Package gpushm is the Go client of the gpushm daemon: named GPU (or host)
 // memory segments shared between processes without copies.
 //
-//	c, err := gpushm.Dial(ctx, "")                 // $GPUSHM_SOCKET or the default
+//	c, err := gpushm.Dial(ctx, "")                 // $GPUSHM_SOCKET, else SocketCandidates
 //	seg, err := c.Create(ctx, "weights", 1<<30, nil)
 //	m, err := seg.Map()                            // m.DevicePtr() on cuda, m.Bytes() on host
 //	...

@@ -20,6 +20,10 @@ import (
 )
 
 // types maps apiVersion/kind to the Go type a manifest must decode into.
+// systemSocket is where a client with no $GPUSHM_SOCKET finds the node's
+// daemon (gpushm.SystemSocket; this module does not import gpushm).
+const systemSocket = "/run/gpushm/gpushm.sock"
+
 var types = map[string]func() any{
 	"v1/Namespace":      func() any { return new(corev1.Namespace) },
 	"v1/Service":        func() any { return new(corev1.Service) },
@@ -198,8 +202,13 @@ func TestManifests(t *testing.T) {
 	checkPod(t, "example-workload.yaml", &pod.Spec)
 	socket := argValue(plain.Spec.Template.Spec.Containers[0].Args, "--socket")
 	for _, c := range append(slices.Clone(pod.Spec.InitContainers), pod.Spec.Containers...) {
-		if env(c, "GPUSHM_SOCKET") != socket || mountedHostPath(&pod.Spec, c, path.Dir(socket)) == "" {
-			t.Errorf("example-workload.yaml: container %s must mount the node's %s and set GPUSHM_SOCKET=%s", c.Name, path.Dir(socket), socket)
+		if mountedHostPath(&pod.Spec, c, path.Dir(socket)) != path.Dir(socket) {
+			t.Errorf("example-workload.yaml: container %s must mount the node's %s at the same path", c.Name, path.Dir(socket))
+		}
+		// A client with no $GPUSHM_SOCKET looks in the system socket after
+		// its own (gpushm.SocketCandidates).
+		if got := env(c, "GPUSHM_SOCKET"); got != "" && got != socket || got == "" && socket != systemSocket {
+			t.Errorf("example-workload.yaml: container %s has GPUSHM_SOCKET=%q; the daemon serves %s, and a client finds only %s by itself", c.Name, got, socket, systemSocket)
 		}
 	}
 }

@@ -15,7 +15,8 @@ import (
 	"github.com/gpushm/gpushm/internal/bench"
 )
 
-// socketFlag is the global --socket; empty means gpushm.DefaultSocket.
+// socketFlag is the global --socket; empty means gpushm.SocketCandidates
+// for a client and gpushm.DefaultSocket for the daemon.
 var socketFlag string
 
 func run(args []string) error {
@@ -27,13 +28,16 @@ VMM allocations, or host memory on machines without a GPU) and hands them to
 any process on the machine; every process maps the same physical memory.
 
 Start the daemon with 'gpushm daemon', then create, list and remove segments
-with the other commands. The socket is $GPUSHM_SOCKET if set, else
-/run/gpushm/gpushm.sock for root and $XDG_RUNTIME_DIR/gpushm/gpushm.sock for
-other users; --socket overrides both.`,
+with the other commands. The socket is --socket if given, else
+$GPUSHM_SOCKET if set. Otherwise the daemon listens on the user's own socket:
+/run/gpushm/gpushm.sock for root (the node's daemon, which every user may
+reach), $XDG_RUNTIME_DIR/gpushm/gpushm.sock for other users (or
+/tmp/gpushm-UID/gpushm.sock); and the other commands try the user's own
+socket, then /run/gpushm/gpushm.sock. 'gpushm info' says which one answered.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.PersistentFlags().StringVar(&socketFlag, "socket", "", "daemon socket path (default $GPUSHM_SOCKET or "+gpushm.DefaultSocket()+")")
+	root.PersistentFlags().StringVar(&socketFlag, "socket", "", "daemon socket path (default "+defaultSockets()+")")
 	root.AddCommand(
 		daemonCmd(), infoCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(),
 		chmodCmd(), chownCmd(), mvCmd(), evictCmd(), loadCmd(), pinCmd(true), pinCmd(false),
@@ -43,6 +47,7 @@ other users; --socket overrides both.`,
 	return root.ExecuteContext(context.Background())
 }
 
+// socketPath is where the daemon listens.
 func socketPath() string {
 	if socketFlag != "" {
 		return socketFlag
@@ -50,8 +55,23 @@ func socketPath() string {
 	return gpushm.DefaultSocket()
 }
 
+// defaultSockets says, for --help, where the daemon listens and where the
+// other commands look when given no socket.
+func defaultSockets() string {
+	if p := os.Getenv("GPUSHM_SOCKET"); p != "" {
+		return "$GPUSHM_SOCKET, now " + p
+	}
+	own := gpushm.DefaultSocket()
+	if cands := gpushm.SocketCandidates(); len(cands) > 1 {
+		return "$GPUSHM_SOCKET, else: the daemon listens on " + own + "; the other commands try it, then " + strings.Join(cands[1:], ", ")
+	}
+	return "$GPUSHM_SOCKET, else " + own
+}
+
+// dial connects to the daemon at --socket, else at the first of
+// gpushm.SocketCandidates that answers.
 func dial(ctx context.Context) (*gpushm.Client, error) {
-	return gpushm.Dial(ctx, socketPath())
+	return gpushm.Dial(ctx, socketFlag)
 }
 
 // eachName runs fn for every name on one connection, going on past

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 
 	"github.com/gpushm/gpushm/internal/backend"
@@ -41,7 +42,14 @@ type Daemon struct {
 	Socket  string
 	Server  *server.Server
 	Backend backend.Backend
+
+	stop func()
 }
+
+// Stop stops serving: the daemon ends every connection, frees every
+// segment and removes its socket, as a daemon that exits does. The test's
+// end stops a daemon not stopped before.
+func (d *Daemon) Stop() { d.stop() }
 
 // Start serves backend on a socket in a temporary directory until the test
 // ends.
@@ -53,6 +61,26 @@ func Start(t testing.TB, backendName string) *Daemon {
 // StartWith is Start with a hook that sees the server and its backend
 // before it serves.
 func StartWith(t testing.TB, backendName string, setup func(*server.Server, backend.Backend)) *Daemon {
+	t.Helper()
+	// Socket paths are limited to 108 bytes; t.TempDir can be long. The
+	// directory is open to all, for tests that run clients as other users.
+	dir, err := os.MkdirTemp("", "gpushm-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o755)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return start(t, backendName, filepath.Join(dir, "s.sock"), setup)
+}
+
+// StartAt is Start on the socket at path, whose directory the daemon makes
+// if it is not there (and leaves there).
+func StartAt(t testing.TB, backendName, path string) *Daemon {
+	t.Helper()
+	return start(t, backendName, path, nil)
+}
+
+func start(t testing.TB, backendName, path string, setup func(*server.Server, backend.Backend)) *Daemon {
 	t.Helper()
 	RequireBackend(t, backendName)
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -75,14 +103,6 @@ func StartWith(t testing.TB, backendName string, setup func(*server.Server, back
 	if setup != nil {
 		setup(srv, b)
 	}
-	// Socket paths are limited to 108 bytes; t.TempDir can be long. The
-	// directory is open to all, for tests that run clients as other users.
-	dir, err := os.MkdirTemp("", "gpushm-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	os.Chmod(dir, 0o755)
-	path := filepath.Join(dir, "s.sock")
 	ln, err := server.Listen(path, "")
 	if err != nil {
 		t.Fatal(err)
@@ -90,13 +110,16 @@ func StartWith(t testing.TB, backendName string, setup func(*server.Server, back
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ctx, ln, false) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Serve: %v", err)
-		}
-		b.Close()
-		os.RemoveAll(dir)
-	})
-	return &Daemon{Socket: path, Server: srv, Backend: b}
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("Serve: %v", err)
+			}
+			b.Close()
+		})
+	}
+	t.Cleanup(stop)
+	return &Daemon{Socket: path, Server: srv, Backend: b, stop: stop}
 }

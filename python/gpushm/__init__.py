@@ -11,7 +11,7 @@ describes it and docs/protocol.md the protocol it speaks.
 from ._client import (Bundle, BusyError, Client, Error, ExistsError, InvalidError, NoSpaceError, NotCommittedError,
                       NotFoundError,
                       OutOfMemoryError, PermissionDeniedError, Segment, SegmentInfo, WaitTimeoutError, connect,
-                      default_socket)
+                      default_socket, socket_candidates, SYSTEM_SOCKET)
 from ._binary import binary
 from ._channel import BrokenMessageError, Channel, ChannelRemovedError, Message, NoConsumerError
 from ._cuda import CUDAError
@@ -21,7 +21,7 @@ __all__ = ["BrokenMessageError", "Bundle", "BusyError", "CUDAError", "Channel", 
            "Error", "ExistsError", "InvalidError", "Message", "NoConsumerError", "NoSpaceError", "NotCommittedError",
            "NotFoundError",
            "OutOfMemoryError", "PermissionDeniedError", "Segment", "SegmentInfo", "View", "WaitTimeoutError", "connect",
-           "binary", "default_socket"]
+           "binary", "default_socket", "socket_candidates", "SYSTEM_SOCKET"]
 __version__ = "0.1.0"
 
 

@@ -42,17 +42,55 @@ _encode = json.JSONEncoder(separators=(",", ":")).encode
 _decode = json.JSONDecoder().decode
 
 
+SYSTEM_SOCKET = "/run/gpushm/gpushm.sock"
+"""Where a daemon run as root listens by default ('gpushm install-systemd',
+the Kubernetes DaemonSet): the node's daemon, which every local user may
+reach (the Go client's SystemSocket)."""
+
+
 def default_socket() -> str:
-    """$GPUSHM_SOCKET, else /run/gpushm/gpushm.sock for root, else
-    $XDG_RUNTIME_DIR/gpushm/gpushm.sock, else /tmp/gpushm-UID/gpushm.sock
-    (the Go client's DefaultSocket, $TMPDIR included)."""
+    """Where 'gpushm daemon' listens when given no socket: $GPUSHM_SOCKET,
+    else the user's own socket: SYSTEM_SOCKET for root, else
+    $XDG_RUNTIME_DIR/gpushm/gpushm.sock, else $TMPDIR/gpushm-UID/gpushm.sock
+    (/tmp by default; the Go client's DefaultSocket). A client given no
+    socket looks in socket_candidates()."""
     if os.environ.get("GPUSHM_SOCKET"):
         return os.environ["GPUSHM_SOCKET"]
+    return _user_socket()
+
+
+def _user_socket() -> str:
     if os.geteuid() == 0:
-        return "/run/gpushm/gpushm.sock"
+        return SYSTEM_SOCKET
     if os.environ.get("XDG_RUNTIME_DIR"):
         return os.path.join(os.environ["XDG_RUNTIME_DIR"], "gpushm", "gpushm.sock")
     return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"gpushm-{os.geteuid()}", "gpushm.sock")
+
+
+def socket_candidates() -> list[str]:
+    """Where connect() with no socket looks for the daemon, in order:
+    $GPUSHM_SOCKET alone when it is set; else the user's own socket
+    (default_socket(): a daemon the user runs), then SYSTEM_SOCKET (the
+    node's daemon, run as root); for root the two are one, tried once. The
+    next is tried only when nothing listens at a path (no such file,
+    connection refused). The Go client's SocketCandidates."""
+    if os.environ.get("GPUSHM_SOCKET"):
+        return [os.environ["GPUSHM_SOCKET"]]
+    own = _user_socket()
+    return [own] if own == SYSTEM_SOCKET else [own, SYSTEM_SOCKET]
+
+
+# Dial errors that mean nothing listens at a path, so that the next
+# candidate may be tried; any other (permission denied, a timeout) may be
+# a daemon that is there, and ends the search.
+_NOTHING_LISTENS = (errno.ENOENT, errno.ECONNREFUSED)
+
+
+def _dial_reason(e: OSError) -> str:
+    if e.errno == errno.ENOENT:
+        return "no such file"
+    reason = e.strerror or str(e)
+    return reason[:1].lower() + reason[1:]  # as Go writes errnos
 
 
 # ---- the client -----------------------------------------------------------
@@ -112,7 +150,11 @@ def _timeout_default() -> float:
 
 def connect(socket: str | None = None, *, timeout: float | None = None, spin_us: int = 0,
             reconnect: float | None = None) -> Client:
-    """Connects to the daemon at socket (default: default_socket()).
+    """Connects to the daemon at socket, else at the first of
+    socket_candidates() that answers; the client's socket attribute is the
+    one it reached, and it reconnects there, never to another candidate.
+    When none answers, the error (FileNotFoundError, ConnectionRefusedError,
+    PermissionError, ... as the last path's) names every path tried.
 
     timeout bounds each wait for a reply (and for the daemon to take a
     request), in seconds (default $GPUSHM_TIMEOUT or 60; 0 waits for ever),
@@ -198,7 +240,8 @@ class Client:
 
     def __init__(self, path: str | None = None, *, timeout: float | None = None, spin_us: int = 0,
                  reconnect: float | None = None):
-        self.socket = path or default_socket()
+        # The daemon's socket: path, or the candidate that answered.
+        self.socket = path
         self._spin_ns = int(spin_us * 1000)
         self._timeout = _timeout_default() if timeout is None else float(timeout)
         self._reconnect = _reconnect_default() if reconnect is None else float(reconnect)
@@ -217,10 +260,13 @@ class Client:
         self._by_id = weakref.WeakValueDictionary()  # (segment id, readonly, devices) -> Mapping
         self._published = {}  # name -> tensor kept alive for publish
         self._channels = weakref.WeakSet()  # channel ends, whose roles a reconnection reclaims
-        try:
-            self._sock = self._dial()
-        except OSError as e:
-            raise type(e)(e.errno, f"gpushm: cannot reach daemon at {self.socket} (is 'gpushm daemon' running?): {e.strerror}") from None
+        if path:
+            try:
+                self._sock = self._dial()
+            except OSError as e:
+                raise type(e)(e.errno, f"gpushm: cannot reach daemon at {self.socket} (is 'gpushm daemon' running?): {e.strerror}") from None
+        else:
+            self._sock = self._find()
         try:
             with self._lock:
                 self._hello()
@@ -228,6 +274,24 @@ class Client:
             self._sock.close()
             raise
         _watch(self)
+
+    def _find(self):
+        """Dials the first of socket_candidates() that answers, and makes it
+        self.socket."""
+        tried = []
+        for cand in socket_candidates():
+            self.socket = cand
+            try:
+                return self._dial()
+            except OSError as e:
+                tried.append((cand, e))
+                if e.errno not in _NOTHING_LISTENS:
+                    break  # a daemon may be there: say so rather than reach another
+        last = tried[-1][1]
+        paths = "; ".join(f"{p}: {_dial_reason(e)}" for p, e in tried)
+        hint = ("the path is $GPUSHM_SOCKET" if os.environ.get("GPUSHM_SOCKET")
+                else "set $GPUSHM_SOCKET to choose a socket")
+        raise type(last)(last.errno, f"gpushm: cannot reach a daemon: {paths} (is 'gpushm daemon' running? {hint})") from None
 
     def _dial(self):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)

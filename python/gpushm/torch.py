@@ -27,10 +27,10 @@ import torch
 
 from . import _alloc
 from ._alloc import export, library_path, stats  # noqa: F401  (gpushm.torch.export, as documented)
-from ._client import connect, default_socket
+from ._client import connect, socket_candidates
 
 _lock = threading.Lock()
-_clients = {}  # socket -> Client, one per process
+_clients = {}  # socket_candidates() -> Client, one per process
 _allocator = None
 # Pools live as long as the process: a tensor allocated from a pool must not
 # outlive it, and nothing tells us when the last one goes.
@@ -60,11 +60,11 @@ def _client(c=None):
     """c, or this process's shared connection to the default daemon."""
     if c is not None:
         return c
-    sock = default_socket()
+    where = tuple(socket_candidates())
     with _lock:
-        got = _clients.get(sock)
+        got = _clients.get(where)
         if got is None or got._closed or got._broken or got._pid != os.getpid():
-            got = _clients[sock] = connect(sock)
+            got = _clients[where] = connect()
         return got
 
 

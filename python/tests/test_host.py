@@ -21,6 +21,7 @@ from conftest import Peer, child
 
 
 def test_default_socket(monkeypatch):
+    """Where the daemon listens when given no socket: the user's own."""
     monkeypatch.setenv("GPUSHM_SOCKET", "/x/y.sock")
     assert gpushm.default_socket() == "/x/y.sock"
     monkeypatch.delenv("GPUSHM_SOCKET")
@@ -32,6 +33,60 @@ def test_default_socket(monkeypatch):
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     monkeypatch.delenv("TMPDIR", raising=False)
     assert gpushm.default_socket() == "/tmp/gpushm-1234/gpushm.sock"
+
+
+def test_socket_candidates(monkeypatch):
+    """Where a client looks: the user's own socket, then the node's; root's
+    own is the node's, tried once; $GPUSHM_SOCKET alone when set."""
+    monkeypatch.setenv("GPUSHM_SOCKET", "/x/y.sock")
+    assert gpushm.socket_candidates() == ["/x/y.sock"]
+    monkeypatch.delenv("GPUSHM_SOCKET")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1234")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert gpushm.socket_candidates() == ["/run/gpushm/gpushm.sock"]
+    monkeypatch.setattr(os, "geteuid", lambda: 1234)
+    assert gpushm.socket_candidates() == ["/run/user/1234/gpushm/gpushm.sock", "/run/gpushm/gpushm.sock"]
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setenv("TMPDIR", "/scratch")
+    assert gpushm.socket_candidates() == ["/scratch/gpushm-1234/gpushm.sock", "/run/gpushm/gpushm.sock"]
+
+
+def test_client_finds_the_nodes_daemon(monkeypatch, tmp_path, daemon):
+    """A user with no daemon of its own reaches the node's; when none
+    answers, the error names every path tried and the variable."""
+    from gpushm import _client
+    monkeypatch.delenv("GPUSHM_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    monkeypatch.setattr(os, "geteuid", lambda: 1234)
+    own = str(tmp_path / "xdg" / "gpushm" / "gpushm.sock")
+    hint = " (is 'gpushm daemon' running? set $GPUSHM_SOCKET to choose a socket)"
+
+    system = str(tmp_path / "run" / "gpushm.sock")
+    monkeypatch.setattr(_client, "SYSTEM_SOCKET", system)
+    with pytest.raises(FileNotFoundError) as e:
+        gpushm.connect()
+    assert str(e.value) == f"[Errno 2] gpushm: cannot reach a daemon: {own}: no such file; {system}: no such file{hint}"
+    # A socket nobody serves any more: refused, and named as such.
+    os.mkdir(tmp_path / "run")
+    import socket
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(system)
+    s.close()
+    with pytest.raises(ConnectionRefusedError) as e:
+        gpushm.connect()
+    assert str(e.value) == f"[Errno 111] gpushm: cannot reach a daemon: {own}: no such file; {system}: connection refused{hint}"
+
+    monkeypatch.setenv("GPUSHM_SOCKET", str(tmp_path / "nowhere.sock"))
+    with pytest.raises(FileNotFoundError) as e:
+        gpushm.connect()
+    assert str(e.value) == (f"[Errno 2] gpushm: cannot reach a daemon: {tmp_path}/nowhere.sock: no such file "
+                            "(is 'gpushm daemon' running? the path is $GPUSHM_SOCKET)")
+    monkeypatch.delenv("GPUSHM_SOCKET")
+
+    monkeypatch.setattr(_client, "SYSTEM_SOCKET", daemon.socket)
+    with gpushm.connect() as c:
+        assert c.socket == daemon.socket
+        assert c.info()["backend"] == "host"
 
 
 def test_unreachable_daemon_says_what_to_do(tmp_path):
