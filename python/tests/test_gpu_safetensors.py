@@ -66,7 +66,8 @@ def _same(a, b):
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu())
+    # reshape first: a 0-dim tensor cannot be viewed as bytes
+    return torch.equal(a.reshape(-1).view(torch.uint8).cpu(), b.reshape(-1).view(torch.uint8).cpu())
 
 
 @pytest.fixture(scope="module")
