@@ -3,6 +3,7 @@ package gpushm_test
 import (
 	"bytes"
 	"context"
+	"hash/crc32"
 	"os"
 	"path/filepath"
 	"strings"
@@ -114,7 +115,7 @@ func TestLoadStoreFiles(t *testing.T) {
 				}
 				var progress atomic.Int64
 				st, err := m.LoadFiles(ranges, &gpushm.CopyOptions{Chunk: 64 << 10, Workers: 3, Direct: mode.d,
-					Progress: func(n int64) { progress.Add(n) }})
+					Progress: func(n int64) { progress.Add(n) }, CRC32C: true})
 				if err != nil {
 					t.Fatalf("%s: LoadFiles: %v", mode.name, err)
 				}
@@ -124,6 +125,16 @@ func TestLoadStoreFiles(t *testing.T) {
 				}
 				if !bytes.Equal(got, want) {
 					t.Fatalf("%s: the segment differs from the file ranges", mode.name)
+				}
+				// Each range's CRC-32C, hashed chunk by chunk as the copiers
+				// read (out of order), combined by offset.
+				if len(st.CRC32C) != len(ranges) {
+					t.Fatalf("%s: %d checksums for %d ranges", mode.name, len(st.CRC32C), len(ranges))
+				}
+				for i, r := range ranges {
+					if w := crc32.Checksum(data[r.Off:r.Off+r.Len], crc32.MakeTable(crc32.Castagnoli)); st.CRC32C[i] != w {
+						t.Errorf("%s: range %d's CRC-32C = %08x, want %08x", mode.name, i, st.CRC32C[i], w)
+					}
 				}
 				if st.Bytes != total || progress.Load() != total || st.Workers != 3 {
 					t.Errorf("%s: stats %+v, progress %d; want %d bytes", mode.name, st, progress.Load(), total)

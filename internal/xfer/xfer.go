@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/cuda"
 )
 
@@ -68,6 +69,10 @@ type Options struct {
 	// Progress, if set, is told of every n bytes copied, from any
 	// copier's goroutine.
 	Progress func(n int64)
+	// CRC32C has Load hash what it reads: each copier computes the
+	// CRC-32C of every chunk as it lands in its buffer, and Stats.CRC32C
+	// has each range's, combined from its chunks'.
+	CRC32C bool
 }
 
 // Stats say how a copy went.
@@ -82,6 +87,10 @@ type Stats struct {
 	// Wall, for a copy the daemon made (Fill, Dump), is the request's
 	// time as the client saw it.
 	Wall time.Duration
+	// CRC32C, when Options.CRC32C asked for it, is the CRC-32C of each
+	// range's bytes, in the order of the ranges. A daemon's copy (Fill)
+	// has one, or none when the daemon is too old to hash.
+	CRC32C []uint32
 }
 
 const (
@@ -132,9 +141,10 @@ func (o *Options) check() (*Options, int64, error) {
 // step is one chunk of one range.
 type step struct {
 	src      *source
-	mem      []byte // instead of src: host memory (Move)
-	off, len int64  // in the file
-	at       int64  // in the segment
+	mem      []byte  // instead of src: host memory (Move)
+	off, len int64   // in the file
+	at       int64   // in the segment
+	sum      *uint32 // if set, where the chunk's CRC-32C goes (Load)
 }
 
 func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err error) {
@@ -148,8 +158,12 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 			s.close()
 		}
 	}()
-	var steps []step
+	var (
+		steps []step
+		first []int // each range's first step
+	)
 	for _, r := range ranges {
+		first = append(first, len(steps))
 		if r.File == nil || r.Off < 0 || r.Len < 0 || r.At < 0 || r.At > t.Size || r.Len > t.Size-r.At {
 			return st, fmt.Errorf("xfer: range of %d bytes at %d to %d: outside the segment (%d bytes)", r.Len, r.Off, r.At, t.Size)
 		}
@@ -171,7 +185,34 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 		}
 	}
 	st.Chunk = chunk
-	return run(t, steps, st, o, load)
+	hash := load && o.CRC32C
+	var sums []uint32
+	if hash {
+		// Copiers read chunks in any order; each hashes its own into its
+		// place, and the chunks' sums are combined by offset once all
+		// are in.
+		sums = make([]uint32, len(steps))
+		for k := range steps {
+			steps[k].sum = &sums[k]
+		}
+	}
+	st, err = run(t, steps, st, o, load)
+	if err != nil || !hash {
+		return st, err
+	}
+	st.CRC32C = make([]uint32, len(ranges))
+	for i := range ranges {
+		end := len(steps)
+		if i+1 < len(first) {
+			end = first[i+1]
+		}
+		var crc uint32
+		for k := first[i]; k < end; k++ {
+			crc = crc32c.Combine(crc, sums[k], steps[k].len)
+		}
+		st.CRC32C[i] = crc
+	}
+	return st, nil
 }
 
 // run has workers copy steps, of st.Chunk bytes at most, between t and
@@ -363,10 +404,16 @@ func (c *copier) load(s step) error {
 			if ok {
 				copy(m.Host[s.at:s.at+s.len], b)
 				c.direct += s.len
+				s.hash(b)
 				return nil
 			}
 		}
-		return readFull(s.src.f, m.Host[s.at:s.at+s.len], s.off)
+		b := m.Host[s.at : s.at+s.len]
+		if err := readFull(s.src.f, b, s.off); err != nil {
+			return err
+		}
+		s.hash(b)
+		return nil
 	}
 	i := c.turn
 	c.turn ^= 1
@@ -393,6 +440,9 @@ func (c *copier) load(s step) error {
 			return err
 		}
 	}
+	// Hashed in the staging buffer, before the DMA is queued: the buffer
+	// is not written again until the copy is done (wait, above).
+	s.hash(b)
 	if err := c.stream.CopyHtoDAsync(m.Ptr+uint64(s.at), b); err != nil {
 		return fmt.Errorf("xfer: copy to device: %w", err)
 	}
@@ -401,6 +451,13 @@ func (c *copier) load(s step) error {
 	}
 	c.pending[i] = true
 	return nil
+}
+
+// hash records the CRC-32C of the chunk's bytes b, if asked to.
+func (s step) hash(b []byte) {
+	if s.sum != nil {
+		*s.sum = crc32c.Checksum(b)
+	}
 }
 
 func (c *copier) store(s step) error {
