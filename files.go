@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/wire"
 	"github.com/gpushm/gpushm/internal/xfer"
 )
@@ -66,7 +67,8 @@ func (m *Mapping) target() xfer.Target {
 // segment at at, with its copy engine (the same as LoadFiles', with a warm
 // CUDA context and pinned buffers): this process maps nothing and needs no
 // CUDA context. The segment must be open read-write. A daemon too old to
-// fill answers ENOSYS.
+// fill answers ENOSYS. The stats' CRC32C is the bytes' CRC-32C, which the
+// daemon computes as it reads them; one too old to do so leaves it empty.
 func (s *Segment) Fill(ctx context.Context, f *os.File, off, at, n int64) (CopyStats, error) {
 	return s.copyFile(ctx, wire.OpFill, f, off, at, n)
 }
@@ -89,6 +91,14 @@ func (s *Segment) copyFile(ctx context.Context, op string, f *os.File, off, at, 
 	if err != nil {
 		return CopyStats{}, fmt.Errorf("gpushm: %s %q: %w", op, sh.info.Name, err)
 	}
-	return CopyStats{Bytes: rep.Bytes, Direct: rep.Direct, Workers: rep.Copiers,
-		Elapsed: time.Duration(rep.CopySeconds * float64(time.Second)), Wall: time.Since(start)}, nil
+	st := CopyStats{Bytes: rep.Bytes, Direct: rep.Direct, Workers: rep.Copiers,
+		Elapsed: time.Duration(rep.CopySeconds * float64(time.Second)), Wall: time.Since(start)}
+	if rep.CRC32C != "" {
+		crc, err := crc32c.Parse(rep.CRC32C)
+		if err != nil {
+			return st, fmt.Errorf("gpushm: %s %q: the daemon's reply: %w", op, sh.info.Name, err)
+		}
+		st.CRC32C = []uint32{crc}
+	}
+	return st, nil
 }

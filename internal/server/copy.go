@@ -9,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/wire"
 	"github.com/gpushm/gpushm/internal/xfer"
@@ -136,7 +137,7 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File) (*wire.Reply, error) {
 	r := []xfer.Range{{File: f, Off: req.Offset, Len: req.Size, At: req.At}}
 	var cs xfer.Stats
 	if fill {
-		cs, err = xfer.Load(t, r, nil)
+		cs, err = xfer.Load(t, r, &xfer.Options{CRC32C: true})
 	} else {
 		cs, err = xfer.Store(t, r, nil)
 	}
@@ -147,5 +148,9 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File) (*wire.Reply, error) {
 		}
 		return nil, err
 	}
-	return &wire.Reply{Bytes: cs.Bytes, CopySeconds: cs.Elapsed.Seconds(), Copiers: cs.Workers, Direct: cs.Direct}, nil
+	rep := &wire.Reply{Bytes: cs.Bytes, CopySeconds: cs.Elapsed.Seconds(), Copiers: cs.Workers, Direct: cs.Direct}
+	if len(cs.CRC32C) == 1 {
+		rep.CRC32C = crc32c.Format(cs.CRC32C[0])
+	}
+	return rep, nil
 }
