@@ -50,6 +50,14 @@ Several copiers read in parallel, each through two pinned buffers and its
 own CUDA stream; chunks the page cache does not hold are read with O_DIRECT
 where the file system allows it. A progress bar shows on a terminal.
 
+Whoever copies a safetensors file (the daemon, or this process) computes
+its CRC-32C while copying, and the bundle records where each came from:
+the directory, symbolic links resolved, and each file's identity (size,
+times, device and inode, following links) with its checksum, so that a
+loader opening that path may serve it from the bundle while the file is
+unchanged (docs/protocol.md, "Where a bundle came from"). A file written
+during the copy fails the put.
+
 The segment is created uncommitted and committed once it is full: until
 then 'gpushm ls' lists it as incomplete, and opens and 'gpushm get' refuse
 it (or wait for it, with --wait). If anything fails, or put is killed, the
