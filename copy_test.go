@@ -94,15 +94,19 @@ func TestLoadStoreFiles(t *testing.T) {
 			var fs unix.Statfs_t
 			unix.Statfs(dir, &fs)
 			evictable := fs.Type != unix.TMPFS_MAGIC
+			// Chunks of 1 MiB are hashed in several pieces each.
 			for _, mode := range []struct {
 				name  string
 				d     gpushm.Direct
 				evict bool
+				chunk int64
 			}{
-				{"never, evicted", gpushm.DirectNever, true},
-				{"always", gpushm.DirectAlways, false},
-				{"auto, evicted", gpushm.DirectAuto, true},
-				{"auto, cached", gpushm.DirectAuto, false},
+				{"never, evicted", gpushm.DirectNever, true, 64 << 10},
+				{"always", gpushm.DirectAlways, false, 64 << 10},
+				{"always, 1 MiB chunks", gpushm.DirectAlways, false, 1 << 20},
+				{"auto, evicted", gpushm.DirectAuto, true, 64 << 10},
+				{"auto, cached", gpushm.DirectAuto, false, 64 << 10},
+				{"auto, cached, 1 MiB chunks", gpushm.DirectAuto, false, 1 << 20},
 			} {
 				if _, err := m.WriteAt(make([]byte, segSize), 0); err != nil {
 					t.Fatal(err)
@@ -114,7 +118,7 @@ func TestLoadStoreFiles(t *testing.T) {
 					f.ReadAt(make([]byte, fileSize), 0)
 				}
 				var progress atomic.Int64
-				st, err := m.LoadFiles(ranges, &gpushm.CopyOptions{Chunk: 64 << 10, Workers: 3, Direct: mode.d,
+				st, err := m.LoadFiles(ranges, &gpushm.CopyOptions{Chunk: mode.chunk, Workers: 3, Direct: mode.d,
 					Progress: func(n int64) { progress.Add(n) }, CRC32C: true})
 				if err != nil {
 					t.Fatalf("%s: LoadFiles: %v", mode.name, err)

@@ -402,18 +402,12 @@ func (c *copier) load(s step) error {
 				return err
 			}
 			if ok {
-				copy(m.Host[s.at:s.at+s.len], b)
+				s.place(m.Host[s.at:s.at+s.len], b)
 				c.direct += s.len
-				s.hash(b)
 				return nil
 			}
 		}
-		b := m.Host[s.at : s.at+s.len]
-		if err := readFull(s.src.f, b, s.off); err != nil {
-			return err
-		}
-		s.hash(b)
-		return nil
+		return s.read(m.Host[s.at : s.at+s.len])
 	}
 	i := c.turn
 	c.turn ^= 1
@@ -436,13 +430,15 @@ func (c *copier) load(s step) error {
 	}
 	if b == nil {
 		b = c.buf[i][:s.len]
-		if err := readFull(s.src.f, b, s.off); err != nil {
+		if err := s.read(b); err != nil {
 			return err
 		}
+	} else {
+		// Hashed in the staging buffer, before the DMA is queued: the
+		// buffer is not written again until the copy is done (wait,
+		// above).
+		s.hash(b)
 	}
-	// Hashed in the staging buffer, before the DMA is queued: the buffer
-	// is not written again until the copy is done (wait, above).
-	s.hash(b)
 	if err := c.stream.CopyHtoDAsync(m.Ptr+uint64(s.at), b); err != nil {
 		return fmt.Errorf("xfer: copy to device: %w", err)
 	}
@@ -453,11 +449,51 @@ func (c *copier) load(s step) error {
 	return nil
 }
 
+// hashPiece is how much of a chunk a hashing copier reads or copies at a
+// time: each piece is hashed right away, while it is still in the CPU's
+// cache. Hashing a whole chunk (8 MiB) after reading it would fetch it
+// from memory once more.
+const hashPiece = 256 << 10
+
 // hash records the CRC-32C of the chunk's bytes b, if asked to.
 func (s step) hash(b []byte) {
 	if s.sum != nil {
 		*s.sum = crc32c.Checksum(b)
 	}
+}
+
+// read fills b with the chunk's bytes from its file, hashing them as they
+// come if asked to.
+func (s step) read(b []byte) error {
+	if s.sum == nil {
+		return readFull(s.src.f, b, s.off)
+	}
+	var crc uint32
+	for p := 0; p < len(b); p += hashPiece {
+		q := b[p:min(p+hashPiece, len(b))]
+		if err := readFull(s.src.f, q, s.off+int64(p)); err != nil {
+			return err
+		}
+		crc = crc32c.Update(crc, q)
+	}
+	*s.sum = crc
+	return nil
+}
+
+// place copies the chunk's bytes src (read with O_DIRECT) to dst, hashing
+// them as they go if asked to.
+func (s step) place(dst, src []byte) {
+	if s.sum == nil {
+		copy(dst, src)
+		return
+	}
+	var crc uint32
+	for p := 0; p < len(src); p += hashPiece {
+		q := src[p:min(p+hashPiece, len(src))]
+		copy(dst[p:], q)
+		crc = crc32c.Update(crc, q)
+	}
+	*s.sum = crc
 }
 
 func (c *copier) store(s step) error {
