@@ -1134,12 +1134,28 @@ func (s *Segment) Size() int64 { return s.sh.info.Size }
 // client (EPERM), and one of a segment whose name was removed meanwhile
 // (ENOENT, or EEXIST when the name names another segment now).
 func (s *Segment) Commit(ctx context.Context) error {
+	return s.commit(ctx, nil)
+}
+
+// CommitMeta is Commit, and replaces the segment's meta with meta (at most
+// 32 KiB encoded, as a create's) in the same step: for what the writer
+// learned while filling it, such as a checksum. Info still says the meta
+// the segment had when it was opened. A daemon from before commits carried
+// meta refuses it with EPROTO, and leaves the segment uncommitted.
+func (s *Segment) CommitMeta(ctx context.Context, meta json.RawMessage) error {
+	if len(meta) == 0 {
+		return errors.New("gpushm: commit with empty meta (use Commit)")
+	}
+	return s.commit(ctx, meta)
+}
+
+func (s *Segment) commit(ctx context.Context, meta json.RawMessage) error {
 	if s.closed {
 		return errors.New("gpushm: commit of a closed segment")
 	}
 	sh, c := s.sh, s.sh.c
 	ep := c.epoch.Load().Load()
-	if _, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpCommit, Segment: sh.info.ID}); err != nil {
+	if _, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpCommit, Segment: sh.info.ID, Meta: meta}); err != nil {
 		return fmt.Errorf("gpushm: commit %q: %w", sh.info.Name, err)
 	}
 	c.cmu.Lock()

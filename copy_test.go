@@ -3,6 +3,7 @@ package gpushm_test
 import (
 	"bytes"
 	"context"
+	"hash/crc32"
 	"os"
 	"path/filepath"
 	"strings"
@@ -93,15 +94,19 @@ func TestLoadStoreFiles(t *testing.T) {
 			var fs unix.Statfs_t
 			unix.Statfs(dir, &fs)
 			evictable := fs.Type != unix.TMPFS_MAGIC
+			// Chunks of 1 MiB are hashed in several pieces each.
 			for _, mode := range []struct {
 				name  string
 				d     gpushm.Direct
 				evict bool
+				chunk int64
 			}{
-				{"never, evicted", gpushm.DirectNever, true},
-				{"always", gpushm.DirectAlways, false},
-				{"auto, evicted", gpushm.DirectAuto, true},
-				{"auto, cached", gpushm.DirectAuto, false},
+				{"never, evicted", gpushm.DirectNever, true, 64 << 10},
+				{"always", gpushm.DirectAlways, false, 64 << 10},
+				{"always, 1 MiB chunks", gpushm.DirectAlways, false, 1 << 20},
+				{"auto, evicted", gpushm.DirectAuto, true, 64 << 10},
+				{"auto, cached", gpushm.DirectAuto, false, 64 << 10},
+				{"auto, cached, 1 MiB chunks", gpushm.DirectAuto, false, 1 << 20},
 			} {
 				if _, err := m.WriteAt(make([]byte, segSize), 0); err != nil {
 					t.Fatal(err)
@@ -113,8 +118,8 @@ func TestLoadStoreFiles(t *testing.T) {
 					f.ReadAt(make([]byte, fileSize), 0)
 				}
 				var progress atomic.Int64
-				st, err := m.LoadFiles(ranges, &gpushm.CopyOptions{Chunk: 64 << 10, Workers: 3, Direct: mode.d,
-					Progress: func(n int64) { progress.Add(n) }})
+				st, err := m.LoadFiles(ranges, &gpushm.CopyOptions{Chunk: mode.chunk, Workers: 3, Direct: mode.d,
+					Progress: func(n int64) { progress.Add(n) }, CRC32C: true})
 				if err != nil {
 					t.Fatalf("%s: LoadFiles: %v", mode.name, err)
 				}
@@ -124,6 +129,16 @@ func TestLoadStoreFiles(t *testing.T) {
 				}
 				if !bytes.Equal(got, want) {
 					t.Fatalf("%s: the segment differs from the file ranges", mode.name)
+				}
+				// Each range's CRC-32C, hashed chunk by chunk as the copiers
+				// read (out of order), combined by offset.
+				if len(st.CRC32C) != len(ranges) {
+					t.Fatalf("%s: %d checksums for %d ranges", mode.name, len(st.CRC32C), len(ranges))
+				}
+				for i, r := range ranges {
+					if w := crc32.Checksum(data[r.Off:r.Off+r.Len], crc32.MakeTable(crc32.Castagnoli)); st.CRC32C[i] != w {
+						t.Errorf("%s: range %d's CRC-32C = %08x, want %08x", mode.name, i, st.CRC32C[i], w)
+					}
 				}
 				if st.Bytes != total || progress.Load() != total || st.Workers != 3 {
 					t.Errorf("%s: stats %+v, progress %d; want %d bytes", mode.name, st, progress.Load(), total)

@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/wire"
 	"github.com/gpushm/gpushm/internal/xfer"
 )
@@ -68,7 +69,8 @@ func (m *Mapping) target() xfer.Target {
 // CUDA context. The segment must be open read-write. The daemon reads only
 // through f, which must be open for reading (else EBADF); it reads with
 // O_DIRECT only if f was opened with O_DIRECT. A daemon too old to fill
-// answers ENOSYS.
+// answers ENOSYS. The stats' CRC32C is the bytes' CRC-32C, which the
+// daemon computes as it reads them; one too old to do so leaves it empty.
 func (s *Segment) Fill(ctx context.Context, f *os.File, off, at, n int64) (CopyStats, error) {
 	return s.copyFile(ctx, wire.OpFill, f, off, at, n)
 }
@@ -92,6 +94,14 @@ func (s *Segment) copyFile(ctx context.Context, op string, f *os.File, off, at, 
 	if err != nil {
 		return CopyStats{}, fmt.Errorf("gpushm: %s %q: %w", op, sh.info.Name, err)
 	}
-	return CopyStats{Bytes: rep.Bytes, Direct: rep.Direct, Workers: rep.Copiers,
-		Elapsed: time.Duration(rep.CopySeconds * float64(time.Second)), Wall: time.Since(start)}, nil
+	st := CopyStats{Bytes: rep.Bytes, Direct: rep.Direct, Workers: rep.Copiers,
+		Elapsed: time.Duration(rep.CopySeconds * float64(time.Second)), Wall: time.Since(start)}
+	if rep.CRC32C != "" {
+		crc, err := crc32c.Parse(rep.CRC32C)
+		if err != nil {
+			return st, fmt.Errorf("gpushm: %s %q: the daemon's reply: %w", op, sh.info.Name, err)
+		}
+		st.CRC32C = []uint32{crc}
+	}
+	return st, nil
 }

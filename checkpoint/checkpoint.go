@@ -108,6 +108,13 @@ type PutOptions struct {
 // byte for byte (docs/protocol.md, "Metadata conventions"). The segment is
 // created uncommitted and committed once full, so nobody opens it half
 // written; on any failure, or if this process dies first, it goes.
+//
+// Whoever copies (the daemon, or this process) computes each shard's
+// CRC-32C while copying, and the shard table records it with the shard's
+// identity (docs/protocol.md, "Where a bundle came from"); the stats'
+// CRC32C has the shards' checksums, in Shards' order. A shard written
+// while it was copied fails the put. A daemon too old to hash what it
+// fills leaves the records out, and CRC32C empty.
 func Put(ctx context.Context, c *gpushm.Client, name string, ck *Checkpoint, o *PutOptions) (st gpushm.CopyStats, err error) {
 	if o == nil {
 		o = &PutOptions{}
@@ -130,63 +137,97 @@ func Put(ctx context.Context, c *gpushm.Client, name string, ck *Checkpoint, o *
 	for _, r := range ck.p.Ranges() {
 		ranges = append(ranges, gpushm.FileRange{File: r.File, Off: r.Off, Len: r.Len, At: r.At})
 	}
+	var crcs []uint32 // the shard files'
 	if o.InDaemon {
-		st, err = fill(ctx, seg, ck.p.Pieces(), ranges)
+		st, crcs, err = fill(ctx, seg, ck.p, ranges)
 	} else {
-		st, err = load(seg, ck.p.Pieces(), ranges, &o.Copy)
+		st, crcs, err = load(seg, ck.p, ranges, o.Copy)
 	}
 	if err != nil {
 		return st, fmt.Errorf("gpushm: put %s: %w", name, err)
 	}
+	st.CRC32C = crcs
 	return st, seg.Commit(ctx)
 }
 
-// load copies the checkpoint in this process, through its own mapping.
-func load(seg *gpushm.Segment, pieces []layout.Piece, ranges []gpushm.FileRange, o *gpushm.CopyOptions) (gpushm.CopyStats, error) {
+// load copies the checkpoint in this process, through its own mapping,
+// hashing the shards as it reads them; the shard table goes last.
+func load(seg *gpushm.Segment, p *layout.Plan, ranges []gpushm.FileRange, o gpushm.CopyOptions) (st gpushm.CopyStats, crcs []uint32, err error) {
 	m, err := seg.Map()
 	if err != nil {
-		return gpushm.CopyStats{}, err
+		return st, nil, err
 	}
-	for _, p := range pieces {
-		if _, err := m.WriteAt(p.Data, p.At); err != nil {
-			return gpushm.CopyStats{}, err
+	for _, pc := range p.Pieces() {
+		if _, err := m.WriteAt(pc.Data, pc.At); err != nil {
+			return st, nil, err
 		}
 	}
-	return m.LoadFiles(ranges, o)
+	o.CRC32C = true
+	if st, err = m.LoadFiles(ranges, &o); err != nil {
+		return st, nil, err
+	}
+	tab, crcs, err := p.Table(st.CRC32C[:len(p.Shards)])
+	if err != nil {
+		return st, nil, err
+	}
+	_, err = m.WriteAt(tab.Data, tab.At)
+	return st, crcs, err
 }
 
-// fill has the daemon copy the checkpoint: the pieces this
-// process holds (headers, the shard table) from a memfd where each lies at
-// its place in the segment, then every file range, one fill each.
-func fill(ctx context.Context, seg *gpushm.Segment, pieces []layout.Piece, ranges []gpushm.FileRange) (st gpushm.CopyStats, err error) {
-	fd, err := unix.MemfdCreate("gpushm-pieces", unix.MFD_CLOEXEC)
-	if err != nil {
-		return st, fmt.Errorf("memfd for the headers: %w", err)
-	}
-	mf := os.NewFile(uintptr(fd), "pieces")
-	defer mf.Close()
-	for _, p := range pieces {
-		if _, err := mf.WriteAt(p.Data, p.At); err != nil {
-			return st, fmt.Errorf("headers into a memfd: %w", err)
-		}
-		ranges = append(ranges, gpushm.FileRange{File: mf, Off: p.At, Len: int64(len(p.Data)), At: p.At})
-	}
+// fill has the daemon copy the checkpoint: every file range, one fill
+// each (the daemon hashes what it reads), then the pieces this process
+// holds (headers, and the shard table, made last with the checksums) from
+// a memfd where each lies at its place in the segment.
+func fill(ctx context.Context, seg *gpushm.Segment, p *layout.Plan, ranges []gpushm.FileRange) (st gpushm.CopyStats, crcs []uint32, err error) {
 	start := time.Now()
-	for _, r := range ranges {
-		if r.Len == 0 {
-			continue
-		}
-		rs, err := seg.Fill(ctx, r.File, r.Off, r.At, r.Len)
-		if err != nil {
-			return st, err
-		}
+	add := func(rs gpushm.CopyStats) {
 		st.Bytes += rs.Bytes
 		st.Direct += rs.Direct
 		st.Elapsed += rs.Elapsed
 		st.Workers = max(st.Workers, rs.Workers)
 	}
+	sums := make([]uint32, len(p.Shards))
+	for i, r := range ranges {
+		if r.Len == 0 {
+			continue // its checksum is 0
+		}
+		rs, err := seg.Fill(ctx, r.File, r.Off, r.At, r.Len)
+		if err != nil {
+			return st, nil, err
+		}
+		add(rs)
+		if i < len(sums) {
+			if len(rs.CRC32C) != 1 {
+				sums = nil // a daemon from before fill's checksum: no records
+			} else if sums != nil {
+				sums[i] = rs.CRC32C[0]
+			}
+		}
+	}
+	tab, crcs, err := p.Table(sums)
+	if err != nil {
+		return st, nil, err
+	}
+	fd, err := unix.MemfdCreate("gpushm-pieces", unix.MFD_CLOEXEC)
+	if err != nil {
+		return st, nil, fmt.Errorf("memfd for the headers: %w", err)
+	}
+	mf := os.NewFile(uintptr(fd), "pieces")
+	defer mf.Close()
+	for _, pc := range append(p.Pieces(), tab) {
+		if _, err := mf.WriteAt(pc.Data, pc.At); err != nil {
+			return st, nil, fmt.Errorf("headers into a memfd: %w", err)
+		}
+	}
+	for _, pc := range append(p.Pieces(), tab) {
+		rs, err := seg.Fill(ctx, mf, pc.At, pc.At, int64(len(pc.Data)))
+		if err != nil {
+			return st, nil, err
+		}
+		add(rs)
+	}
 	st.Wall = time.Since(start)
-	return st, nil
+	return st, crcs, nil
 }
 
 // Get writes a checkpoint directory's bundle back as the

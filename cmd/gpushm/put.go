@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -48,6 +50,14 @@ Several copiers read in parallel, each through two pinned buffers and its
 own CUDA stream; chunks the page cache does not hold are read with O_DIRECT
 where the file system allows it. A progress bar shows on a terminal.
 
+Whoever copies a safetensors file (the daemon, or this process) computes
+its CRC-32C while copying, and the bundle records where each came from:
+the directory, symbolic links resolved, and each file's identity (size,
+times, device and inode, following links) with its checksum, so that a
+loader opening that path may serve it from the bundle while the file is
+unchanged (docs/protocol.md, "Where a bundle came from"). A file written
+during the copy fails the put.
+
 The segment is created uncommitted and committed once it is full: until
 then 'gpushm ls' lists it as incomplete, and opens and 'gpushm get' refuse
 it (or wait for it, with --wait). If anything fails, or put is killed, the
@@ -86,12 +96,30 @@ segment goes with it.`,
 			if size == 0 {
 				return fmt.Errorf("put %s: %s is empty, and a segment has at least one byte", name, path)
 			}
+			// The file's identity, taken before its header is read, for
+			// the bundle's origin.
+			var origin *layout.Origin
+			if path != "-" {
+				origin = &layout.Origin{}
+				if origin.Dir, err = layout.OriginDir(filepath.Dir(path)); err != nil {
+					return fmt.Errorf("put %s: %w", name, err)
+				}
+				id, err := layout.StatFile(f)
+				if err != nil {
+					return fmt.Errorf("put %s: %w", name, err)
+				}
+				id.Name = filepath.Base(path)
+				origin.Files = []layout.Identity{id}
+			}
 			o := &gpushm.CreateOptions{Mode: perm}
 			if o.Meta, err = layout.FileMeta(f, size, readOnly); err != nil {
 				return fmt.Errorf("put %s: %w", name, err)
 			}
 			if o.Meta == nil && readOnly {
 				return fmt.Errorf("put %s: --readonly-default is for tensor bundles, and %s is not a safetensors file", name, path)
+			}
+			if o.Meta == nil {
+				origin = nil // only bundles say where they came from
 			}
 			ctx := cmd.Context()
 			c, err := dial(ctx)
@@ -102,7 +130,7 @@ segment goes with it.`,
 			if o.Device, err = resolveDevice(ctx, c, device); err != nil {
 				return err
 			}
-			st, err := put(ctx, c, name, f, size, o, co, inDaemon)
+			st, err := put(ctx, c, name, f, size, o, co, inDaemon, origin)
 			if err != nil {
 				return err
 			}
@@ -208,6 +236,9 @@ func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnl
 	if err != nil {
 		return err
 	}
+	if len(st.CRC32C) == 0 {
+		fmt.Fprintf(os.Stderr, "gpushm: put %s: the daemon did not checksum the shards it copied (it predates that): the bundle records no origin, so loaders read the files themselves\n", name)
+	}
 	if verbose {
 		fmt.Fprintf(os.Stderr, "put %s: %d tensors in %d shards, %d small files; checked in %s\n",
 			name, ck.Tensors(), len(ck.Shards()), len(ck.Files()), scanned.Round(time.Microsecond))
@@ -217,8 +248,11 @@ func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnl
 }
 
 // put creates name uncommitted and fills it from f, a regular file, with
-// parallel reads, then commits it; on any failure the segment goes.
-func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size int64, o *gpushm.CreateOptions, co *gpushm.CopyOptions, inDaemon bool) (st gpushm.CopyStats, err error) {
+// parallel reads, then commits it; on any failure the segment goes. With
+// origin (f's identity, without its checksum), whoever copies hashes the
+// file as it reads it, and the commit records origin, checksum included,
+// in the meta.
+func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size int64, o *gpushm.CreateOptions, co *gpushm.CopyOptions, inDaemon bool, origin *layout.Origin) (st gpushm.CopyStats, err error) {
 	o.Uncommitted = true
 	seg, err := c.Create(ctx, name, size, o)
 	if err != nil {
@@ -234,7 +268,7 @@ func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size in
 	if inDaemon {
 		st, err = seg.Fill(ctx, f, 0, 0, size)
 		if err == nil {
-			return st, seg.Commit(ctx)
+			return st, commit(ctx, seg, name, f, o.Meta, origin, st.CRC32C)
 		}
 		if !errors.Is(err, syscall.ENOSYS) {
 			return st, fmt.Errorf("put %s: %w", name, err)
@@ -247,12 +281,42 @@ func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size in
 	}
 	bar := newProgress("put "+name, size)
 	co.Progress = bar.fn()
+	co.CRC32C = origin != nil
 	st, err = m.LoadFiles([]gpushm.FileRange{{File: f, Len: size}}, co)
 	bar.finish(err)
 	if err != nil {
 		return st, fmt.Errorf("put %s: %w", name, err)
 	}
-	return st, seg.Commit(ctx)
+	return st, commit(ctx, seg, name, f, o.Meta, origin, st.CRC32C)
+}
+
+// commit commits seg, with meta gaining origin and the file's checksum when
+// there is an origin: unless f changed during the copy, which fails the
+// put. A daemon that cannot take the meta (it predates commits that carry
+// one), or did not hash what it filled, gets a plain commit and a notice.
+func commit(ctx context.Context, seg *gpushm.Segment, name string, f *os.File, meta json.RawMessage, origin *layout.Origin, crcs []uint32) error {
+	if origin == nil {
+		return seg.Commit(ctx)
+	}
+	if err := origin.Files[0].Unchanged(f); err != nil {
+		return fmt.Errorf("put %s: %w", name, err)
+	}
+	if len(crcs) != 1 {
+		fmt.Fprintf(os.Stderr, "gpushm: put %s: the daemon did not checksum the file it copied (it predates that): the bundle records no origin, so loaders read the file itself\n", name)
+		return seg.Commit(ctx)
+	}
+	o := *origin
+	o.Files = []layout.Identity{origin.Files[0].Sealed(crcs[0])}
+	meta, err := layout.WithOrigin(meta, &o)
+	if err != nil {
+		return fmt.Errorf("put %s: %w", name, err)
+	}
+	err = seg.CommitMeta(ctx, meta)
+	if errors.Is(err, syscall.EPROTO) {
+		fmt.Fprintf(os.Stderr, "gpushm: put %s: the daemon cannot record where the file came from (it predates commits with meta): the bundle records no origin, so loaders read the file itself\n", name)
+		return seg.Commit(ctx)
+	}
+	return err
 }
 
 // openSource opens path, or spools stdin for "-", and tells its size.

@@ -42,7 +42,7 @@ func TestPutSafetensors(t *testing.T) {
 	good := filepath.Join(dir, "model.safetensors")
 	os.WriteFile(good, file, 0o644)
 	mustRun(t, nil, "put", "model", good)
-	want := `meta:        {"kind":"bundle","format":"safetensors","header_bytes":` + strconv.Itoa(len(goodHeader)) + `,"tensors":3}`
+	want := `meta:        {"kind":"bundle","format":"safetensors","header_bytes":` + strconv.Itoa(len(goodHeader)) + `,"tensors":3,"origin":{"dir":`
 	if out := mustRun(t, nil, "stat", "model"); !strings.Contains(out, want) {
 		t.Fatalf("stat lacks %q:\n%s", want, out)
 	}

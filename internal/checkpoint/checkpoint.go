@@ -11,6 +11,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/safetensors"
 	"github.com/gpushm/gpushm/internal/wire"
 )
@@ -39,8 +40,11 @@ type Shard struct {
 	HeaderLen int64 // 8+N: where its data starts
 	DataAt    int64 // where its data lies in the segment
 	HeaderAt  int64 // where its original header bytes lie in the segment
-	header    []byte
-	file      *os.File
+	// Origin is the file's identity when Scan opened it, without its
+	// checksum: the copy computes that.
+	Origin Identity
+	header []byte
+	file   *os.File
 }
 
 // File is a small file kept with the tensors.
@@ -53,11 +57,14 @@ type File struct {
 
 // Plan is a checked checkpoint directory and the bundle it becomes.
 type Plan struct {
-	Dir     string
-	Shards  []Shard
-	Files   []File
-	Skipped []string // what the directory held that is not kept, and why
-	Tensors int
+	Dir string
+	// OriginDir is Dir, absolute, symbolic links resolved: the meta's
+	// origin.
+	OriginDir string
+	Shards    []Shard
+	Files     []File
+	Skipped   []string // what the directory held that is not kept, and why
+	Tensors   int
 	// DataBytes is the tensor data: the shards' data regions.
 	DataBytes int64
 	// Size is the segment's size.
@@ -84,6 +91,9 @@ func Scan(dir string) (_ *Plan, err error) {
 		return nil, err
 	}
 	p := &Plan{Dir: dir}
+	if p.OriginDir, err = OriginDir(dir); err != nil {
+		return nil, err
+	}
 	defer func() {
 		if err != nil {
 			p.Close()
@@ -245,7 +255,11 @@ func Scan(dir string) (_ *Plan, err error) {
 		s := &p.Shards[i]
 		s.HeaderAt = pos
 		pos = alignUp(pos+s.HeaderLen, Align)
-		tab.Shards = append(tab.Shards, tableShard{Name: s.Name, Header: [2]int64{s.HeaderAt, s.HeaderLen}, Data: [2]int64{s.DataAt, s.Size - s.HeaderLen}})
+		// The checksum is a placeholder of its final length: the table's
+		// room is fixed now, and the table is made again, with the
+		// checksums, once the copy computed them (Table).
+		id := s.Origin.Sealed(0)
+		tab.Shards = append(tab.Shards, tableShard{Name: s.Name, Header: [2]int64{s.HeaderAt, s.HeaderLen}, Data: [2]int64{s.DataAt, s.Size - s.HeaderLen}, Origin: &id})
 	}
 	p.table, _ = json.Marshal(tab)
 	p.tableAt = pos
@@ -319,7 +333,17 @@ func openShard(dir, name string) (Shard, *safetensors.Header, error) {
 		f.Close()
 		return Shard{}, nil, fmt.Errorf("%s is not a valid safetensors file: %w", path, err)
 	}
-	return Shard{Name: name, Size: st.Size(), HeaderLen: h.DataStart(), header: hdr, file: f}, h, nil
+	// Taken before the header is read (f.Stat above is the same fstat;
+	// this one has the identity's fields), and compared after the copy.
+	id, err := StatFile(f)
+	if err == nil && id.Size != st.Size() {
+		err = fmt.Errorf("%s changed while being read", path)
+	}
+	if err != nil {
+		f.Close()
+		return Shard{}, nil, err
+	}
+	return Shard{Name: name, Size: st.Size(), HeaderLen: h.DataStart(), Origin: id, header: hdr, file: f}, h, nil
 }
 
 // Close closes the files the plan holds open.
@@ -338,8 +362,9 @@ func (p *Plan) Close() error {
 	return errors.Join(errs...)
 }
 
-// Ranges are the file bytes to copy into the segment: each shard's data,
-// then the small files. Write Bytes' pieces too.
+// Ranges are the file bytes to copy into the segment: each shard's data
+// (the first len(Shards) ranges, in Shards' order), then the small files.
+// Write Pieces and, after the copy, Table too.
 func (p *Plan) Ranges() []Range {
 	var rs []Range
 	for _, s := range p.Shards {
@@ -357,14 +382,55 @@ type Piece struct {
 	Data []byte
 }
 
-// Pieces are the bytes Scan holds for the segment: the combined header, each
-// shard's original header (as checked, not read again) and the shard table.
+// Pieces are the bytes Scan holds for the segment: the combined header and
+// each shard's original header (as checked, not read again). The shard
+// table comes last, from Table.
 func (p *Plan) Pieces() []Piece {
 	ps := []Piece{{0, p.prefix}}
 	for _, s := range p.Shards {
 		ps = append(ps, Piece{s.HeaderAt, s.header})
 	}
-	return append(ps, Piece{p.tableAt, p.table})
+	return ps
+}
+
+// Table is the shard table, made once the shards' data is copied: dataCRC
+// holds the CRC-32C of each shard's data range (Ranges' first len(Shards)),
+// as the copy computed them. The table then records each shard's identity
+// with its whole file's checksum (its header's, which Scan holds, combined
+// with its data's), which crcs returns too, in Shards' order. With dataCRC
+// nil (a daemon that copied without hashing) the table has no such
+// records, and is padded with spaces to the room Scan made for it. Either
+// way every shard is checked again with fstat: one written since Scan
+// opened it is an error, and the bundle must not be committed.
+func (p *Plan) Table(dataCRC []uint32) (tab Piece, crcs []uint32, err error) {
+	if dataCRC != nil && len(dataCRC) != len(p.Shards) {
+		return Piece{}, nil, fmt.Errorf("%d data checksums for %d shards", len(dataCRC), len(p.Shards))
+	}
+	t := table{Version: 1}
+	for i, s := range p.Shards {
+		if err := s.Origin.Unchanged(s.file); err != nil {
+			return Piece{}, nil, err
+		}
+		e := tableShard{Name: s.Name, Header: [2]int64{s.HeaderAt, s.HeaderLen}, Data: [2]int64{s.DataAt, s.Size - s.HeaderLen}}
+		if dataCRC != nil {
+			crc := crc32c.Combine(crc32c.Checksum(s.header), dataCRC[i], s.Size-s.HeaderLen)
+			id := s.Origin.Sealed(crc)
+			e.Origin = &id
+			crcs = append(crcs, crc)
+		}
+		t.Shards = append(t.Shards, e)
+	}
+	b, err := json.Marshal(t)
+	if err != nil {
+		return Piece{}, nil, err
+	}
+	if len(b) > len(p.table) {
+		return Piece{}, nil, fmt.Errorf("the shard table takes %d bytes, more than the %d it was given", len(b), len(p.table))
+	}
+	for len(b) < len(p.table) {
+		b = append(b, ' ')
+	}
+	return Piece{p.tableAt, b}, crcs, nil
 }
 
 // Meta is the segment's meta; readOnly asks clients to map it read-only
@@ -378,7 +444,7 @@ func (p *Plan) Meta(readOnly bool) (json.RawMessage, error) {
 		Kind: "bundle", Format: "safetensors",
 		HeaderBytes: int64(len(p.prefix)) - 8, Tensors: p.Tensors,
 		Source: "dir", Files: files, Shards: &Region{p.tableAt, int64(len(p.table))},
-		ReadOnly: readOnly,
+		ReadOnly: readOnly, Origin: &Origin{Dir: p.OriginDir},
 	})
 }
 
@@ -397,6 +463,8 @@ type Meta struct {
 	// ReadOnly asks clients to map the segment read-only unless they ask
 	// for write access.
 	ReadOnly bool `json:"readonly,omitempty"`
+	// Origin says where the files came from (origin.go).
+	Origin *Origin `json:"origin,omitempty"`
 }
 
 // Region is a byte range of the segment.
@@ -414,6 +482,8 @@ type tableShard struct {
 	Name   string   `json:"name"`
 	Header [2]int64 `json:"header"` // offset, length in the segment
 	Data   [2]int64 `json:"data"`
+	// Origin is the shard file's identity, without its name.
+	Origin *Identity `json:"origin,omitempty"`
 }
 
 // ParseMeta reads a segment's meta as a bundle's; ok is false for meta of

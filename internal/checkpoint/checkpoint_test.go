@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/safetensors"
 )
 
@@ -118,11 +119,20 @@ func segment(t *testing.T, p *Plan) []byte {
 	for _, pc := range p.Pieces() {
 		copy(seg[pc.At:], pc.Data)
 	}
-	for _, r := range p.Ranges() {
+	var sums []uint32
+	for i, r := range p.Ranges() {
 		if _, err := r.File.ReadAt(seg[r.At:r.At+r.Len], r.Off); err != nil && r.Len > 0 {
 			t.Fatal(err)
 		}
+		if i < len(p.Shards) {
+			sums = append(sums, crc32c.Checksum(seg[r.At:r.At+r.Len]))
+		}
 	}
+	tab, _, err := p.Table(sums)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(seg[tab.At:], tab.Data)
 	return seg
 }
 
@@ -165,6 +175,9 @@ func TestScanLayout(t *testing.T) {
 	}
 	if !meta.ReadOnly || meta.Source != "dir" || meta.Tensors != len(tensors) {
 		t.Errorf("meta %s", raw)
+	}
+	if real, _ := filepath.EvalSymlinks(dir); meta.Origin == nil || meta.Origin.Dir != real || len(meta.Origin.Files) != 0 {
+		t.Errorf("meta's origin %+v, want the directory %s", meta.Origin, real)
 	}
 	// The segment's start is a safetensors file of every tensor.
 	end := 8 + meta.HeaderBytes + p.DataBytes

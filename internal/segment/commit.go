@@ -1,6 +1,7 @@
 package segment
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"syscall"
@@ -48,8 +49,14 @@ func (r *Registry) ByID(id uint64) (*Segment, error) {
 // the same origin succeeds again, any other commit of a committed segment
 // is an error. A segment whose name was removed meanwhile stays
 // uncommitted: ErrExist when the name now names another segment, else
-// ErrNotFound.
-func (r *Registry) Commit(s *Segment, origin string) error {
+// ErrNotFound. meta, when not empty, replaces s's meta in the same
+// journaled step (what the creator learned while filling it: put's
+// checksums); it must be valid JSON (ErrBadMeta), and its size is the
+// caller's to bound, as for a create's.
+func (r *Registry) Commit(s *Segment, origin string, meta json.RawMessage) error {
+	if len(meta) > 0 && !json.Valid(meta) {
+		return fmt.Errorf("%w: not valid JSON", ErrBadMeta)
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	switch {
@@ -68,6 +75,9 @@ func (r *Registry) Commit(s *Segment, origin string) error {
 	}
 	s.uncommitted = false
 	s.commitOrigin = origin
+	if len(meta) > 0 {
+		s.meta = append(json.RawMessage(nil), meta...)
+	}
 	r.noteLocked(s, -1)
 	// Clients' cached opens need no epoch move: nobody but the creator could
 	// open the name while it was uncommitted, and it named nothing else.

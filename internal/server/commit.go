@@ -124,7 +124,7 @@ func (c *conn) hungUp() bool {
 }
 
 // commit makes a segment this connection created uncommitted openable by
-// its name.
+// its name, with the request's meta, if any, as its meta from then on.
 func (c *conn) commit(req *wire.Request) (*wire.Reply, int) {
 	seg, err := c.s.reg.ByID(req.Segment)
 	if err != nil {
@@ -134,7 +134,10 @@ func (c *conn) commit(req *wire.Request) (*wire.Reply, int) {
 	if inf.Uncommitted && !slices.Contains(c.bound, seg) {
 		return fail(fmt.Errorf("commit %q: only the client that created it may commit it: %w", inf.Name, syscall.EPERM))
 	}
-	if err := c.s.reg.Commit(seg, c.origin(req)); err != nil {
+	if len(req.Meta) > wire.MaxMeta {
+		return fail(fmt.Errorf("commit %q: meta of %d bytes, limit %d: %w", inf.Name, len(req.Meta), wire.MaxMeta, syscall.EINVAL))
+	}
+	if err := c.s.reg.Commit(seg, c.origin(req), req.Meta); err != nil {
 		return fail(fmt.Errorf("commit: %w", err))
 	}
 	if !inf.Bound {

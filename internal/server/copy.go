@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/wire"
 	"github.com/gpushm/gpushm/internal/xfer"
@@ -138,7 +139,7 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File, fd int) (*wire.Reply, 
 	o := &xfer.Options{Borrowed: true}
 	var cs xfer.Stats
 	if fill {
-		cs, err = xfer.Load(t, r, o)
+		cs, err = xfer.Load(t, r, &xfer.Options{Borrowed: true, CRC32C: true})
 	} else {
 		cs, err = xfer.Store(t, r, o)
 	}
@@ -149,7 +150,11 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File, fd int) (*wire.Reply, 
 		}
 		return nil, err
 	}
-	return &wire.Reply{Bytes: cs.Bytes, CopySeconds: cs.Elapsed.Seconds(), Copiers: cs.Workers, Direct: cs.Direct}, nil
+	rep := &wire.Reply{Bytes: cs.Bytes, CopySeconds: cs.Elapsed.Seconds(), Copiers: cs.Workers, Direct: cs.Direct}
+	if len(cs.CRC32C) == 1 {
+		rep.CRC32C = crc32c.Format(cs.CRC32C[0])
+	}
+	return rep, nil
 }
 
 // statClientFile checks fd, a descriptor a client sent with fill or dump,

@@ -41,7 +41,8 @@ const (
 	// OpReclaim takes back leases a client held before the daemon
 	// restarted.
 	OpReclaim = "reclaim"
-	// OpCommit makes a segment created uncommitted openable by its name.
+	// OpCommit makes a segment created uncommitted openable by its name,
+	// with meta, if it carries one, as its meta from then on.
 	OpCommit = "commit"
 	// OpFill copies a file the client sends (its descriptor attached)
 	// into a segment it holds open read-write; OpDump copies a segment it
@@ -178,6 +179,10 @@ type Reply struct {
 	CopySeconds float64 `json:"copy_seconds,omitempty"`
 	Copiers     int     `json:"copiers,omitempty"`
 	Direct      int64   `json:"direct,omitempty"`
+	// CRC32C (fill) is the CRC-32C of the bytes copied, 8 lowercase
+	// hexadecimal digits, computed as the engine read them. Daemons from
+	// before it send none.
+	CRC32C string `json:"crc32c,omitempty"`
 }
 
 // Device describes one device the daemon allocates on.
@@ -504,7 +509,7 @@ var used = map[string]uint32{
 	OpRename:  fTrace | fName | fTo,
 	OpPublish: fTrace | fName | fSize | fDevice | fMode | fMeta | fLifetime | fTTL,
 	OpReclaim: fTrace | fSegment | fCount | fReadOnly | fRole,
-	OpCommit:  fTrace | fSegment,
+	OpCommit:  fTrace | fSegment | fMeta,
 	OpFill:    fTrace | fSegment | fSize | fOffset | fAt,
 	OpDump:    fTrace | fSegment | fSize | fOffset | fAt,
 	OpEvict:   fTrace | fName,

@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/cuda"
 )
 
@@ -81,6 +82,10 @@ type Options struct {
 	// then every chunk is read with O_DIRECT through it, and Direct is
 	// ignored.
 	Borrowed bool
+	// CRC32C has Load hash what it reads: each copier computes the
+	// CRC-32C of every chunk as it lands in its buffer, and Stats.CRC32C
+	// has each range's, combined from its chunks'.
+	CRC32C bool
 }
 
 // Stats say how a copy went.
@@ -95,6 +100,10 @@ type Stats struct {
 	// Wall, for a copy the daemon made (Fill, Dump), is the request's
 	// time as the client saw it.
 	Wall time.Duration
+	// CRC32C, when Options.CRC32C asked for it, is the CRC-32C of each
+	// range's bytes, in the order of the ranges. A daemon's copy (Fill)
+	// has one, or none when the daemon is too old to hash.
+	CRC32C []uint32
 }
 
 const (
@@ -145,9 +154,10 @@ func (o *Options) check() (*Options, int64, error) {
 // step is one chunk of one range.
 type step struct {
 	src      *source
-	mem      []byte // instead of src: host memory (Move)
-	off, len int64  // in the file
-	at       int64  // in the segment
+	mem      []byte  // instead of src: host memory (Move)
+	off, len int64   // in the file
+	at       int64   // in the segment
+	sum      *uint32 // if set, where the chunk's CRC-32C goes (Load)
 }
 
 func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err error) {
@@ -161,8 +171,12 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 			s.close()
 		}
 	}()
-	var steps []step
+	var (
+		steps []step
+		first []int // each range's first step
+	)
 	for _, r := range ranges {
+		first = append(first, len(steps))
 		if r.File == nil || r.Off < 0 || r.Len < 0 || r.At < 0 || r.At > t.Size || r.Len > t.Size-r.At {
 			return st, fmt.Errorf("xfer: range of %d bytes at %d to %d: outside the segment (%d bytes)", r.Len, r.Off, r.At, t.Size)
 		}
@@ -190,7 +204,34 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 		}
 	}
 	st.Chunk = chunk
-	return run(t, steps, st, o, load)
+	hash := load && o.CRC32C
+	var sums []uint32
+	if hash {
+		// Copiers read chunks in any order; each hashes its own into its
+		// place, and the chunks' sums are combined by offset once all
+		// are in.
+		sums = make([]uint32, len(steps))
+		for k := range steps {
+			steps[k].sum = &sums[k]
+		}
+	}
+	st, err = run(t, steps, st, o, load)
+	if err != nil || !hash {
+		return st, err
+	}
+	st.CRC32C = make([]uint32, len(ranges))
+	for i := range ranges {
+		end := len(steps)
+		if i+1 < len(first) {
+			end = first[i+1]
+		}
+		var crc uint32
+		for k := first[i]; k < end; k++ {
+			crc = crc32c.Combine(crc, sums[k], steps[k].len)
+		}
+		st.CRC32C[i] = crc
+	}
+	return st, nil
 }
 
 // run has workers copy steps, of st.Chunk bytes at most, between t and
@@ -380,12 +421,12 @@ func (c *copier) load(s step) error {
 				return err
 			}
 			if ok {
-				copy(m.Host[s.at:s.at+s.len], b)
+				s.place(m.Host[s.at:s.at+s.len], b)
 				c.direct += s.len
 				return nil
 			}
 		}
-		return readFull(s.src.f, m.Host[s.at:s.at+s.len], s.off)
+		return s.read(m.Host[s.at : s.at+s.len])
 	}
 	i := c.turn
 	c.turn ^= 1
@@ -408,9 +449,14 @@ func (c *copier) load(s step) error {
 	}
 	if b == nil {
 		b = c.buf[i][:s.len]
-		if err := readFull(s.src.f, b, s.off); err != nil {
+		if err := s.read(b); err != nil {
 			return err
 		}
+	} else {
+		// Hashed in the staging buffer, before the DMA is queued: the
+		// buffer is not written again until the copy is done (wait,
+		// above).
+		s.hash(b)
 	}
 	if err := c.stream.CopyHtoDAsync(m.Ptr+uint64(s.at), b); err != nil {
 		return fmt.Errorf("xfer: copy to device: %w", err)
@@ -420,6 +466,53 @@ func (c *copier) load(s step) error {
 	}
 	c.pending[i] = true
 	return nil
+}
+
+// hashPiece is how much of a chunk a hashing copier reads or copies at a
+// time: each piece is hashed right away, while it is still in the CPU's
+// cache. Hashing a whole chunk (8 MiB) after reading it would fetch it
+// from memory once more.
+const hashPiece = 256 << 10
+
+// hash records the CRC-32C of the chunk's bytes b, if asked to.
+func (s step) hash(b []byte) {
+	if s.sum != nil {
+		*s.sum = crc32c.Checksum(b)
+	}
+}
+
+// read fills b with the chunk's bytes from its file, hashing them as they
+// come if asked to.
+func (s step) read(b []byte) error {
+	if s.sum == nil {
+		return readFull(s.src.f, b, s.off)
+	}
+	var crc uint32
+	for p := 0; p < len(b); p += hashPiece {
+		q := b[p:min(p+hashPiece, len(b))]
+		if err := readFull(s.src.f, q, s.off+int64(p)); err != nil {
+			return err
+		}
+		crc = crc32c.Update(crc, q)
+	}
+	*s.sum = crc
+	return nil
+}
+
+// place copies the chunk's bytes src (read with O_DIRECT) to dst, hashing
+// them as they go if asked to.
+func (s step) place(dst, src []byte) {
+	if s.sum == nil {
+		copy(dst, src)
+		return
+	}
+	var crc uint32
+	for p := 0; p < len(src); p += hashPiece {
+		q := src[p:min(p+hashPiece, len(src))]
+		copy(dst[p:], q)
+		crc = crc32c.Update(crc, q)
+	}
+	*s.sum = crc
 }
 
 func (c *copier) store(s step) error {

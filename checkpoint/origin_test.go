@@ -1,0 +1,151 @@
+package checkpoint_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"hash/crc32"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+
+	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/checkpoint"
+	"github.com/gpushm/gpushm/internal/testdaemon"
+)
+
+// record is an identity record as docs/protocol.md spells it.
+type record struct {
+	Name    string `json:"name"`
+	Size    int64  `json:"size"`
+	MtimeNS int64  `json:"mtime_ns"`
+	CtimeNS int64  `json:"ctime_ns"`
+	Dev     uint64 `json:"dev"`
+	Ino     uint64 `json:"ino"`
+	CRC32C  string `json:"crc32c"`
+}
+
+// wantRecord is what put should record of path: os.Stat's identity
+// (following links) and the CRC-32C of the file's bytes.
+func wantRecord(t *testing.T, path string) record {
+	t.Helper()
+	fi, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := fi.Sys().(*syscall.Stat_t)
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	crc := crc32.Checksum(b, crc32.MakeTable(crc32.Castagnoli))
+	return record{Size: fi.Size(), MtimeNS: st.Mtim.Nano(), CtimeNS: st.Ctim.Nano(), Dev: uint64(st.Dev), Ino: st.Ino,
+		CRC32C: hex8(crc)}
+}
+
+func hex8(v uint32) string { return fmt.Sprintf("%08x", v) }
+
+// TestPutRecordsOrigin puts a checkpoint directory reached through a link,
+// one of whose shards is a link into a blob directory (a Hugging Face
+// snapshot), with either copier, and checks the meta's origin and each
+// shard table entry's record against the files.
+func TestPutRecordsOrigin(t *testing.T) {
+	for _, backend := range testdaemon.Backends() {
+		t.Run(backend, func(t *testing.T) {
+			ctx := context.Background()
+			d := testdaemon.Start(t, backend)
+			c, err := gpushm.Dial(ctx, d.Socket)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			root := t.TempDir()
+			snap := filepath.Join(root, "snapshots", "0123")
+			blobs := filepath.Join(root, "blobs")
+			os.MkdirAll(snap, 0o755)
+			os.MkdirAll(blobs, 0o755)
+			writeSafetensors(t, filepath.Join(snap, "model-00001-of-00002.safetensors"), 1, []string{"a", "b"}, []int{3<<20 + 1, 77})
+			writeSafetensors(t, filepath.Join(blobs, "9f3c"), 2, []string{"c"}, []int{1<<20 + 5})
+			if err := os.Symlink("../../blobs/9f3c", filepath.Join(snap, "model-00002-of-00002.safetensors")); err != nil {
+				t.Fatal(err)
+			}
+			os.WriteFile(filepath.Join(snap, "config.json"), []byte(`{}`), 0o644)
+			link := filepath.Join(root, "current")
+			if err := os.Symlink(snap, link); err != nil {
+				t.Fatal(err)
+			}
+			realDir, _ := filepath.EvalSymlinks(snap)
+
+			for _, inDaemon := range []bool{false, true} {
+				name := "client"
+				if inDaemon {
+					name = "daemon"
+				}
+				t.Run(name, func(t *testing.T) {
+					ck, err := checkpoint.Open(link)
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer ck.Close()
+					st, err := checkpoint.Put(ctx, c, name, ck, &checkpoint.PutOptions{InDaemon: inDaemon, Copy: gpushm.CopyOptions{Chunk: 1 << 20, Workers: 3}})
+					if err != nil {
+						t.Fatal(err)
+					}
+					seg, err := c.Open(ctx, name, &gpushm.OpenOptions{ReadOnly: true})
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer seg.Close()
+					var meta struct {
+						Source string `json:"source"`
+						Shards struct {
+							At   int64 `json:"offset"`
+							Size int64 `json:"size"`
+						} `json:"shards"`
+						Origin struct {
+							Dir   string   `json:"dir"`
+							Files []record `json:"files"`
+						} `json:"origin"`
+					}
+					if err := json.Unmarshal(seg.Info().Meta, &meta); err != nil {
+						t.Fatal(err)
+					}
+					if meta.Source != "dir" || meta.Origin.Dir != realDir || meta.Origin.Files != nil {
+						t.Errorf("meta %s: want source dir, origin {dir: %s} without files", seg.Info().Meta, realDir)
+					}
+					m, err := seg.Map()
+					if err != nil {
+						t.Fatal(err)
+					}
+					raw := make([]byte, meta.Shards.Size)
+					if _, err := m.ReadAt(raw, meta.Shards.At); err != nil {
+						t.Fatal(err)
+					}
+					var tab struct {
+						Version int `json:"version"`
+						Shards  []struct {
+							Name   string  `json:"name"`
+							Origin *record `json:"origin"`
+						} `json:"shards"`
+					}
+					if err := json.Unmarshal(raw, &tab); err != nil {
+						t.Fatalf("shard table %q: %v", raw, err)
+					}
+					if tab.Version != 1 || len(tab.Shards) != 2 || len(st.CRC32C) != 2 {
+						t.Fatalf("table %s; stats' checksums %v", raw, st.CRC32C)
+					}
+					for i, s := range tab.Shards {
+						want := wantRecord(t, filepath.Join(realDir, s.Name))
+						if s.Origin == nil || *s.Origin != want {
+							t.Errorf("shard %s: recorded %+v, want %+v", s.Name, s.Origin, want)
+						}
+						if hex8(st.CRC32C[i]) != want.CRC32C {
+							t.Errorf("shard %s: Put's CRC32C %08x, want %s", s.Name, st.CRC32C[i], want.CRC32C)
+						}
+					}
+				})
+			}
+		})
+	}
+}
