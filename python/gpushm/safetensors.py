@@ -20,7 +20,11 @@ gpushm.torch.state_dict makes them). A request for another device gets a
 private copy there, as the safetensors library would give, except that
 cpu_tensors="gpu" answers a CPU request on a GPU bundle with GPU views
 (for engines that copy every tensor into a GPU parameter anyway).
-copy=True makes every tensor a private copy.
+copy=True makes every tensor a private copy. Tensors that models write
+after loading (BatchNorm's running statistics, quantization scales: see
+written_after_load) are always private copies, and a torch.nn.Parameter
+made of a shared view does not require grad (torch refuses it on the
+inference tensors that keep writes out).
 
 python -m gpushm.run serves a program's own safetensors calls from here
 (_gpushm_hook installs the wrappers; _hook_open is their entry).
@@ -376,13 +380,13 @@ class _Open:
         return None if self._metadata is None else dict(self._metadata)
 
     def get_tensor(self, name):
-        return _make(self._view(name), self._fw, self._device, self._cpu, self._copy)
+        return _make(self._view(name), self._fw, self._device, self._cpu, self._copy, name)
 
     def get_tensors(self) -> dict:
         return {k: self.get_tensor(k) for k in self.offset_keys()}
 
     def get_slice(self, name):
-        return _Slice(self, self._view(name))
+        return _Slice(self, self._view(name), name)
 
 
 class _Slice:
@@ -390,10 +394,10 @@ class _Slice:
     that gives only the slice (a view of it; a copy of only its elements
     where a copy is due)."""
 
-    __slots__ = ("_f", "_v")
+    __slots__ = ("_f", "_v", "_name")
 
-    def __init__(self, f, v):
-        self._f, self._v = f, v
+    def __init__(self, f, v, name):
+        self._f, self._v, self._name = f, v, name
 
     def get_shape(self) -> list:
         return list(self._v.shape)
@@ -409,7 +413,7 @@ class _Slice:
     def __getitem__(self, key):
         f, v = self._f, self._v
         part = View(v._mapping(), index_layout(v._layout, key))
-        return _make(part, f._fw, f._device, f._cpu, f._copy)
+        return _make(part, f._fw, f._device, f._cpu, f._copy, self._name)
 
 
 # ---- tensors ----------------------------------------------------------------
@@ -463,11 +467,15 @@ def _torch_view(v: View):
     return torch.from_dlpack(v.__dlpack__())
 
 
-def _make(v: View, fw, device, cpu_tensors, copy):
+def _make(v: View, fw, device, cpu_tensors, copy, name=None):
+    if name is not None and not copy and written_after_load(name):
+        copy = True  # a private copy: the model writes it (docs/python.md, "Shared weights that a model writes")
     if fw == "numpy":
         return _numpy(v, copy)
     import torch
 
+    if not copy:
+        _adapt_parameters(torch)
     kind, index = device
     here = v.device  # None: host memory
     t = _torch_view(v)
@@ -480,6 +488,51 @@ def _make(v: View, fw, device, cpu_tensors, copy):
     if here == index:
         return t.clone() if copy else t
     return t.to(torch.device("cuda", index))
+
+
+# Tensors that models and loaders write after loading, found by the name
+# the checkpoint gives them: BatchNorm's running statistics (updated by
+# every forward in train mode) and quantization scales (fp8 and int8
+# loaders rescale or fuse them in place after loading). They get a
+# private copy, made once for each request, so that no process writes the
+# memory the others read (NVIDIA's memory service saw Xid 31 faults from
+# exactly these).
+_WRITTEN_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked", "_scale", "_scale_inv", "_amax")
+
+
+def written_after_load(name: str) -> bool:
+    """Whether a tensor of this checkpoint name is one that models and
+    loaders write after loading, and so is served as a private copy."""
+    return name.endswith(_WRITTEN_SUFFIXES)
+
+
+_adapted = False
+
+
+def _adapt_parameters(torch):
+    """Lets torch.nn.Parameter wrap a shared read-only weight. Shared views
+    are inference tensors, so that an in-place write outside
+    torch.inference_mode() raises before any kernel runs; torch refuses
+    requires_grad=True on them, which is what nn.Parameter asks by default
+    and what loaders (transformers, accelerate) pass. A Parameter made of
+    one therefore does not require grad (nothing could train it in place),
+    and the process is told so once. Any other Parameter is made as
+    before."""
+    global _adapted
+    if _adapted:
+        return
+    _adapted = True
+    P = torch.nn.Parameter
+    real = P.__new__
+
+    def __new__(cls, data=None, requires_grad=True):
+        if requires_grad and isinstance(data, torch.Tensor) and data.is_inference():
+            _notice("parameters", "parameters made of shared read-only weights do not require grad "
+                    "(to train them, run with --copy, or GPUSHM_SAFETENSORS=copy)")
+            requires_grad = False
+        return real(cls, data, requires_grad)
+
+    P.__new__ = staticmethod(__new__)
 
 
 # ---- the API ------------------------------------------------------------

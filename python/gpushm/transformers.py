@@ -22,6 +22,8 @@ import tempfile
 import time
 import warnings
 
+from .safetensors import written_after_load
+
 # Files written to a private temporary directory for transformers to read:
 # configs, and the Python files of models that need trust_remote_code.
 _CONFIG_FILES = ("config.json", "generation_config.json")
@@ -190,10 +192,14 @@ def _assign(torch, model, modules, slots, sd):
         if cur.shape != t.shape:
             wrong.append(f"{full}: checkpoint {tuple(t.shape)}, model {tuple(cur.shape)}")
             continue
+        # Buffers (running statistics, masks, anything that is not a
+        # parameter) and parameters loaders are known to write after loading
+        # (quantization scales) get a private copy: the shared memory is
+        # mapped read-only, and a write there would end this process.
         if kind == "_parameters":
-            mod._parameters[local] = Parameter(t, requires_grad=False)
+            mod._parameters[local] = Parameter(t.clone() if written_after_load(full) else t, requires_grad=False)
         else:
-            mod._buffers[local] = t
+            mod._buffers[local] = t.clone()
     if wrong:
         raise RuntimeError(f"gpushm: the checkpoint's shapes do not match {type(model).__name__}'s: {_some(wrong)}")
     return [k for k in sd if k not in used], "slot by slot"

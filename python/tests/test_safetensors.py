@@ -181,3 +181,33 @@ def test_put_by_the_binary_records_origin(client, daemon, name, tmp_path):
     with gst.safe_open(str(path), "np") as f:
         assert f.metadata() == {"format": "pt"}
         assert np.array_equal(f.get_tensor("x"), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_tensors_models_write_are_private(client, name, tmp_path):
+    # BatchNorm's running statistics and quantization scales are written
+    # after loading: they come as private, writable copies; the weights
+    # beside them stay read-only views of the segment.
+    rng = np.random.default_rng(5)
+    tensors = {"bn.weight": rng.standard_normal(8).astype(np.float32),
+               "bn.running_mean": rng.standard_normal(8).astype(np.float32),
+               "bn.running_var": rng.random(8).astype(np.float32),
+               "bn.num_batches_tracked": np.array(3, np.int64),
+               "fc.weight": rng.standard_normal((4, 8)).astype(np.float32),
+               "fc.weight_scale": np.array([0.5], np.float32),
+               "fc.input_scale_inv": np.array([2.0], np.float32)}
+    path = tmp_path / "bn.safetensors"
+    write(path, tensors)
+    put_file(client, name, path)
+    with gst.safe_open(path, framework="numpy") as f:
+        for k, want in tensors.items():
+            got = f.get_tensor(k)
+            assert np.array_equal(got, want), k
+            private = gst.written_after_load(k)
+            assert private == (k not in ("bn.weight", "fc.weight")), k
+            assert got.flags.writeable == private, k
+            assert _in_segment(got, name) != private, k
+            part = f.get_slice(k)[...]
+            assert part.flags.writeable == private and _in_segment(part, name) != private, k
+        m = f.get_tensor("bn.running_mean")
+        m += 1  # a private copy: the segment keeps the checkpoint's values
+        assert np.array_equal(f.get_tensor("bn.running_mean"), tensors["bn.running_mean"])
