@@ -67,7 +67,7 @@ def _same(a, b):
     if a.numel() == 0:
         return True
     # reshape first: a 0-dim tensor cannot be viewed as bytes
-    return torch.equal(a.reshape(-1).view(torch.uint8).cpu(), b.reshape(-1).view(torch.uint8).cpu())
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8).cpu(), b.contiguous().reshape(-1).view(torch.uint8).cpu())
 
 
 @pytest.fixture(scope="module")
