@@ -29,6 +29,11 @@ type ConnState struct {
 	Leases  map[uint64]int      `json:"leases,omitempty"`
 	Bound   []uint64            `json:"bound,omitempty"`
 	Roles   map[uint64][]string `json:"roles,omitempty"`
+	// PID and Start name the process that made the connection, as it was
+	// accepted; absent from a predecessor that did not say, which names
+	// it again from the socket.
+	PID   int    `json:"pid,omitempty"`
+	Start uint64 `json:"start,omitempty"`
 	// Pending is a request read and not answered yet: an open waiting
 	// for a commit, its wait shortened by the time already waited.
 	Pending json.RawMessage `json:"pending,omitempty"`
@@ -106,7 +111,7 @@ func (s *Server) Park() ([]ParkedConn, error) {
 			continue
 		}
 		st := ConnState{Hello: c.hello, Session: c.session, Leases: map[uint64]int{}, Roles: map[uint64][]string{},
-			Pending: c.pending}
+			Pending: c.pending, PID: c.proc.PID, Start: c.proc.Start}
 		for id, l := range c.leases {
 			st.Leases[id] = l.n
 		}
@@ -204,6 +209,9 @@ func (s *Server) Adopt(fd int, state json.RawMessage) error {
 	}
 	c := &conn{s: s, wc: wc, hello: st.Hello, session: st.Session, leases: make(map[uint64]*lease),
 		roles: make(map[uint64]map[channel.Role]bool), pending: st.Pending, adopted: true}
+	if st.PID > 0 {
+		c.proc, c.procKnown = segment.Process{PID: st.PID, Start: st.Start}, true
+	}
 	for id, n := range st.Leases {
 		seg, err := s.reg.Reclaim(segment.Root, id, n, true)
 		if err != nil {

@@ -444,6 +444,11 @@ func (s *Server) add(c *conn) error {
 		return err
 	}
 	c.cred = cred
+	if !c.procKnown {
+		// Before the first request, and before the connection can be
+		// handed over: every lifetime it makes hangs off this process.
+		c.proc, c.procKnown = peerProcess(c.wc, int(cred.PID)), true
+	}
 	s.mu.Lock()
 	if err := s.admitLocked(c); err != nil {
 		ref := s.refuser
@@ -505,9 +510,12 @@ type conn struct {
 	// trace times the steps of the request being answered, when its
 	// client asked (nil otherwise).
 	trace *segment.Trace
-	// proc is the client's process, read once (process).
-	proc     segment.Process
-	procRead bool
+	// proc is the process that made the connection, named as it was
+	// accepted (peerProcess) or as its predecessor named it (Adopt);
+	// creators, leases, channel roles and uncommitted writers are bound
+	// to it. procKnown says it was named.
+	proc      segment.Process
+	procKnown bool
 	// pending is a request read but not answered when the server parked
 	// (an open waiting for a commit): it is answered before the next one
 	// is read, here after Resume or by the successor.
@@ -518,15 +526,6 @@ type conn struct {
 	// adopted: the connection was served by a predecessor, which admitted
 	// it (limits.go).
 	adopted bool
-}
-
-// process is the process at the other end of the connection (its pid
-// from SO_PEERCRED), or an unknown one if it cannot be named.
-func (c *conn) process() segment.Process {
-	if !c.procRead {
-		c.proc, c.procRead = identify(int(c.cred.PID)), true
-	}
-	return c.proc
 }
 
 // maxTTL bounds ttl_seconds: a year is longer than any idle segment should
@@ -849,7 +848,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		c.hello = true
 		if req.Session != "" && c.session == "" {
 			c.session = req.Session
-			c.bound = append(c.bound, c.s.takeBound(req.Session, c.cred.UID, c.process())...)
+			c.bound = append(c.bound, c.s.takeBound(req.Session, c.cred.UID, c.proc)...)
 		}
 		fd, err := c.s.epochReadOnly()
 		if err != nil {
@@ -1090,13 +1089,13 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 	case wire.LifetimeConnection:
 		// The creator is journaled, so that after a restart the segment
 		// waits for exactly this process.
-		o.Bound, o.Creator = true, c.process()
+		o.Bound, o.Creator = true, c.proc
 	default:
 		return o, fmt.Errorf("lifetime %q (want \"connection\" or none): %w", req.Lifetime, syscall.EINVAL)
 	}
 	if o.Uncommitted {
 		// It ends with its creator too, and waits for it across a restart.
-		o.Creator = c.process()
+		o.Creator = c.proc
 	}
 	if req.TTL < 0 || req.TTL > maxTTL.Seconds() {
 		return o, fmt.Errorf("ttl_seconds %g (want 0 to %g): %w", req.TTL, maxTTL.Seconds(), syscall.EINVAL)
