@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -273,4 +274,187 @@ func rawCall(c *wire.Conn, msg string) error {
 		return errors.New(rep.Error.Code + ": " + rep.Error.Message)
 	}
 	return nil
+}
+
+// testBackend is the backend the lease survival tests run the daemon on:
+// host memory, or what GPUSHM_TEST_BACKEND names (cuda on a GPU machine).
+func testBackend() []string {
+	if b := os.Getenv("GPUSHM_TEST_BACKEND"); b != "" {
+		return []string{"--backend", b}
+	}
+	return nil
+}
+
+// TestSurviveStoppedHolder: a client that maps a segment and writes it is
+// stopped (SIGSTOP) for 60 seconds, through 5 SIGKILLs of the serving
+// process, each followed by a grace period (1 s) that ends long before the
+// client can reconnect. Its leases are journaled under its process, so
+// they hold while it lives: the segment may not be evicted (EBUSY
+// throughout), a segment it holds that was unlinked is not freed, and
+// what it writes after SIGCONT is what a new reader reads. When it exits,
+// what only it held goes.
+func TestSurviveStoppedHolder(t *testing.T) {
+	stopped, kills := 60*time.Second, 5
+	if testing.Short() {
+		stopped = 10 * time.Second
+	}
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	d := startSupervised(t, os.Args[0], sock, append([]string{"--grace", "1s"}, testBackend()...)...)
+	ctx := context.Background()
+	c := dialOnce(t, sock)
+	if _, _, err := c.CreateOnly(ctx, "unlinked", 4096, nil); err != nil {
+		t.Fatal(err)
+	}
+	holder := startHolder(t, sock, 0, "stopped") // stopped-temp, and stopped, mapped and written
+	if got := holder.ask(t, 0, "open unlinked"); got != "ok open" {
+		t.Fatal(got)
+	}
+	if err := c.Unlink(ctx, "unlinked"); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	held := d.waitServing(t, 0).Usage.Segments // stopped, stopped-temp, unlinked
+	if held != 3 {
+		t.Fatalf("%d segments hold memory, want 3", held)
+	}
+	holder.cmd.Process.Signal(syscall.SIGSTOP)
+	t.Cleanup(func() { holder.cmd.Process.Signal(syscall.SIGCONT) })
+	var atStop uint64
+	check := func(when string) {
+		t.Helper()
+		c := dialOnce(t, sock)
+		defer c.Close()
+		if _, err := c.Evict(ctx, "stopped"); !errors.Is(err, syscall.EBUSY) {
+			t.Fatalf("%s: evict of a segment its stopped holder maps: %v, want EBUSY", when, err)
+		}
+		inf, err := c.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if inf.Usage.Segments != held {
+			t.Fatalf("%s: %d segments hold memory, want %d (the unlinked one its stopped holder maps included)", when, inf.Usage.Segments, held)
+		}
+		b, _ := segmentBytes(t, c, "stopped")
+		if n := binary.LittleEndian.Uint64(b); atStop == 0 {
+			atStop = n
+		} else if n != atStop {
+			t.Fatalf("%s: the stopped holder's segment reads %d, it read %d when the holder stopped", when, n, atStop)
+		}
+	}
+	time.Sleep(10 * time.Millisecond) // a write in flight lands
+	check("stopped")
+	for i := range kills {
+		time.Sleep(stopped / time.Duration(kills))
+		inf, err := d.info()
+		if err != nil {
+			t.Fatal(err)
+		}
+		syscall.Kill(inf.PID, syscall.SIGKILL)
+		d.waitServing(t, inf.PID)
+		check(fmt.Sprintf("right after restart %d", i+1))
+		d.waitGraceOver(t)
+		check(fmt.Sprintf("after restart %d and its grace period", i+1))
+	}
+	holder.cmd.Process.Signal(syscall.SIGCONT)
+	var n uint64
+	for deadline := time.Now().Add(10 * time.Second); n <= atStop+100; time.Sleep(10 * time.Millisecond) {
+		if _, err := fmt.Sscanf(holder.ask(t, 0, "count"), "ok %d", &n); err != nil {
+			t.Fatal(err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the holder made %d writes, %d when stopped: it does not run", n, atStop)
+		}
+	}
+	c = dialOnce(t, sock)
+	defer c.Close()
+	b, _ := segmentBytes(t, c, "stopped")
+	if got := binary.LittleEndian.Uint64(b); got < n {
+		t.Fatalf("a new reader reads write %d of the holder, which had made %d since SIGCONT (%d before): its writes went elsewhere", got, n, atStop)
+	}
+	if got := holder.ask(t, 0, "op"); !strings.HasPrefix(got, "ok reconnects=") {
+		t.Fatalf("the holder's first call after SIGCONT: %s", got)
+	}
+	if got := holder.ask(t, 0, "exit"); got != "ok bye" {
+		t.Fatalf("holder exit: %s", got)
+	}
+	holder.cmd.Wait()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		inf, err := c.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if inf.Usage.Segments == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after the holder exited: %d segments hold memory, want 1 (stopped: the unlinked one and its temporary one go)", inf.Usage.Segments)
+		}
+	}
+	d.stop(t)
+}
+
+// TestSurviveTTLDeadline: a TTL segment expires when its time is up, as
+// counted before the serving process was killed, not a TTL after the
+// restart; one that a stopped client holds does not expire while the
+// client lives, through a restart and past its grace period, and expires
+// a TTL after the client exits.
+func TestSurviveTTLDeadline(t *testing.T) {
+	const ttl = 4 * time.Second
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	d := startSupervised(t, os.Args[0], sock, append([]string{"--grace", "1s"}, testBackend()...)...)
+	ctx := context.Background()
+	c := dialOnce(t, sock)
+	for _, name := range []string{"ttl-idle", "ttl-held"} {
+		if _, _, err := c.CreateOnly(ctx, name, 4096, &gpushm.CreateOptions{TTL: ttl}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	created := time.Now()
+	c.Close()
+	holder := startHolder(t, sock, 0, "holder")
+	if got := holder.ask(t, 0, "open ttl-held"); got != "ok open" {
+		t.Fatal(got)
+	}
+	holder.cmd.Process.Signal(syscall.SIGSTOP)
+	t.Cleanup(func() { holder.cmd.Process.Signal(syscall.SIGCONT) })
+	time.Sleep(ttl / 2)
+	inf, err := d.info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	syscall.Kill(inf.PID, syscall.SIGKILL)
+	d.waitServing(t, inf.PID)
+	has := func(name string) bool { return slices.Contains(listAtQuiet(sock), name) }
+	if !has("ttl-idle") || !has("ttl-held") {
+		t.Fatalf("right after the restart, %s after the create: %v", time.Since(created), listAtQuiet(sock))
+	}
+	for has("ttl-idle") {
+		if time.Since(created) > ttl+2*time.Second {
+			t.Fatalf("ttl-idle is still there %s after its create (TTL %s, the serving process killed at %s)", time.Since(created), ttl, ttl/2)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if gone := time.Since(created); gone < ttl {
+		t.Fatalf("ttl-idle expired %s after its create, before its TTL (%s)", gone, ttl)
+	}
+	d.waitGraceOver(t)
+	time.Sleep(ttl - time.Since(created)%ttl + ttl/2) // past any TTL counted from the restart
+	if !has("ttl-held") {
+		t.Fatalf("ttl-held expired while its stopped holder lives")
+	}
+	holder.cmd.Process.Kill()
+	holder.cmd.Wait()
+	exited := time.Now()
+	for has("ttl-held") {
+		if time.Since(exited) > ttl+2*time.Second {
+			t.Fatalf("ttl-held is still there %s after its holder exited (TTL %s)", time.Since(exited), ttl)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if gone := time.Since(exited); gone < ttl-time.Second/2 {
+		t.Fatalf("ttl-held expired %s after its holder exited, before its TTL (%s)", gone, ttl)
+	}
+	d.stop(t)
 }

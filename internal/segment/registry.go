@@ -35,6 +35,9 @@ type Allocator interface {
 // Cred identifies the process asking.
 type Cred struct {
 	UID, GID uint32
+	// Proc is the process, when it can be named: the leases it takes are
+	// journaled under it (leases.go). The zero Process is anonymous.
+	Proc Process
 }
 
 // Process names one process for as long as it lives: its pid and its
@@ -212,6 +215,16 @@ type Segment struct {
 	doubt    bool
 	wasInUse bool
 	orphan   string
+	// Leases by process (leases.go): holders counts the leases taken in
+	// this process by each process that could be named, anon those of
+	// processes that could not; restored are the leases a previous
+	// serving process journaled, kept for their processes until they
+	// exit or reclaim them, and restoredAnon its anonymous ones, which
+	// the grace period waits for. opens counts all but restoredAnon.
+	holders      map[Process]int
+	anon         int
+	restored     map[Process]int
+	restoredAnon int
 	// A channel's layout (slots > 0); its memory is a ChannelMemory.
 	slots     int
 	slotBytes int64
@@ -495,6 +508,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	}
 	if o.Open {
 		s.opens = 1
+		s.addLease(c.Proc, 1)
 	}
 	if o.Pin {
 		s.pins = 1
@@ -560,8 +574,9 @@ func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
 		r.dirtyLocked(s)
 	}
 	s.opens++
+	s.addLease(c.Proc, 1)
 	s.lastOpen = time.Now()
-	r.inUseLocked(s)
+	r.noteLocked(s, -1)
 	return nil
 }
 
@@ -585,9 +600,9 @@ func (r *Registry) Acquire(c Cred, name string, readOnly bool) (*Segment, error)
 	return s, nil
 }
 
-// Release ends one lease on s; the memory is freed when s is unlinked and
-// this was its last lease.
-func (r *Registry) Release(s *Segment) error { return r.drop(s, &s.opens, "release", "lease") }
+// Release ends one lease on s that an anonymous process took; the memory
+// is freed when s is unlinked and this was its last lease.
+func (r *Registry) Release(s *Segment) error { return r.ReleaseBy(s, Process{}) }
 
 // drop ends one reference that *count (s.opens or s.pins) counts, and frees
 // s's memory if that was s's last reference of any kind.

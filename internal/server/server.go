@@ -563,7 +563,7 @@ func (c *conn) end() {
 		// process died: the block shows what it finished.
 		c.unclaim(l.seg, "", true)
 		for ; l.n > 0; l.n-- {
-			if err := c.s.reg.Release(l.seg); err != nil {
+			if err := c.s.reg.ReleaseBy(l.seg, c.proc); err != nil {
 				c.s.log.Error("release on disconnect", "err", err)
 			}
 			n++
@@ -836,7 +836,8 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		// it says readonly or not, and is served as a read-only open.
 		req.ReadOnly = true
 	}
-	cred := segment.Cred{UID: c.cred.UID, GID: c.cred.GID}
+	// Leases taken with cred are journaled under c's process.
+	cred := segment.Cred{UID: c.cred.UID, GID: c.cred.GID, Proc: c.proc}
 	switch req.Op {
 	case wire.OpHello:
 		if req.Version != wire.Version {
@@ -901,7 +902,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			}
 			if err != nil {
 				for range n {
-					c.s.reg.Release(seg)
+					c.s.reg.ReleaseBy(seg, c.proc)
 				}
 				return fail(fmt.Errorf("reclaim: %w", err))
 			}
@@ -935,7 +936,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		fd, err := c.handOut(seg, req)
 		if err != nil {
 			// A create that cannot hand out its descriptor leaves nothing.
-			c.s.reg.Release(seg)
+			c.s.reg.ReleaseBy(seg, c.proc)
 			if created {
 				c.s.reg.Discard(seg)
 			}
@@ -970,7 +971,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		c.trace.Mark("lookup")
 		fd, err := c.handOut(seg, req)
 		if err != nil {
-			c.s.reg.Release(seg)
+			c.s.reg.ReleaseBy(seg, c.proc)
 			return fail(fmt.Errorf("open %q: %w", req.Name, err))
 		}
 		c.hold(seg)
@@ -1205,7 +1206,7 @@ func (c *conn) release(id uint64) bool {
 	if l.n == 0 {
 		delete(c.leases, id)
 	}
-	if err := c.s.reg.Release(l.seg); err != nil {
+	if err := c.s.reg.ReleaseBy(l.seg, c.proc); err != nil {
 		c.s.log.Error("release", "segment", id, "err", err)
 	}
 	c.endUncommitted(l.seg)
