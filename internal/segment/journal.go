@@ -351,7 +351,7 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 		if rec.OnHost() {
 			s.tier = OnHost
 		}
-		s.restoreLeases(&rec)
+		r.restoreLeases(s, &rec)
 		if rec.LastOpen == 0 {
 			s.lastOpen = s.created
 		}
@@ -486,7 +486,7 @@ func (r *Registry) Reclaim(c Cred, id uint64, n int, readOnly bool) (*Segment, e
 	if err := r.onDeviceLocked(s); err != nil {
 		return nil, err
 	}
-	s.reclaimLocked(c.Proc, n)
+	s.reclaimLocked(c, n)
 	r.noteLocked(s, -1)
 	return s, nil
 }

@@ -471,6 +471,7 @@ func TestLeasesJournaled(t *testing.T) {
 	p1, p2 := Process{PID: 100, Start: 1}, Process{PID: 200, Start: 2}
 	a1, a2 := alice, alice
 	a1.Proc, a2.Proc = p1, p2
+	a1.Session, a2.Session = "s1", "s2"
 	a, _, err := r.Create(a1, CreateOptions{Name: "a", Size: 10, Open: true})
 	if err != nil {
 		t.Fatal(err)
@@ -480,16 +481,16 @@ func TestLeasesJournaled(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	r.Create(a1, CreateOptions{Name: "b", Size: 10, Open: true})
+	b, _, _ := r.Create(a1, CreateOptions{Name: "b", Size: 10, Open: true})
 	r.Unlink(alice, "b")
 	r.Create(alice, CreateOptions{Name: "ttl", Size: 10, TTL: 50 * time.Millisecond})
 	if _, err := r.Acquire(a2, "ttl", true); err != nil {
 		t.Fatal(err)
 	}
-	if err := r.ReleaseBy(a, p2); err != nil {
+	if err := r.ReleaseBy(a, a2); err != nil {
 		t.Fatal(err)
 	}
-	want := []Holder{{PID: 100, Start: 1, N: 1}, {PID: 200, Start: 2, N: 1}}
+	want := []Holder{{PID: 100, Start: 1, Session: sessionID("s1"), N: 1}, {PID: 200, Start: 2, Session: sessionID("s2"), N: 1}}
 	if rec := j.recs[a.ID()]; !rec.Leases || !slices.Equal(rec.Holders, want) || rec.Anon != 0 {
 		t.Fatalf("a's record: leases %v holders %+v anon %d, want %+v", rec.Leases, rec.Holders, rec.Anon, want)
 	}
@@ -520,11 +521,22 @@ func TestLeasesJournaled(t *testing.T) {
 	if inf, _ := r2.Stat("a"); inf.Opens != 2 {
 		t.Fatalf("a after p2's reclaim: opens %d, want 2", inf.Opens)
 	}
-	if err := r2.ReleaseBy(back, p2); err != nil {
+	if err := r2.ReleaseBy(back, a2); err != nil {
 		t.Fatal(err)
 	}
 	if rec := j2.recs[a.ID()]; !slices.Equal(rec.Holders, want[:1]) {
 		t.Fatalf("a's record after p2 closed: %+v, want %+v", rec.Holders, want[:1])
+	}
+	// p1's client comes back in the session it had and takes back
+	// nothing; its leases end then, not when p1 exits. Another session of
+	// p1 ends nothing.
+	other := a1
+	other.Session = "another"
+	if n := r2.EndSessionHolds(other); n != 0 {
+		t.Fatalf("EndSessionHolds of another session = %d, want 0", n)
+	}
+	if n := r2.EndSessionHolds(a1); n != 2 {
+		t.Fatalf("EndSessionHolds(p1's session) = %d, want 2 (a and b)", n)
 	}
 	// p2 exits: its lease on ttl ends, and the clock starts then.
 	if n := r2.EndHolds(p2); n != 1 {
@@ -536,16 +548,11 @@ func TestLeasesJournaled(t *testing.T) {
 	if got := r2.Expire(time.Now().Add(time.Second)); !slices.Equal(got, []string{"ttl"}) {
 		t.Fatalf("Expire a TTL after its holder went = %v", got)
 	}
-	// p1 exits: b is freed, a is held by nobody.
-	j2.take()
-	if n := r2.EndHolds(p1); n != 2 {
-		t.Fatalf("EndHolds(p1) = %d, want 2", n)
-	}
-	if got := j2.take(); !slices.Contains(got, "del b") {
-		t.Fatalf("journal after p1 exited: %q, want b deleted", got)
+	if _, ok := j2.recs[b.ID()]; ok {
+		t.Fatal("b is still journaled after the leases that kept it ended")
 	}
 	if inf, _ := r2.Stat("a"); inf.Opens != 0 || len(j2.recs[a.ID()].Holders) != 0 {
-		t.Fatalf("a after both holders exited: opens %d, holders %+v", inf.Opens, j2.recs[a.ID()].Holders)
+		t.Fatalf("a after both holders' leases ended: opens %d, holders %+v", inf.Opens, j2.recs[a.ID()].Holders)
 	}
 }
 

@@ -3,55 +3,91 @@ package segment
 import (
 	"cmp"
 	"fmt"
+	"hash/fnv"
 	"slices"
 	"time"
 )
 
 // Leases are bound to processes, as creators are. Each lease is counted
 // under the process that took it (Cred.Proc, named by the server when the
-// connection was accepted), and every change is journaled with the
-// segment's record: which processes hold how many leases. A restarted
-// daemon keeps those leases (restored) for their processes, whether or not
-// they reconnect: while such a process lives the segment is open, so it is
-// neither evicted, nor freed once unlinked, nor expired. The server watches
-// the processes and ends their leases when they exit (EndHolds); a process
-// that reconnects takes its leases back (Reclaim), from then on held by its
-// connection. Leases of a process that could not be named (one of a pid
-// namespace the daemon cannot see) are journaled as a count only, and only
-// the grace period keeps them, as before leases were journaled.
+// connection was accepted) and the client session it took it in
+// (Cred.Session), and every change is journaled with the segment's record:
+// which processes hold how many leases. A restarted daemon keeps those
+// leases (restored) for their processes, whether or not they reconnect:
+// while such a process lives the segment is open, so it is neither
+// evicted, nor freed once unlinked, nor expired. The server watches the
+// processes and ends their leases when they exit (EndHolds). A client that
+// reconnects takes its leases back (Reclaim), from then on held by its
+// connection, and then ends those of its session it did not take back
+// (EndSessionHolds): leases whose open or close the crash cut off, which
+// the client does not hold. Leases of a process that could not be named
+// (one of a pid namespace the daemon cannot see) are journaled as a count
+// only, and only the grace period keeps them, as before leases were
+// journaled.
 
-// Holder is one process's leases on a segment, as journaled.
+// Holder is the leases one process took in one client session on a
+// segment, as journaled: the process, a hash of the session (Session is
+// up to 128 bytes, the hash 8), and how many.
 type Holder struct {
-	PID   int    `json:"pid"`
-	Start uint64 `json:"start"`
-	N     int    `json:"n"`
+	PID     int    `json:"pid"`
+	Start   uint64 `json:"start"`
+	Session uint64 `json:"sid,omitempty"`
+	N       int    `json:"n"`
 }
 
-// maxHolders bounds the processes a record names: with a protocol
-// message's worth of meta, a record of 512 holders (about 40 bytes each)
-// still fits in one control message. The leases of processes past it are
-// journaled as anonymous ones, which only the grace period keeps.
-const maxHolders = 512
+// holderKey names who holds leases: a process and a session's hash.
+type holderKey struct {
+	proc Process
+	sid  uint64
+}
 
-// addLease counts n leases that p took on s (opens already counts them).
+// keyOf is the holder c's leases are counted under; ok is false for an
+// anonymous process.
+func keyOf(c Cred) (k holderKey, ok bool) {
+	if !c.Proc.Known() {
+		return holderKey{}, false
+	}
+	return holderKey{c.Proc, sessionID(c.Session)}, true
+}
+
+// sessionID hashes a client session (FNV-1a, 64 bits); 0 for none.
+func sessionID(session string) uint64 {
+	if session == "" {
+		return 0
+	}
+	h := fnv.New64a()
+	h.Write([]byte(session))
+	return max(h.Sum64(), 1)
+}
+
+// maxHolders bounds the holders a record names: with a protocol message's
+// worth of meta, a record of 256 holders (about 60 bytes each) still fits
+// in one control message, two of them in a batch. The leases of holders
+// past it are journaled as anonymous ones, which only the grace period
+// keeps.
+const maxHolders = 256
+
+// addLease counts n leases that c took on s (opens already counts them).
 // mu is held.
-func (s *Segment) addLease(p Process, n int) {
-	if !p.Known() {
+func (s *Segment) addLease(c Cred, n int) {
+	k, ok := keyOf(c)
+	if !ok {
 		s.anon += n
 		return
 	}
 	if s.holders == nil {
-		s.holders = make(map[Process]int)
+		s.holders = make(map[holderKey]int)
 	}
-	s.holders[p] += n
+	s.holders[k] += n
 }
 
-// dropLease uncounts one lease of p's on s. mu is held.
-func (s *Segment) dropLease(p Process) {
+// dropLease uncounts one lease of c's on s. mu is held.
+func (s *Segment) dropLease(c Cred) {
+	k, ok := keyOf(c)
 	switch {
-	case p.Known() && s.holders[p] > 0:
-		if s.holders[p]--; s.holders[p] == 0 {
-			delete(s.holders, p)
+	case ok && s.holders[k] > 0:
+		if s.holders[k]--; s.holders[k] == 0 {
+			delete(s.holders, k)
 		}
 	case s.anon > 0:
 		s.anon--
@@ -62,19 +98,19 @@ func (s *Segment) dropLease(p Process) {
 // holding some, restored or taken since, in pid order, and the count of
 // anonymous ones (with those of processes past maxHolders).
 func (s *Segment) holdersLocked() ([]Holder, int) {
-	all := make(map[Process]int, len(s.holders)+len(s.restored))
-	for p, n := range s.holders {
-		all[p] += n
+	all := make(map[holderKey]int, len(s.holders)+len(s.restored))
+	for k, n := range s.holders {
+		all[k] += n
 	}
-	for p, n := range s.restored {
-		all[p] += n
+	for k, n := range s.restored {
+		all[k] += n
 	}
 	hs := make([]Holder, 0, len(all))
-	for p, n := range all {
-		hs = append(hs, Holder{PID: p.PID, Start: p.Start, N: n})
+	for k, n := range all {
+		hs = append(hs, Holder{PID: k.proc.PID, Start: k.proc.Start, Session: k.sid, N: n})
 	}
 	slices.SortFunc(hs, func(a, b Holder) int {
-		return cmp.Or(cmp.Compare(a.PID, b.PID), cmp.Compare(a.Start, b.Start))
+		return cmp.Or(cmp.Compare(a.PID, b.PID), cmp.Compare(a.Start, b.Start), cmp.Compare(a.Session, b.Session))
 	})
 	anon := s.anon + s.restoredAnon
 	if len(hs) > maxHolders {
@@ -90,33 +126,39 @@ func (s *Segment) holdersLocked() ([]Holder, int) {
 }
 
 // restoreLeases takes a record's leases as s's restored ones, opens
-// included. mu is held.
-func (s *Segment) restoreLeases(rec *Record) {
+// included, and indexes them by holder. mu is held.
+func (r *Registry) restoreLeases(s *Segment, rec *Record) {
 	for _, h := range rec.Holders {
-		p := Process{PID: h.PID, Start: h.Start}
-		if !p.Known() || h.N <= 0 {
+		k := holderKey{Process{PID: h.PID, Start: h.Start}, h.Session}
+		if !k.proc.Known() || h.N <= 0 {
 			continue
 		}
 		if s.restored == nil {
-			s.restored = make(map[Process]int)
+			s.restored = make(map[holderKey]int)
 		}
-		s.restored[p] += h.N
+		if s.restored[k] == 0 {
+			if r.restoredBy == nil {
+				r.restoredBy = make(map[holderKey][]*Segment)
+			}
+			r.restoredBy[k] = append(r.restoredBy[k], s)
+		}
+		s.restored[k] += h.N
 		s.opens += h.N
 	}
 	s.restoredAnon = max(rec.Anon, 0)
 }
 
-// ReleaseBy ends one lease that process p took on s (p as the Cred of the
-// Acquire, Create or Reclaim that took it); the memory is freed when s is
-// unlinked and this was its last lease.
-func (r *Registry) ReleaseBy(s *Segment, p Process) error {
+// ReleaseBy ends one lease on s that c took (c as in the Acquire, Create
+// or Reclaim that took it); the memory is freed when s is unlinked and
+// this was its last lease.
+func (r *Registry) ReleaseBy(s *Segment, c Cred) error {
 	r.mu.Lock()
 	if s.opens <= 0 {
 		r.mu.Unlock()
 		return fmt.Errorf("release %q: no lease held", s.name)
 	}
 	s.opens--
-	s.dropLease(p)
+	s.dropLease(c)
 	r.idleLocked(s)
 	mem := r.detachLocked(s)
 	if !s.gone {
@@ -137,21 +179,21 @@ func (r *Registry) idleLocked(s *Segment) {
 	}
 }
 
-// reclaimLocked counts n leases that p takes back after a restart: those
-// journaled for p (restored) become leases of p's connection, the rest
-// are new. mu is held.
-func (s *Segment) reclaimLocked(p Process, n int) {
+// reclaimLocked counts n leases that c takes back after a restart: those
+// journaled for c's process and session (restored) become leases of its
+// connection, the rest are new. mu is held.
+func (s *Segment) reclaimLocked(c Cred, n int) {
 	back := 0
-	if p.Known() {
-		back = min(n, s.restored[p])
+	if k, ok := keyOf(c); ok {
+		back = min(n, s.restored[k])
 		if back > 0 {
-			if s.restored[p] -= back; s.restored[p] == 0 {
-				delete(s.restored, p)
+			if s.restored[k] -= back; s.restored[k] == 0 {
+				delete(s.restored, k)
 			}
 		}
 	}
 	s.opens += n - back
-	s.addLease(p, n)
+	s.addLease(c, n)
 }
 
 // RestoredHolders lists the processes that hold restored leases: those
@@ -161,14 +203,12 @@ func (r *Registry) RestoredHolders() []Process {
 	defer r.mu.Unlock()
 	seen := map[Process]bool{}
 	var out []Process
-	r.eachSegmentLocked(func(s *Segment) {
-		for p := range s.restored {
-			if !seen[p] {
-				seen[p] = true
-				out = append(out, p)
-			}
+	for k := range r.restoredBy {
+		if !seen[k.proc] {
+			seen[k.proc] = true
+			out = append(out, k.proc)
 		}
-	})
+	}
 	return out
 }
 
@@ -176,6 +216,23 @@ func (r *Registry) RestoredHolders() []Process {
 // cannot be watched, once the grace period is over): what only they kept
 // may be freed, evicted or expired from now on. It returns how many ended.
 func (r *Registry) EndHolds(p Process) int {
+	return r.endHolds(func(k holderKey) bool { return k.proc == p })
+}
+
+// EndSessionHolds ends the restored leases that c's process took in c's
+// session and did not take back: a client that reconnected and reclaimed
+// what it holds does not hold those (their open or close was cut off by
+// the crash). It returns how many ended.
+func (r *Registry) EndSessionHolds(c Cred) int {
+	k, ok := keyOf(c)
+	if !ok {
+		return 0
+	}
+	return r.endHolds(func(h holderKey) bool { return h == k })
+}
+
+// endHolds ends the restored leases of the holders that match takes.
+func (r *Registry) endHolds(match func(holderKey) bool) int {
 	type freed struct {
 		s   *Segment
 		mem Memory
@@ -183,42 +240,31 @@ func (r *Registry) EndHolds(p Process) int {
 	var mems []freed
 	n := 0
 	r.mu.Lock()
-	r.eachSegmentLocked(func(s *Segment) {
-		k := s.restored[p]
-		if k == 0 {
-			return
+	for h, segs := range r.restoredBy {
+		if !match(h) {
+			continue
 		}
-		delete(s.restored, p)
-		s.opens -= k
-		n += k
-		r.idleLocked(s)
-		if mem := r.detachLocked(s); mem != nil {
-			mems = append(mems, freed{s, mem})
+		delete(r.restoredBy, h)
+		for _, s := range segs {
+			k := s.restored[h] // 0 if taken back since
+			if k == 0 || s.gone {
+				continue
+			}
+			delete(s.restored, h)
+			s.opens -= k
+			n += k
+			r.idleLocked(s)
+			if mem := r.detachLocked(s); mem != nil {
+				mems = append(mems, freed{s, mem})
+			}
+			if !s.gone {
+				r.noteLocked(s, -1)
+			}
 		}
-		if !s.gone {
-			r.noteLocked(s, -1)
-		}
-	})
+	}
 	r.mu.Unlock()
 	for _, f := range mems {
 		f.s.free(f.mem)
 	}
 	return n
-}
-
-// eachSegmentLocked calls fn for every segment, named or not, once; fn
-// may retire the segment. mu is held.
-func (r *Registry) eachSegmentLocked(fn func(*Segment)) {
-	segs := make([]*Segment, 0, len(r.byID)+len(r.byName))
-	for _, s := range r.byID {
-		segs = append(segs, s)
-	}
-	for _, s := range r.byName {
-		if r.byID[s.id] != s {
-			segs = append(segs, s)
-		}
-	}
-	for _, s := range segs {
-		fn(s)
-	}
 }

@@ -34,6 +34,8 @@ type ConnState struct {
 	// it again from the socket.
 	PID   int    `json:"pid,omitempty"`
 	Start uint64 `json:"start,omitempty"`
+	// Reclaiming: the client has made only reclaims since its hello.
+	Reclaiming bool `json:"reclaiming,omitempty"`
 	// Pending is a request read and not answered yet: an open waiting
 	// for a commit, its wait shortened by the time already waited.
 	Pending json.RawMessage `json:"pending,omitempty"`
@@ -111,7 +113,7 @@ func (s *Server) Park() ([]ParkedConn, error) {
 			continue
 		}
 		st := ConnState{Hello: c.hello, Session: c.session, Leases: map[uint64]int{}, Roles: map[uint64][]string{},
-			Pending: c.pending, PID: c.proc.PID, Start: c.proc.Start}
+			Pending: c.pending, PID: c.proc.PID, Start: c.proc.Start, Reclaiming: c.reclaiming}
 		for id, l := range c.leases {
 			st.Leases[id] = l.n
 		}
@@ -208,7 +210,7 @@ func (s *Server) Adopt(fd int, state json.RawMessage) error {
 		return err
 	}
 	c := &conn{s: s, wc: wc, hello: st.Hello, session: st.Session, leases: make(map[uint64]*lease),
-		roles: make(map[uint64]map[channel.Role]bool), pending: st.Pending, adopted: true}
+		roles: make(map[uint64]map[channel.Role]bool), pending: st.Pending, adopted: true, reclaiming: st.Reclaiming}
 	if st.PID > 0 {
 		c.proc = segment.Process{PID: st.PID, Start: st.Start}
 	} else if cred, err := wc.PeerCred(); err == nil {
@@ -218,7 +220,7 @@ func (s *Server) Adopt(fd int, state json.RawMessage) error {
 	// Its leases are journaled under its process, and restored for it:
 	// taking them back turns those into this connection's.
 	as := segment.Root
-	as.Proc = c.proc
+	as.Proc, as.Session = c.proc, c.session
 	for id, n := range st.Leases {
 		seg, err := s.reg.Reclaim(as, id, n, true)
 		if err != nil {

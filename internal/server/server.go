@@ -510,6 +510,9 @@ type conn struct {
 	// trace times the steps of the request being answered, when its
 	// client asked (nil otherwise).
 	trace *segment.Trace
+	// reclaiming: the client said hello with its session and has made
+	// only reclaims since (endReclaim).
+	reclaiming bool
 	// proc is the process that made the connection, named as it was
 	// accepted (peerProcess) or as its predecessor named it (Adopt);
 	// creators, leases, channel roles and uncommitted writers are bound
@@ -526,6 +529,24 @@ type conn struct {
 	// adopted: the connection was served by a predecessor, which admitted
 	// it (limits.go).
 	adopted bool
+}
+
+// leaseCred is c's credential, naming its process and session, under
+// which its leases are journaled.
+func (c *conn) leaseCred() segment.Cred {
+	return segment.Cred{UID: c.cred.UID, GID: c.cred.GID, Proc: c.proc, Session: c.session}
+}
+
+// endReclaim ends the reclaims of a client back after a restart: the
+// leases journaled for its process and session that it did not take back
+// end, since it does not hold them (the crash cut off their open's reply,
+// or their close). A client reclaims right after hello, before any other
+// request (docs/protocol.md, "Restarts").
+func (c *conn) endReclaim() {
+	c.reclaiming = false
+	if n := c.s.reg.EndSessionHolds(c.leaseCred()); n > 0 {
+		c.s.log.Debug("leases the client did not reclaim ended", "pid", c.proc.PID, "leases", n)
+	}
 }
 
 // maxTTL bounds ttl_seconds: a year is longer than any idle segment should
@@ -557,13 +578,16 @@ type packet struct {
 
 // end releases what c held and closes it; its owner calls it.
 func (c *conn) end() {
+	if c.reclaiming {
+		c.endReclaim()
+	}
 	n := 0
 	for _, l := range c.leases {
 		// A role whose connection ended without a close ends as if its
 		// process died: the block shows what it finished.
 		c.unclaim(l.seg, "", true)
 		for ; l.n > 0; l.n-- {
-			if err := c.s.reg.ReleaseBy(l.seg, c.proc); err != nil {
+			if err := c.s.reg.ReleaseBy(l.seg, c.leaseCred()); err != nil {
 				c.s.log.Error("release on disconnect", "err", err)
 			}
 			n++
@@ -836,8 +860,10 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		// it says readonly or not, and is served as a read-only open.
 		req.ReadOnly = true
 	}
-	// Leases taken with cred are journaled under c's process.
-	cred := segment.Cred{UID: c.cred.UID, GID: c.cred.GID, Proc: c.proc}
+	if c.reclaiming && req.Op != wire.OpReclaim && req.Op != wire.OpHello {
+		c.endReclaim()
+	}
+	cred := c.leaseCred()
 	switch req.Op {
 	case wire.OpHello:
 		if req.Version != wire.Version {
@@ -850,6 +876,8 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		if req.Session != "" && c.session == "" {
 			c.session = req.Session
 			c.bound = append(c.bound, c.s.takeBound(req.Session, c.cred.UID, c.proc)...)
+			// A client back after a restart reclaims what it holds next.
+			c.reclaiming = true
 		}
 		fd, err := c.s.epochReadOnly()
 		if err != nil {
@@ -902,7 +930,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			}
 			if err != nil {
 				for range n {
-					c.s.reg.ReleaseBy(seg, c.proc)
+					c.s.reg.ReleaseBy(seg, c.leaseCred())
 				}
 				return fail(fmt.Errorf("reclaim: %w", err))
 			}
@@ -936,7 +964,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		fd, err := c.handOut(seg, req)
 		if err != nil {
 			// A create that cannot hand out its descriptor leaves nothing.
-			c.s.reg.ReleaseBy(seg, c.proc)
+			c.s.reg.ReleaseBy(seg, c.leaseCred())
 			if created {
 				c.s.reg.Discard(seg)
 			}
@@ -971,7 +999,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		c.trace.Mark("lookup")
 		fd, err := c.handOut(seg, req)
 		if err != nil {
-			c.s.reg.ReleaseBy(seg, c.proc)
+			c.s.reg.ReleaseBy(seg, c.leaseCred())
 			return fail(fmt.Errorf("open %q: %w", req.Name, err))
 		}
 		c.hold(seg)
@@ -1206,7 +1234,7 @@ func (c *conn) release(id uint64) bool {
 	if l.n == 0 {
 		delete(c.leases, id)
 	}
-	if err := c.s.reg.ReleaseBy(l.seg, c.proc); err != nil {
+	if err := c.s.reg.ReleaseBy(l.seg, c.leaseCred()); err != nil {
 		c.s.log.Error("release", "segment", id, "err", err)
 	}
 	c.endUncommitted(l.seg)
