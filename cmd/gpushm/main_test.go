@@ -75,6 +75,20 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if dir := os.Getenv("GPUSHM_TEST_PIDNS"); dir != "" {
+		if err := pidnsMain(dir); err != nil {
+			fmt.Printf("fail: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if sock := os.Getenv("GPUSHM_TEST_PASSCONN"); sock != "" {
+		if err := passConnMain(sock); err != nil {
+			fmt.Fprintf(os.Stderr, "passing a connection: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if os.Getenv("GPUSHM_TEST_MAIN") != "" {
 		main()
 		os.Exit(0)

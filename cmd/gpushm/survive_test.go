@@ -881,6 +881,19 @@ func holderMain() error {
 	fmt.Println("ok ready")
 	sc := bufio.NewScanner(os.Stdin)
 	for sc.Scan() {
+		if name, ok := strings.CutPrefix(sc.Text(), "open "); ok {
+			// Hold another segment too, mapped, until the process ends.
+			s, err := c.Open(ctx, name, nil)
+			if err == nil {
+				_, err = s.Map()
+			}
+			if err != nil {
+				fmt.Printf("fail %v\n", err)
+				continue
+			}
+			fmt.Println("ok open")
+			continue
+		}
 		switch sc.Text() {
 		case "op":
 			if _, err := c.Stat(ctx, prefix); err != nil {

@@ -9,8 +9,8 @@ import (
 )
 
 // Record is the durable state of one segment: everything a restarted daemon
-// needs to serve it again, given its memory descriptor. Leases are not in
-// it; they belong to connections, and live clients reclaim them.
+// needs to serve it again, given its memory descriptor, and who holds
+// leases on it (leases.go).
 type Record struct {
 	ID       uint64          `json:"id"`
 	Name     string          `json:"name"`
@@ -61,6 +61,13 @@ type Record struct {
 	Pin       bool   `json:"pin,omitempty"`
 	Published bool   `json:"published,omitempty"`
 	LastOpen  int64  `json:"last_open,omitempty"`
+	// Leases says the record carries the segment's leases: Holders, the
+	// processes holding some and how many each, and Anon, those of
+	// processes that could not be named. A record without it (an older
+	// daemon's) may have any leases, which the grace period waits for.
+	Leases  bool     `json:"leases,omitempty"`
+	Holders []Holder `json:"holders,omitempty"`
+	Anon    int      `json:"anon,omitempty"`
 }
 
 // OnHost reports whether the record's memory is host memory it was
@@ -175,6 +182,8 @@ func (s *Segment) recordLocked() Record {
 	if s.mem != nil {
 		rec.Alloc = s.mem.Size()
 	}
+	rec.Leases = true
+	rec.Holders, rec.Anon = s.holdersLocked()
 	if s.ttl > 0 {
 		rec.Idle = s.idle.UnixNano()
 		rec.InUse = s.opens+s.pins > 0 || s.wasInUse
@@ -270,12 +279,27 @@ type Restored struct {
 var ErrOrphan = &Error{"segment is orphaned", syscall.EIO}
 
 // Restore fills an empty registry with the segments of a daemon that
-// stopped, and starts a grace period of the given length. Until it ends,
-// the segments restored may still be mapped by clients that have not
-// reconnected yet: none is freed, resized or expired (if it was in use),
-// and their clients may reclaim their leases (Reclaim). nextID is the
-// highest ID ever given out. It returns the names that became orphans.
+// stopped, and starts a grace period of the given length. The leases the
+// records name are kept for their processes (restored, leases.go) until
+// the server ends them (EndHolds) or their processes reclaim them
+// (Reclaim). A segment whose record has anonymous leases, or none on
+// record (an older daemon's), may also still be mapped by clients that
+// have not reconnected yet: until the grace period ends it is not freed,
+// resized or expired (if it was in use). nextID is the highest ID ever
+// given out. It returns the names that became orphans.
 func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration) (orphans []string) {
+	// Unnamed, with no lease on record and none in doubt: nothing keeps
+	// them, and they are freed once the lock is dropped.
+	type freed struct {
+		s   *Segment
+		mem Memory
+	}
+	var unheld []freed
+	defer func() {
+		for _, f := range unheld {
+			f.s.free(f.mem)
+		}
+	}()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.nextID = max(r.nextID, nextID)
@@ -320,13 +344,14 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			session: rec.Session, creator: Process{PID: rec.CreatorPID, Start: rec.CreatorStart},
 			origin: rec.Origin, saved: true,
 			slots: rec.Slots, slotBytes: rec.SlotBytes,
-			doubt: true, wasInUse: rec.InUse && rec.TTL > 0,
+			doubt: !rec.Leases || rec.Anon > 0, wasInUse: rec.InUse && rec.TTL > 0 && (!rec.Leases || rec.Anon > 0),
 			uncommitted: rec.Uncommitted, commitOrigin: rec.CommitOrigin,
 			resident: rec.Pin, published: rec.Published, lastOpen: time.Unix(0, rec.LastOpen),
 		}
 		if rec.OnHost() {
 			s.tier = OnHost
 		}
+		r.restoreLeases(s, &rec)
 		if rec.LastOpen == 0 {
 			s.lastOpen = s.created
 		}
@@ -358,6 +383,9 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 		}
 		if problem != "" || rec.Size != s.size {
 			r.noteLocked(s, -1)
+		}
+		if mem := r.detachLocked(s); mem != nil {
+			unheld = append(unheld, freed{s, mem})
 		}
 	}
 	return orphans
@@ -395,11 +423,13 @@ func (r *Registry) EndGrace() {
 	r.graceUntil = time.Time{}
 	for _, s := range r.doubtful() {
 		s.doubt = false
-		if s.wasInUse {
-			s.wasInUse = false
-			if s.opens+s.pins == 0 {
+		if s.wasInUse || s.restoredAnon > 0 {
+			// Anonymous leases not reclaimed by now have ended.
+			s.restoredAnon = 0
+			if s.wasInUse && s.opens+s.pins == 0 {
 				s.idle = now
 			}
+			s.wasInUse = false
 			r.noteLocked(s, -1)
 		}
 		if mem := r.detachLocked(s); mem != nil {
@@ -431,7 +461,8 @@ func (r *Registry) doubtful() []*Segment {
 // Reclaim takes n leases on segment id, named or not, for a client that
 // held them before the daemon restarted and still has the memory mapped.
 // It checks the access asked for as Acquire does. No descriptor goes with
-// it: the client has its mapping.
+// it: the client has its mapping. Leases journaled for the client's
+// process (c.Proc) become the ones it takes, rather than being added to.
 func (r *Registry) Reclaim(c Cred, id uint64, n int, readOnly bool) (*Segment, error) {
 	if n <= 0 {
 		return nil, fmt.Errorf("reclaim %d leases: %w", n, syscall.EINVAL)
@@ -455,17 +486,9 @@ func (r *Registry) Reclaim(c Cred, id uint64, n int, readOnly bool) (*Segment, e
 	if err := r.onDeviceLocked(s); err != nil {
 		return nil, err
 	}
-	s.opens += n
-	r.inUseLocked(s)
+	s.reclaimLocked(c, n)
+	r.noteLocked(s, -1)
 	return s, nil
-}
-
-// inUseLocked records that a TTL segment went from unused to used, since
-// its idle clock stops; other segments' leases are not journaled.
-func (r *Registry) inUseLocked(s *Segment) {
-	if s.ttl > 0 && s.opens+s.pins == 1 {
-		r.noteLocked(s, -1)
-	}
 }
 
 // BoundSegment is a segment that ends with its creator, and who made it.

@@ -176,7 +176,9 @@ func TestRestoreAndGrace(t *testing.T) {
 	r := New(f, nil)
 	j := newJournal()
 	r.SetJournal(j)
-	r.Create(alice, CreateOptions{Name: "keep", Size: 10, Mode: 0o640, UseMode: true, Meta: []byte(`{"k":1}`)})
+	// Leases of a process that could not be named (alice's Cred names
+	// none): only the grace period keeps them after a restart.
+	r.Create(alice, CreateOptions{Name: "keep", Size: 10, Mode: 0o640, UseMode: true, Meta: []byte(`{"k":1}`), Open: true})
 	open, _, _ := r.Create(alice, CreateOptions{Name: "gone-but-open", Size: 10, Open: true})
 	r.Unlink(alice, "gone-but-open")
 	creator := Process{PID: 4242, Start: 777}
@@ -453,5 +455,129 @@ func TestReplay(t *testing.T) {
 	}
 	if got := nj.take(); !slices.Equal(got, []string{"put a linked=true fd=true", "put b linked=false fd=true", "put c2 linked=true fd=true"}) {
 		t.Fatalf("replayed %q", got)
+	}
+}
+
+// TestLeasesJournaled: every lease is journaled under the process that
+// took it; a restarted registry keeps them for those processes, past the
+// grace period, until the process takes them back (Reclaim) or the server
+// ends them (EndHolds, when the process exits). A TTL segment so held does
+// not expire; its clock starts when the last holder goes.
+func TestLeasesJournaled(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	j := newJournal()
+	r.SetJournal(j)
+	p1, p2 := Process{PID: 100, Start: 1}, Process{PID: 200, Start: 2}
+	a1, a2 := alice, alice
+	a1.Proc, a2.Proc = p1, p2
+	a1.Session, a2.Session = "s1", "s2"
+	a, _, err := r.Create(a1, CreateOptions{Name: "a", Size: 10, Open: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if _, err := r.Acquire(a2, "a", true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b, _, _ := r.Create(a1, CreateOptions{Name: "b", Size: 10, Open: true})
+	r.Unlink(alice, "b")
+	r.Create(alice, CreateOptions{Name: "ttl", Size: 10, TTL: 50 * time.Millisecond})
+	if _, err := r.Acquire(a2, "ttl", true); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.ReleaseBy(a, a2); err != nil {
+		t.Fatal(err)
+	}
+	want := []Holder{{PID: 100, Start: 1, Session: sessionID("s1"), N: 1}, {PID: 200, Start: 2, Session: sessionID("s2"), N: 1}}
+	if rec := j.recs[a.ID()]; !rec.Leases || !slices.Equal(rec.Holders, want) || rec.Anon != 0 {
+		t.Fatalf("a's record: leases %v holders %+v anon %d, want %+v", rec.Leases, rec.Holders, rec.Anon, want)
+	}
+
+	// The grace period ends at once: journaled leases do not wait for it.
+	r2, j2, _ := restart(t, f, j, 0)
+	r2.EndGrace()
+	time.Sleep(60 * time.Millisecond) // past ttl's TTL
+	if got := r2.Expire(time.Now()); len(got) != 0 {
+		t.Fatalf("expired while its holder lives: %v", got)
+	}
+	if inf, err := r2.Stat("a"); err != nil || inf.Opens != 2 || inf.Doubt {
+		t.Fatalf("a after the restart: opens %d doubt %v (%v), want 2 leases held for their processes", inf.Opens, inf.Doubt, err)
+	}
+	if u := r2.Usage(); u.Segments != 3 {
+		t.Fatalf("usage %+v: b, unlinked, is held by p1", u)
+	}
+	got := r2.RestoredHolders()
+	slices.SortFunc(got, func(x, y Process) int { return x.PID - y.PID })
+	if !slices.Equal(got, []Process{p1, p2}) {
+		t.Fatalf("RestoredHolders() = %v, want [%v %v]", got, p1, p2)
+	}
+	// p2 comes back and takes its lease on a: the same lease, not another.
+	back, err := r2.Reclaim(a2, a.ID(), 1, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inf, _ := r2.Stat("a"); inf.Opens != 2 {
+		t.Fatalf("a after p2's reclaim: opens %d, want 2", inf.Opens)
+	}
+	if err := r2.ReleaseBy(back, a2); err != nil {
+		t.Fatal(err)
+	}
+	if rec := j2.recs[a.ID()]; !slices.Equal(rec.Holders, want[:1]) {
+		t.Fatalf("a's record after p2 closed: %+v, want %+v", rec.Holders, want[:1])
+	}
+	// p1's client comes back in the session it had and takes back
+	// nothing; its leases end then, not when p1 exits. Another session of
+	// p1 ends nothing.
+	other := a1
+	other.Session = "another"
+	if n := r2.EndSessionHolds(other); n != 0 {
+		t.Fatalf("EndSessionHolds of another session = %d, want 0", n)
+	}
+	if n := r2.EndSessionHolds(a1); n != 2 {
+		t.Fatalf("EndSessionHolds(p1's session) = %d, want 2 (a and b)", n)
+	}
+	// p2 exits: its lease on ttl ends, and the clock starts then.
+	if n := r2.EndHolds(p2); n != 1 {
+		t.Fatalf("EndHolds(p2) = %d, want 1 (its lease on ttl)", n)
+	}
+	if got := r2.Expire(time.Now()); len(got) != 0 {
+		t.Fatalf("expired at once when its holder went: %v", got)
+	}
+	if got := r2.Expire(time.Now().Add(time.Second)); !slices.Equal(got, []string{"ttl"}) {
+		t.Fatalf("Expire a TTL after its holder went = %v", got)
+	}
+	if _, ok := j2.recs[b.ID()]; ok {
+		t.Fatal("b is still journaled after the leases that kept it ended")
+	}
+	if inf, _ := r2.Stat("a"); inf.Opens != 0 || len(j2.recs[a.ID()].Holders) != 0 {
+		t.Fatalf("a after both holders' leases ended: opens %d, holders %+v", inf.Opens, j2.recs[a.ID()].Holders)
+	}
+}
+
+// TestLeasesJournaledBounded: a record names at most maxHolders
+// processes; the leases of the others are journaled as anonymous, which
+// the grace period waits for.
+func TestLeasesJournaledBounded(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	j := newJournal()
+	r.SetJournal(j)
+	r.Create(alice, CreateOptions{Name: "s", Size: 10, Mode: 0o644, UseMode: true})
+	for i := range maxHolders + 10 {
+		c := bob
+		c.Proc = Process{PID: 1000 + i, Start: 5}
+		if _, err := r.Acquire(c, "s", true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rec := j.recs[r.mustID(t, "s")]
+	if len(rec.Holders) != maxHolders || rec.Anon != 10 {
+		t.Fatalf("record of a segment %d processes hold: %d holders, %d anonymous leases", maxHolders+10, len(rec.Holders), rec.Anon)
+	}
+	r2, _, _ := restart(t, f, j, time.Hour)
+	if inf, _ := r2.Stat("s"); !inf.Doubt || inf.Opens != maxHolders {
+		t.Fatalf("after a restart: doubt %v, opens %d; want in doubt, %d leases held", inf.Doubt, inf.Opens, maxHolders)
 	}
 }

@@ -35,6 +35,11 @@ type Allocator interface {
 // Cred identifies the process asking.
 type Cred struct {
 	UID, GID uint32
+	// Proc is the process, when it can be named, and Session its client
+	// session: the leases it takes are journaled under them (leases.go).
+	// The zero Process is anonymous.
+	Proc    Process
+	Session string
 }
 
 // Process names one process for as long as it lives: its pid and its
@@ -212,6 +217,16 @@ type Segment struct {
 	doubt    bool
 	wasInUse bool
 	orphan   string
+	// Leases by process (leases.go): holders counts the leases taken in
+	// this process by each process that could be named, anon those of
+	// processes that could not; restored are the leases a previous
+	// serving process journaled, kept for their processes until they
+	// exit or reclaim them, and restoredAnon its anonymous ones, which
+	// the grace period waits for. opens counts all but restoredAnon.
+	holders      map[holderKey]int
+	anon         int
+	restored     map[holderKey]int
+	restoredAnon int
 	// A channel's layout (slots > 0); its memory is a ChannelMemory.
 	slots     int
 	slotBytes int64
@@ -269,6 +284,10 @@ type Registry struct {
 	// an open's wait for a commit (commit.go); nil while nobody waits.
 	waiters chan struct{}
 	tiers   tierState
+	// restoredBy indexes the segments holding restored leases by holder
+	// (leases.go); a segment whose holder took them back since stays
+	// listed until the holder's leases end.
+	restoredBy map[holderKey][]*Segment
 	// background frees host memory that nothing needs any more off the
 	// path of the request that let it go (a restore's source: half a
 	// second at 4 GiB).
@@ -495,6 +514,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	}
 	if o.Open {
 		s.opens = 1
+		s.addLease(c, 1)
 	}
 	if o.Pin {
 		s.pins = 1
@@ -560,8 +580,9 @@ func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
 		r.dirtyLocked(s)
 	}
 	s.opens++
+	s.addLease(c, 1)
 	s.lastOpen = time.Now()
-	r.inUseLocked(s)
+	r.noteLocked(s, -1)
 	return nil
 }
 
@@ -585,9 +606,9 @@ func (r *Registry) Acquire(c Cred, name string, readOnly bool) (*Segment, error)
 	return s, nil
 }
 
-// Release ends one lease on s; the memory is freed when s is unlinked and
-// this was its last lease.
-func (r *Registry) Release(s *Segment) error { return r.drop(s, &s.opens, "release", "lease") }
+// Release ends one lease on s that an anonymous process took; the memory
+// is freed when s is unlinked and this was its last lease.
+func (r *Registry) Release(s *Segment) error { return r.ReleaseBy(s, Cred{}) }
 
 // drop ends one reference that *count (s.opens or s.pins) counts, and frees
 // s's memory if that was s's last reference of any kind.

@@ -326,6 +326,9 @@ func TestTierRestoreWaitsForGrace(t *testing.T) {
 	a := f.put(t, "a")
 	b := f.put(t, "b") // a is evicted
 	recs := []Record{j.recs[a.ID()], j.recs[b.ID()]}
+	// b was held by a process the daemon could not name: only the grace
+	// period keeps it.
+	recs[1].Anon = 1
 	g := newTiers(t, 1, 100)
 	var items []Restored
 	for _, rec := range recs {

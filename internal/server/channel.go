@@ -90,7 +90,7 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 	if !seg.IsChannel() {
 		return fmt.Errorf("%q is not a channel: %w", c.s.reg.Info(seg).Name, syscall.EINVAL)
 	}
-	p := c.process()
+	p := c.proc
 	if !p.Known() {
 		// A role is ended by its process's exit, which needs its name.
 		return fmt.Errorf("identify process %d: its start time cannot be read in /proc (a process of a pid namespace the daemon cannot see?)", c.cred.PID)

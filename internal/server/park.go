@@ -29,6 +29,13 @@ type ConnState struct {
 	Leases  map[uint64]int      `json:"leases,omitempty"`
 	Bound   []uint64            `json:"bound,omitempty"`
 	Roles   map[uint64][]string `json:"roles,omitempty"`
+	// PID and Start name the process that made the connection, as it was
+	// accepted; absent from a predecessor that did not say, which names
+	// it again from the socket.
+	PID   int    `json:"pid,omitempty"`
+	Start uint64 `json:"start,omitempty"`
+	// Reclaiming: the client has made only reclaims since its hello.
+	Reclaiming bool `json:"reclaiming,omitempty"`
 	// Pending is a request read and not answered yet: an open waiting
 	// for a commit, its wait shortened by the time already waited.
 	Pending json.RawMessage `json:"pending,omitempty"`
@@ -106,7 +113,7 @@ func (s *Server) Park() ([]ParkedConn, error) {
 			continue
 		}
 		st := ConnState{Hello: c.hello, Session: c.session, Leases: map[uint64]int{}, Roles: map[uint64][]string{},
-			Pending: c.pending}
+			Pending: c.pending, PID: c.proc.PID, Start: c.proc.Start, Reclaiming: c.reclaiming}
 		for id, l := range c.leases {
 			st.Leases[id] = l.n
 		}
@@ -203,9 +210,19 @@ func (s *Server) Adopt(fd int, state json.RawMessage) error {
 		return err
 	}
 	c := &conn{s: s, wc: wc, hello: st.Hello, session: st.Session, leases: make(map[uint64]*lease),
-		roles: make(map[uint64]map[channel.Role]bool), pending: st.Pending, adopted: true}
+		roles: make(map[uint64]map[channel.Role]bool), pending: st.Pending, adopted: true, reclaiming: st.Reclaiming}
+	if st.PID > 0 {
+		c.proc = segment.Process{PID: st.PID, Start: st.Start}
+	} else if cred, err := wc.PeerCred(); err == nil {
+		c.proc = peerProcess(wc, int(cred.PID)) // a predecessor that did not say
+	}
+	c.procKnown = true
+	// Its leases are journaled under its process, and restored for it:
+	// taking them back turns those into this connection's.
+	as := segment.Root
+	as.Proc, as.Session = c.proc, c.session
 	for id, n := range st.Leases {
-		seg, err := s.reg.Reclaim(segment.Root, id, n, true)
+		seg, err := s.reg.Reclaim(as, id, n, true)
 		if err != nil {
 			s.log.Warn("adopted connection: a lease it held is gone", "segment", id, "err", err)
 			continue
@@ -241,8 +258,10 @@ type restoredSeg struct {
 }
 
 // StartGrace begins the grace period after a restart, until until (now or
-// earlier: none): restored leases wait for their holders to reclaim them,
-// and what was not reclaimed when it ends, ends. A restored creator-bound
+// earlier: none). Journaled leases are kept for their processes for as
+// long as each lives, reconnecting or not (watchHolders); leases of
+// processes that could not be named wait for their holders to reclaim
+// them, and what was not reclaimed when the grace period ends, ends. A restored creator-bound
 // segment waits for its creator's session to say hello again for as long
 // as the creator's process lives, and ends as soon as it exits (at once if
 // it exited while the daemon was down); only a segment whose creator
@@ -276,7 +295,11 @@ func (s *Server) StartGrace(until time.Time) {
 			s.unwatch(p)
 		}
 	}
+	unwatched := s.watchHolders()
 	end := func() {
+		for _, p := range unwatched {
+			s.endHolds(p, "the grace period is over and its process cannot be watched")
+		}
 		s.mu.Lock()
 		var left []*segment.Segment
 		for session, segs := range s.restoredBound {
@@ -308,6 +331,35 @@ func (s *Server) StartGrace(until time.Time) {
 		time.AfterFunc(d, end)
 	} else {
 		end()
+	}
+}
+
+// holdKey is the key under which a process's restored leases wait for its
+// exit (onExit).
+type holdKey struct{}
+
+// watchHolders watches every process that holds restored leases, and ends
+// its leases when it exits (at once if it exited while the daemon was
+// down). It returns the processes that cannot be watched: their leases
+// end with the grace period, unless reclaimed.
+func (s *Server) watchHolders() (unwatched []segment.Process) {
+	for _, p := range s.reg.RestoredHolders() {
+		err := s.onExit(p, holdKey{}, func() { s.endHolds(p, "its process exited") })
+		switch {
+		case errors.Is(err, errExited):
+			s.endHolds(p, "its process exited while the daemon was down")
+		case err != nil:
+			s.log.Warn("cannot watch a process holding leases; they end with the grace period unless it comes back", "pid", p.PID, "err", err)
+			unwatched = append(unwatched, p)
+		}
+	}
+	return unwatched
+}
+
+// endHolds ends the restored leases of p.
+func (s *Server) endHolds(p segment.Process, why string) {
+	if n := s.reg.EndHolds(p); n > 0 {
+		s.log.Info("leases ended: "+why, "pid", p.PID, "leases", n)
 	}
 }
 

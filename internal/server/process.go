@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
 )
 
 // Processes outlive connections: after a serving process crashed, a client
@@ -40,15 +41,52 @@ func procStart(pid int) (uint64, error) {
 	return strconv.ParseUint(string(f[19]), 10, 64)
 }
 
-// identify names the process pid is now. A pid of 0 (SO_PEERCRED's for a
-// process of another pid namespace) or an unreadable /proc gives an
-// unknown process.
+// identify names the process pid is now (for a process recorded earlier:
+// is it still the one?). A pid of 0 or an unreadable /proc gives an
+// unknown process. A connection's process is named at accept
+// (peerProcess), never by identify.
 func identify(pid int) segment.Process {
 	if pid <= 0 {
 		return segment.Process{}
 	}
 	start, err := procStart(pid)
 	if err != nil {
+		return segment.Process{PID: pid}
+	}
+	return segment.Process{PID: pid, Start: start}
+}
+
+// peerProcess names the process that made the connection wc, whose
+// SO_PEERCRED pid is pid, as the connection is accepted: never later,
+// since a connection handed to another process (SCM_RIGHTS, a fork) after
+// the first one exited would otherwise be taken for whatever process
+// reuses the pid. The kernel's SO_PEERPIDFD (Linux 6.5+) is a pidfd of the
+// process that connected: the start time read in /proc is that process's
+// if the pidfd shows it alive after the read (it held the pid throughout).
+// Without SO_PEERPIDFD a pidfd_open of pid does the same, for a process
+// that has not exited before the accept. A process already gone, one of a
+// pid namespace the daemon cannot see (pid 0), or an unreadable /proc give
+// an unknown process: what it makes that must outlive the serving process
+// ends with the grace period after a restart, as for any client that
+// cannot be watched. The pidfd is closed before peerProcess returns: the
+// pid and the start time name the process from then on (openProcess), and
+// an idle connection costs no second descriptor.
+func peerProcess(wc *wire.Conn, pid int) segment.Process {
+	if pid <= 0 {
+		return segment.Process{}
+	}
+	fd, err := wc.PeerPidfd()
+	if errors.Is(err, wire.ErrNoPeerPidfd) {
+		fd, err = unix.PidfdOpen(pid, 0)
+	}
+	if err != nil {
+		// Gone already (a reaped peer, on a kernel that gives no pidfd
+		// of one): never look its pid up, which may be another's now.
+		return segment.Process{PID: pid}
+	}
+	defer unix.Close(fd)
+	start, err := procStart(pid)
+	if err != nil || exited(fd) {
 		return segment.Process{PID: pid}
 	}
 	return segment.Process{PID: pid, Start: start}

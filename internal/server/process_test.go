@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"slices"
@@ -11,10 +12,13 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
 	"github.com/gpushm/gpushm/internal/testdaemon"
+	"github.com/gpushm/gpushm/internal/wire"
 )
 
 // startTime reads a process's start time as the kernel reports it (field
@@ -170,4 +174,93 @@ func TestRestoredBoundPidReuse(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestIdentityAtAccept: a connection's process is the one that connected,
+// named when the connection was accepted. A child connects, says hello,
+// hands its connection to this process over SCM_RIGHTS and exits; a
+// temporary segment made over the connection afterwards is journaled with
+// the child as its creator (its pid and start time), not with whatever
+// process holds the pid by then, nor as unknown.
+func TestIdentityAtAccept(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mine, theirs := os.NewFile(uintptr(pair[0]), "pair"), os.NewFile(uintptr(pair[1]), "pair")
+	defer mine.Close()
+	child := exec.Command(os.Args[0], "-test.run=^TestHelperPassConn$")
+	child.Env = append(os.Environ(), "GPUSHM_TEST_PASSCONN="+d.Socket)
+	child.ExtraFiles = []*os.File{theirs}
+	stdin, err := child.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	child.Stderr = os.Stderr
+	if err := child.Start(); err != nil {
+		t.Fatal(err)
+	}
+	theirs.Close()
+	t.Cleanup(func() { child.Process.Kill(); child.Wait() })
+	buf, oob := make([]byte, 1), make([]byte, unix.CmsgSpace(4))
+	_, oobn, _, _, err := unix.Recvmsg(pair[0], buf, oob, unix.MSG_CMSG_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fds := parseRights(t, oob[:oobn])
+	want := segment.Process{PID: child.Process.Pid, Start: startTime(t, child.Process.Pid)}
+	stdin.Close() // the child exits
+	if err := child.Wait(); err != nil {
+		t.Fatalf("child: %v", err)
+	}
+	wc, err := wire.NewConn(fds[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &raw{t, wc}
+	defer wc.Close()
+	if rep := r.call(`{"id":2,"op":"create","name":"inherited","size":4096,"lifetime":"connection"}`, -1); rep.Error != nil {
+		t.Fatalf("create over the inherited connection: %+v", rep.Error)
+	}
+	var got []segment.Process
+	for _, b := range d.Server.Registry().Bound() {
+		got = append(got, b.Creator)
+	}
+	if len(got) != 1 || got[0] != want {
+		t.Fatalf("creator of a segment made over a connection the child made = %+v, want %+v (the child, named at accept)", got, want)
+	}
+}
+
+// TestHelperPassConn is the child of TestIdentityAtAccept: it connects to
+// the daemon, says hello, sends the connection over descriptor 3 and exits
+// once its stdin closes.
+func TestHelperPassConn(t *testing.T) {
+	sock := os.Getenv("GPUSHM_TEST_PASSCONN")
+	if sock == "" {
+		t.Skip("a helper of TestIdentityAtAccept")
+	}
+	c, err := wire.Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	(&raw{t, c}).hello()
+	if err := unix.Sendmsg(3, []byte{0}, unix.UnixRights(c.FD()), nil, 0); err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, os.Stdin)
+}
+
+// parseRights returns the descriptors of an SCM_RIGHTS control message.
+func parseRights(t *testing.T, oob []byte) []int {
+	t.Helper()
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil || len(msgs) != 1 {
+		t.Fatalf("control message: %v (%d)", err, len(msgs))
+	}
+	fds, err := unix.ParseUnixRights(&msgs[0])
+	if err != nil || len(fds) != 1 {
+		t.Fatalf("rights: %v %v", fds, err)
+	}
+	return fds
 }

@@ -444,6 +444,11 @@ func (s *Server) add(c *conn) error {
 		return err
 	}
 	c.cred = cred
+	if !c.procKnown {
+		// Before the first request, and before the connection can be
+		// handed over: every lifetime it makes hangs off this process.
+		c.proc, c.procKnown = peerProcess(c.wc, int(cred.PID)), true
+	}
 	s.mu.Lock()
 	if err := s.admitLocked(c); err != nil {
 		ref := s.refuser
@@ -505,9 +510,15 @@ type conn struct {
 	// trace times the steps of the request being answered, when its
 	// client asked (nil otherwise).
 	trace *segment.Trace
-	// proc is the client's process, read once (process).
-	proc     segment.Process
-	procRead bool
+	// reclaiming: the client said hello with its session and has made
+	// only reclaims since (endReclaim).
+	reclaiming bool
+	// proc is the process that made the connection, named as it was
+	// accepted (peerProcess) or as its predecessor named it (Adopt);
+	// creators, leases, channel roles and uncommitted writers are bound
+	// to it. procKnown says it was named.
+	proc      segment.Process
+	procKnown bool
 	// pending is a request read but not answered when the server parked
 	// (an open waiting for a commit): it is answered before the next one
 	// is read, here after Resume or by the successor.
@@ -520,13 +531,22 @@ type conn struct {
 	adopted bool
 }
 
-// process is the process at the other end of the connection (its pid
-// from SO_PEERCRED), or an unknown one if it cannot be named.
-func (c *conn) process() segment.Process {
-	if !c.procRead {
-		c.proc, c.procRead = identify(int(c.cred.PID)), true
+// leaseCred is c's credential, naming its process and session, under
+// which its leases are journaled.
+func (c *conn) leaseCred() segment.Cred {
+	return segment.Cred{UID: c.cred.UID, GID: c.cred.GID, Proc: c.proc, Session: c.session}
+}
+
+// endReclaim ends the reclaims of a client back after a restart: the
+// leases journaled for its process and session that it did not take back
+// end, since it does not hold them (the crash cut off their open's reply,
+// or their close). A client reclaims right after hello, before any other
+// request (docs/protocol.md, "Restarts").
+func (c *conn) endReclaim() {
+	c.reclaiming = false
+	if n := c.s.reg.EndSessionHolds(c.leaseCred()); n > 0 {
+		c.s.log.Debug("leases the client did not reclaim ended", "pid", c.proc.PID, "leases", n)
 	}
-	return c.proc
 }
 
 // maxTTL bounds ttl_seconds: a year is longer than any idle segment should
@@ -558,13 +578,16 @@ type packet struct {
 
 // end releases what c held and closes it; its owner calls it.
 func (c *conn) end() {
+	if c.reclaiming {
+		c.endReclaim()
+	}
 	n := 0
 	for _, l := range c.leases {
 		// A role whose connection ended without a close ends as if its
 		// process died: the block shows what it finished.
 		c.unclaim(l.seg, "", true)
 		for ; l.n > 0; l.n-- {
-			if err := c.s.reg.Release(l.seg); err != nil {
+			if err := c.s.reg.ReleaseBy(l.seg, c.leaseCred()); err != nil {
 				c.s.log.Error("release on disconnect", "err", err)
 			}
 			n++
@@ -837,7 +860,10 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		// it says readonly or not, and is served as a read-only open.
 		req.ReadOnly = true
 	}
-	cred := segment.Cred{UID: c.cred.UID, GID: c.cred.GID}
+	if c.reclaiming && req.Op != wire.OpReclaim && req.Op != wire.OpHello {
+		c.endReclaim()
+	}
+	cred := c.leaseCred()
 	switch req.Op {
 	case wire.OpHello:
 		if req.Version != wire.Version {
@@ -849,7 +875,9 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		c.hello = true
 		if req.Session != "" && c.session == "" {
 			c.session = req.Session
-			c.bound = append(c.bound, c.s.takeBound(req.Session, c.cred.UID, c.process())...)
+			c.bound = append(c.bound, c.s.takeBound(req.Session, c.cred.UID, c.proc)...)
+			// A client back after a restart reclaims what it holds next.
+			c.reclaiming = true
 		}
 		fd, err := c.s.epochReadOnly()
 		if err != nil {
@@ -902,7 +930,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			}
 			if err != nil {
 				for range n {
-					c.s.reg.Release(seg)
+					c.s.reg.ReleaseBy(seg, c.leaseCred())
 				}
 				return fail(fmt.Errorf("reclaim: %w", err))
 			}
@@ -936,7 +964,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		fd, err := c.handOut(seg, req)
 		if err != nil {
 			// A create that cannot hand out its descriptor leaves nothing.
-			c.s.reg.Release(seg)
+			c.s.reg.ReleaseBy(seg, c.leaseCred())
 			if created {
 				c.s.reg.Discard(seg)
 			}
@@ -971,7 +999,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		c.trace.Mark("lookup")
 		fd, err := c.handOut(seg, req)
 		if err != nil {
-			c.s.reg.Release(seg)
+			c.s.reg.ReleaseBy(seg, c.leaseCred())
 			return fail(fmt.Errorf("open %q: %w", req.Name, err))
 		}
 		c.hold(seg)
@@ -1090,13 +1118,13 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 	case wire.LifetimeConnection:
 		// The creator is journaled, so that after a restart the segment
 		// waits for exactly this process.
-		o.Bound, o.Creator = true, c.process()
+		o.Bound, o.Creator = true, c.proc
 	default:
 		return o, fmt.Errorf("lifetime %q (want \"connection\" or none): %w", req.Lifetime, syscall.EINVAL)
 	}
 	if o.Uncommitted {
 		// It ends with its creator too, and waits for it across a restart.
-		o.Creator = c.process()
+		o.Creator = c.proc
 	}
 	if req.TTL < 0 || req.TTL > maxTTL.Seconds() {
 		return o, fmt.Errorf("ttl_seconds %g (want 0 to %g): %w", req.TTL, maxTTL.Seconds(), syscall.EINVAL)
@@ -1206,7 +1234,7 @@ func (c *conn) release(id uint64) bool {
 	if l.n == 0 {
 		delete(c.leases, id)
 	}
-	if err := c.s.reg.Release(l.seg); err != nil {
+	if err := c.s.reg.ReleaseBy(l.seg, c.leaseCred()); err != nil {
 		c.s.log.Error("release", "segment", id, "err", err)
 	}
 	c.endUncommitted(l.seg)

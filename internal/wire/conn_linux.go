@@ -422,6 +422,26 @@ func (c *Conn) PeerCred() (Cred, error) {
 	return Cred{UID: uc.Uid, GID: uc.Gid, PID: uc.Pid}, nil
 }
 
+// ErrNoPeerPidfd: the kernel has no SO_PEERPIDFD (before Linux 6.5).
+var ErrNoPeerPidfd = errors.New("SO_PEERPIDFD not supported (Linux 6.5 or later has it)")
+
+// PeerPidfd reads SO_PEERPIDFD: a pidfd of the process that connected,
+// the one SO_PEERCRED names, even if that pid names another process now.
+// The caller owns it (close-on-exec, blocking). It fails with
+// ErrNoPeerPidfd where the kernel does not know the option; a peer that
+// was reaped may give an error (older kernels) or a pidfd of an exited
+// process (newer ones).
+func (c *Conn) PeerPidfd() (int, error) {
+	fd, err := unix.GetsockoptInt(c.fd, unix.SOL_SOCKET, unix.SO_PEERPIDFD)
+	if errors.Is(err, unix.ENOPROTOOPT) {
+		return -1, ErrNoPeerPidfd
+	}
+	if err != nil {
+		return -1, os.NewSyscallError("getsockopt SO_PEERPIDFD", err)
+	}
+	return fd, nil
+}
+
 // FD is the connection's socket, for handing it to another process (the
 // receiver gets its own descriptor; this one stays the Conn's).
 func (c *Conn) FD() int { return c.fd }
