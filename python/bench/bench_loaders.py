@@ -592,7 +592,7 @@ def w_safe_open(a):
     rep.update(opens=len(opens), served=sum(opens), tensors=len(sd))
     if torch is not None:
         rep["bytes"] = sum(x.numel() * x.element_size() for x in sd.values())
-        rep["views"] = sum(1 for x in sd.values() if x.is_inference() and x.device.type == "cuda")
+        rep["views"] = sum(1 for x in sd.values() if x.device.type == "cuda" and _shared(x))
         rep["digest"] = digest_pt(torch, sd)
     else:
         rep["bytes"] = sum(x.nbytes for x in sd.values())
@@ -615,7 +615,7 @@ def w_transformers(a):
     rep["load_s"] = time.perf_counter() - t
     params = list(model.parameters())
     rep["params"] = len(params)
-    rep["inference"] = sum(1 for p in params if p.is_inference())
+    rep["inference"] = sum(1 for p in params if _shared(p))
     ids = (torch.arange(16, dtype=torch.long) * 7919 % model.config.vocab_size).reshape(1, 16).to(model.device)
     with torch.no_grad():
         logits = model(ids).logits
@@ -677,6 +677,13 @@ def _library_reads(rep):
 
 
 # ---- main ------------------------------------------------------------------------
+
+def _shared(t):
+    """Whether t is a view of a bundle (gpushm.safetensors.shared), in a
+    worker under the hook; False elsewhere."""
+    mod = sys.modules.get("gpushm.safetensors")
+    return bool(mod is not None and mod.shared(t))
+
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "worker":

@@ -15,16 +15,16 @@ mtime and ctime as put recorded; docs/python.md, "Any loader").
 
 Devices (the rule docs/python.md explains): a request for the bundle's own
 device gets views of the segment, read-only unless readonly=False (numpy
-arrays with writeable=False; torch inference tensors, as
-gpushm.torch.state_dict makes them). A request for another device gets a
+arrays with writeable=False; torch tensors over a read-only mapping, which
+shared() recognizes). A request for another device gets a
 private copy there, as the safetensors library would give, except that
 cpu_tensors="gpu" answers a CPU request on a GPU bundle with GPU views
 (for engines that copy every tensor into a GPU parameter anyway).
 copy=True makes every tensor a private copy. Tensors that models write
 after loading (BatchNorm's running statistics, quantization scales: see
-written_after_load) are always private copies, and a torch.nn.Parameter
-made of a shared view does not require grad (torch refuses it on the
-inference tensors that keep writes out).
+written_after_load) are always private copies. A write to a shared
+read-only view that torch does not refuse ends the process (docs/python.md,
+"Shared weights that a model writes", says which torch refuses).
 
 python -m gpushm.run serves a program's own safetensors calls from here
 (_gpushm_hook installs the wrappers; _hook_open is their entry).
@@ -43,7 +43,7 @@ from ._errors import Error, NotFoundError, error
 from ._tensors import MAX_HEADER, Layout, dtype_of, index_layout, is_bundle, decode_shard_table, shard_table_region
 from ._view import View
 
-__all__ = ["SafetensorError", "safe_open", "load_file", "load", "held"]
+__all__ = ["SafetensorError", "safe_open", "load_file", "load", "held", "shared", "written_after_load"]
 
 _FRAMEWORKS = {"pt": "pt", "torch": "pt", "pytorch": "pt", "np": "numpy", "numpy": "numpy"}
 _CPU_TENSORS = ("copy", "gpu")
@@ -459,12 +459,30 @@ def _numpy(v: View, copy: bool):
 
 
 def _torch_view(v: View):
+    # A plain tensor, not an inference tensor: torch checks an in-place
+    # write to an inference tensor only after the kernel ran (torch 2.11:
+    # the write lands, then it raises), so being one protects nothing,
+    # while nn.Parameter refuses one with requires_grad, which loaders ask
+    # for. A Parameter made of a view keeps requires_grad as its program
+    # asks; with grad mode on, torch refuses an in-place write to it before
+    # any kernel runs ("a leaf Variable that requires grad is being used in
+    # an in-place operation"). docs/python.md lists what nothing catches.
     import torch
 
-    if v.readonly:
-        with torch.inference_mode():
-            return torch.from_dlpack(v.__dlpack__())
+    m = v._mapping()
+    _mapped[m.ptr] = m.size
     return torch.from_dlpack(v.__dlpack__())
+
+
+_mapped = {}  # base address -> size of every bundle mapping a tensor came from
+
+
+def shared(t) -> bool:
+    """Whether torch tensor t lies in the memory of a bundle this process
+    mapped (a view of shared weights) rather than in memory of its own.
+    While the bundle stays mapped, which its views ensure."""
+    p = t.data_ptr()
+    return any(base <= p < base + size for base, size in _mapped.items())
 
 
 def _make(v: View, fw, device, cpu_tensors, copy, name=None):
@@ -474,8 +492,6 @@ def _make(v: View, fw, device, cpu_tensors, copy, name=None):
         return _numpy(v, copy)
     import torch
 
-    if not copy:
-        _adapt_parameters(torch)
     kind, index = device
     here = v.device  # None: host memory
     t = _torch_view(v)
@@ -506,33 +522,6 @@ def written_after_load(name: str) -> bool:
     return name.endswith(_WRITTEN_SUFFIXES)
 
 
-_adapted = False
-
-
-def _adapt_parameters(torch):
-    """Lets torch.nn.Parameter wrap a shared read-only weight. Shared views
-    are inference tensors, so that an in-place write outside
-    torch.inference_mode() raises before any kernel runs; torch refuses
-    requires_grad=True on them, which is what nn.Parameter asks by default
-    and what loaders (transformers, accelerate) pass. A Parameter made of
-    one therefore does not require grad (nothing could train it in place),
-    and the process is told so once. Any other Parameter is made as
-    before."""
-    global _adapted
-    if _adapted:
-        return
-    _adapted = True
-    P = torch.nn.Parameter
-    real = P.__new__
-
-    def __new__(cls, data=None, requires_grad=True):
-        if requires_grad and isinstance(data, torch.Tensor) and data.is_inference():
-            _notice("parameters", "parameters made of shared read-only weights do not require grad "
-                    "(to train them, run with --copy, or GPUSHM_SAFETENSORS=copy)")
-            requires_grad = False
-        return real(cls, data, requires_grad)
-
-    P.__new__ = staticmethod(__new__)
 
 
 # ---- the API ------------------------------------------------------------
