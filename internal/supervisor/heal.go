@@ -213,7 +213,7 @@ func (l *Link) replace(h *healing) error {
 	l.mu.Lock()
 	l.conn = ours
 	l.mu.Unlock()
-	go l.read(ours)
+	l.startReading(ours)
 	next := h.Replay()
 
 	l.mu.Lock()
