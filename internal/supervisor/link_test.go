@@ -363,6 +363,10 @@ func TestSyncWaitsForTheSupervisor(t *testing.T) {
 	unix.Close(repl)
 	applied := make(chan struct{})
 	const slow = 200 * time.Millisecond
+	// The clock starts before the supervisor's pause: a goroutine may run
+	// before the next statement does, and a clock started after its pause
+	// began could see the whole wait last less than slow.
+	start := time.Now()
 	go func() {
 		defer close(applied)
 		time.Sleep(slow) // a supervisor busy elsewhere
@@ -375,7 +379,6 @@ func TestSyncWaitsForTheSupervisor(t *testing.T) {
 			s.apply(c, ctl{m, fd})
 		}
 	}()
-	start := time.Now()
 	done := make(chan struct{})
 	go func() { l.Sync(10 * time.Second); close(done) }()
 	select {
