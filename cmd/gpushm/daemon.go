@@ -107,12 +107,17 @@ socket, and replaces a stale socket file.`,
 			}
 			o.backend, o.devices, o.spin = backendName, devices, spin
 			o.nofile = raiseNOFILE()
+			// Named for ps and pgrep (supervisor/name.go): one started
+			// through /proc/self/exe would be "exe".
 			switch {
 			case supervisor.Attached():
+				supervisor.SetName(supervisor.ServingName)
 				return runServing(cmd.Context(), log.With("role", "server"), o, true)
 			case supervisor.Adopting():
+				supervisor.SetName(supervisor.SupervisorName)
 				return runAdoptive(cmd.Context(), log.With("role", "supervisor"), o)
 			case o.supervise:
+				supervisor.SetName(supervisor.SupervisorName)
 				return runSupervisor(cmd.Context(), log.With("role", "supervisor"), o)
 			}
 			return runServing(cmd.Context(), log, o, false)

@@ -24,6 +24,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/supervisor"
 )
 
 // These tests run the daemon as users do, a supervisor and its serving
@@ -1971,6 +1972,48 @@ func nonMemFDs(t *testing.T, pid int) (int, []string) {
 	}
 	slices.Sort(links)
 	return len(links), links
+}
+
+// TestSurviveSupervisorNames: ps tells the daemon's processes apart
+// (internal/supervisor/name.go), and a supervisor the serving process
+// started in place of a dead one is named as the first, not "exe" after
+// the /proc/self/exe it is exec'd through.
+func TestSurviveSupervisorNames(t *testing.T) {
+	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	d := startSupervised(t, os.Args[0], sock)
+	inf, err := d.info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first supervisor keeps the argv[0] it was started with.
+	checkProcName(t, "supervisor", d.pid, supervisor.SupervisorName, os.Args[0], sock)
+	checkProcName(t, "serving process", inf.PID, supervisor.ServingName, supervisor.ServingName, sock)
+	d.killSupervisor(t)
+	checkProcName(t, "supervisor started by the serving process", d.pid, supervisor.SupervisorName, supervisor.SupervisorName, sock)
+	checkProcName(t, "serving process", inf.PID, supervisor.ServingName, supervisor.ServingName, sock)
+	d.stop(t)
+}
+
+// checkProcName checks a daemon process's comm (what ps -e and pgrep
+// read) and its command line (ps -o args): argv[0], then the daemon's
+// arguments, which still name its socket.
+func checkProcName(t *testing.T, role string, pid int, comm, argv0, socket string) {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.TrimSpace(string(b)); got != comm {
+		t.Errorf("%s %d: comm %q, want %q", role, pid, got, comm)
+	}
+	b, err = os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := strings.Split(strings.TrimSuffix(string(b), "\x00"), "\x00")
+	if args[0] != argv0 || len(args) < 2 || args[1] != "daemon" || !slices.Contains(args, socket) {
+		t.Errorf("%s %d: command line %q, want %q daemon ... %s ...", role, pid, args, argv0, socket)
+	}
 }
 
 // TestSurviveSupervisor: the supervisor SIGKILLed again and again under

@@ -52,9 +52,20 @@ func newFakeManager(t *testing.T, dir string) *fakeManager {
 		t.Fatal(err)
 	}
 	m.sock = fd
-	go m.read()
+	read := make(chan struct{})
+	go func() { defer close(read); m.read() }()
 	t.Cleanup(func() {
+		// The reader ends on the shutdown; the socket is closed only then,
+		// since a reader between two recvmsg calls would read whatever
+		// socket got its number next.
 		unix.Shutdown(fd, unix.SHUT_RDWR)
+		for waiting := true; waiting; {
+			select {
+			case <-read:
+				waiting = false
+			case <-m.ready: // a READY=1 nobody waited for
+			}
+		}
 		unix.Close(fd)
 		m.mu.Lock()
 		defer m.mu.Unlock()

@@ -175,8 +175,10 @@ func (l *Link) replace(h *healing) error {
 	cmd := &exec.Cmd{
 		// This very binary: it speaks this process's control protocol,
 		// whatever is on disk now. An upgrade reads the disk again.
-		Path:       "/proc/self/exe",
-		Args:       os.Args,
+		Path: "/proc/self/exe",
+		// A supervisor's name, not this process's (name.go), and the
+		// daemon's flags.
+		Args:       append([]string{SupervisorName}, os.Args[1:]...),
 		Env:        append(childEnv(), envAdopt+"="+strconv.Itoa(os.Getpid())),
 		Stdout:     os.Stdout,
 		Stderr:     os.Stderr,
@@ -213,7 +215,7 @@ func (l *Link) replace(h *healing) error {
 	l.mu.Lock()
 	l.conn = ours
 	l.mu.Unlock()
-	go l.read(ours)
+	l.startReading(ours)
 	next := h.Replay()
 
 	l.mu.Lock()

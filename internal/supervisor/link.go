@@ -147,6 +147,10 @@ type Link struct {
 	// passed (nil when it passed no lock), and heal, once Heal was called.
 	listener, epoch, lock *os.File
 	heal                  *healing
+	// readers counts the goroutines reading a control socket (read), so
+	// that whoever ends the Link can wait until none of them can still
+	// reach for a descriptor it closes.
+	readers sync.WaitGroup
 }
 
 var _ segment.Journal = (*Link)(nil)
@@ -285,7 +289,7 @@ func (l *Link) Receive() (*Start, error) {
 			if m.GraceUntil > 0 {
 				st.GraceUntil = time.Unix(0, m.GraceUntil)
 			}
-			go l.read(l.conn)
+			l.startReading(l.conn)
 			return st, nil
 		case tStop, tExit:
 			closeFD(fd)
@@ -340,8 +344,15 @@ func (st *Start) close() {
 	}
 }
 
+// startReading runs read(c) in a goroutine counted in l.readers.
+func (l *Link) startReading(c *wire.Conn) {
+	l.readers.Go(func() { l.read(c) })
+}
+
 // read delivers commands from the supervisor at the other end of c until
-// it goes away.
+// it goes away; it closes c then, and only it may: a descriptor closed
+// under a reader that is between two recvmsg calls can be the number of
+// another socket by the next one.
 func (l *Link) read(c *wire.Conn) {
 	for {
 		m, fd, err := recv(c)

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"testing"
@@ -35,8 +36,21 @@ func controlPair(t *testing.T, st *State) (*Supervisor, *child, *Link) {
 	}
 	theirs.SetMaxMessage(maxControl)
 	ours.SetMaxMessage(maxControl)
-	t.Cleanup(func() { theirs.Close(); ours.Close() })
 	l := &Link{conn: theirs, cmds: make(chan string, 4), Lost: func(err error) { t.Errorf("lost the supervisor: %v", err) }}
+	t.Cleanup(func() {
+		// The test's end hangs up under the Link's reader: no loss. The
+		// descriptors are closed only once the reader has ended: the next
+		// test's sockets may get their numbers, and a reader that reached
+		// its next recvmsg late would take that test's messages.
+		l.mu.Lock()
+		l.Lost = func(error) {}
+		l.mu.Unlock()
+		theirs.Shutdown()
+		ours.Shutdown()
+		l.readers.Wait()
+		theirs.Close()
+		ours.Close()
+	})
 	s := New(Config{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}, st)
 	return s, &child{conn: ours, pid: 1}, l
 }
@@ -119,7 +133,6 @@ func TestHandStatePairsControlBlocks(t *testing.T) {
 	}
 	// After "go" the link reads commands until the socket closes, at the
 	// end of the test.
-	l.Lost = func(error) {}
 	start, err := l.Receive()
 	if err != nil {
 		t.Fatal(err)
@@ -182,18 +195,21 @@ func TestApplyPairsControlBlocks(t *testing.T) {
 // the state after, never one in between.
 func TestRenameOverIsOneJournalWrite(t *testing.T) {
 	notify := filepath.Join(t.TempDir(), "notify")
-	ns, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	// Go's network poller, not a bare descriptor: its Close wakes the
+	// reader, and the descriptor's number is not given out again while a
+	// read is in flight. A bare recvmsg loop, its socket closed between two
+	// calls, read the next test's socket (and took its "synced").
+	ns, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: notify, Net: "unixgram"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := unix.Bind(ns, &unix.SockaddrUnix{Name: notify}); err != nil {
-		t.Fatal(err)
-	}
+	systemd := make(chan struct{})
 	go func() {
+		defer close(systemd)
 		// Play systemd: take what is stored, keep nothing.
 		buf, oob := make([]byte, 4096), make([]byte, unix.CmsgSpace(4*4))
 		for {
-			_, oobn, _, _, err := unix.Recvmsg(ns, buf, oob, unix.MSG_CMSG_CLOEXEC)
+			_, oobn, _, _, err := ns.ReadMsgUnix(buf, oob)
 			if err != nil {
 				return
 			}
@@ -207,7 +223,7 @@ func TestRenameOverIsOneJournalWrite(t *testing.T) {
 			}
 		}
 	}()
-	t.Cleanup(func() { unix.Shutdown(ns, unix.SHUT_RDWR); unix.Close(ns) })
+	t.Cleanup(func() { ns.Close(); <-systemd })
 	t.Setenv("NOTIFY_SOCKET", notify)
 
 	st := newState()
@@ -336,13 +352,7 @@ func TestSyncWaitsForTheSupervisor(t *testing.T) {
 	st := newState()
 	s, c, l := controlPair(t, st)
 	l.syncs = true
-	go l.read(l.conn)
-	t.Cleanup(func() {
-		// The test's end closes the socket under the reader: no loss.
-		l.mu.Lock()
-		l.Lost = func(error) {}
-		l.mu.Unlock()
-	})
+	l.startReading(l.conn)
 	old, repl := memfd(t, 4096), memfd(t, 4096)
 	rec := json.RawMessage(`{"id":1,"name":"a","linked":true,"size":4096,"alloc":4096}`)
 	l.mu.Lock()
@@ -353,6 +363,10 @@ func TestSyncWaitsForTheSupervisor(t *testing.T) {
 	unix.Close(repl)
 	applied := make(chan struct{})
 	const slow = 200 * time.Millisecond
+	// The clock starts before the supervisor's pause: a goroutine may run
+	// before the next statement does, and a clock started after its pause
+	// began could see the whole wait last less than slow.
+	start := time.Now()
 	go func() {
 		defer close(applied)
 		time.Sleep(slow) // a supervisor busy elsewhere
@@ -365,12 +379,13 @@ func TestSyncWaitsForTheSupervisor(t *testing.T) {
 			s.apply(c, ctl{m, fd})
 		}
 	}()
-	start := time.Now()
 	done := make(chan struct{})
 	go func() { l.Sync(10 * time.Second); close(done) }()
 	select {
 	case <-done:
 	case <-time.After(10 * time.Second):
+		c.conn.Shutdown()
+		<-applied
 		t.Fatal("Sync did not return once the supervisor applied it")
 	}
 	if d := time.Since(start); d < slow {

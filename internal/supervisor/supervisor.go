@@ -533,6 +533,7 @@ func (s *Supervisor) spawn() (*child, error) {
 	theirs := os.NewFile(uintptr(fds[1]), "control")
 	defer theirs.Close()
 	cmd := exec.Command(s.cfg.Exe, s.cfg.Args...)
+	cmd.Args[0] = ServingName // name.go
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	cmd.ExtraFiles = []*os.File{theirs, s.cfg.Listener, s.cfg.Epoch}
 	cmd.Env = append(childEnv(), envLink+"="+strconv.Itoa(fdControl))
