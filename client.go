@@ -655,7 +655,12 @@ func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD i
 		// Cancellation and deadlines end the connection: a blocked recvmsg
 		// cannot be abandoned any other way, and the reply stream could no
 		// longer be trusted anyway.
-		stop := context.AfterFunc(ctx, func() { c.conn.Shutdown() })
+		// The connection this exchange uses, read under c.mu: the callback
+		// runs without the lock, and a Close may replace c.conn by then
+		// (shutting down the new one would end a connection that no
+		// exchange is using).
+		conn := c.conn
+		stop := context.AfterFunc(ctx, func() { conn.Shutdown() })
 		defer stop()
 	}
 	if req.Wait > 0 && c.timeout > 0 {
