@@ -42,16 +42,7 @@ func TestHostileFairShare(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer root.Close()
-	mode := uint32(0o644)
-	shared, err := root.Create(ctx, "shared", 4096, &gpushm.CreateOptions{Mode: &mode})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := shared.Map()
-	if err != nil {
-		t.Fatal(err)
-	}
-	copy(m.Bytes(), "root's bytes")
+	shared, _ := shareRootBytes(t, root, "shared", 4096)
 	shared.Close()
 	segs := fairshare.Shares{Cap: fairMaxSegments}
 	conns := fairshare.Shares{Cap: fairMaxConnections}

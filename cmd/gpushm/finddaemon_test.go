@@ -167,17 +167,7 @@ func (ns *mountNS) command(bin string, cred *syscall.Credential, env []string, a
 // run runs bin with args in the namespace (see command) and waits for it.
 func (ns *mountNS) run(t *testing.T, bin string, cred *syscall.Credential, env []string, args ...string) result {
 	t.Helper()
-	cmd := ns.command(bin, cred, env, args...)
-	var out, errb bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	err := cmd.Run()
-	code := 0
-	if ee, ok := err.(*exec.ExitError); ok {
-		code = ee.ExitCode()
-	} else if err != nil {
-		t.Fatal(err)
-	}
-	return result{out.String(), errb.String(), code}
+	return runCmd(t, ns.command(bin, cred, env, args...))
 }
 
 // startDaemon runs 'gpushm daemon' as root in the namespace, on its

@@ -346,12 +346,7 @@ func TestSurviveStoppedHolder(t *testing.T) {
 	check("stopped")
 	for i := range kills {
 		time.Sleep(stopped / time.Duration(kills))
-		inf, err := d.info()
-		if err != nil {
-			t.Fatal(err)
-		}
-		syscall.Kill(inf.PID, syscall.SIGKILL)
-		d.waitServing(t, inf.PID)
+		d.crash(t)
 		check(fmt.Sprintf("right after restart %d", i+1))
 		d.waitGraceOver(t)
 		check(fmt.Sprintf("after restart %d and its grace period", i+1))
@@ -420,12 +415,7 @@ func TestSurviveTTLDeadline(t *testing.T) {
 	holder.cmd.Process.Signal(syscall.SIGSTOP)
 	t.Cleanup(func() { holder.cmd.Process.Signal(syscall.SIGCONT) })
 	time.Sleep(ttl / 2)
-	inf, err := d.info()
-	if err != nil {
-		t.Fatal(err)
-	}
-	syscall.Kill(inf.PID, syscall.SIGKILL)
-	d.waitServing(t, inf.PID)
+	d.crash(t)
 	has := func(name string) bool { return slices.Contains(listAtQuiet(sock), name) }
 	if !has("ttl-idle") || !has("ttl-held") {
 		t.Fatalf("right after the restart, %s after the create: %v", time.Since(created), listAtQuiet(sock))

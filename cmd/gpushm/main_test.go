@@ -105,11 +105,18 @@ type result struct {
 func cli(t *testing.T, stdin []byte, args ...string) result {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], args...)
-	var out, errb bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
 	if stdin != nil {
 		cmd.Stdin = bytes.NewReader(stdin)
 	}
+	return runCmd(t, cmd)
+}
+
+// runCmd runs cmd to its end and returns what it wrote and its exit code;
+// a command that cannot run at all fails the test.
+func runCmd(t *testing.T, cmd *exec.Cmd) result {
+	t.Helper()
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
 	err := cmd.Run()
 	code := 0
 	if ee, ok := err.(*exec.ExitError); ok {

@@ -142,6 +142,23 @@ func settle(t *testing.T, what string, serving, sup int, idle, supIdle procStats
 	}
 }
 
+// shareRootBytes has root make name, size bytes that every user may read,
+// beginning with "root's bytes", and returns it mapped.
+func shareRootBytes(t *testing.T, root *gpushm.Client, name string, size int64) (*gpushm.Segment, *gpushm.Mapping) {
+	t.Helper()
+	mode := uint32(0o644)
+	seg, err := root.Create(context.Background(), name, size, &gpushm.CreateOptions{Mode: &mode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := seg.Map()
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(m.Bytes(), "root's bytes")
+	return seg, m
+}
+
 // userClient is a client process running as another user, driven over
 // its stdin and stdout (neighbourMain).
 type userClient struct {
@@ -216,16 +233,7 @@ func TestHostileNeighbour(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer root.Close()
-	mode := uint32(0o644)
-	shared, err := root.Create(ctx, "shared", 1<<20, &gpushm.CreateOptions{Mode: &mode})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := shared.Map()
-	if err != nil {
-		t.Fatal(err)
-	}
-	copy(m.Bytes(), "root's bytes")
+	shared, _ := shareRootBytes(t, root, "shared", 1<<20)
 	shared.Close()
 
 	hostile := startUserClient(t, sock, hostileUID)
@@ -432,16 +440,8 @@ func TestReadOnlyDescriptors(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer root.Close()
+	seg, m := shareRootBytes(t, root, "weights", 1<<16)
 	mode := uint32(0o644)
-	seg, err := root.Create(ctx, "weights", 1<<16, &gpushm.CreateOptions{Mode: &mode})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := seg.Map()
-	if err != nil {
-		t.Fatal(err)
-	}
-	copy(m.Bytes(), "root's bytes")
 	ch, err := root.Channel(ctx, "stream", gpushm.Producer, &gpushm.ChannelOptions{SlotBytes: 4096, Slots: 2, Mode: &mode})
 	if err != nil {
 		t.Fatal(err)

@@ -121,6 +121,18 @@ func (d *supervised) waitServing(t *testing.T, notPID int) *gpushm.Info {
 	}
 }
 
+// crash kills the serving process with SIGKILL and waits until the
+// supervisor's next one answers.
+func (d *supervised) crash(t *testing.T) {
+	t.Helper()
+	inf, err := d.info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	syscall.Kill(inf.PID, syscall.SIGKILL)
+	d.waitServing(t, inf.PID)
+}
+
 // waitGraceOver waits until the serving process's grace period has ended.
 func (d *supervised) waitGraceOver(t *testing.T) {
 	t.Helper()
@@ -1215,12 +1227,7 @@ func TestSurviveIdle(t *testing.T) {
 	}
 	for i := range kills {
 		time.Sleep(idle / time.Duration(kills))
-		inf, err := d.info()
-		if err != nil {
-			t.Fatal(err)
-		}
-		syscall.Kill(inf.PID, syscall.SIGKILL)
-		d.waitServing(t, inf.PID)
+		d.crash(t)
 		// Past the grace period, which used to end the segment.
 		d.waitGraceOver(t)
 		check(fmt.Sprintf("after restart %d and its grace period", i+1))
@@ -1284,12 +1291,7 @@ func TestSurviveCloseAfterCrash(t *testing.T) {
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := startSupervised(t, os.Args[0], sock, "--grace", "10m")
 	cc := startIdle(t, sock, "closed")
-	inf, err := d.info()
-	if err != nil {
-		t.Fatal(err)
-	}
-	syscall.Kill(inf.PID, syscall.SIGKILL)
-	d.waitServing(t, inf.PID)
+	d.crash(t)
 	if got := listAtQuiet(sock); !slices.Equal(got, []string{"closed"}) {
 		t.Fatalf("after the restart: %v", got)
 	}
