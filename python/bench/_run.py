@@ -86,6 +86,33 @@ class Run:
     def worker(self, label, *argv, timeout=600):
         return self.collect(self.spawn(label, *argv), label, timeout)
 
+    def per_size(self, sizes, compare):
+        """Calls compare(label) for each size label in turn and returns what
+        the calls returned, in order; a call that raises is a failed check
+        of its label (its traceback printed) and the next label still runs.
+        After each label, its checkpoint directory (WORK/ckpt-LABEL) and its
+        bundle (PREFIX-LABEL) are removed."""
+        import shutil
+        import traceback
+
+        from _report import check
+
+        out = []
+        for label in sizes:
+            print(f"\n=== {time.strftime('%H:%M:%S')} {label}", flush=True)
+            try:
+                out.append(compare(label))
+            except Exception as e:
+                traceback.print_exc()
+                check(False, label, f"{type(e).__name__}: {e}")
+            finally:
+                shutil.rmtree(self.work / f"ckpt-{label}", ignore_errors=True)
+                try:
+                    self.client.unlink(f"{self.prefix}-{label}")
+                except OSError:
+                    pass
+        return out
+
     def finish(self, used0, used_now, remove_work):
         """Ends the run, also after a failure or SIGTERM: closes the client,
         stops the daemon, checks what is left behind (_report.leftovers),
@@ -106,6 +133,17 @@ class Run:
         for v in verdicts:
             print(v)
         return 1 if any(v.startswith("FAIL") for v in verdicts) else 0
+
+
+def logits_equal(a, b):
+    """Whether two saved logits tensors (torch.save) are equal: True, or
+    why not (a file missing, or the largest difference)."""
+    if not (a.exists() and b.exists()):
+        return f"missing {a.name if not a.exists() else b.name}"
+    import torch
+
+    x, y = torch.load(a), torch.load(b)
+    return True if torch.equal(x, y) else f"False, max |diff| {(x.float() - y.float()).abs().max().item()}"
 
 
 def parser(doc):

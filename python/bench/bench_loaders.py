@@ -76,7 +76,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -87,10 +86,11 @@ sys.path.insert(0, str(HERE.parent))
 
 import gpushm  # noqa: E402,F401
 import gpushm.run as gprun  # noqa: E402
+from gpushm.testing import safetensors_standin  # noqa: E402
 
 import _run  # noqa: E402
 from _report import check, say, table, verdicts  # noqa: E402
-from _run import fmt_s, have  # noqa: E402
+from _run import fmt_s, have, logits_equal  # noqa: E402
 
 GIB = 1 << 30
 
@@ -202,58 +202,10 @@ def make_checkpoint(run, label, framework):
     return d, name, size, files
 
 
-# The smoke's stand-in for the safetensors library (when it is not
-# installed): safe_open over a file read from disk, numpy only, recording
-# what it read.
-STANDIN = '''
-import json, struct
-import numpy as np
-READS = []
-_NP = {"F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "U8": "u1"}
-
-class SafetensorError(Exception):
-    pass
-
-class safe_open:
-    def __init__(self, filename, framework, device="cpu", *, backend="mmap"):
-        if framework not in ("np", "numpy") or device != "cpu":
-            raise SafetensorError(f"stand-in: numpy on the CPU only, not {framework!r} on {device!r}")
-        READS.append(str(filename))
-        with open(filename, "rb") as f:
-            data = f.read()
-        (n,) = struct.unpack_from("<Q", data)
-        self._h = json.loads(data[8:8 + n])
-        self._meta = self._h.pop("__metadata__", None)
-        self._data = data[8 + n:]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def keys(self):
-        return sorted(self._h)
-
-    def metadata(self):
-        return self._meta
-
-    def get_tensor(self, k):
-        e = self._h[k]
-        b, end = e["data_offsets"]
-        return np.frombuffer(self._data[b:end], _NP[e["dtype"]]).reshape(e["shape"]).copy()
-'''
-
-
 def standin(run):
-    d = run.work / "standin"
-    (d / "safetensors").mkdir(parents=True, exist_ok=True)
-    (d / "safetensors" / "__init__.py").write_text(textwrap.dedent(STANDIN))
-    (d / "safetensors" / "numpy.py").write_text(
-        "from safetensors import safe_open\n\n\ndef load_file(filename, *, backend='mmap'):\n"
-        "    with safe_open(filename, framework='np', backend=backend) as f:\n"
-        "        return {k: f.get_tensor(k) for k in f.keys()}\n")
-    return d
+    """The smoke's stand-in for the safetensors library (when it is not
+    installed): gpushm.testing's, which records what it read."""
+    return safetensors_standin(run.work / "standin")
 
 
 # ---- digests ---------------------------------------------------------------------
@@ -468,7 +420,7 @@ def compare_size(run, label, torch_ok, figures):
     fig["tp_bytes"] = tp_reports["gpushm"][0]["bytes"] if tp_reports["gpushm"] else None
 
     if torch_ok and fw == "pt":
-        eq = _logits_equal(logits / "gpushm.pt", logits / "plain.pt")
+        eq = logits_equal(logits / "gpushm.pt", logits / "plain.pt")
         check(eq is True, f"{label}-logits", f"from_pretrained under the hook and plain give equal logits: {eq}")
         if tf_reports["gpushm"]:
             r = tf_reports["gpushm"][0]
@@ -505,15 +457,6 @@ def compare_size(run, label, torch_ok, figures):
     table(f"{label} ({size / GIB:.2f} GiB): a fresh process each after its imports, median (best)",
           ["loop", "plain (page cache)", "under gpushm.run", "ratio"], rows)
     return [[label] + r for r in rows]
-
-
-def _logits_equal(a, b):
-    if not (a.exists() and b.exists()):
-        return f"missing {a.name if not a.exists() else b.name}"
-    import torch
-
-    x, y = torch.load(a), torch.load(b)
-    return True if torch.equal(x, y) else f"False, max |diff| {(x.float() - y.float()).abs().max().item()}"
 
 
 # ---- workers ---------------------------------------------------------------------
@@ -740,7 +683,6 @@ def main():
                                            "transformers_x": TARGETS["transformers"], "tp_gbps": TARGETS["tp"]},
                "sizes": {}}
     run = Run(a)
-    rows = []
     status = 1
     try:
         run.start_daemon()
@@ -748,20 +690,7 @@ def main():
             run.extra_path = [str(standin(run))]
             say("INFO", "library", "the safetensors library is not installed: a stand-in package reads the files "
                 "(the hook wraps it as it would the library)")
-        for label in sizes:
-            print(f"\n=== {time.strftime('%H:%M:%S')} {label}", flush=True)
-            try:
-                rows += compare_size(run, label, torch_ok, figures)
-            except Exception as e:
-                import traceback
-                traceback.print_exc()
-                check(False, label, f"{type(e).__name__}: {e}")
-            finally:
-                shutil.rmtree(run.work / f"ckpt-{label}", ignore_errors=True)
-                try:
-                    run.client.unlink(f"loaders-{label}")
-                except OSError:
-                    pass
+        rows = [r for rs in run.per_size(sizes, lambda label: compare_size(run, label, torch_ok, figures)) for r in rs]
         if rows:
             table(f"safetensors loaders in a fresh process after imports and CUDA context, plain (files in the page "
                   f"cache) against python -m gpushm.run, one process at a time (median of up to {a.reps})",

@@ -76,7 +76,7 @@ INIT_OPS = {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log
 
 import _run  # noqa: E402
 from _report import check, say, table  # noqa: E402
-from _run import fmt_s, have  # noqa: E402
+from _run import fmt_s, have, logits_equal  # noqa: E402
 
 
 class Run(_run.Run):
@@ -162,7 +162,7 @@ def compare_size(run, label, torch_ok):
               f"gpushm.transformers.from_pretrained of {size / GIB:.2f} GiB in a fresh process after imports: "
               f"{fmt_s(m)} median of {len(mine)} (best {fmt_s(min(mine))}; target {fmt_s(target)}); "
               f"transformers' own {fmt_s(t)}")
-    eq = _logits_equal(logits / "gpushm.pt", logits / "transformers.pt")
+    eq = logits_equal(logits / "gpushm.pt", logits / "transformers.pt")
     check(eq is True, f"{label}-logits", f"gpushm's model and transformers' own load give equal logits: {eq}")
     # Where the time goes: each step's median over the calls.
     names = [s for s, _ in steps[0]] if steps and steps[0] else []
@@ -175,15 +175,6 @@ def compare_size(run, label, torch_ok):
 
 def _top(ops, n=6):
     return ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:n]) or "none"
-
-
-def _logits_equal(a, b):
-    if not (a.exists() and b.exists()):
-        return f"missing {a.name if not a.exists() else b.name}"
-    import torch
-
-    x, y = torch.load(a), torch.load(b)
-    return True if torch.equal(x, y) else f"False, max |diff| {(x.float() - y.float()).abs().max().item()}"
 
 
 def gpu_memory(torch_ok):
@@ -344,25 +335,9 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     used0 = gpu_memory(torch_ok) if a.backend == "cuda" else None
     run = Run(a)
-    rows = []
     try:
         run.start_daemon()
-        for label in sizes:
-            print(f"\n=== {time.strftime('%H:%M:%S')} {label}", flush=True)
-            try:
-                row = compare_size(run, label, torch_ok)
-                if row:
-                    rows.append(row)
-            except Exception as e:
-                import traceback
-                traceback.print_exc()
-                check(False, label, f"{type(e).__name__}: {e}")
-            finally:
-                shutil.rmtree(run.work / f"ckpt-{label}", ignore_errors=True)
-                try:
-                    run.client.unlink(f"pretrained-{label}")
-                except OSError:
-                    pass
+        rows = [r for r in run.per_size(sizes, lambda label: compare_size(run, label, torch_ok)) if r]
         if rows:
             table(f"from_pretrained in a fresh process after imports, one process at a time (median of {a.reps}); "
                   f"transformers: {getattr(run, 'how', '-')}, its files in the page cache",

@@ -13,6 +13,10 @@ A Daemon runs `gpushm daemon` (the supervisor, which starts the serving
 process) on a socket in a private temporary directory, and waits until a
 client can connect. The directory is searchable by everyone, so that a
 test may run children as another user.
+
+safetensors_standin writes a stand-in for the safetensors library, for a
+test or a benchmark's smoke run where the library is not installed, or
+where what the library itself read is the point.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import textwrap
 import time
 
 from ._client import connect
@@ -153,3 +158,84 @@ def gpu_memory_used():
         return [int(x) for x in r.stdout.split()] if r.returncode == 0 and r.stdout.strip() else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
+
+
+# The stand-in's files: a package named safetensors, numpy only, that reads
+# a whole file from disk and records the path of every file it opens in
+# safetensors.READS.
+_STANDIN = {
+    "__init__.py": '''
+        import json, struct
+        import numpy as np
+        READS = []
+        _NP = {"F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "U8": "u1"}
+
+        class SafetensorError(Exception):
+            pass
+
+        class safe_open:
+            def __init__(self, filename, framework, device="cpu", *, backend="mmap"):
+                if framework not in ("np", "numpy") or device != "cpu":
+                    raise SafetensorError(f"stand-in: numpy on the CPU only, not {framework!r} on {device!r}")
+                READS.append(str(filename))
+                with open(filename, "rb") as f:
+                    data = f.read()
+                (n,) = struct.unpack_from("<Q", data)
+                self._h = json.loads(data[8:8 + n])
+                self._meta = self._h.pop("__metadata__", None)
+                self._data = data[8 + n:]
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                pass
+
+            def keys(self):
+                return sorted(self._h)
+
+            def metadata(self):
+                return self._meta
+
+            def get_tensor(self, k):
+                e = self._h[k]
+                b, end = e["data_offsets"]
+                return np.frombuffer(self._data[b:end], _NP[e["dtype"]]).reshape(e["shape"]).copy()
+
+            def get_tensors(self):
+                return {k: self.get_tensor(k) for k in self.keys()}
+    ''',
+    "numpy.py": '''
+        from safetensors import safe_open
+
+        def load_file(filename, *, backend="mmap"):
+            with safe_open(filename, framework="np", backend=backend) as f:
+                return f.get_tensors()
+    ''',
+    "torch.py": '''
+        from safetensors import safe_open
+
+        def load_file(filename, device="cpu", *, backend="mmap"):
+            with safe_open(filename, framework="pt", device=device, backend=backend) as f:
+                return f.get_tensors()
+
+        def load(data):
+            raise NotImplementedError("load of bytes")
+    ''',
+}
+
+
+def safetensors_standin(directory):
+    """Writes a stand-in for the safetensors library into directory (made
+    if absent) and returns directory's path, for PYTHONPATH: a package of
+    that name, numpy on the CPU only (another framework or device raises
+    its SafetensorError), with safe_open, safetensors.numpy.load_file and
+    safetensors.torch's load_file and load (wrapped by gpushm.run's hook,
+    but not served by the stand-in), which reads whole files from disk and
+    appends the path of each file it opens to safetensors.READS."""
+    pkg = os.path.join(directory, "safetensors")
+    os.makedirs(pkg, exist_ok=True)
+    for name, src in _STANDIN.items():
+        with open(os.path.join(pkg, name), "w") as f:
+            f.write(textwrap.dedent(src))
+    return directory

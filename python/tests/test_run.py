@@ -1,6 +1,6 @@
 """python -m gpushm.run and the hook it installs, with a stand-in for the
-safetensors library (a small pure-Python package of the same name, written
-here, which records every file it reads): a file gpushm holds is served from
+safetensors library (gpushm.testing's small pure-Python package of the same
+name, which records every file it reads): a file gpushm holds is served from
 the bundle and never read by the library; a file not put, or changed since,
 is read by the library (the second with a notice); a program that never
 imports safetensors never imports gpushm; a sitecustomize already on the
@@ -16,66 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import PYDIR, env_for
+from gpushm.testing import safetensors_standin
 from stfiles import put_dir, put_file, write
-
-FAKE = {
-    "__init__.py": '''
-        import json, struct
-        import numpy as np
-        READS = []
-        _NP = {"F32": "<f4", "I64": "<i8", "U8": "u1"}
-
-        class SafetensorError(Exception):
-            pass
-
-        class safe_open:
-            def __init__(self, filename, framework, device="cpu", *, backend="mmap"):
-                READS.append(str(filename))
-                with open(filename, "rb") as f:
-                    data = f.read()
-                (n,) = struct.unpack_from("<Q", data)
-                self._h = json.loads(data[8:8 + n])
-                self._meta = self._h.pop("__metadata__", None)
-                self._data = data[8 + n:]
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                pass
-
-            def keys(self):
-                return sorted(self._h)
-
-            def metadata(self):
-                return self._meta
-
-            def get_tensor(self, k):
-                e = self._h[k]
-                b, end = e["data_offsets"]
-                return np.frombuffer(self._data[b:end], _NP[e["dtype"]]).reshape(e["shape"]).copy()
-
-            def get_tensors(self):
-                return {k: self.get_tensor(k) for k in self.keys()}
-    ''',
-    "numpy.py": '''
-        from safetensors import safe_open
-
-        def load_file(filename, *, backend="mmap"):
-            with safe_open(filename, framework="np", backend=backend) as f:
-                return f.get_tensors()
-    ''',
-    "torch.py": '''
-        from safetensors import safe_open
-
-        def load_file(filename, device="cpu", *, backend="mmap"):
-            with safe_open(filename, framework="pt", device=device, backend=backend) as f:
-                return f.get_tensors()
-
-        def load(data):
-            raise NotImplementedError("load of bytes")
-    ''',
-}
 
 PROGRAM = '''
     import json, sys
@@ -112,11 +54,7 @@ PROGRAM = '''
 
 @pytest.fixture
 def fake(tmp_path):
-    d = tmp_path / "fake"
-    (d / "safetensors").mkdir(parents=True)
-    for f, src in FAKE.items():
-        (d / "safetensors" / f).write_text(textwrap.dedent(src))
-    return d
+    return safetensors_standin(tmp_path / "fake")
 
 
 def run(daemon, args, pythonpath=(), env=None, check=True):
