@@ -158,3 +158,31 @@ def parser(doc):
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"), help="logs go here")
     ap.add_argument("--work", default=None, help="where checkpoints are written (default: a new directory)")
     return ap
+
+
+def sized_args(ap, known):
+    """Parses the arguments of a program that compares loaders over model
+    sizes (ap also takes --sizes, --reps, --smoke): --smoke stands for
+    --backend host --sizes tiny --reps 1; the sizes must be of known, at
+    least one, --reps at least 1, and --gpushm a program. Makes --out.
+    Returns (arguments, the sizes in order)."""
+    a = ap.parse_args()
+    if a.smoke:
+        a.backend, a.sizes, a.reps = "host", "tiny", 1
+    sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
+    bad = [s for s in sizes if s not in known]
+    if bad or not sizes:
+        ap.error(f"--sizes {a.sizes}: want some of {', '.join(known)}")
+    if a.reps < 1:
+        ap.error(f"--reps {a.reps}: want at least 1")
+    if not (os.path.isfile(a.gpushm) and os.access(a.gpushm, os.X_OK)):
+        ap.error(f"no gpushm binary at {a.gpushm} (go build -o .build/gpushm ./cmd/gpushm; --gpushm or $GPUSHM_BIN)")
+    os.makedirs(a.out, exist_ok=True)
+    return a, sizes
+
+
+def fixed_prompt_logits(torch, model):
+    """model's logits for a fixed prompt of 16 tokens (for logits_equal)."""
+    ids = (torch.arange(16, dtype=torch.long) * 7919 % model.config.vocab_size).reshape(1, 16).to(model.device)
+    with torch.no_grad():
+        return model(ids).logits

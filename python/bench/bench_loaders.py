@@ -90,7 +90,7 @@ from gpushm.testing import safetensors_standin  # noqa: E402
 
 import _run  # noqa: E402
 from _report import check, say, table, verdicts  # noqa: E402
-from _run import fmt_s, have, logits_equal  # noqa: E402
+from _run import fixed_prompt_logits, fmt_s, have, logits_equal  # noqa: E402
 
 GIB = 1 << 30
 
@@ -559,9 +559,7 @@ def w_transformers(a):
     params = list(model.parameters())
     rep["params"] = len(params)
     rep["inference"] = sum(1 for p in params if _shared(p))
-    ids = (torch.arange(16, dtype=torch.long) * 7919 % model.config.vocab_size).reshape(1, 16).to(model.device)
-    with torch.no_grad():
-        logits = model(ids).logits
+    logits = fixed_prompt_logits(torch, model)
     if a.logits and a.index == 0:
         torch.save(logits.cpu(), a.logits)
     return rep
@@ -636,20 +634,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="rounds of fresh workers per size")
     ap.add_argument("--budget", type=float, default=420, help="seconds; later rounds are skipped to stay within it")
     ap.add_argument("--smoke", action="store_true", help="CI: --backend host --sizes tiny --reps 1, numpy workers")
-    a = ap.parse_args()
-    if a.smoke:
-        a.backend, a.sizes, a.reps = "host", "tiny", 1
-    sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
-    bad = [s for s in sizes if s not in SIZES]
-    if bad or not sizes:
-        ap.error(f"--sizes {a.sizes}: want some of {', '.join(SIZES)}")
+    a, sizes = _run.sized_args(ap, SIZES)
     if a.backend == "host" and sizes != ["tiny"]:
         ap.error("--backend host runs numpy workers on the tiny checkpoint only (--sizes tiny, or --smoke)")
-    if a.reps < 1:
-        ap.error(f"--reps {a.reps}: want at least 1")
-    if not (os.path.isfile(a.gpushm) and os.access(a.gpushm, os.X_OK)):
-        ap.error(f"no gpushm binary at {a.gpushm} (go build -o .build/gpushm ./cmd/gpushm; --gpushm or $GPUSHM_BIN)")
-    os.makedirs(a.out, exist_ok=True)
     torch_ok, missing = False, []
     if a.backend == "cuda":
         missing = have("torch", "safetensors", "transformers")

@@ -76,7 +76,7 @@ INIT_OPS = {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "log
 
 import _run  # noqa: E402
 from _report import check, say, table  # noqa: E402
-from _run import fmt_s, have, logits_equal  # noqa: E402
+from _run import fixed_prompt_logits, fmt_s, have, logits_equal  # noqa: E402
 
 
 class Run(_run.Run):
@@ -242,9 +242,7 @@ def w_model(a):
             torch.cuda.synchronize()
         rep["load_s"] = time.perf_counter() - t
         rep["how"] = f"AutoModelForCausalLM.from_pretrained(dir, {', '.join(f'{k}={v}' for k, v in kw.items())})"
-    ids = (torch.arange(16, dtype=torch.long) * 7919 % model.config.vocab_size).reshape(1, 16).to(model.device)
-    with torch.no_grad():
-        logits = model(ids).logits
+    logits = fixed_prompt_logits(torch, model)
     if a.logits and a.index == 0:
         torch.save(logits.cpu(), a.logits)
     if a.count_ops:
@@ -302,18 +300,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="fresh workers each way per size")
     ap.add_argument("--budget", type=float, default=210, help="seconds; later rounds are skipped to stay within it")
     ap.add_argument("--smoke", action="store_true", help="CI: --backend host --sizes tiny --reps 1")
-    a = ap.parse_args()
-    if a.smoke:
-        a.backend, a.sizes, a.reps = "host", "tiny", 1
-    sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
-    bad = [s for s in sizes if s not in SIZES]
-    if bad or not sizes:
-        ap.error(f"--sizes {a.sizes}: want some of {', '.join(SIZES)}")
-    if a.reps < 1:
-        ap.error(f"--reps {a.reps}: want at least 1")
-    if not (os.path.isfile(a.gpushm) and os.access(a.gpushm, os.X_OK)):
-        ap.error(f"no gpushm binary at {a.gpushm} (go build -o .build/gpushm ./cmd/gpushm; --gpushm or $GPUSHM_BIN)")
-    os.makedirs(a.out, exist_ok=True)
+    a, sizes = _run.sized_args(ap, SIZES)
     made = a.work is None
     if made:
         a.work = tempfile.mkdtemp(prefix="gpushm-pretrained-", dir=str(REPO / ".gpu") if (REPO / ".gpu").is_dir() else None)
