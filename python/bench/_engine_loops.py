@@ -225,18 +225,9 @@ def load_into(params, files, tp_rank, tp_size, *, safe_open, framework="pt",
             continue
         dim = shard_dim(name)
         if dim is not None and dim < len(_shape(loaded_weight)):
-            shard_size = _shape(param)[dim]
-            if shard_size * tp_size != _shape(loaded_weight)[dim]:
-                raise ValueError(
-                    f"{name}: parameter {_shape(param)} is not 1/{tp_size} of "
-                    f"{_shape(loaded_weight)} on dim {dim}"
-                )
+            shard_size = _shard_size(name, param, _shape(loaded_weight), dim, tp_size)
             loaded_weight = narrow(loaded_weight, dim, tp_rank * shard_size, shard_size)
-        if _shape(param) != _shape(loaded_weight) and not (
-            _numel(param) == 1 and _numel(loaded_weight) == 1
-        ):
-            raise ValueError(f"{name}: loading {_shape(loaded_weight)} into {_shape(param)}")
-        copy_into(param, loaded_weight)
+        _copy_checked(copy_into, name, param, loaded_weight)
         loaded.add(name)
     return loaded
 
@@ -246,6 +237,28 @@ def _numel(t):
     for s in t.shape:
         n *= s
     return n
+
+
+def _shard_size(name, param, full_shape, dim, tp_size):
+    """param's length on dim, checked to be 1/tp_size of the full tensor's
+    (full_shape)."""
+    shard_size = _shape(param)[dim]
+    if shard_size * tp_size != full_shape[dim]:
+        raise ValueError(
+            f"{name}: parameter {_shape(param)} is not 1/{tp_size} of "
+            f"{full_shape} on dim {dim}"
+        )
+    return shard_size
+
+
+def _copy_checked(copy_into, name, param, part):
+    """copy_into(param, part), once part has param's shape (or both hold
+    one element)."""
+    if _shape(param) != _shape(part) and not (
+        _numel(param) == 1 and _numel(part) == 1
+    ):
+        raise ValueError(f"{name}: loading {_shape(part)} into {_shape(param)}")
+    copy_into(param, part)
 
 
 def sglang_load_into(params, files, tp_rank, tp_size, *, safe_open, framework="pt",
@@ -285,19 +298,10 @@ def load_into_get_slice(params, files, tp_rank, tp_size, *, safe_open, framework
                 if dim is None or dim >= len(full_shape):
                     part = sl[:] if full_shape else f.get_tensor(name)
                 else:
-                    shard_size = _shape(param)[dim]
-                    if shard_size * tp_size != full_shape[dim]:
-                        raise ValueError(
-                            f"{name}: parameter {_shape(param)} is not 1/{tp_size} of "
-                            f"{full_shape} on dim {dim}"
-                        )
+                    shard_size = _shard_size(name, param, full_shape, dim, tp_size)
                     start = tp_rank * shard_size
                     index = (slice(None),) * dim + (slice(start, start + shard_size),)
                     part = sl[index]
-                if _shape(param) != _shape(part) and not (
-                    _numel(param) == 1 and _numel(part) == 1
-                ):
-                    raise ValueError(f"{name}: loading {_shape(part)} into {_shape(param)}")
-                copy_into(param, part)
+                _copy_checked(copy_into, name, param, part)
                 loaded.add(name)
     return loaded
