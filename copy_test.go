@@ -47,11 +47,7 @@ func TestLoadStoreFiles(t *testing.T) {
 		t.Run(backend, func(t *testing.T) {
 			ctx := context.Background()
 			d := testdaemon.Start(t, backend)
-			c, err := gpushm.Dial(ctx, d.Socket)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
+			c := dial(t, d.Socket)
 			dir := t.TempDir()
 			direct := directWorks(t, dir)
 			t.Logf("O_DIRECT in %s: %v", dir, direct)

@@ -9,7 +9,6 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/testdaemon"
 )
 
@@ -21,11 +20,7 @@ func TestFillDump(t *testing.T) {
 		t.Run(backend, func(t *testing.T) {
 			ctx := context.Background()
 			d := testdaemon.Start(t, backend)
-			c, err := gpushm.Dial(ctx, d.Socket)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
+			c := dial(t, d.Socket)
 			dir := t.TempDir()
 			const size = 20<<20 + 4321
 			data := pattern(7, size)

@@ -17,6 +17,19 @@ import (
 	"github.com/gpushm/gpushm/internal/testdaemon"
 )
 
+// startClient starts a daemon on backend for the test and returns a
+// client of it, closed when the test ends.
+func startClient(t *testing.T, backend string) *gpushm.Client {
+	t.Helper()
+	d := testdaemon.Start(t, backend)
+	c, err := gpushm.Dial(context.Background(), d.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
 func pattern(seed uint64, n int64) []byte {
 	b := make([]byte, n)
 	rand.NewChaCha8([32]byte{byte(seed), byte(seed >> 8)}).Read(b)
@@ -54,12 +67,7 @@ func TestCheckpoint(t *testing.T) {
 	for _, backend := range testdaemon.Backends() {
 		t.Run(backend, func(t *testing.T) {
 			ctx := context.Background()
-			d := testdaemon.Start(t, backend)
-			c, err := gpushm.Dial(ctx, d.Socket)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
+			c := startClient(t, backend)
 			dir := t.TempDir()
 			writeSafetensors(t, filepath.Join(dir, "model-00001-of-00002.safetensors"), 1, []string{"a", "b"}, []int{3 << 20, 77})
 			writeSafetensors(t, filepath.Join(dir, "model-00002-of-00002.safetensors"), 2, []string{"c"}, []int{1<<20 + 5})

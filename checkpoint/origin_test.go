@@ -4,10 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"hash/crc32"
 	"os"
 	"path/filepath"
-	"syscall"
 	"testing"
 
 	"github.com/gpushm/gpushm"
@@ -30,18 +28,8 @@ type record struct {
 // (following links) and the CRC-32C of the file's bytes.
 func wantRecord(t *testing.T, path string) record {
 	t.Helper()
-	fi, err := os.Stat(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	st := fi.Sys().(*syscall.Stat_t)
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	crc := crc32.Checksum(b, crc32.MakeTable(crc32.Castagnoli))
-	return record{Size: fi.Size(), MtimeNS: st.Mtim.Nano(), CtimeNS: st.Ctim.Nano(), Dev: uint64(st.Dev), Ino: st.Ino,
-		CRC32C: hex8(crc)}
+	f := testdaemon.StatFile(t, path)
+	return record{Size: f.Size, MtimeNS: f.MtimeNS, CtimeNS: f.CtimeNS, Dev: f.Dev, Ino: f.Ino, CRC32C: hex8(f.CRC32C)}
 }
 
 func hex8(v uint32) string { return fmt.Sprintf("%08x", v) }
@@ -54,12 +42,7 @@ func TestPutRecordsOrigin(t *testing.T) {
 	for _, backend := range testdaemon.Backends() {
 		t.Run(backend, func(t *testing.T) {
 			ctx := context.Background()
-			d := testdaemon.Start(t, backend)
-			c, err := gpushm.Dial(ctx, d.Socket)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
+			c := startClient(t, backend)
 			root := t.TempDir()
 			snap := filepath.Join(root, "snapshots", "0123")
 			blobs := filepath.Join(root, "blobs")

@@ -3,15 +3,14 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"hash/crc32"
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 
 	"github.com/gpushm/gpushm"
 	layout "github.com/gpushm/gpushm/internal/checkpoint"
+	"github.com/gpushm/gpushm/internal/testdaemon"
 )
 
 // stated is what stat says of name (list leaves meta out).
@@ -40,17 +39,9 @@ func bundleOrigin(t *testing.T, meta json.RawMessage) *layout.Origin {
 // links) and the file's bytes say.
 func identityOf(t *testing.T, path string) layout.Identity {
 	t.Helper()
-	fi, err := os.Stat(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	st := fi.Sys().(*syscall.Stat_t)
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return layout.Identity{Name: filepath.Base(path), Size: fi.Size(), MtimeNS: st.Mtim.Nano(), CtimeNS: st.Ctim.Nano(), Dev: uint64(st.Dev), Ino: st.Ino}.
-		Sealed(crc32.Checksum(b, crc32.MakeTable(crc32.Castagnoli)))
+	f := testdaemon.StatFile(t, path)
+	return layout.Identity{Name: filepath.Base(path), Size: f.Size, MtimeNS: f.MtimeNS, CtimeNS: f.CtimeNS, Dev: f.Dev, Ino: f.Ino}.
+		Sealed(f.CRC32C)
 }
 
 // TestPutRecordsOrigin puts a safetensors file reached through a linked

@@ -2,30 +2,21 @@ package checkpoint
 
 import (
 	"encoding/json"
-	"hash/crc32"
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gpushm/gpushm/internal/testdaemon"
 )
 
 // checkIdentity compares a record with what os.Stat (following links)
 // says of path now, and with the CRC-32C of its bytes.
 func checkIdentity(t *testing.T, path string, id Identity) {
 	t.Helper()
-	fi, err := os.Stat(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	st := fi.Sys().(*syscall.Stat_t)
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := Identity{Name: id.Name, Size: fi.Size(), MtimeNS: st.Mtim.Nano(), CtimeNS: st.Ctim.Nano(), Dev: uint64(st.Dev), Ino: st.Ino,
-		CRC32C: Identity{}.Sealed(crc32.Checksum(b, crc32.MakeTable(crc32.Castagnoli))).CRC32C}
+	f := testdaemon.StatFile(t, path)
+	want := Identity{Name: id.Name, Size: f.Size, MtimeNS: f.MtimeNS, CtimeNS: f.CtimeNS, Dev: f.Dev, Ino: f.Ino}.Sealed(f.CRC32C)
 	if id != want {
 		t.Errorf("%s: recorded %+v, want %+v", path, id, want)
 	}

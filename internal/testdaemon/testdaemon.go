@@ -1,5 +1,6 @@
 // Package testdaemon runs a real daemon on a socket in a test's temporary
-// directory, for tests in any package.
+// directory, for tests in any package, and says what the daemon's put
+// should record of a file (StatFile).
 package testdaemon
 
 import (
