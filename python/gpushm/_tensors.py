@@ -301,6 +301,18 @@ def encode_bundle(entries, metadata=None):
     return struct.pack("<Q", len(js)) + js, {k: start + b for k, b in begins.items()}, start + off
 
 
+def json_header(raw: bytes, what: str) -> dict:
+    """A safetensors header's JSON (raw, without its 8-byte length) as a
+    dict; what names it in the ValueError that says why it is not one."""
+    try:
+        header = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"gpushm: {what} is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"gpushm: {what} is not a JSON object")
+    return header
+
+
 def decode_bundle(prefix: bytes, size: int):
     """Parses the safetensors prefix (8-byte length + header) of a segment of
     size bytes. Returns (__metadata__ or None, [(name, Layout)]) in header
@@ -308,12 +320,7 @@ def decode_bundle(prefix: bytes, size: int):
     (n,) = struct.unpack_from("<Q", prefix)
     if n > MAX_HEADER or 8 + n > size or len(prefix) < 8 + n:
         raise ValueError(f"gpushm: bundle header of {n} bytes does not fit the segment's {size} bytes")
-    try:
-        header = json.loads(prefix[8:8 + n].decode())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"gpushm: bundle header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise ValueError("gpushm: bundle header is not a JSON object")
+    header = json_header(prefix[8:8 + n], "bundle header")
     start, data = 8 + n, size - 8 - n
     metadata, out = header.pop("__metadata__", None), []
     for name, ent in header.items():

@@ -40,7 +40,8 @@ import time
 
 from ._client import connect, default_socket
 from ._errors import Error, NotFoundError, error
-from ._tensors import MAX_HEADER, Layout, dtype_of, index_layout, is_bundle, decode_shard_table, shard_table_region
+from ._tensors import (MAX_HEADER, Layout, decode_shard_table, dtype_of, index_layout, is_bundle, json_header,
+                       shard_table_region)
 from ._view import View
 
 __all__ = ["SafetensorError", "safe_open", "load_file", "load", "held", "shared", "written_after_load"]
@@ -279,14 +280,7 @@ def _shard_header(seg, shard):
     (hn,) = struct.unpack_from("<Q", raw)
     if hn > MAX_HEADER or 8 + hn > n:
         raise ValueError(f"gpushm: shard {shard['name']!r}: a header of {hn} bytes does not fit its {n}")
-    import json
-
-    try:
-        header = json.loads(raw[8:8 + hn].decode())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"gpushm: shard {shard['name']!r}: header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"gpushm: shard {shard['name']!r}: header is not a JSON object")
+    header = json_header(raw[8:8 + hn], f"shard {shard['name']!r}: header")
     metadata = header.pop("__metadata__", None)
     return list(header), metadata
 
