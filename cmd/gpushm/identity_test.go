@@ -125,7 +125,12 @@ func pidnsMain(dir string) error {
 		return fmt.Errorf("A: %w", err)
 	}
 
-	// B gets A's pid.
+	// B gets A's pid, in a later clock tick than A started in. A process
+	// is named by its pid and its start time, which /proc gives in clock
+	// ticks (10 ms): only a pid namespace whose owner sets ns_last_pid, as
+	// this test does, can hand a pid on within one tick; outside one,
+	// cycling through the pids takes far longer.
+	time.Sleep(30 * time.Millisecond)
 	var b *exec.Cmd
 	for try := 0; ; try++ {
 		if err := setLastPID(pid - 1); err != nil {
