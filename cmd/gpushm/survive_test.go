@@ -690,15 +690,41 @@ func (cl *chaos) chmod() error {
 	return nil
 }
 
+// errNotFUSE: the file was made outside the FUSE view.
+var errNotFUSE = errors.New("not on the FUSE view")
+
+// writeFUSE is os.WriteFile for a file that must be on a FUSE mount.
+func writeFUSE(path string, b []byte) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return err
+	}
+	var sfs unix.Statfs_t
+	if err := unix.Fstatfs(int(f.Fd()), &sfs); err != nil || sfs.Type != unix.FUSE_SUPER_MAGIC {
+		f.Close()
+		os.Remove(path) // if the view is back, a file of that name is not there: ENOENT
+		return fmt.Errorf("%s: %w (%v)", path, errNotFUSE, err)
+	}
+	_, err = f.Write(b)
+	if err1 := f.Close(); err1 != nil && err == nil {
+		err = err1
+	}
+	return err
+}
+
 // fuseWrite writes a file through the FUSE view. A write the crash cut
 // short fails (the mount went with the serving process); such a file was
-// never acknowledged, and is removed.
+// never acknowledged, and is removed. So is one made while no view was
+// mounted: between a serving process's death and its successor's mount
+// the mount point is a bare directory (the stale mount is detached first),
+// and a file created there is not the daemon's, however well the write
+// went.
 func (cl *chaos) fuseWrite() error {
 	name := cl.newName()
 	size := int64(1 + cl.rng.IntN(128<<10))
 	seed := cl.rng.Uint64()
 	path := filepath.Join(cl.mount, name)
-	err := os.WriteFile(path, chaosBytes(seed, size), 0o600)
+	err := writeFUSE(path, chaosBytes(seed, size))
 	if err == nil {
 		cl.segs[name] = &acked{seed: seed, size: size, mode: 0o600}
 		return nil

@@ -50,11 +50,10 @@ func TakeHandover() (*Handover, error) {
 		}
 		unix.CloseOnExec(fd)
 	}
-	conn, err := wire.NewConn(fdControl)
+	conn, err := controlConn(fdControl)
 	if err != nil {
 		return nil, fmt.Errorf("control socket: %w", err)
 	}
-	conn.SetMaxMessage(maxControl)
 	h := &Handover{
 		Listener: os.NewFile(fdListener, "listener"),
 		Epoch:    os.NewFile(fdEpoch, "epoch"),

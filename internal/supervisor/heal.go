@@ -153,13 +153,12 @@ func (l *Link) replace(h *healing) error {
 	if err != nil {
 		return fmt.Errorf("control socket: %w", err)
 	}
-	ours, err := wire.NewConn(fds[0])
+	ours, err := controlConn(fds[0])
 	if err != nil {
 		unix.Close(fds[0])
 		unix.Close(fds[1])
 		return err
 	}
-	ours.SetMaxMessage(maxControl)
 	theirs := os.NewFile(uintptr(fds[1]), "control")
 	defer theirs.Close()
 	timeout := unix.NsecToTimeval(handshakeTimeout.Nanoseconds())

@@ -120,6 +120,23 @@ func recv(c *wire.Conn) (msg, int, error) {
 	return m, fd, nil
 }
 
+// controlConn takes ownership of fd, one end of a control socket. Either
+// end reads everything its peer sent, even after the peer died: a serving
+// process SIGKILLed while an answer of the supervisor's ("synced") was
+// still unread in its queue makes the kernel report a reset to the
+// supervisor ahead of the journal messages the serving process had sent
+// (and acknowledged to its clients), and those must be applied before a
+// successor gets the state (wire.Conn.SetDrain).
+func controlConn(fd int) (*wire.Conn, error) {
+	c, err := wire.NewConn(fd)
+	if err != nil {
+		return nil, err
+	}
+	c.SetMaxMessage(maxControl)
+	c.SetDrain(true)
+	return c, nil
+}
+
 // Link is the serving process's end of the control socket. Its Put and
 // Delete make the registry durable (it implements segment.Journal): a
 // record reaches the supervisor's socket buffer before the operation that
@@ -168,11 +185,10 @@ func Attach() (*Link, *net.UnixListener, int, error) {
 	for _, fd := range []int{fdControl, fdListener, fdEpoch} {
 		unix.CloseOnExec(fd)
 	}
-	conn, err := wire.NewConn(fdControl)
+	conn, err := controlConn(fdControl)
 	if err != nil {
 		return nil, nil, -1, fmt.Errorf("control socket: %w", err)
 	}
-	conn.SetMaxMessage(maxControl)
 	// The listener's descriptor stays open beside the net.Listener's
 	// duplicate, and the epoch page's beside the server's, for a supervisor
 	// this process may have to start (heal.go).

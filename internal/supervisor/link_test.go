@@ -15,7 +15,6 @@ import (
 
 	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/segment"
-	"github.com/gpushm/gpushm/internal/wire"
 )
 
 // controlPair is a supervisor and a serving process's Link joined by a
@@ -26,16 +25,14 @@ func controlPair(t *testing.T, st *State) (*Supervisor, *child, *Link) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	theirs, err := wire.NewConn(fds[0])
+	theirs, err := controlConn(fds[0])
 	if err != nil {
 		t.Fatal(err)
 	}
-	ours, err := wire.NewConn(fds[1])
+	ours, err := controlConn(fds[1])
 	if err != nil {
 		t.Fatal(err)
 	}
-	theirs.SetMaxMessage(maxControl)
-	ours.SetMaxMessage(maxControl)
 	l := &Link{conn: theirs, cmds: make(chan string, 4), Lost: func(err error) { t.Errorf("lost the supervisor: %v", err) }}
 	t.Cleanup(func() {
 		// The test's end hangs up under the Link's reader: no loss. The
@@ -402,5 +399,45 @@ func TestSyncWaitsForTheSupervisor(t *testing.T) {
 	l.Sync(10 * time.Second)
 	if time.Since(start) > time.Second {
 		t.Fatal("Sync waited for a supervisor that does not sync")
+	}
+}
+
+// TestJournalOfAKilledServingProcess: what a serving process journaled
+// before it died is all applied, even when it died with an answer of the
+// supervisor's unread (a "synced"), which makes the kernel report a reset
+// ahead of the journal messages still queued.
+func TestJournalOfAKilledServingProcess(t *testing.T) {
+	st := newState()
+	s, c, l := controlPair(t, st)
+	c.msgs = make(chan ctl, 64)
+	mem := memfd(t, 4096)
+	defer unix.Close(mem)
+	l.mu.Lock()
+	l.journalLocked(msg{T: tPut, ID: 1, Rec: json.RawMessage(`{"id":1,"name":"a","linked":true,"size":4096,"alloc":4096}`)}, mem)
+	l.journalLocked(msg{T: tPut, ID: 2, Rec: json.RawMessage(`{"id":2,"name":"b","linked":true}`)}, -1)
+	l.journalLocked(msg{T: tSync, ID: 1}, -1)
+	l.journalLocked(msg{T: tDel, ID: 2}, -1)
+	l.journalLocked(msg{T: tPut, ID: 3, Rec: json.RawMessage(`{"id":3,"name":"c","linked":true}`)}, -1)
+	l.mu.Unlock()
+	// The supervisor applies up to the sync and answers it; the serving
+	// process is killed before it reads the answer.
+	for range 3 {
+		m, fd, err := recv(c.conn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.apply(c, ctl{m, fd})
+	}
+	l.conn.Close()
+	go s.readChild(c)
+	s.drain(c)
+	var names []string
+	for _, id := range st.ids() {
+		var r struct{ Name string }
+		json.Unmarshal(st.entries[id].rec, &r)
+		names = append(names, r.Name)
+	}
+	if fmt.Sprint(names) != "[a c]" || st.FDs() != 1 {
+		t.Fatalf("the supervisor holds %v (%d descriptors), want [a c] (1)", names, st.FDs())
 	}
 }

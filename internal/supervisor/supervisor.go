@@ -523,13 +523,12 @@ func (s *Supervisor) spawn() (*child, error) {
 	if err != nil {
 		return nil, fmt.Errorf("control socket: %w", err)
 	}
-	ours, err := wire.NewConn(fds[0])
+	ours, err := controlConn(fds[0])
 	if err != nil {
 		unix.Close(fds[0])
 		unix.Close(fds[1])
 		return nil, err
 	}
-	ours.SetMaxMessage(maxControl)
 	theirs := os.NewFile(uintptr(fds[1]), "control")
 	defer theirs.Close()
 	cmd := exec.Command(s.cfg.Exe, s.cfg.Args...)

@@ -32,6 +32,7 @@ type Conn struct {
 	oob       []byte
 	spin      time.Duration
 	timeout   time.Duration
+	drain     bool // SetDrain
 	// pfds are what Recv polls: the socket, then the wake descriptors.
 	pfds  [1 + maxWake]unix.PollFd
 	nwake int
@@ -77,6 +78,16 @@ func (c *Conn) SetMaxMessage(n int) {
 	b := make([]byte, n+1)
 	c.buf, c.ownBuf = &b, true
 }
+
+// SetDrain makes Recv deliver every message the peer sent before it
+// closed. A peer that closes while messages to it are still unread in its
+// own queue makes the kernel report ECONNRESET once, ahead of the messages
+// it had sent, which stay queued here; Recv otherwise ends the connection
+// there as at EOF, and those messages are never read. With drain set it
+// reads on, and reports EOF once they are all read. It is for a
+// connection whose every message counts whether or not its sender lived
+// to see an answer: a journal, such as the supervisor's control socket.
+func (c *Conn) SetDrain(on bool) { c.drain = on }
 
 // SetSpin makes Recv poll without blocking for up to d before it sleeps in
 // the kernel. A reply that arrives within d is then seen without a wake-up
@@ -244,7 +255,8 @@ func (c *Conn) send(b []byte, fd int, flags int) error {
 // descriptor, is consumed whole (its descriptors closed) and reported as an
 // error wrapping ErrProto, with as much of the packet as was read (so that
 // a server can still find its id); the connection stays usable. io.EOF
-// means the peer hung up (or Shutdown). With a timeout set (SetTimeout), a
+// means the peer hung up (or Shutdown; see SetDrain for a peer that hung
+// up on messages it had not read). With a timeout set (SetTimeout), a
 // wait that outlasts it is an error wrapping os.ErrDeadlineExceeded.
 func (c *Conn) Recv() (b []byte, fd int, err error) {
 	if c.buf == nil {
@@ -259,6 +271,7 @@ func (c *Conn) Recv() (b []byte, fd int, err error) {
 	} else {
 		block = 0
 	}
+	reset := false
 	for {
 		if block == 0 && c.nwake > 0 {
 			woken, perr := c.waitReadable()
@@ -280,6 +293,13 @@ func (c *Conn) Recv() (b []byte, fd int, err error) {
 				}
 				continue
 			}
+		}
+		if err == unix.ECONNRESET && c.drain && !reset {
+			// The peer closed with our messages unread: the kernel says so
+			// once (the error is cleared as it is reported), and what the
+			// peer sent before it closed is still queued, then EOF.
+			reset = true
+			continue
 		}
 		if err != unix.EINTR {
 			break

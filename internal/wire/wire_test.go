@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"io"
 	"io/fs"
 	"math/bits"
 	"os"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -298,6 +300,64 @@ func TestConnRejectsOversizedAndExtraFDs(t *testing.T) {
 	a.Send([]byte("ok"), -1)
 	if msg, _, err := b.Recv(); err != nil || string(msg) != "ok" {
 		t.Fatalf("Recv after bad packets = %q, %v", msg, err)
+	}
+}
+
+// TestConnDrain: a peer that closes while a message to it is unread makes
+// the kernel report a reset ahead of what it had sent. Recv ends the
+// connection there, unless SetDrain: then every message the peer sent is
+// read, and EOF comes after them, with a spin, a wake descriptor or
+// neither.
+func TestConnDrain(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		drain bool
+		setup func(t *testing.T, c *Conn)
+	}{
+		{"default", false, func(*testing.T, *Conn) {}},
+		{"drain", true, func(*testing.T, *Conn) {}},
+		{"drain with spin", true, func(_ *testing.T, c *Conn) { c.SetSpin(time.Millisecond) }},
+		{"drain with wake", true, func(t *testing.T, c *Conn) {
+			efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { unix.Close(efd) })
+			c.SetWake(efd)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, b := socketPair(t)
+			b.SetDrain(tc.drain)
+			tc.setup(t, b)
+			for i := range 3 {
+				if err := a.Send([]byte(strconv.Itoa(i)), -1); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := b.Send([]byte("never read"), -1); err != nil {
+				t.Fatal(err)
+			}
+			a.Close()
+			var got []string
+			for {
+				msg, _, err := b.Recv()
+				if errors.Is(err, io.EOF) {
+					break
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				got = append(got, string(msg))
+			}
+			want := []string{"0", "1", "2"}
+			if !tc.drain {
+				want = nil
+			}
+			if !slices.Equal(got, want) {
+				t.Fatalf("read %q before EOF, want %q", got, want)
+			}
+		})
 	}
 }
 
