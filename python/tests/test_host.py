@@ -540,7 +540,11 @@ def test_bundle_is_a_safetensors_file_for_the_cli(client, daemon, name, tmp_path
     subprocess.run([os.environ["GPUSHM_BIN"], "get", name, str(path)], env=env, check=True)
     _check_safetensors(path.read_bytes())
     subprocess.run([os.environ["GPUSHM_BIN"], "put", name + "2", str(path)], env=env, check=True)
-    assert client.stat(name + "2").meta == client.stat(name).meta
+    # put also records where the file came from (its origin), for gpushm.run.
+    meta = dict(client.stat(name + "2").meta)
+    origin = meta.pop("origin")
+    assert meta == client.stat(name).meta
+    assert origin["dir"] == os.path.realpath(tmp_path) and origin["files"][0]["name"] == "m.safetensors"
     for k, v in client.tensors(name + "2").items():
         np.testing.assert_array_equal(np.asarray(v), BUNDLE[k])
     try:
