@@ -612,6 +612,25 @@ func sendOne(t *testing.T, sock, name string) {
 	if err := tx.Close(); err != nil {
 		t.Fatal(err)
 	}
+	c.Close()
+	// The daemon hears of the close a moment after it returned. Tests
+	// crash the daemon next: a lease the crash cut off would be kept for
+	// this process, which lives on (leases are bound to processes, not to
+	// connections), and would keep the channel open until it exits.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		info, err := statAt(sock, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Opens == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("channel %q still has %d opens after its client closed", name, info.Opens)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // recvOne checks that channel name still holds "hello", then the end of
