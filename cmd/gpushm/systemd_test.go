@@ -304,7 +304,7 @@ func TestSurviveSystemd(t *testing.T) {
 	m.waitGone(t, "seg-4")
 	// A channel keeps its control block in the store too (ctl-ID): one
 	// message sent, the producer gone.
-	sendOne(t, sock, "ch")
+	sendOne(t, m, sock, "ch")
 	m.waitFor(t, "ctl-5")
 	if got := m.names(); !slices.Contains(got, "listener") || !slices.Contains(got, "epoch") || !slices.Contains(got, "seg-1") || slices.Contains(got, "seg-4") {
 		t.Fatalf("store after creates and a rm: %v", got)
@@ -326,7 +326,11 @@ func TestSurviveSystemd(t *testing.T) {
 	mustRun(t, nil, "--socket", sock, "create", "s4", "4K")
 	// The supervisor copies a change to the store a moment after the
 	// serving process acknowledged it (docs/architecture.md): wait for it.
-	m.waitFor(t, "seg-6")
+	s4, err := statAt(sock, "s4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.waitFor(t, fmt.Sprintf("seg-%d", s4.ID))
 	crash(t, svc, sock)
 	var pipe [2]int
 	if err := unix.Pipe2(pipe[:], unix.O_CLOEXEC); err != nil {
@@ -582,7 +586,7 @@ func TestSystemdUnit(t *testing.T) {
 
 // sendOne makes channel name, sends one message ("hello") and closes the
 // producer: the stream is that one message.
-func sendOne(t *testing.T, sock, name string) {
+func sendOne(t *testing.T, m *fakeManager, sock, name string) {
 	t.Helper()
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, sock)
@@ -624,13 +628,31 @@ func sendOne(t *testing.T, sock, name string) {
 			t.Fatal(err)
 		}
 		if info.Opens == 0 {
-			return
+			break
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("channel %q still has %d opens after its client closed", name, info.Opens)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+	// The serving process journaled the lease's end when the close came,
+	// but a supervisor killed before it read that record loses it.
+	m.settle(t, sock)
+}
+
+// settle returns once the supervisor has applied every change the serving
+// process journaled before it: it applies them in order, so a probe
+// segment's descriptor in the store means the earlier records are in too.
+func (m *fakeManager) settle(t *testing.T, sock string) {
+	t.Helper()
+	mustRun(t, nil, "--socket", sock, "create", "settle-probe", "4K")
+	inf, err := statAt(sock, "settle-probe")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.waitFor(t, fmt.Sprintf("seg-%d", inf.ID))
+	mustRun(t, nil, "--socket", sock, "rm", "settle-probe")
+	m.waitGone(t, fmt.Sprintf("seg-%d", inf.ID))
 }
 
 // recvOne checks that channel name still holds "hello", then the end of
@@ -795,7 +817,7 @@ func TestSurviveOrphanKeepsItsDescriptors(t *testing.T) {
 	sock := filepath.Join(dir, "gpushm.sock")
 	m := newFakeManager(t, dir)
 	svc := m.start(sock, "--grace", "1s")
-	sendOne(t, sock, "ch")
+	sendOne(t, m, sock, "ch")
 	m.waitFor(t, "ctl-1")
 	crash(t, svc, sock)
 	var pipe [2]int
