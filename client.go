@@ -621,6 +621,12 @@ func (c *Client) reclaimLocked(ctx context.Context) error {
 	}
 	c.cmu.Unlock()
 	for _, sh := range open {
+		sh.mu.Lock()
+		released := sh.released
+		sh.mu.Unlock()
+		if released {
+			continue // no lease to take back: Reacquire takes a new one
+		}
 		c.nextID++
 		_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpReclaim, Segment: sh.info.ID, Count: 1, ReadOnly: sh.readOnly}, -1)
 		closeFD(fd)
@@ -932,6 +938,14 @@ type CreateOptions struct {
 	// Pin keeps the segment on its device: the daemon never evicts it to
 	// host memory to make room (Client.Pin changes it later).
 	Pin bool
+	// NextVersion makes the next version of an existing name (implies
+	// Uncommitted): fill it, then Commit makes it the name's current
+	// version in one step, replacing the one readers have, who move to
+	// it with Segment.Refresh. Until the commit the name keeps meaning
+	// the current version; a writer that goes without committing leaves
+	// it so. It needs the right to remove the current version (its owner,
+	// or root). See docs/protocol.md, "Versions".
+	NextVersion bool
 	// Trace, when set, asks the daemon to time the create's steps, and
 	// receives them.
 	Trace *Trace
@@ -940,7 +954,7 @@ type CreateOptions struct {
 func (o *CreateOptions) request(name string, size int64, open bool) *wire.Request {
 	r := &wire.Request{Op: wire.OpCreate, Name: name, Size: size, Device: o.Device,
 		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: open, TTL: o.TTL.Seconds(),
-		Uncommitted: o.Uncommitted, Pin: o.Pin, Trace: o.Trace != nil}
+		Uncommitted: o.Uncommitted || o.NextVersion, NextVersion: o.NextVersion, Pin: o.Pin, Trace: o.Trace != nil}
 	if o.Temporary {
 		r.Lifetime = wire.LifetimeConnection
 	}
@@ -953,7 +967,7 @@ func (c *Client) Create(ctx context.Context, name string, size int64, o *CreateO
 		o = &CreateOptions{}
 	}
 	key := cacheKey{name: name}
-	if o.Uncommitted {
+	if o.Uncommitted || o.NextVersion {
 		// Not openable by name until committed: Commit caches it then.
 		key.uncommitted = true
 	}
@@ -1091,12 +1105,18 @@ type shared struct {
 	devices  []int
 	refs     int // guarded by c.cmu
 
+	// remap serializes Release's, Reacquire's and Refresh's changes
+	// (remap.go), which may reconnect while running: never under mu.
+	remap   sync.Mutex
 	mu      sync.Mutex
 	fd      int // the leased descriptor, -1 once mapped or closed
 	mapping *Mapping
 	// noLease: after a reconnection the daemon no longer knew the
 	// segment, so there is no lease to end.
 	noLease bool
+	// released: the mapping's memory was given back with the lease
+	// (remap.go); only its address range is kept.
+	released bool
 }
 
 // unmap undoes the mapping and closes the descriptor; the lease is the
@@ -1229,7 +1249,7 @@ func (s *Segment) Close() error {
 		return nil
 	}
 	sh.mu.Lock()
-	noLease := sh.noLease
+	noLease := sh.noLease || sh.released
 	sh.mu.Unlock()
 	err := sh.unmap()
 	if noLease {

@@ -54,6 +54,8 @@ func childMain(mode string) error {
 	switch mode {
 	case "ops":
 		return opsChild(ctx, c)
+	case "next-version":
+		return nextVersionChild(ctx, c)
 	case "wait-read":
 		return waitReadChild(ctx, c)
 	case "uncommitted":

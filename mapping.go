@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -17,7 +19,11 @@ import (
 type Mapping struct {
 	size     int64 // the segment's size, as asked at creation
 	alloc    int64 // the mapped length
+	reserved int64 // the address range's length: alloc at the first map
 	readOnly bool
+	// released: the memory was given back (Segment.Release), the address
+	// range is kept, and reading or writing it faults.
+	released bool
 
 	host []byte // memfd segments
 
@@ -26,9 +32,10 @@ type Mapping struct {
 	handle cuda.Handle
 }
 
-// Bytes is a host segment's memory (nil for a cuda segment).
+// Bytes is a host segment's memory (nil for a cuda segment, and while
+// released: a slice taken before faults then, as a device pointer does).
 func (m *Mapping) Bytes() []byte {
-	if m.host == nil {
+	if m.host == nil || m.released {
 		return nil
 	}
 	return m.host[:m.size]
@@ -55,8 +62,17 @@ func (m *Mapping) Size() int64 { return m.size }
 // ReadOnly reports whether the mapping refuses writes.
 func (m *Mapping) ReadOnly() bool { return m.readOnly }
 
+// Released reports whether the mapping's memory was given back
+// (Segment.Release): its addresses are kept, and touching them faults.
+func (m *Mapping) Released() bool { return m.released }
+
+var errReleased = errors.New("gpushm: the mapping's memory was released (Segment.Reacquire maps it again)")
+
 // ReadAt copies from the segment into p (a device-to-host copy on cuda).
 func (m *Mapping) ReadAt(p []byte, off int64) (int, error) {
+	if m.released {
+		return 0, errReleased
+	}
 	if off < 0 || off > m.size {
 		return 0, fmt.Errorf("gpushm: read at %d: %w", off, errOffset)
 	}
@@ -79,6 +95,9 @@ func (m *Mapping) WriteAt(p []byte, off int64) (int, error) {
 	if m.readOnly {
 		return 0, errors.New("gpushm: write to a read-only mapping")
 	}
+	if m.released {
+		return 0, errReleased
+	}
 	if off < 0 || off+int64(len(p)) > m.size {
 		return 0, fmt.Errorf("gpushm: write of %d bytes at %d: %w", len(p), off, errOffset)
 	}
@@ -95,7 +114,7 @@ func (m *Mapping) WriteAt(p []byte, off int64) (int, error) {
 var errOffset = errors.New("outside the segment")
 
 func mapSegment(fd int, info *SegmentInfo, readOnly bool, devices []int) (*Mapping, error) {
-	m := &Mapping{size: info.Size, alloc: info.AllocSize, readOnly: readOnly}
+	m := &Mapping{size: info.Size, alloc: info.AllocSize, reserved: info.AllocSize, readOnly: readOnly}
 	switch info.HandleType {
 	case wire.HandleMemfd:
 		prot := unix.PROT_READ
@@ -182,19 +201,102 @@ func accessList(home *cuda.Device, devices []int) ([]*cuda.Device, error) {
 
 func (m *Mapping) unmap() error {
 	if m.host != nil {
-		err := unix.Munmap(m.host)
+		err := unix.Munmap(m.host[:m.reserved])
 		m.host = nil
 		return err
 	}
 	if m.dev != nil {
-		err := m.dev.UnmapAt(m.ptr, m.alloc)
-		if err == nil {
-			unreserve(m.dev, m.ptr, m.alloc)
+		var err error
+		if !m.released {
+			err = m.dev.UnmapAt(m.ptr, m.alloc)
+			err = errors.Join(err, m.dev.Release(m.handle))
 		}
-		err = errors.Join(err, m.dev.Release(m.handle))
+		if err == nil {
+			unreserve(m.dev, m.ptr, m.reserved)
+		}
 		m.dev, m.ptr = nil, 0
 		return err
 	}
+	return nil
+}
+
+// releaseMemory unmaps the memory and keeps the address range: a host
+// range becomes inaccessible anonymous memory (MAP_FIXED over it, so that
+// nothing else is mapped there), a cuda range stays reserved. Work the
+// GPU still has queued on it is waited for first: cuMemUnmap does not.
+func (m *Mapping) releaseMemory() error {
+	if m.released {
+		return nil
+	}
+	if m.host != nil {
+		_, err := unix.MmapPtr(-1, 0, unsafe.Pointer(unsafe.SliceData(m.host)), uintptr(m.reserved),
+			unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_FIXED|unix.MAP_NORESERVE)
+		if err != nil {
+			return fmt.Errorf("mmap over the released range: %w", err)
+		}
+		m.released = true
+		return nil
+	}
+	if err := m.dev.Synchronize(); err != nil {
+		return err
+	}
+	if err := m.dev.UnmapAt(m.ptr, m.alloc); err != nil {
+		return err
+	}
+	err := m.dev.Release(m.handle)
+	m.handle, m.released = 0, true
+	return err
+}
+
+// remap maps the memory fd refers to (info describes it) at the range this
+// mapping keeps, after releaseMemory: the same addresses as before, for
+// the same segment or another version of its name that fits the range.
+func (m *Mapping) remap(fd int, info *SegmentInfo, devices []int) error {
+	if !m.released {
+		return errors.New("remap of memory still mapped")
+	}
+	if info.AllocSize > m.reserved {
+		return fmt.Errorf("it needs %d bytes of addresses, and this mapping keeps %d: %w", info.AllocSize, m.reserved, syscall.EFBIG)
+	}
+	if m.host != nil {
+		if info.HandleType != wire.HandleMemfd {
+			return fmt.Errorf("handle type %q in place of host memory: %w", info.HandleType, syscall.EINVAL)
+		}
+		prot := unix.PROT_READ
+		if !m.readOnly {
+			prot |= unix.PROT_WRITE
+		}
+		_, err := unix.MmapPtr(fd, 0, unsafe.Pointer(unsafe.SliceData(m.host)), uintptr(info.AllocSize),
+			prot, unix.MAP_SHARED|unix.MAP_FIXED)
+		if err != nil {
+			return fmt.Errorf("mmap at the kept range: %w", err)
+		}
+	} else {
+		if info.HandleType != wire.HandleCUDA {
+			return fmt.Errorf("handle type %q in place of GPU memory: %w", info.HandleType, syscall.EINVAL)
+		}
+		dev, err := homeDevice(info)
+		if err != nil {
+			return err
+		}
+		if dev.Ordinal() != m.dev.Ordinal() {
+			return fmt.Errorf("it lives on GPU %d, this mapping's range on GPU %d: %w", dev.Ordinal(), m.dev.Ordinal(), syscall.EXDEV)
+		}
+		access, err := accessList(dev, devices)
+		if err != nil {
+			return err
+		}
+		h, err := dev.ImportFD(fd)
+		if err != nil {
+			return err
+		}
+		if err := dev.MapAt(m.ptr, h, info.AllocSize, m.readOnly, access...); err != nil {
+			dev.Release(h)
+			return err
+		}
+		m.handle = h
+	}
+	m.size, m.alloc, m.released = info.Size, info.AllocSize, false
 	return nil
 }
 

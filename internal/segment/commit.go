@@ -58,7 +58,16 @@ func (r *Registry) Commit(s *Segment, origin string, meta json.RawMessage) error
 		return fmt.Errorf("%w: not valid JSON", ErrBadMeta)
 	}
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer func() {
+		// A version made current replaced one, which goes once nobody
+		// holds it: freed here, outside the lock.
+		old := r.replaced
+		r.replaced = nil
+		r.mu.Unlock()
+		if old != nil {
+			old.s.free(old.mem)
+		}
+	}()
 	switch {
 	case s.gone:
 		return fmt.Errorf("%w: segment %d was removed", ErrNotFound, s.id)
@@ -68,6 +77,8 @@ func (r *Registry) Commit(s *Segment, origin string, meta json.RawMessage) error
 		return fmt.Errorf("%w: %q is committed already (or was not created uncommitted)", ErrBadOption, s.name)
 	case s.orphan != "":
 		return fmt.Errorf("%w: %q: %s", ErrOrphan, s.name, s.orphan)
+	case s.next:
+		return r.makeCurrentLocked(s, origin, meta)
 	case !s.linked && r.byName[s.name] != nil:
 		return fmt.Errorf("%w: %q names another segment now (this one was removed before it was committed)", ErrExist, s.name)
 	case !s.linked:

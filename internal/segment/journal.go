@@ -53,6 +53,10 @@ type Record struct {
 	// retried commit has the first one's outcome.
 	Uncommitted  bool   `json:"uncommitted,omitempty"`
 	CommitOrigin string `json:"commit_origin,omitempty"`
+	// Version counts the segments the name has named (absent: 1); Next
+	// marks a next version its writer had not made current (version.go).
+	Version uint64 `json:"version,omitempty"`
+	Next    bool   `json:"next,omitempty"`
 	// Tier is "host" for a segment evicted to host memory: its descriptor
 	// is then a memfd, whatever the backend (tier.go). Pin keeps it on its
 	// device; Published says its memory came from a client. LastOpen
@@ -171,6 +175,7 @@ func (s *Segment) recordLocked() Record {
 		TTL: int64(s.ttl), Bound: s.bound, Session: s.session, Origin: s.origin, Orphan: s.orphan,
 		Slots: s.slots, SlotBytes: s.slotBytes,
 		Uncommitted: s.uncommitted, CommitOrigin: s.commitOrigin,
+		Version: s.version, Next: s.next,
 		Pin: s.resident, Published: s.published, LastOpen: s.lastOpen.UnixNano(),
 	}
 	if s.tier == OnHost {
@@ -346,6 +351,7 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			slots: rec.Slots, slotBytes: rec.SlotBytes,
 			doubt: !rec.Leases || rec.Anon > 0, wasInUse: rec.InUse && rec.TTL > 0 && (!rec.Leases || rec.Anon > 0),
 			uncommitted: rec.Uncommitted, commitOrigin: rec.CommitOrigin,
+			version: max(rec.Version, 1), next: rec.Next && rec.Uncommitted && !rec.Linked,
 			resident: rec.Pin, published: rec.Published, lastOpen: time.Unix(0, rec.LastOpen),
 		}
 		if rec.OnHost() {
@@ -359,7 +365,7 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			s.size = memSize(s.mem)
 		}
 		if problem != "" {
-			s.orphan, s.bound, s.ttl, s.uncommitted = problem, false, 0, false
+			s.orphan, s.bound, s.ttl, s.uncommitted, s.next = problem, false, 0, false, false
 			if !known {
 				// Newly orphaned: named for what it is, findable by ls. An
 				// orphan already removed (unlinked) stays unnamed.

@@ -121,6 +121,11 @@ type CreateOptions struct {
 	// open until Commit (commit.go); it ends with its creator as a Bound
 	// segment does. It needs Open, and no ExistOK, Pin, Memory or Slots.
 	Uncommitted bool
+	// NextVersion makes the next version of the name (version.go): an
+	// uncommitted segment that takes no name until Commit makes it the
+	// name's current version, in place of the one there. It needs
+	// Uncommitted, and the right to remove the current version.
+	NextVersion bool
 	// Resident keeps the segment on its device: it is never evicted to
 	// host memory (tier.go).
 	Resident bool
@@ -166,6 +171,13 @@ type Info struct {
 	Stride    int64
 	// Uncommitted: its creator is still filling it (commit.go).
 	Uncommitted bool
+	// Version counts the segments the name has named, this one included
+	// (version.go); Next marks a next version not yet made current.
+	// Versions, filled by Stat only, are the name's earlier versions
+	// that are still held.
+	Version  uint64
+	Next     bool
+	Versions []VersionInfo
 	// Tier is where its bytes live; LastOpen when it was last opened (or
 	// created, or loaded); Resident that it is pinned to its device.
 	Tier     Tier
@@ -234,6 +246,11 @@ type Segment struct {
 	// commitOrigin names the request that did.
 	uncommitted  bool
 	commitOrigin string
+	// Versions (version.go): version counts the segments the name has
+	// named (0 in records of older daemons: 1); next marks a next version
+	// not yet made current, which holds no name.
+	version uint64
+	next    bool
 	// Tiers (tier.go): where the bytes live, when it was last opened,
 	// whether it is pinned to its device, whether its memory came from a
 	// client; moving is closed when a move between tiers ends, nil while
@@ -283,6 +300,9 @@ type Registry struct {
 	// waiters is closed, and set to nil, at the next change that may end
 	// an open's wait for a commit (commit.go); nil while nobody waits.
 	waiters chan struct{}
+	// replaced is the version a commit just replaced, with its memory if
+	// nothing holds it; Commit frees it once it lets go of mu.
+	replaced *replacedVersion
 	tiers   tierState
 	// restoredBy indexes the segments holding restored leases by holder
 	// (leases.go); a segment whose holder took them back since stays
@@ -354,6 +374,9 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	if o.Uncommitted && (!o.Open || o.ExistOK || o.Pin || o.Memory != nil || o.Slots != 0 || o.AllowEmpty) {
 		return nil, false, fmt.Errorf("%w: an uncommitted segment is created open, and not with exist_ok, as a channel or from published memory", ErrBadOption)
 	}
+	if o.NextVersion && !o.Uncommitted {
+		return nil, false, fmt.Errorf("%w: a next version is created uncommitted: its writer fills it, then commits it to make it current", ErrBadOption)
+	}
 	if o.Size < 0 || o.Size == 0 && !o.AllowEmpty {
 		return nil, false, fmt.Errorf("%w: %d (must be positive)", ErrBadSize, o.Size)
 	}
@@ -380,6 +403,20 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	if err != nil && !errors.Is(err, ErrNotFound) {
 		r.mu.Unlock()
 		return nil, false, err
+	}
+	if o.NextVersion {
+		if again := r.nextByOriginLocked(o.Origin); again != nil {
+			defer r.mu.Unlock()
+			if err := r.acquireLocked(c, again, o.ReadOnly); err != nil {
+				return nil, false, err
+			}
+			return again, true, nil
+		}
+		if err := mayReplace(c, existing); err != nil {
+			r.mu.Unlock()
+			return nil, false, err
+		}
+		existing = nil // stays current until the commit
 	}
 	if existing != nil {
 		defer r.mu.Unlock()
@@ -446,7 +483,9 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		gid:       c.GID,
 		mode:      mode,
 		meta:      append(json.RawMessage(nil), o.Meta...),
-		linked:    true,
+		linked:    !o.NextVersion,
+		next:      o.NextVersion,
+		version:   1,
 		creating:  true,
 		ready:     make(chan struct{}),
 		ttl:       o.TTL,
@@ -463,7 +502,9 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 
 		uncommitted: o.Uncommitted,
 	}
-	r.byName[o.Name] = s
+	if s.linked {
+		r.byName[o.Name] = s
+	}
 	err = nil // find's ErrNotFound
 	if need > 0 {
 		// Counted from here on (deviceUseLocked): room is made for it now,
@@ -503,7 +544,9 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	}
 	if err != nil {
 		free(mem)
-		delete(r.byName, o.Name)
+		if s.linked {
+			delete(r.byName, o.Name)
+		}
 		s.linked = false
 		s.gone = true
 		return nil, false, fmt.Errorf("allocate %d bytes on device %d: %w", o.Size, o.Device, err)
@@ -730,7 +773,9 @@ func (r *Registry) Stat(name string) (Info, error) {
 	if err != nil {
 		return Info{}, err
 	}
-	return r.infoLocked(s), nil
+	inf := r.infoLocked(s)
+	inf.Versions = r.versionsLocked(s)
+	return inf, nil
 }
 
 // Info describes s, named or not.
@@ -765,6 +810,8 @@ func (r *Registry) infoLocked(s *Segment) Info {
 		SlotBytes:  s.slotBytes,
 
 		Uncommitted: s.uncommitted,
+		Version:     max(s.version, 1),
+		Next:        s.next,
 		Tier:        s.tier,
 		LastOpen:    s.lastOpen,
 		Resident:    s.resident,

@@ -783,7 +783,7 @@ func opLabel(op string) string {
 	switch op {
 	case wire.OpHello, wire.OpInfo, wire.OpCreate, wire.OpOpen, wire.OpClose, wire.OpUnlink, wire.OpStat, wire.OpList,
 		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish, wire.OpReclaim, wire.OpCommit, wire.OpFill, wire.OpDump,
-		wire.OpEvict, wire.OpLoad, wire.OpPin:
+		wire.OpEvict, wire.OpLoad, wire.OpPin, wire.OpWaitVersion:
 		return op
 	}
 	return "unknown"
@@ -1054,6 +1054,16 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		return &wire.Reply{Segment: c.segmentInfo(seg)}, -1
 	case wire.OpCommit:
 		return c.commit(req)
+	case wire.OpWaitVersion:
+		c.s.setAside(c.w) // a wait must not hold one of the workers
+		inf, err := c.waitVersion(req)
+		if errors.Is(err, errParked) {
+			return nil, -1
+		}
+		if err != nil {
+			return fail(fmt.Errorf("wait_version: %w", err))
+		}
+		return &wire.Reply{Segment: c.s.toWire(inf)}, -1
 	case wire.OpRename:
 		if err := c.s.reg.Rename(cred, req.Name, req.To, 0); err != nil {
 			return fail(fmt.Errorf("rename: %w", err))
@@ -1094,6 +1104,7 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 		Session:  c.session,
 		Slots:    req.Slots, SlotBytes: req.SlotBytes,
 		Uncommitted: req.Uncommitted,
+		NextVersion: req.NextVersion,
 	}
 	if len(req.Meta) > wire.MaxMeta {
 		return o, fmt.Errorf("meta of %d bytes, limit %d: %w", len(req.Meta), wire.MaxMeta, syscall.EINVAL)
@@ -1249,6 +1260,10 @@ func (s *Server) toWire(inf segment.Info) *wire.Segment {
 		Created: inf.Created.UnixNano(), Meta: inf.Meta, Orphan: inf.Orphan,
 		Uncommitted: inf.Uncommitted,
 		Tier:        inf.Tier.String(), LastOpen: inf.LastOpen.UnixNano(), Pinned: inf.Resident,
+		Version: inf.Version,
+	}
+	for _, v := range inf.Versions {
+		w.Versions = append(w.Versions, wire.HeldVersion{ID: v.ID, Version: v.Version, Opens: v.Opens, PIDs: v.PIDs})
 	}
 	if inf.HandleType == wire.HandleCUDA {
 		w.UUID = s.uuids[inf.Device]

@@ -56,6 +56,10 @@ const (
 	OpEvict = "evict"
 	OpLoad  = "load"
 	OpPin   = "pin"
+	// OpWaitVersion answers when the name names another segment than the
+	// one given (Segment): the reader's version was replaced by a newer
+	// one (docs/protocol.md, "Versions"). Wait bounds how long it waits.
+	OpWaitVersion = "wait_version"
 )
 
 // CarriesFD says whether a request of op comes with a descriptor.
@@ -114,6 +118,10 @@ type Request struct {
 	// Pin (create, pin) keeps the segment on its device: it is never
 	// evicted to host memory.
 	Pin bool `json:"pin,omitempty"`
+	// NextVersion (create, with uncommitted and open) makes the next
+	// version of the name: it takes the name only when its writer commits
+	// it, replacing the current version in one step.
+	NextVersion bool `json:"next_version,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -314,6 +322,21 @@ type Segment struct {
 	Tier     string `json:"tier,omitempty"`
 	LastOpen int64  `json:"last_open,omitempty"`
 	Pinned   bool   `json:"pinned,omitempty"`
+	// Version counts the segments the name has named, this one included
+	// (absent from older daemons: 1). Versions (stat only) are the
+	// name's earlier versions that are still held, oldest first.
+	Version  uint64        `json:"version,omitempty"`
+	Versions []HeldVersion `json:"versions,omitempty"`
+}
+
+// HeldVersion is an earlier version of a name that readers still hold.
+type HeldVersion struct {
+	ID      uint64 `json:"id"`
+	Version uint64 `json:"version"`
+	Opens   int    `json:"opens"`
+	// PIDs are the processes holding it, as the daemon sees them (those
+	// of a pid namespace it cannot see are counted in Opens only).
+	PIDs []int `json:"pids,omitempty"`
 }
 
 // Tiers is what info says of budgets and eviction.
@@ -481,13 +504,14 @@ const (
 	fAt
 	fTrace
 	fPin
+	fNextVersion
 	fieldCount = iota
 )
 
 var fieldNames = [fieldCount]string{
 	"version", "name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "segment",
 	"after", "limit", "lifetime", "ttl_seconds", "uid", "gid", "to", "session", "count", "slots",
-	"slot_bytes", "role", "uncommitted", "wait", "offset", "at", "trace", "pin",
+	"slot_bytes", "role", "uncommitted", "wait", "offset", "at", "trace", "pin", "next_version",
 }
 
 // used is the fields each operation reads. A field outside its
@@ -498,7 +522,7 @@ var fieldNames = [fieldCount]string{
 var used = map[string]uint32{
 	OpHello:   fTrace | fVersion | fSession,
 	OpInfo:    fTrace,
-	OpCreate:  fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted | fPin,
+	OpCreate:  fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted | fPin | fNextVersion,
 	OpOpen:    fTrace | fName | fReadOnly | fRole | fWait,
 	OpClose:   fTrace | fSegment | fRole,
 	OpUnlink:  fTrace | fName,
@@ -515,6 +539,8 @@ var used = map[string]uint32{
 	OpEvict:   fTrace | fName,
 	OpLoad:    fTrace | fName,
 	OpPin:     fTrace | fName | fPin,
+
+	OpWaitVersion: fTrace | fName | fSegment | fWait,
 }
 
 // setFields is the set of r's fields that hold something other than
@@ -555,6 +581,7 @@ func setFields(r *Request) uint32 {
 	set(fAt, r.At != 0)
 	set(fTrace, r.Trace)
 	set(fPin, r.Pin)
+	set(fNextVersion, r.NextVersion)
 	return m
 }
 
