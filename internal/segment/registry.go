@@ -303,7 +303,7 @@ type Registry struct {
 	// replaced is the version a commit just replaced, with its memory if
 	// nothing holds it; Commit frees it once it lets go of mu.
 	replaced *replacedVersion
-	tiers   tierState
+	tiers    tierState
 	// restoredBy indexes the segments holding restored leases by holder
 	// (leases.go); a segment whose holder took them back since stays
 	// listed until the holder's leases end.
