@@ -515,6 +515,12 @@ func (r *Registry) Bound() []BoundSegment {
 			out = append(out, BoundSegment{Segment: s, Session: s.session, Creator: s.creator})
 		}
 	}
+	for _, s := range r.byID {
+		// Next versions hold no name until committed (version.go).
+		if s.next && !s.linked && !s.gone {
+			out = append(out, BoundSegment{Segment: s, Session: s.session, Creator: s.creator})
+		}
+	}
 	return out
 }
 
