@@ -100,6 +100,9 @@ type PutOptions struct {
 	// InDaemon has the daemon copy (gpushm.Segment.Fill): this process then maps
 	// nothing and needs no CUDA context. Copy's tuning does not apply.
 	InDaemon bool
+	// NextVersion makes the bundle the next version of name, which its
+	// commit makes current (gpushm.CreateOptions.NextVersion).
+	NextVersion bool
 }
 
 // Put creates name as one bundle segment holding the
@@ -123,7 +126,7 @@ func Put(ctx context.Context, c *gpushm.Client, name string, ck *Checkpoint, o *
 	if err != nil {
 		return st, err
 	}
-	seg, err := c.Create(ctx, name, ck.p.Size, &gpushm.CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, Uncommitted: true})
+	seg, err := c.Create(ctx, name, ck.p.Size, &gpushm.CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, Uncommitted: true, NextVersion: o.NextVersion})
 	if err != nil {
 		return st, err
 	}

@@ -28,6 +28,7 @@ func putCmd() *cobra.Command {
 		readOnly bool
 		copyOpts copyFlags
 		verbose  bool
+		next     bool
 	)
 	cmd := &cobra.Command{
 		Use:   "put NAME FILE|DIR",
@@ -61,10 +62,23 @@ during the copy fails the put.
 The segment is created uncommitted and committed once it is full: until
 then 'gpushm ls' lists it as incomplete, and opens and 'gpushm get' refuse
 it (or wait for it, with --wait). If anything fails, or put is killed, the
-segment goes with it.`,
+segment goes with it.
+
+With --new-version, NAME may exist already: the copy becomes its next
+version, which readers do not see while it is written. The commit makes it
+current in one step: from then on NAME names the new version, and processes
+that hold the old one keep it until they refresh onto the new one (at the
+same addresses) or close it; it is freed after the last of them.
+'gpushm stat NAME' shows the versions still held. Only NAME's owner (or
+root) may replace it.`,
 		Args: cobra.ExactArgs(2),
-		RunE: func(cmd *cobra.Command, args []string) error {
+		RunE: func(cmd *cobra.Command, args []string) (err error) {
 			name, path := args[0], args[1]
+			defer func() {
+				if errors.Is(err, syscall.EEXIST) && !next {
+					err = fmt.Errorf("%w ('gpushm put --new-version %s ...' replaces it)", err, name)
+				}
+			}()
 			co, err := copyOpts.options()
 			if err != nil {
 				return err
@@ -85,7 +99,7 @@ segment goes with it.`,
 			start := time.Now()
 			if path != "-" {
 				if st, err := os.Stat(path); err == nil && st.IsDir() {
-					return putDir(cmd.Context(), name, path, device, perm, readOnly, co, inDaemon, verbose, start)
+					return putDir(cmd.Context(), name, path, device, perm, readOnly, co, inDaemon, verbose, next, start)
 				}
 			}
 			f, size, cleanup, err := openSource(path)
@@ -111,7 +125,7 @@ segment goes with it.`,
 				id.Name = filepath.Base(path)
 				origin.Files = []layout.Identity{id}
 			}
-			o := &gpushm.CreateOptions{Mode: perm}
+			o := &gpushm.CreateOptions{Mode: perm, NextVersion: next}
 			if o.Meta, err = layout.FileMeta(f, size, readOnly); err != nil {
 				return fmt.Errorf("put %s: %w", name, err)
 			}
@@ -143,6 +157,7 @@ segment goes with it.`,
 	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
 	f.BoolVar(&readOnly, "readonly-default", false, "mark a tensor bundle so that clients map it read-only unless they ask for write access")
 	f.BoolVarP(&verbose, "verbose", "v", false, "print what was copied, how, and how fast")
+	f.BoolVar(&next, "new-version", false, "replace an existing NAME with this copy as its next version, once the copy is complete (readers refresh onto it)")
 	copyOpts.register(cmd)
 	return cmd
 }
@@ -205,7 +220,7 @@ func (c *copyFlags) options() (*gpushm.CopyOptions, error) {
 	return o, nil
 }
 
-func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnly bool, co *gpushm.CopyOptions, inDaemon bool, verbose bool, start time.Time) error {
+func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnly bool, co *gpushm.CopyOptions, inDaemon bool, verbose bool, next bool, start time.Time) error {
 	ck, err := checkpoint.Open(dir)
 	if err != nil {
 		return fmt.Errorf("put %s: %w", name, err)
@@ -220,7 +235,7 @@ func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnl
 		return err
 	}
 	defer c.Close()
-	o := &checkpoint.PutOptions{Mode: perm, ReadOnlyDefault: readOnly, Copy: *co, InDaemon: inDaemon}
+	o := &checkpoint.PutOptions{Mode: perm, ReadOnlyDefault: readOnly, Copy: *co, InDaemon: inDaemon, NextVersion: next}
 	if o.Device, err = resolveDevice(ctx, c, device); err != nil {
 		return err
 	}

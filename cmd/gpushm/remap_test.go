@@ -3,9 +3,11 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -120,5 +122,44 @@ func TestSurviveReleaseAndVersions(t *testing.T) {
 	}
 	if inf.Usage.Segments != 1 {
 		t.Fatalf("%d segments hold memory, want 1 (version 2)", inf.Usage.Segments)
+	}
+}
+
+// TestPutNewVersion: put of an existing name fails and says how to
+// replace it; put --new-version replaces it, and stat shows the version
+// and who still holds the old one.
+func TestPutNewVersion(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	v1, v2 := filepath.Join(dir, "v1"), filepath.Join(dir, "v2")
+	os.WriteFile(v1, remapBytes(1, 70000), 0o644)
+	os.WriteFile(v2, remapBytes(2, 70000), 0o644)
+	mustRun(t, nil, "put", "w", v1)
+	mustFail(t, "put --new-version w", "put", "w", v2)
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	old, err := c.Open(ctx, "w", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, nil, "put", "--new-version", "w", v2)
+	out := mustRun(t, nil, "stat", "w")
+	if !strings.Contains(out, "version:     2\n") || !strings.Contains(out, fmt.Sprintf("held:        version 1 (segment %d): 1 opens by pid %d\n", old.ID(), os.Getpid())) {
+		t.Fatalf("stat after put --new-version with version 1 held:\n%s", out)
+	}
+	got := filepath.Join(dir, "got")
+	mustRun(t, nil, "get", "w", got)
+	if b, _ := os.ReadFile(got); !bytes.Equal(b, remapBytes(2, 70000)) {
+		t.Fatal("get after put --new-version does not give the new version")
+	}
+	old.Close()
+	if out := mustRun(t, nil, "stat", "w"); strings.Contains(out, "held:") {
+		t.Fatalf("stat still shows version 1 after its last reader closed:\n%s", out)
 	}
 }

@@ -8,6 +8,15 @@ import (
 	"github.com/spf13/cobra"
 )
 
+// pids says which processes hold an earlier version.
+func pids(ps []int) string {
+	if len(ps) == 0 {
+		return ""
+	}
+	s := fmt.Sprint(ps)
+	return " by pid " + s[1:len(s)-1]
+}
+
 func statCmd() *cobra.Command {
 	var asJSON bool
 	cmd := &cobra.Command{
@@ -41,6 +50,10 @@ protocol's field names (docs/protocol.md, "Segment object").`,
 			fmt.Printf("owner:       %s (%d:%d)\n", owner(s.UID, s.GID), s.UID, s.GID)
 			fmt.Printf("mode:        %04o\n", s.Mode)
 			fmt.Printf("opens:       %d\n", s.Opens)
+			fmt.Printf("version:     %d\n", max(s.Version, 1))
+			for _, v := range s.Versions {
+				fmt.Printf("held:        version %d (segment %d): %d opens%s\n", v.Version, v.ID, v.Opens, pids(v.PIDs))
+			}
 			fmt.Printf("tier:        %s\n", tier(s))
 			if s.LastOpen != 0 {
 				last := time.Unix(0, s.LastOpen)
