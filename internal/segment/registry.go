@@ -124,7 +124,8 @@ type CreateOptions struct {
 	// NextVersion makes the next version of the name (version.go): an
 	// uncommitted segment that takes no name until Commit makes it the
 	// name's current version, in place of the one there. It needs
-	// Uncommitted, and the right to remove the current version.
+	// Uncommitted, and the right to remove the current version, whose
+	// owner and (unless UseMode) mode it takes.
 	NextVersion bool
 	// Resident keeps the segment on its device: it is never evicted to
 	// host memory (tier.go).
@@ -399,6 +400,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	}
 
 	r.mu.Lock()
+	owner := c
 	existing, err := r.find(o.Name)
 	if err != nil && !errors.Is(err, ErrNotFound) {
 		r.mu.Unlock()
@@ -415,6 +417,13 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		if err := mayReplace(c, existing); err != nil {
 			r.mu.Unlock()
 			return nil, false, err
+		}
+		if existing != nil {
+			// A new version of the same thing: its readers may read it.
+			owner.UID, owner.GID = existing.uid, existing.gid
+			if !o.UseMode {
+				mode = existing.mode
+			}
 		}
 		existing = nil // stays current until the commit
 	}
@@ -479,8 +488,8 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		device:    o.Device,
 		created:   now,
 		modified:  now,
-		uid:       c.UID,
-		gid:       c.GID,
+		uid:       owner.UID,
+		gid:       owner.GID,
 		mode:      mode,
 		meta:      append(json.RawMessage(nil), o.Meta...),
 		linked:    !o.NextVersion,
