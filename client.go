@@ -1220,6 +1220,7 @@ func (s *Segment) Map() (*Mapping, error) {
 	// fd slot.
 	closeFD(sh.fd)
 	sh.fd = -1
+	m.owner = sh
 	sh.mapping = m
 	return m, nil
 }

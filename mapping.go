@@ -24,6 +24,9 @@ type Mapping struct {
 	// released: the memory was given back (Segment.Release), the address
 	// range is kept, and reading or writing it faults.
 	released bool
+	// owner is the lease this mapping goes with (Release, Reacquire and
+	// Refresh act on it).
+	owner *shared
 
 	host []byte // memfd segments
 

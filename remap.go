@@ -31,7 +31,23 @@ func (s *Segment) Release(ctx context.Context) error {
 	if s.closed {
 		return errors.New("gpushm: release of a closed segment")
 	}
-	sh, c := s.sh, s.sh.c
+	return s.sh.release(ctx)
+}
+
+// Release is Segment.Release, for the segment this mapping maps.
+func (m *Mapping) Release(ctx context.Context) error { return m.owner.release(ctx) }
+
+// Reacquire is Segment.Reacquire, for the segment this mapping maps.
+func (m *Mapping) Reacquire(ctx context.Context) error {
+	_, err := m.owner.remapTo(ctx, false)
+	return err
+}
+
+// Refresh is Segment.Refresh, for the segment this mapping maps.
+func (m *Mapping) Refresh(ctx context.Context) (bool, error) { return m.owner.remapTo(ctx, true) }
+
+func (sh *shared) release(ctx context.Context) error {
+	c := sh.c
 	sh.remap.Lock()
 	defer sh.remap.Unlock()
 	sh.mu.Lock()
@@ -70,7 +86,10 @@ func (s *Segment) Released() bool { return s.sh.Released() }
 // ErrStale and leaves the segment released: Refresh maps the new one.
 // Reacquiring a segment that is not released is a no-op.
 func (s *Segment) Reacquire(ctx context.Context) error {
-	_, err := s.remapTo(ctx, false)
+	if s.closed {
+		return errors.New("gpushm: reacquire of a closed segment")
+	}
+	_, err := s.sh.remapTo(ctx, false)
 	return err
 }
 
@@ -84,14 +103,14 @@ func (s *Segment) Reacquire(ctx context.Context) error {
 // meanwhile: finish the GPU work that reads it first (Refresh waits for
 // the device, but not for other processes or work queued later).
 func (s *Segment) Refresh(ctx context.Context) (bool, error) {
-	return s.remapTo(ctx, true)
-}
-
-func (s *Segment) remapTo(ctx context.Context, anyVersion bool) (bool, error) {
 	if s.closed {
 		return false, errors.New("gpushm: refresh of a closed segment")
 	}
-	sh, c := s.sh, s.sh.c
+	return s.sh.remapTo(ctx, true)
+}
+
+func (sh *shared) remapTo(ctx context.Context, anyVersion bool) (bool, error) {
+	c := sh.c
 	// One remap at a time; sh.mu is not held across round trips, which
 	// may reconnect, and reclaiming leases takes it.
 	sh.remap.Lock()

@@ -199,11 +199,11 @@ func TestReleaseReacquireAndVersions(t *testing.T) {
 
 			// Released across a new version: reacquire is stale, refresh
 			// maps version 3.
-			if err := rs.Release(ctx); err != nil {
+			if err := m.Release(ctx); err != nil { // as Segment.Release
 				t.Fatal(err)
 			}
 			nextVersion(t, d.Socket, "model", size, 3)
-			if err := rs.Reacquire(ctx); !errors.Is(err, gpushm.ErrStale) {
+			if err := m.Reacquire(ctx); !errors.Is(err, gpushm.ErrStale) {
 				t.Fatalf("reacquire of a replaced version: %v, want ErrStale", err)
 			}
 			if changed, err := rs.Refresh(ctx); err != nil || !changed || addr(m) != at {
