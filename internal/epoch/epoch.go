@@ -5,8 +5,9 @@
 // mapped still names the same segment, so a second open needs no round trip.
 //
 // The page is a sealed memfd; the daemon owns its descriptor and sends a copy
-// with the reply to hello. This package and internal/cuda are the only ones
-// that use unsafe: atomics on shared memory need a *uint64.
+// with the reply to hello. It uses unsafe, as internal/cuda does and the
+// root package's mapping.go (MAP_FIXED at a kept range): atomics on shared
+// memory need a *uint64.
 package epoch
 
 import (
