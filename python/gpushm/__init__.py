@@ -8,20 +8,20 @@ describes it and docs/protocol.md the protocol it speaks.
     x = torch.from_dlpack(gpushm.connect().open("x"))   # another, no copy
 """
 
-from ._client import (Bundle, BusyError, Client, Error, ExistsError, InvalidError, NoSpaceError, NotCommittedError,
-                      NotFoundError,
-                      OutOfMemoryError, PermissionDeniedError, Segment, SegmentInfo, WaitTimeoutError, connect,
-                      default_socket, socket_candidates, SYSTEM_SOCKET)
+from ._client import (Bundle, BusyError, Client, Error, ExistsError, HeldVersion, InvalidError, NoSpaceError,
+                      NotCommittedError, NotFoundError,
+                      OutOfMemoryError, PermissionDeniedError, Segment, SegmentInfo, StaleError, WaitTimeoutError,
+                      connect, default_socket, socket_candidates, SYSTEM_SOCKET)
 from ._binary import binary
 from ._channel import BrokenMessageError, Channel, ChannelRemovedError, Message, NoConsumerError
 from ._cuda import CUDAError
 from ._view import View
 
 __all__ = ["BrokenMessageError", "Bundle", "BusyError", "CUDAError", "Channel", "ChannelRemovedError", "Client",
-           "Error", "ExistsError", "InvalidError", "Message", "NoConsumerError", "NoSpaceError", "NotCommittedError",
-           "NotFoundError",
-           "OutOfMemoryError", "PermissionDeniedError", "Segment", "SegmentInfo", "View", "WaitTimeoutError", "connect",
-           "binary", "default_socket", "socket_candidates", "SYSTEM_SOCKET"]
+           "Error", "ExistsError", "HeldVersion", "InvalidError", "Message", "NoConsumerError", "NoSpaceError",
+           "NotCommittedError", "NotFoundError",
+           "OutOfMemoryError", "PermissionDeniedError", "Segment", "SegmentInfo", "StaleError", "View",
+           "WaitTimeoutError", "connect", "binary", "default_socket", "socket_candidates", "SYSTEM_SOCKET"]
 __version__ = "0.1.0"
 
 

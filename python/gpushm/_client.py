@@ -26,11 +26,11 @@ import weakref
 
 from . import _alloc, _channel, _cuda, _dlpack, _mapping
 from ._errors import (BusyError, Error, ExistsError, InvalidError, NoSpaceError, NotCommittedError, NotFoundError,  # noqa: F401
-                      OutOfMemoryError, PermissionDeniedError, WaitTimeoutError, error)
+                      OutOfMemoryError, PermissionDeniedError, StaleError, WaitTimeoutError, error)
 from ._tensors import _DTYPES
 from ._tensors import (Layout, bundle_files, bundle_meta, decode_bundle, encode_bundle, is_bundle,
                        layout_from_meta, layout_of)
-from ._types import SegmentInfo
+from ._types import HeldVersion, SegmentInfo  # noqa: F401
 from ._view import View, view_of
 
 MAX_MESSAGE = 65536
@@ -527,7 +527,7 @@ class Client:
         """Whether this client holds a lease or a channel's role."""
         try:
             return bool(self._channels) or any(m.lease.client is self and m.lease.count > 0
-                                               for m in list(self._by_id.values()))
+                                               for m in _mapping.live())
         except RuntimeError:  # changed while read: look again next time
             return True
 
@@ -538,8 +538,14 @@ class Client:
         # segments now.
         self._pending.clear()
         self._by_name.clear()
-        for m in list(self._by_id.values()):
+        for m in _mapping.live():
+            if m.client is self:
+                # The epoch it was read at may not hold for the new serving
+                # process: the next stale() or refresh() asks.
+                m.epoch = -1
             lease = m.lease
+            # A released mapping's lease has ended (client None): nothing
+            # to take back; reacquire takes a new one.
             if lease.client is not self or lease.count <= 0:
                 continue
             fields = {"segment": lease.segment, "count": lease.count}
@@ -862,6 +868,7 @@ class Client:
             m.lease.count += 1
         else:
             m = _mapping.Mapping(self, info, fd, readonly, devs)
+            _mapping.track(m)
             self._by_id[(info.id, readonly, devs)] = m
         m.epoch = ep
         if not info.uncommitted:
@@ -869,9 +876,21 @@ class Client:
             self._by_name[(info.name, readonly, devs)] = m
         return m
 
+    def _forget(self, m):
+        """Takes m out of the caches of opens: released or remapped, it no
+        longer maps what a new open of its name or id would get."""
+        for cache, key in ((self._by_name, (m.info.name, m.readonly, m.devices)),
+                           (self._by_id, (m.info.id, m.readonly, m.devices))):
+            if cache.get(key) is m:
+                try:
+                    del cache[key]
+                except KeyError:  # gone meanwhile
+                    pass
+
     def create(self, name: str, nbytes: int | None = None, *, shape=None, dtype=None, device: int | None = None,
                mode: int = 0o600, exist_ok: bool = False, temporary: bool = False,
-               ttl: float | None = None, uncommitted: bool = False, pin: bool = False) -> Segment:
+               ttl: float | None = None, uncommitted: bool = False, pin: bool = False,
+               next_version: bool = False) -> Segment:
         """Creates a segment and opens it read-write.
 
         With shape and dtype it holds one tensor (nbytes defaults to what the
@@ -891,7 +910,17 @@ class Client:
         before the commit. Not with exist_ok.
 
         pin=True keeps it on its GPU: the daemon never evicts it to host
-        memory to make room for others."""
+        memory to make room for others.
+
+        next_version=True makes the next version of the name (implies
+        uncommitted): the new segment takes no name while this client fills
+        it, and commit() makes it the name's current version in one step,
+        in place of the one readers have, who move to it with
+        Segment.refresh(). A writer that goes before its commit leaves the
+        current version. It needs the right to remove the current version
+        (its owner, or root); a name that does not exist yet is simply
+        created at the commit (docs/python.md, "Release, reacquire and
+        versions")."""
         lay = None
         if shape is not None or dtype is not None:
             lay = layout_of(shape, dtype, nbytes, "create")
@@ -904,14 +933,16 @@ class Client:
         elif nbytes is None:
             raise TypeError("gpushm: create needs nbytes, or shape and dtype")
         return self._create(name, nbytes, lay.meta() if lay else None, device, mode, exist_ok, temporary, ttl,
-                            uncommitted, pin)
+                            uncommitted, pin, next_version)
 
     def _create(self, name, nbytes, meta, device, mode, exist_ok, temporary=False, ttl=None,
-                uncommitted=False, pin=False) -> Segment:
+                uncommitted=False, pin=False, next_version=False) -> Segment:
         fields = {"name": name, "size": int(nbytes), "mode": int(mode), "open": True}
         fields.update(_lifetime(temporary, ttl))
-        if uncommitted:
+        if uncommitted or next_version:
             fields["uncommitted"] = True
+        if next_version:
+            fields["next_version"] = True
         if pin:
             fields["pin"] = True
         if device is not None:
@@ -989,10 +1020,13 @@ class Client:
         return seg
 
     def put_tensors(self, name: str, tensors: dict, *, metadata: dict | None = None, device: int | None = None,
-                    mode: int = 0o600) -> Segment:
+                    mode: int = 0o600, next_version: bool = False, commit: bool = True) -> Segment:
         """Stores many named tensors in one segment, in the safetensors
         layout, so that a model's weights cost one name and one mapping.
-        metadata is safetensors' __metadata__ (str to str)."""
+        metadata is safetensors' __metadata__ (str to str). next_version
+        makes the bundle the name's next version (create's), current once
+        every tensor is in it. commit=False returns it filled and not yet
+        committed: its commit() names it (or makes the version current)."""
         if not tensors:
             raise ValueError("gpushm: put_tensors needs at least one tensor")
         borrowed = []
@@ -1009,13 +1043,14 @@ class Client:
                     device = self._daemon_device(b.device_id)
             prefix, begins, total = encode_bundle(entries, metadata)
             seg = self._create(name, total, bundle_meta(len(prefix) - 8, len(entries)), device, mode, False,
-                               uncommitted=True)
+                               uncommitted=True, next_version=next_version)
             try:
                 m = seg._m
                 seg.write(prefix, 0)
                 for (key, lay), b in zip(entries, borrowed):
                     _copy(m, begins[key], b, b.ptr, lay.nbytes)
-                seg.commit()
+                if commit:
+                    seg.commit()
             except BaseException:
                 self._abandon(seg)
                 raise
@@ -1032,23 +1067,7 @@ class Client:
         costs a stat), read-write otherwise."""
         if readonly is None:
             readonly = self._readonly_default(name)
-        seg = self.open(name, readonly)
-        m = seg._m
-        parsed = m.cache.get("bundle")
-        if parsed is None:
-            meta = seg.meta
-            if not is_bundle(meta):
-                raise ValueError(f"gpushm: segment {name!r} is not a tensor bundle (its meta is {json.dumps(meta)})")
-            n = meta.get("header_bytes")
-            if not isinstance(n, int) or n < 2 or 8 + n > m.size:
-                raise ValueError(f"gpushm: bundle {name!r}: meta header_bytes {n!r} does not fit the segment's {m.size} bytes")
-            # One small copy of the header; on a GPU, device to host.
-            parsed = decode_bundle(m.read(0, 8 + n), m.size)
-            m.cache["bundle"] = parsed
-        metadata, entries = parsed
-        b = Bundle((k, View(m, lay)) for k, lay in entries)
-        b.metadata, b.segment = metadata, seg
-        return b
+        return _bundle_of(self.open(name, readonly))
 
     def _readonly_default(self, name: str) -> bool:
         meta = self.stat(name).meta
@@ -1074,6 +1093,8 @@ class Client:
         ep = self._epoch.value
         rep, _ = self._call("commit", segment=m.info.id)
         m.info = SegmentInfo.from_wire(rep["segment"])
+        # A next version's commit moves the epoch itself: the next stale()
+        # or refresh() of this mapping asks once.
         m.epoch = ep
         self._by_name.setdefault((m.info.name, m.readonly, None), m)
 
@@ -1084,6 +1105,26 @@ class Client:
         seg.close()
         if m is not None and m.info.uncommitted:
             m.lease.end()
+
+
+def _bundle_of(seg) -> Bundle:
+    """The Bundle of seg's tensors, its header parsed once per mapping."""
+    m = seg._mapping()
+    parsed = m.cache.get("bundle")
+    if parsed is None:
+        meta, name = seg.meta, seg.name
+        if not is_bundle(meta):
+            raise ValueError(f"gpushm: segment {name!r} is not a tensor bundle (its meta is {json.dumps(meta)})")
+        n = meta.get("header_bytes")
+        if not isinstance(n, int) or n < 2 or 8 + n > m.size:
+            raise ValueError(f"gpushm: bundle {name!r}: meta header_bytes {n!r} does not fit the segment's {m.size} bytes")
+        # One small copy of the header; on a GPU, device to host.
+        parsed = decode_bundle(m.read(0, 8 + n), m.size)
+        m.cache["bundle"] = parsed
+    metadata, entries = parsed
+    b = Bundle((k, View(m, lay)) for k, lay in entries)
+    b.metadata, b.segment = metadata, seg
+    return b
 
 
 class Bundle(dict):
@@ -1161,7 +1202,7 @@ class Segment(View):
     has none) plus its name and state. Close it, or use it as a context
     manager; the memory is unmapped once nothing made from it remains."""
 
-    __slots__ = ("info", "created", "_closed", "_lent", "_bad")
+    __slots__ = ("_info", "created", "_closed", "_lent", "_bad")
 
     def __init__(self, mapping, created: bool):
         lay = mapping.cache.get("layout")
@@ -1175,12 +1216,19 @@ class Segment(View):
             mapping.cache["layout"] = lay
         self._m, self._layout = mapping, lay if isinstance(lay, Layout) else Layout("uint8", (mapping.size,))
         self._bad = None if isinstance(lay, Layout) else lay
-        self.info, self.created, self._closed, self._lent = mapping.info, created, False, False
+        self._info, self.created, self._closed, self._lent = mapping.info, created, False, False
 
     def _mapping(self):
         if self._closed:
             raise ValueError(f"gpushm: segment {self.info.name!r} is closed")
         return self._m
+
+    @property
+    def info(self) -> SegmentInfo:
+        """The segment's state: as the last open, commit, reacquire or
+        refresh of its mapping said it."""
+        m = self._m
+        return self._info if m is None else m.info
 
     @property
     def name(self) -> str:
@@ -1199,9 +1247,10 @@ class Segment(View):
         return self.info.meta
 
     def __repr__(self):
-        state = "closed " if self._closed else ""
-        where = "host" if self._m.dev is None else f"cuda:{self._m.dev.ordinal}"
-        return f"<gpushm.Segment {state}{self.info.name!r} {self.dtype}{list(self.shape)} on {where}>"
+        m = self._m
+        state = "closed " if self._closed else "released " if m is not None and m.released else ""
+        where = "" if m is None else " on host" if m.dev is None else f" on cuda:{m.dev.ordinal}"
+        return f"<gpushm.Segment {state}{self.info.name!r} {self.dtype}{list(self.shape)}{where}>"
 
     def __enter__(self):
         return self
@@ -1212,23 +1261,102 @@ class Segment(View):
     def commit(self):
         """Makes a segment created with uncommitted=True openable by its
         name, for everyone its mode allows; opens waiting for it (wait=) get
-        it now. Work queued on this GPU by this process (torch kernels and
-        copies included) is waited for first. Raises InvalidError if it is
-        committed already, NotFoundError or ExistsError if its name was
-        removed (or taken by another segment) before the commit."""
+        it now. A next version (create(next_version=True)) becomes the
+        name's current version, in place of the one there. Work queued on
+        this GPU by this process (torch kernels and copies included) is
+        waited for first. Raises InvalidError if it is committed already,
+        NotFoundError or ExistsError if its name was removed (or taken by
+        another segment) before the commit."""
         m = self._mapping()
         client = m.lease.client
         if client is None:
             raise ConnectionError(f"gpushm: commit {self.info.name!r}: this client no longer holds it (closed, or the daemon lost it)")
         client._commit(m)
-        self.info = m.info
+
+    # ---- release, reacquire and versions ----------------------------------
+    # They act on the mapping, which every Segment of this client opened
+    # from it shares, with the views and tensors made from them.
+
+    @property
+    def version(self) -> int:
+        """Which version of its name the segment is: 1 for the first, and
+        one more for each next version made current."""
+        return max(self.info.version, 1)
+
+    @property
+    def released(self) -> bool:
+        """Whether the segment's memory is released (release())."""
+        m = self._m
+        return m is not None and m.released
+
+    def release(self):
+        """Gives the segment's memory back and keeps its addresses: the
+        lease ends (the daemon counts the segment as not held, so its budget
+        may evict it to host memory), the address range stays reserved, and
+        nothing else is mapped there. Arrays, tensors and pointers into it
+        fault until reacquire() or refresh() maps the memory again at the
+        same addresses; read() and write() raise. GPU work queued on the
+        range is waited for first. Releasing twice is a no-op."""
+        self._mapping().release()
+
+    def reacquire(self):
+        """Maps the released segment again at the same addresses, with a
+        new lease; the daemon brings it back from host memory first if it
+        was evicted. Arrays, tensors, device pointers and CUDA graphs made
+        before keep working. When the name names a newer version now, raises
+        StaleError (ESTALE) and leaves it released: refresh() maps the new
+        one. A segment that is not released is left as it is."""
+        self._mapping().remap(False)
+
+    def refresh(self) -> bool:
+        """Maps the version the name names now at the segment's addresses,
+        in place of the one mapped (or released), and ends the lease on the
+        old one, which the daemon frees once its last reader moved on.
+        Returns whether the version changed; the same version, mapped, is
+        left as it is (without a message while the epoch page has not
+        moved), and a released one is reacquired.
+
+        Views made before keep their offsets and shapes, so the new version
+        must fit them: its allocation at most the address range (the first
+        version's; else an Error with errno EFBIG), its size at least the
+        mapped one's, the same tensor if it is one, and the same layout of
+        names, dtypes, shapes and offsets if it is a bundle whose tensors()
+        were taken (else InvalidError); a refused version leaves the mapping
+        as it was. Nothing may use the old version's memory meanwhile:
+        refresh waits for this process's GPU work, not for other threads'
+        later work or other processes."""
+        return self._mapping().remap(True)
+
+    def stale(self) -> bool:
+        """Whether the name names another segment now (a newer version, most
+        often, or none). Free (one load of the epoch page) while no name
+        changed since the segment was opened or refreshed; else a stat."""
+        return self._mapping().stale()
+
+    def wait_version(self, timeout: float) -> SegmentInfo:
+        """Waits up to timeout seconds (at most 3600) until the name names
+        another segment than this one, and returns that one's state: a
+        writer made a new version current. Raises WaitTimeoutError when the
+        time is up, NotFoundError when the name was removed. refresh() then
+        maps the new version. This client sends nothing else while it
+        waits."""
+        m = self._mapping()
+        if not 0 < timeout <= 3600:
+            raise ValueError(f"gpushm: wait for a version of {m.info.name!r}: timeout {timeout!r}: want more than 0 and at most 3600 seconds")
+        rep, _ = m.client._call("wait_version", name=m.info.name, segment=m.info.id, wait=float(timeout))
+        return SegmentInfo.from_wire(rep["segment"])
 
     def close(self):
         """Lets go of the segment. Tensors, arrays and views made from it
         keep its memory mapped until they go too."""
         self._closed = True
-        if not self._lent:
-            self._m = None
+        if not self._lent and self._m is not None:
+            self._info, self._m = self._m.info, None
+
+    def tensors(self) -> Bundle:
+        """The tensors of a bundle segment as Views by name (Client.tensors
+        of the segment in hand): a writer's before its commit, too."""
+        return _bundle_of(self)
 
     def view(self, dtype=None, shape=None, offset: int = 0, strides=None) -> View:
         """Another typed view of the same memory."""

@@ -237,11 +237,7 @@ class Device:
         """Maps a cuda_fd descriptor (not taken over) into this process, with
         access for every GPU in access (default: this one), in one call."""
         access = tuple(access) if access else (self.ordinal,)
-        descs = self._access.get((access, readonly))
-        if descs is None:
-            prot = CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            descs = self._access[(access, readonly)] = (CUmemAccessDesc * len(access))(
-                *[CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), prot) for d in access])
+        descs = self._descs(access, readonly)
         h, ptr = c_uint64(), c_uint64()
         with self as cu:
             cu.check("cuMemImportFromShareableHandle",
@@ -263,6 +259,48 @@ class Device:
                 # The mapping holds the memory now; the handle is not needed.
                 cu.cuMemRelease(h)
         return ptr.value
+
+    def _descs(self, access, readonly):
+        """The CUmemAccessDesc array that grants access on every GPU in
+        access, built once."""
+        descs = self._access.get((access, readonly))
+        if descs is None:
+            prot = CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            descs = self._access[(access, readonly)] = (CUmemAccessDesc * len(access))(
+                *[CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), prot) for d in access])
+        return descs
+
+    def map_at(self, fd: int, ptr: int, size: int, readonly: bool, access=None) -> None:
+        """Maps a cuda_fd descriptor (not taken over) at ptr, a range this
+        process keeps reserved (unmap_keep emptied it), with access as
+        import_map gives it."""
+        access = tuple(access) if access else (self.ordinal,)
+        descs = self._descs(access, readonly)
+        h = c_uint64()
+        with self as cu:
+            cu.check("cuMemImportFromShareableHandle",
+                     cu.cuMemImportFromShareableHandle(ctypes.byref(h), c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+            try:
+                cu.check("cuMemMap", cu.cuMemMap(ptr, size, 0, h, 0))
+                r = cu.cuMemSetAccess(ptr, size, descs, len(access))
+                if r:
+                    cu.cuMemUnmap(ptr, size)
+                    cu.check("cuMemSetAccess", r)
+            finally:
+                cu.cuMemRelease(h)
+
+    def unmap_keep(self, ptr: int, size: int) -> None:
+        """Unmaps the memory at ptr and keeps the address range reserved,
+        for map_at; free_range gives the range back."""
+        with self as cu:
+            # As in unmap: cuMemUnmap does not wait for kernels.
+            cu.check("cuCtxSynchronize", cu.cuCtxSynchronize())
+            cu.check("cuMemUnmap", cu.cuMemUnmap(ptr, size))
+
+    def free_range(self, ptr: int, size: int) -> None:
+        """Gives back an address range nothing is mapped in."""
+        with self as cu:
+            cu.check("cuMemAddressFree", cu.cuMemAddressFree(ptr, size))
 
     def unmap(self, ptr: int, size: int) -> None:
         with self as cu:

@@ -51,13 +51,19 @@ class NotCommittedError(Error, BlockingIOError):
 
 
 class WaitTimeoutError(Error, TimeoutError):
-    """ETIMEDOUT: an open's wait for a commit ran out."""
+    """ETIMEDOUT: an open's wait for a commit, or a wait for a new version
+    (Segment.wait_version), ran out."""
+
+
+class StaleError(Error):
+    """ESTALE: Segment.reacquire of a version its name no longer names (a
+    newer one was made current); Segment.refresh maps that one."""
 
 
 _ERRORS = {"ENOENT": NotFoundError, "EEXIST": ExistsError, "EACCES": PermissionDeniedError,
            "EPERM": PermissionDeniedError, "ENOMEM": OutOfMemoryError, "EINVAL": InvalidError,
            "ENAMETOOLONG": InvalidError, "ENODEV": InvalidError, "EBUSY": BusyError,
-           "EAGAIN": NotCommittedError, "ETIMEDOUT": WaitTimeoutError, "ENOSPC": NoSpaceError}
+           "EAGAIN": NotCommittedError, "ETIMEDOUT": WaitTimeoutError, "ENOSPC": NoSpaceError, "ESTALE": StaleError}
 
 
 def error(code: str, message: str) -> Error:

@@ -32,10 +32,36 @@ class SegmentInfo:
     tier: str = "gpu"
     last_open: int = 0
     pinned: bool = False
+    # Versions (docs/python.md, "Release, reacquire and versions"): which
+    # version of its name this segment is (1 for the first; each commit of
+    # a next version adds one); versions, in stat replies only, the name's
+    # earlier versions that someone still holds, oldest first.
+    version: int = 1
+    versions: tuple = ()
 
     @classmethod
     def from_wire(cls, d: dict) -> SegmentInfo:
-        return cls(*[d.get(k, dflt) for k, dflt in _INFO_FIELDS])
+        info = cls(*[d.get(k, dflt) for k, dflt in _INFO_FIELDS])
+        held = d.get("versions")
+        if held is not None:
+            object.__setattr__(info, "versions", tuple(HeldVersion.from_wire(v) for v in held))
+        return info
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldVersion:
+    """An earlier version of a name that readers still hold (stat's
+    versions): its segment id, version, opens, and the processes holding
+    it that the daemon could name."""
+
+    id: int
+    version: int
+    opens: int
+    pids: tuple = ()
+
+    @classmethod
+    def from_wire(cls, d: dict) -> HeldVersion:
+        return cls(d.get("id", 0), max(d.get("version", 1), 1), d.get("opens", 0), tuple(d.get("pids") or ()))
 
 
 _INFO_FIELDS = [(f.name, f.default if f.default is not dataclasses.MISSING else 0) for f in dataclasses.fields(SegmentInfo)]

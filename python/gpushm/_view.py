@@ -88,6 +88,8 @@ class View:
         for it, legacy otherwise. copy=True or a dl_device other than the
         segment's gives a private copy; copy=False then raises BufferError."""
         m, lay = self._mapping(), self._layout
+        if m.released:
+            raise BufferError(f"gpushm: segment {m.info.name!r} is released (reacquire() or refresh() maps it again)")
         versioned = max_version is not None and tuple(max_version)[0] >= 1
         here = self.__dlpack_device__()
         target = here if dl_device is None else (int(dl_device[0]), int(dl_device[1]))
@@ -122,6 +124,7 @@ class View:
         m, lay = self._mapping(), self._layout
         if (m.dev is not None) != on_gpu:
             raise AttributeError("__cuda_array_interface__" if on_gpu else "__array_interface__")
+        m._usable()
         if lay.dtype.typestr is None:
             raise TypeError(f"gpushm: {lay.dtype.name} has no array-interface type string; take the view with DLPack, e.g. torch.from_dlpack(v)")
         size = lay.dtype.itemsize

@@ -269,3 +269,60 @@ def test_channel_cuda_path(daemon, fake_libdir, name):
         if producer.poll() is None:
             producer.kill()
             producer.wait()
+
+
+def test_cuda_release_reacquire_refresh(daemon, fake_libdir, name):
+    """Release, reacquire and refresh on the CUDA path: released, the range
+    stays reserved with nothing mapped in it (after a synchronize) and no
+    handle held; reacquire and refresh map at the same device address; a
+    bundle's next version is read before it is mapped, and refused when its
+    layout differs; a mapping dropped released or refreshed frees its range
+    and ends the lease it holds then."""
+    out = run(daemon, fake_libdir, name, """
+        zero = {"handles": 0, "reserved": 0, "mapped": 0, "allocs": 0, "ctx_depth": 0}
+        one = dict(zero, reserved=1, mapped=1)
+        size = 3 * 4096 + 5
+        seg = c.create(name, size)
+        seg.write(b"\\x01" * size)
+        ptr = seg.ptr
+        syncs = fake.fake_syncs()
+        seg.release()
+        assert seg.released and live() == dict(zero, reserved=1), live()
+        assert fake.fake_syncs() > syncs                               # waited for the GPU first
+        assert c.evict(name).tier == "host"
+        seg.reacquire()
+        assert seg.ptr == ptr and live() == one and seg.read() == b"\\x01" * size, live()
+
+        w = gpushm.connect()
+        nv = w.create(name, size, next_version=True)
+        nv.write(b"\\x02" * size)
+        nv.commit()
+        del nv
+        assert live() == one, live()
+        assert seg.stale() and seg.refresh() is True and seg.ptr == ptr and seg.version == 2
+        assert seg.read() == b"\\x02" * size and live() == one, live()
+
+        x = np.arange(6, dtype=np.float32)
+        c.put_tensors(name + "b", {"x": x}).close()
+        b = c.tensors(name + "b", readonly=True)
+        at = b["x"].ptr
+        w.put_tensors(name + "b", {"x": x + 1}, next_version=True).close()
+        assert b.segment.refresh() is True and b["x"].ptr == at     # its header read through a mapping of its own
+        assert np.frombuffer(b["x"].tobytes(), dtype=np.float32).tolist() == (x + 1).tolist()
+        assert live() == dict(one, reserved=2, mapped=2), live()
+        w.put_tensors(name + "b", {"x": (x + 2).reshape(2, 3)}, next_version=True).close()
+        try:
+            b.segment.refresh()
+            raise AssertionError("refreshed onto another layout")
+        except gpushm.InvalidError:
+            pass
+        assert live() == dict(one, reserved=2, mapped=2), live()
+        del b
+        seg.release()
+        del seg
+        gc.collect()
+        assert live() == zero, live()
+        assert [(s.name, s.opens) for s in w.list() if s.name.startswith(name) and s.opens] == []
+        print("ok")
+    """)
+    assert out.strip() == "ok"

@@ -223,6 +223,58 @@ def test_gpu_bundle(gclient, gpu_daemon, name, torch):
     assert out.split()[0] == "torch.bfloat16" and abs(float(out.split()[1]) - float(ts["w"].float().sum())) < 1e-2
 
 
+def test_gpu_release_reacquire_refresh_under_a_cuda_graph(gclient, gpu_daemon, name, torch):
+    """A CUDA graph captured over a bundle's tensors replays right after the
+    bundle was released, evicted and reacquired, and reads the next version
+    after a refresh: the addresses never change, the memory behind them
+    does. A version laid out otherwise is refused and the graph keeps
+    reading the one it has."""
+    import gpushm.torch as gt
+
+    w1, b1 = torch.randn(256, 256, device="cuda"), torch.randn(256, device="cuda")
+    gclient.put_tensors(name, {"w": w1, "b": b1}).close()
+    r = gpushm.connect(gpu_daemon.socket)
+    sd = gt.state_dict(name, client=r)
+    ptrs = {k: t.data_ptr() for k, t in sd.items()}
+    x = torch.randn(8, 256, device="cuda")
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                      # warm up off the capture
+            x @ sd["w"] + sd["b"]
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = x @ sd["w"] + sd["b"]
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+        return y.clone()
+
+    assert torch.allclose(replay(), x @ w1 + b1, rtol=1e-4, atol=1e-4)
+    gt.release(sd)
+    assert gclient.stat(name).opens == 0 and gclient.evict(name).tier == "host"
+    gt.reacquire(sd)
+    assert {k: t.data_ptr() for k, t in sd.items()} == ptrs
+    assert torch.allclose(replay(), x @ w1 + b1, rtol=1e-4, atol=1e-4)
+
+    w2, b2 = w1 * 2, b1 - 1
+    gclient.put_tensors(name, {"w": w2, "b": b2}, next_version=True).close()
+    assert gt.refresh(sd) is True and {k: t.data_ptr() for k, t in sd.items()} == ptrs
+    assert torch.allclose(replay(), x @ w2 + b2, rtol=1e-4, atol=1e-4)
+    st = gclient.stat(name)
+    assert st.version == 2 and st.versions == () and st.opens == 1
+
+    gclient.put_tensors(name, {"w": w2[:128], "b": b2}, next_version=True).close()
+    with pytest.raises(gpushm.InvalidError):
+        gt.refresh(sd)
+    assert torch.allclose(replay(), x @ w2 + b2, rtol=1e-4, atol=1e-4)
+    del graph, y, sd
+    gc.collect()
+    r.close()
+
+
 def test_gpu_share_layouts_and_readonly(gclient, name, torch):
     x = torch.randn(64, 32, device="cuda").t()            # a transpose keeps its strides
     seg = gclient.share(name, x)
