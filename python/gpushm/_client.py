@@ -888,14 +888,16 @@ class Client:
                     pass
 
     def create(self, name: str, nbytes: int | None = None, *, shape=None, dtype=None, device: int | None = None,
-               mode: int = 0o600, exist_ok: bool = False, temporary: bool = False,
+               mode: int | None = None, exist_ok: bool = False, temporary: bool = False,
                ttl: float | None = None, uncommitted: bool = False, pin: bool = False,
                next_version: bool = False) -> Segment:
         """Creates a segment and opens it read-write.
 
         With shape and dtype it holds one tensor (nbytes defaults to what the
         tensor needs) and opens as that tensor anywhere; with nbytes alone it
-        is raw bytes. device is the GPU ordinal (None: the daemon's default).
+        is raw bytes. device is the GPU ordinal (None: the daemon's default);
+        mode the permission bits (None: 0o600, and for a next version the
+        current version's).
         With exist_ok an existing segment of the same size, device and
         tensor is opened instead (.created tells which). temporary ends the
         segment when this client's connection closes (exit and crash
@@ -918,8 +920,9 @@ class Client:
         in place of the one readers have, who move to it with
         Segment.refresh(). A writer that goes before its commit leaves the
         current version. It needs the right to remove the current version
-        (its owner, or root); a name that does not exist yet is simply
-        created at the commit (docs/python.md, "Release, reacquire and
+        (its owner, or root), and takes its owner, and its mode unless mode
+        is given; a name that does not exist yet is simply created at the
+        commit (docs/python.md, "Release, reacquire and
         versions")."""
         lay = None
         if shape is not None or dtype is not None:
@@ -937,7 +940,9 @@ class Client:
 
     def _create(self, name, nbytes, meta, device, mode, exist_ok, temporary=False, ttl=None,
                 uncommitted=False, pin=False, next_version=False) -> Segment:
-        fields = {"name": name, "size": int(nbytes), "mode": int(mode), "open": True}
+        fields = {"name": name, "size": int(nbytes), "open": True}
+        if mode is not None:  # else 0o600, or a next version's current version's
+            fields["mode"] = int(mode)
         fields.update(_lifetime(temporary, ttl))
         if uncommitted or next_version:
             fields["uncommitted"] = True
@@ -1020,12 +1025,12 @@ class Client:
         return seg
 
     def put_tensors(self, name: str, tensors: dict, *, metadata: dict | None = None, device: int | None = None,
-                    mode: int = 0o600, next_version: bool = False, commit: bool = True) -> Segment:
+                    mode: int | None = None, next_version: bool = False, commit: bool = True) -> Segment:
         """Stores many named tensors in one segment, in the safetensors
         layout, so that a model's weights cost one name and one mapping.
-        metadata is safetensors' __metadata__ (str to str). next_version
-        makes the bundle the name's next version (create's), current once
-        every tensor is in it. commit=False returns it filled and not yet
+        metadata is safetensors' __metadata__ (str to str); mode as
+        create's. next_version makes the bundle the name's next version
+        (create's), current once every tensor is in it. commit=False returns it filled and not yet
         committed: its commit() names it (or makes the version current)."""
         if not tensors:
             raise ValueError("gpushm: put_tensors needs at least one tensor")

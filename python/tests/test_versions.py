@@ -124,13 +124,14 @@ def maps_at(addr):
 
 
 def test_next_version_refresh_in_place(daemon, client, name):
-    make(client, name, 1)
+    make(client, name, 1, mode=0o644)
     c, seg, arr = reader(daemon.socket, name, 1)
     at = address(arr)
     keep = gpushm.connect(daemon.socket)
     kept = keep.open(name)                               # a second reader of version 1, in its own client
     assert not seg.stale()
 
+    held = segments(client)
     waited = {}
     t = threading.Thread(target=lambda: waited.update(info=seg.wait_version(60)))
     t.start()
@@ -140,7 +141,7 @@ def test_next_version_refresh_in_place(daemon, client, name):
     assert seg.stale()
     assert np.array_equal(arr, pattern(1)), "a reader that has not refreshed saw the new version"
     st = client.stat(name)
-    assert st.version == 2 and len(st.versions) == 1
+    assert st.version == 2 and len(st.versions) == 1 and st.mode == 0o644   # the writer gave no mode: version 1's
     v1 = st.versions[0]
     assert (v1.id, v1.version, v1.opens, v1.pids) == (seg.id, 1, 2, (os.getpid(),))
 
@@ -156,28 +157,31 @@ def test_next_version_refresh_in_place(daemon, client, name):
     keep.close()                                         # the last reader of version 1 goes
     st = client.stat(name)
     assert st.versions == () and st.opens == 1
-    wait_all_named(client)                               # version 1 is freed
+    wait_segments(client, held)                          # version 1 is freed
     del seg, arr
     gc.collect()
     assert client.stat(name).opens == 0                  # the finalizer ended the lease on version 2
     c.close()
 
 
-def wait_all_named(client):
-    """Waits until every segment the daemon holds has a name: no earlier
-    version, and no writer's uncommitted one, is left."""
+def segments(client):
+    """How many segments the daemon holds, named or not."""
+    return client.info()["usage"]["segments"]
+
+
+def wait_segments(client, n):
+    """Waits until the daemon holds n segments: what a test let go of is
+    freed."""
     deadline = time.monotonic() + 10
-    while True:
-        usage = client.info()["usage"]
-        if usage["segments"] == usage["named"]:
-            return
-        assert time.monotonic() < deadline, usage
+    while segments(client) != n:
+        assert time.monotonic() < deadline, f"{segments(client)} segments held, want {n}"
         time.sleep(0.01)
 
 
 def test_writer_killed_before_commit_leaves_the_version(daemon, client, name):
     make(client, name, 1)
     c, seg, arr = reader(daemon.socket, name, 1)
+    held = segments(client)
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(WRITER), name, str(SIZE), "9", "die"],
                        env=env_for(daemon.socket), capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
@@ -187,7 +191,7 @@ def test_writer_killed_before_commit_leaves_the_version(daemon, client, name):
     st = client.stat(name)
     assert (st.id, st.version, st.versions) == (seg.id, 1, ())
     assert np.array_equal(arr, pattern(1))
-    wait_all_named(client)                               # the dead writer's segment goes
+    wait_segments(client, held)                          # the dead writer's segment goes
     del seg, arr
     c.close()
 
@@ -267,10 +271,11 @@ def test_tensor_and_bundle_refresh_keep_their_layout(daemon, client, name):
     with pytest.raises(gpushm.InvalidError, match="its tensor is int32"):
         ts.refresh()
     assert ta.dtype == np.float32 and ta.tolist() == [0, 1, 2, 3]
-    nv = client.create(t, shape=(4,), dtype="float32", next_version=True)
+    nv = client.create(t, shape=(4,), dtype="float32", next_version=True, mode=0o640)
     nv.write(np.full(4, 5, dtype=np.float32))
     nv.commit()
     assert ts.refresh() is True and ta.tolist() == [5, 5, 5, 5]
+    assert client.stat(t).mode == 0o640                  # a mode given is the new version's
     del nv, ta, ts, arrs, bundle, seg
     c.close()
 
