@@ -620,13 +620,16 @@ func (c *Client) reclaimLocked(ctx context.Context) error {
 		open = append(open, sh)
 	}
 	c.cmu.Unlock()
+	var released string
 	for _, sh := range open {
 		sh.mu.Lock()
-		released := sh.released
-		sh.mu.Unlock()
-		if released {
-			continue // no lease to take back: Reacquire takes a new one
+		if sh.released {
+			// No lease to take back: Reacquire takes a new one.
+			released = sh.info.Name
+			sh.mu.Unlock()
+			continue
 		}
+		sh.mu.Unlock()
 		c.nextID++
 		_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpReclaim, Segment: sh.info.ID, Count: 1, ReadOnly: sh.readOnly}, -1)
 		closeFD(fd)
@@ -643,6 +646,17 @@ func (c *Client) reclaimLocked(ctx context.Context) error {
 	}
 	if err := c.reclaimChannelsLocked(ctx); errors.Is(err, errLost) {
 		return err
+	}
+	if released != "" {
+		// A release whose close the restart cut off left a lease
+		// journaled for this session; the daemon ends what the session
+		// did not take back at its first request that is not a reclaim.
+		c.nextID++
+		_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpStat, Name: released}, -1)
+		closeFD(fd)
+		if errors.Is(err, errLost) {
+			return err
+		}
 	}
 	return nil
 }

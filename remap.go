@@ -101,7 +101,9 @@ func (s *Segment) Reacquire(ctx context.Context) error {
 // must fit the address range (its allocated size at most the first
 // version's; EFBIG otherwise). Nothing may use the old version's memory
 // meanwhile: finish the GPU work that reads it first (Refresh waits for
-// the device, but not for other processes or work queued later).
+// the device, but not for other processes or work queued later). A
+// version smaller than the one mapped is refused too (EINVAL): what was
+// taken of the old one would reach past its end.
 func (s *Segment) Refresh(ctx context.Context) (bool, error) {
 	if s.closed {
 		return false, errors.New("gpushm: refresh of a closed segment")
@@ -137,7 +139,7 @@ func (sh *shared) remapTo(ctx context.Context, anyVersion bool) (bool, error) {
 		c.roundTrip(context.Background(), &wire.Request{Op: wire.OpClose, Segment: id})
 	}
 	sh.mu.Lock()
-	reserved := sh.mapping.reserved
+	reserved, size := sh.mapping.reserved, sh.mapping.size
 	sh.mu.Unlock()
 	switch {
 	case info.ID == old && !released:
@@ -151,6 +153,12 @@ func (sh *shared) remapTo(ctx context.Context, anyVersion bool) (bool, error) {
 		endLease(info.ID)
 		return false, fmt.Errorf("gpushm: refresh %q: version %d needs %d bytes of addresses, and the mapping keeps %d (open it anew): %w",
 			name, info.Version, info.AllocSize, reserved, syscall.EFBIG)
+	case info.Size < size:
+		// Slices and pointers taken before would reach past its end, into
+		// addresses that fault.
+		endLease(info.ID)
+		return false, fmt.Errorf("gpushm: refresh %q: version %d has %d bytes, fewer than the %d mapped (open it anew): %w",
+			name, info.Version, info.Size, size, syscall.EINVAL)
 	}
 	held := !released && !noLease
 	sh.mu.Lock()

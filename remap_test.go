@@ -223,6 +223,15 @@ func TestReleaseReacquireAndVersions(t *testing.T) {
 			if !bytes.Equal(mapped(t, m), pattern(3, size)) {
 				t.Fatal("a refused refresh changed the mapping")
 			}
+			// A smaller version: what was taken of the mapping would reach
+			// past its end. EINVAL, and the mapping is kept.
+			nextVersion(t, d.Socket, "model", size/2, 5)
+			if _, err := rs.Refresh(ctx); !errors.Is(err, syscall.EINVAL) {
+				t.Fatalf("refresh onto a smaller version: %v, want EINVAL", err)
+			}
+			if !bytes.Equal(mapped(t, m), pattern(3, size)) || addr(m) != at {
+				t.Fatal("a refused refresh changed the mapping")
+			}
 		})
 	}
 }
