@@ -421,8 +421,11 @@ def main():
             if a.smoke or r["total"] < 16 * GIB:
                 continue
             if r["reacquire"]:
-                check(r["reacquire"] <= 0.4, "reacquire-16GiB",
-                      f"{fmt_s(r['reacquire'])} ({r['total'] / r['reacquire'] / 1e9:.1f} GB/s; target 0.4 s, 40 GB/s)")
+                # The two figures: 40 GB/s, and 0.4 s (42.9 GB/s at
+                # 16 GiB); each is checked.
+                check(r["total"] / r["reacquire"] >= 40e9, "reacquire-16GiB-rate",
+                      f"{r['total'] / r['reacquire'] / 1e9:.1f} GB/s (target 40 GB/s)")
+                check(r["reacquire"] <= 0.4, "reacquire-16GiB-time", f"{fmt_s(r['reacquire'])} (target 0.4 s)")
             if r["switch"]:
                 check(r["switch"] <= 0.005, "switch-16GiB", f"{r['switch'] * 1e3:.2f} ms (target 5 ms)")
             if r["copy"]:
