@@ -1,8 +1,9 @@
 """Installing gpushm as Python users do, each time into a fresh virtual
 environment and offline: the platform wheel that scripts/build-wheel makes
 (client and binary), and the source tree (`pip install ./python`, client
-only). Needs Debian's python3-venv and python3-wheel-whl; scripts/test
-installs them."""
+only, with no index and, as root, no network: its build backend needs
+nothing but the standard library). Needs Debian's python3-venv;
+scripts/test installs it."""
 
 import glob
 import os
@@ -94,18 +95,32 @@ print("ok")
     assert daemon.returncode == 0, err
 
 
-def test_source_install(tmp_path):
-    if not glob.glob(f"{DEBIAN_WHEELS}/wheel-*.whl"):
-        pytest.skip("needs python3-wheel-whl: pip builds ./python with setuptools and wheel, offline")
+def _offline(args):
+    """args run with no network at all where this process may make a
+    network namespace (root, as in CI), else as they are: PIP_NO_INDEX
+    keeps pip off the index either way."""
+    if os.geteuid() == 0 and shutil.which("unshare") and subprocess.run(
+            ["unshare", "-n", "true"], capture_output=True).returncode == 0:
+        return ["unshare", "-n", *map(str, args)]
+    return args
+
+
+def _source(tmp_path):
     src = tmp_path / "python"
     shutil.copytree(ROOT / "python", src, ignore=shutil.ignore_patterns("__pycache__", "build", "dist", "*.egg-info"))
+    return src
+
+
+def test_source_install(tmp_path):
+    # The README's command as it is: pip builds ./python in an isolated
+    # environment, which the backend (python/_build) leaves empty, so no
+    # index and no network are needed.
+    src = _source(tmp_path)
     venv = _venv(tmp_path)
     env = _env(venv)
-    # An ordinary, isolated build: pip takes setuptools and wheel from
-    # Debian's wheels instead of PyPI.
-    _run([venv / "bin" / "pip", "install", "--find-links", DEBIAN_WHEELS, str(src)], env)
+    _run(_offline([venv / "bin" / "pip", "install", str(src)]), env)
     script = f"""
-import gpushm
+import gpushm, _gpushm_hook, gpushm._site
 assert gpushm.__file__.startswith({str(venv)!r}), gpushm.__file__
 try:
     gpushm.binary()
@@ -115,3 +130,39 @@ except FileNotFoundError as e:
     out = _run([venv / "bin" / "python", "-c", script], env, cwd=tmp_path)
     assert out.startswith("client only: no gpushm binary"), out
     assert not (venv / "bin" / "gpushm").exists()
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    assert (site / "gpushm-safetensors.pth").exists(), "the safetensors hook's .pth was not installed"
+    assert "Requires-Python: >=3.9" in next(site.glob("gpushm-*.dist-info/METADATA")).read_text()
+
+
+def test_editable_and_sdist_install(tmp_path):
+    src = _source(tmp_path)
+    venv = _venv(tmp_path)
+    env = _env(venv)
+    _run(_offline([venv / "bin" / "pip", "install", "-e", str(src)]), env)
+    where = _run([venv / "bin" / "python", "-c", "import gpushm; print(gpushm.__file__)"], env, cwd=tmp_path).strip()
+    assert where == str(src / "gpushm" / "__init__.py"), where
+    _run([venv / "bin" / "pip", "uninstall", "-y", "gpushm"], env)
+    # The sdist the backend makes installs offline too.
+    dist = tmp_path / "dist"
+    name = _run([SYSTEM_PYTHON, "-c", f"import sys; sys.path.insert(0, {str(src / '_build')!r}); "
+                 f"import gpushm_build; print(gpushm_build.build_sdist({str(dist)!r}))"], env).strip()
+    _run(_offline([venv / "bin" / "pip", "install", str(dist / name)]), env)
+    where = _run([venv / "bin" / "python", "-c", "import gpushm; print(gpushm.__file__)"], env, cwd=tmp_path).strip()
+    assert where.startswith(str(venv)), where
+
+
+def test_backend_reads_pyproject_without_tomllib():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "python" / "_build"))
+    try:
+        import gpushm_build
+    finally:
+        sys.path.pop(0)
+    text = (ROOT / "python" / "pyproject.toml").read_text()
+    try:
+        import tomllib
+    except ImportError:
+        pytest.skip("needs Python 3.11's tomllib to compare with")
+    assert gpushm_build._small_toml(text) == tomllib.loads(text)
