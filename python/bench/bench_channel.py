@@ -442,6 +442,7 @@ def report(fw, a, g, q, argv):
     best = max(pct(g[label]["handoff"], 50) for label, _, _ in a.sizes)
     verdict(best < 20, f"moonshot: p50 hand-off under 20 us at every size (largest {best:.1f} us)", judged=False)
     if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)  # a fresh machine's $OUT may not exist yet
         with open(os.path.join(os.environ["OUT"], "bench_channel.json"), "w") as f:
             json.dump({"device": fw.device(), "mode": fw.mode, "gpushm": g, "peer": q}, f)
     return failures
