@@ -13,6 +13,7 @@ package metrics
 import (
 	"cmp"
 	"os/user"
+	"runtime"
 	"slices"
 	"strconv"
 	"sync"
@@ -98,6 +99,18 @@ func New(backend string, src Source) *Metrics {
 	m.reg.MustRegister(m.ops, m.latency, m.moves, m.conns, (*state)(m),
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
+}
+
+// SetBuild reports the daemon's version as gpushm_build_info, with the Go
+// release it was built with and the backend it serves: always 1, a series
+// to join others with by instance, as Prometheus' own *_build_info are.
+// Call it once, before serving.
+func (m *Metrics) SetBuild(version string) {
+	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name:        "gpushm_build_info",
+		Help:        "Always 1: the daemon's version, the Go release it was built with, and its backend.",
+		ConstLabels: prometheus.Labels{"version": version, "goversion": runtime.Version(), "backend": m.backend},
+	}, func() float64 { return 1 }))
 }
 
 // SetGPUs makes scrapes report the node's GPUs as f reports them (NVML's
