@@ -12,22 +12,33 @@ import (
 )
 
 func chownCmd() *cobra.Command {
-	return &cobra.Command{
+	cmd := &cobra.Command{
 		Use:   "chown [OWNER][:GROUP] NAME...",
 		Short: "Change segments' owner and group (names or numbers)",
 		Long: `Change the owner and group of segments, as chown(1) does for files. Only root
-may change the owner; the owner may change the group to its own group.`,
+may change the owner; the owner may change the group to its own group. It
+prints nothing, unless -o asks: each segment as it is now.`,
+		Example: `  gpushm chown alice:ml weights
+  gpushm chown :ml weights tokenizer`,
 		Args: cobra.MinimumNArgs(2),
+		ValidArgsFunction: func(cmd *cobra.Command, args []string, toComplete string) ([]cobra.Completion, cobra.ShellCompDirective) {
+			if len(args) == 0 {
+				return nil, cobra.ShellCompDirectiveNoFileComp
+			}
+			return segmentNames()(cmd, args[1:], toComplete)
+		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			uid, gid, err := parseOwner(args[0])
 			if err != nil {
-				return err
+				return usagef(cmd, "chown: %v", err)
 			}
-			return eachName(cmd.Context(), args[1:], func(c *gpushm.Client, name string) error {
+			return eachChanged(cmd.Context(), "chown", args[1:], func(c *gpushm.Client, name string) error {
 				return c.Chown(cmd.Context(), name, uid, gid)
 			})
 		},
 	}
+	addOutput(cmd, false)
+	return cmd
 }
 
 // parseOwner reads OWNER, OWNER:GROUP or :GROUP; -1 is "leave as it is".

@@ -28,53 +28,78 @@ func createCmd() *cobra.Command {
 also written KiB, MiB, ...) or KB, MB, GB, TB (powers of 1000). The segment
 lives until 'gpushm rm'; its memory is rounded up to the device's allocation
 granularity.`,
-		Args: cobra.ExactArgs(2),
+		Example: `  gpushm create kv 64MiB
+  gpushm create scratch 1G --mode 0660 --ttl 10m
+  gpushm create kv 64MiB --exist-ok -o json`,
+		Args:              cobra.ExactArgs(2),
+		ValidArgsFunction: cobra.NoFileCompletions,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			size, err := bytesize.Parse(args[1])
-			if err != nil {
-				return err
-			}
-			o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl, Pin: pin}
-			if mode != "" {
-				m, err := strconv.ParseUint(mode, 8, 32)
-				if err != nil {
-					return fmt.Errorf("--mode %q: want octal permission bits such as 0640", mode)
-				}
-				m32 := uint32(m)
-				o.Mode = &m32
-			}
-			if meta != "" {
-				if !json.Valid([]byte(meta)) {
-					return fmt.Errorf("--meta: not valid JSON")
-				}
-				o.Meta = json.RawMessage(meta)
-			}
-			c, err := dial(cmd.Context())
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			if o.Device, err = resolveDevice(cmd.Context(), c, device); err != nil {
-				return err
-			}
-			inf, created, err := c.CreateOnly(cmd.Context(), args[0], size, o)
-			if err != nil {
-				return err
-			}
-			verb := "created"
-			if !created {
-				verb = "exists:"
-			}
-			fmt.Printf("%s %s: %s on device %d (allocated %s)\n", verb, inf.Name, bytesize.Format(inf.Size), inf.Device, bytesize.Format(inf.AllocSize))
-			return nil
+			return failed("create", args[0], create(cmd, args[0], args[1], device, mode, meta, existOK, pin, ttl))
 		},
 	}
 	f := cmd.Flags()
+
 	f.StringVar(&device, "device", "", "GPU ordinal or UUID (default: the daemon's first device)")
 	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
 	f.StringVar(&meta, "meta", "", "user metadata, a JSON value")
 	f.BoolVar(&existOK, "exist-ok", false, "succeed if the segment exists with the same size and device")
 	f.BoolVar(&pin, "pin", false, "keep the segment on its device: never evict it to host memory when the device's budget needs room ('gpushm unpin' lets it go)")
 	f.DurationVar(&ttl, "ttl", 0, "remove the segment once nobody has had it open for this long (e.g. 10m)")
+	addOutput(cmd, false)
 	return cmd
+}
+
+func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existOK, pin bool, ttl time.Duration) error {
+	size, err := bytesize.Parse(sizeArg)
+	if err != nil {
+		return usagef(cmd, "create %s: %v", name, err)
+	}
+	o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl, Pin: pin}
+	if o.Mode, err = parseMode(cmd, mode); err != nil {
+		return err
+	}
+	if meta != "" {
+		if !json.Valid([]byte(meta)) {
+			return usagef(cmd, "--meta: not valid JSON")
+		}
+		o.Meta = json.RawMessage(meta)
+	}
+	c, err := dial(cmd.Context())
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	if o.Device, err = resolveDevice(cmd.Context(), c, device); err != nil {
+		return err
+	}
+	inf, created, err := c.CreateOnly(cmd.Context(), name, size, o)
+	if err != nil {
+		return err
+	}
+	switch {
+	case structured():
+		return printValue(viewOf(inf))
+	case output == "name":
+		printNames(inf.Name)
+		return nil
+	}
+	verb := "created"
+	if !created {
+		verb = "exists:"
+	}
+	fmt.Printf("%s %s: %s on device %d (allocated %s)\n", verb, inf.Name, bytesize.Format(inf.Size), inf.Device, bytesize.Format(inf.AllocSize))
+	return nil
+}
+
+// parseMode reads --mode: octal permission bits, or "" for the default.
+func parseMode(cmd *cobra.Command, mode string) (*uint32, error) {
+	if mode == "" {
+		return nil, nil
+	}
+	m, err := strconv.ParseUint(mode, 8, 32)
+	if err != nil {
+		return nil, usagef(cmd, "--mode %q: want octal permission bits such as 0640", mode)
+	}
+	m32 := uint32(m)
+	return &m32, nil
 }

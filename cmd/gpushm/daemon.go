@@ -89,6 +89,10 @@ limit is refused with an error naming the limit and its numbers
 with VMM and POSIX file descriptor handles is present, and host memory
 (memfd) otherwise. It refuses to start when another daemon serves the
 socket, and replaces a stale socket file.`,
+		Example: `  gpushm daemon                                  # CUDA when a GPU is there, else host memory
+  gpushm daemon --backend host --socket /tmp/gpushm.sock
+  gpushm daemon --gpu-budget 80% --metrics-listen 127.0.0.1:9464
+  sudo gpushm install-systemd --enable           # under systemd instead`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var lvl slog.Level
@@ -626,6 +630,7 @@ func (e *extras) start() error {
 			backend.Backend
 		}{e.srv.Registry(), e.b})
 		m.SetGPUs(e.gpus)
+		m.SetBuild(version)
 		if !e.observer {
 			e.srv.SetObserver(m)
 			e.observer = true

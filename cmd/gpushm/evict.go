@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -25,26 +26,48 @@ func evictCmd() *cobra.Command {
 and its device memory is freed. A segment open somewhere, pinned or a
 channel is refused (EBUSY); one in host memory already stays there. The
 owner or root may evict.`,
+		`  gpushm evict old-model
+  gpushm evict $(gpushm ls -o name 'ckpt-*')`,
 		func(ctx context.Context, c *gpushm.Client, name string) (*gpushm.SegmentInfo, error) {
 			return c.Evict(ctx, name)
 		})
 }
 
 // tierCmd runs op on every name and says where each segment is now.
-func tierCmd(use, short, long string, op func(context.Context, *gpushm.Client, string) (*gpushm.SegmentInfo, error)) *cobra.Command {
-	return &cobra.Command{
-		Use:   use,
-		Short: short,
-		Long:  long,
-		Args:  cobra.MinimumNArgs(1),
+func tierCmd(use, short, long, example string, op func(context.Context, *gpushm.Client, string) (*gpushm.SegmentInfo, error)) *cobra.Command {
+	verb, _, _ := strings.Cut(use, " ")
+	cmd := &cobra.Command{
+		Use:               use,
+		Short:             short,
+		Long:              long,
+		Example:           example,
+		Args:              cobra.MinimumNArgs(1),
+		ValidArgsFunction: segmentNames(),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return eachName(cmd.Context(), args, func(c *gpushm.Client, name string) error {
+			var done []gpushm.SegmentInfo
+			err := eachName(cmd.Context(), verb, args, func(c *gpushm.Client, name string) error {
 				s, err := op(cmd.Context(), c, name)
-				if err == nil {
+				if err != nil {
+					return err
+				}
+				switch output {
+				case "json", "yaml":
+					done = append(done, *s)
+				case "name":
+					printNames(s.Name)
+				default:
 					fmt.Printf("%s: %s, %s\n", s.Name, bytesize.Format(s.AllocSize), tier(s))
 				}
-				return err
+				return nil
 			})
+			if structured() && !isUnreachable(err) {
+				if perr := printValue(viewsOf(done)); err == nil {
+					err = perr
+				}
+			}
+			return err
 		},
 	}
+	addOutput(cmd, false)
+	return cmd
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"os"
 	"text/tabwriter"
@@ -12,83 +11,82 @@ import (
 )
 
 func infoCmd() *cobra.Command {
-	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "info",
 		Short: "Show the daemon's backend, devices and processes",
 		Long: `Show the daemon's backend, devices and processes. It exits 0 only when a
 daemon answers, so it doubles as a health check.
 
-With --json it prints one JSON document with the protocol's field names
-(docs/protocol.md, "info"), including "pid", the process serving the socket
+-o json (or --json) and -o yaml print one document with the protocol's
+field names (docs/protocol.md, "info"), including "pid", the process serving the socket
 (the one a crash would take down), and "supervisor_pid", the one holding
 every segment across restarts of the serving process.`,
+		Example: `  gpushm info
+  gpushm info -o json | jq .usage
+  until gpushm info >/dev/null 2>&1; do sleep 1; done   # wait for the daemon`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := dial(cmd.Context())
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			inf, err := c.Info(cmd.Context())
-			if err != nil {
-				return err
-			}
-			if asJSON {
-				return printJSON(inf)
-			}
-			fmt.Printf("daemon:   gpushm %s at %s\nbackend:  %s\n", inf.Server, c.Socket(), inf.Backend)
-			fmt.Printf("process:  serving %d, supervisor %d, %d restart(s)", inf.PID, inf.SupervisorPID, inf.Restarts)
-			if inf.Grace > 0 {
-				fmt.Printf(", %s left to reclaim leases", inf.Grace.Round(100*time.Millisecond))
-			}
-			fmt.Println()
-			fmt.Printf("segments: %d named, %d holding memory, %s allocated, %d opens\n",
-				inf.Usage.Named, inf.Usage.Segments, bytesize.Format(inf.Usage.Bytes), inf.Usage.Opens)
-			if p := inf.Pool; p != nil {
-				// Counted as free below: a create takes it first.
-				fmt.Printf("pool:     %d allocations made ahead of time, %s\n", p.Ready, bytesize.Format(p.Bytes))
-			}
-			if t := inf.Tiers; t != nil {
-				for _, d := range t.Devices {
-					budget := "no budget"
-					if d.Budget > 0 {
-						budget = "budget " + bytesize.Format(d.Budget)
-					}
-					fmt.Printf("tier gpu: device %d: %s on it, %s (peak %s)\n", d.Device, bytesize.Format(d.Bytes), budget, bytesize.Format(d.Peak))
-				}
-				hostBudget := "eviction off (--host-budget 0)"
-				if t.HostBudget > 0 {
-					hostBudget = "budget " + bytesize.Format(t.HostBudget)
-				}
-				fmt.Printf("tier host: %s evicted, %s in copies of segments back on their GPU, %s; %d evictions (%s), %d restores (%s)\n",
-					bytesize.Format(t.HostBytes), bytesize.Format(t.CleanBytes), hostBudget, t.Evictions,
-					bytesize.Format(t.EvictedBytes), t.Restores, bytesize.Format(t.RestoredBytes))
-			}
-			fmt.Println()
-			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "DEVICE\tNAME\tUUID\tTOTAL\tFREE\tGRANULARITY")
-			for _, d := range inf.Devices {
-				uuid := d.UUID
-				if uuid == "" {
-					uuid = "-"
-				}
-				fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\n", d.Index, d.Name, uuid,
-					bytesize.Format(int64(d.TotalBytes)), bytesize.Format(int64(d.FreeBytes)), bytesize.Format(d.Granularity))
-			}
-			if err := w.Flush(); err != nil {
-				return err
-			}
-			return printGPUs(os.Stdout, inf.GPU)
+			return failed("info", "", info(cmd))
 		},
 	}
-	cmd.Flags().BoolVar(&asJSON, "json", false, "print one JSON document (the protocol's field names)")
+	addOutput(cmd, true, "json", "yaml", "wide")
 	return cmd
 }
 
-// printJSON writes v as indented JSON on standard output.
-func printJSON(v any) error {
-	enc := json.NewEncoder(os.Stdout)
-	enc.SetIndent("", "  ")
-	return enc.Encode(v)
+func info(cmd *cobra.Command) error {
+	c, err := dial(cmd.Context())
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	inf, err := c.Info(cmd.Context())
+	if err != nil {
+		return err
+	}
+	if structured() {
+		return printValue(inf)
+	}
+	fmt.Printf("daemon:   gpushm %s at %s\nbackend:  %s\n", inf.Server, c.Socket(), inf.Backend)
+	fmt.Printf("process:  serving %d, supervisor %d, %d restart(s)", inf.PID, inf.SupervisorPID, inf.Restarts)
+	if inf.Grace > 0 {
+		fmt.Printf(", %s left to reclaim leases", inf.Grace.Round(100*time.Millisecond))
+	}
+	fmt.Println()
+	fmt.Printf("segments: %d named, %d holding memory, %s allocated, %d opens\n",
+		inf.Usage.Named, inf.Usage.Segments, bytesize.Format(inf.Usage.Bytes), inf.Usage.Opens)
+	if p := inf.Pool; p != nil {
+		// Counted as free below: a create takes it first.
+		fmt.Printf("pool:     %d allocations made ahead of time, %s\n", p.Ready, bytesize.Format(p.Bytes))
+	}
+	if t := inf.Tiers; t != nil {
+		for _, d := range t.Devices {
+			budget := "no budget"
+			if d.Budget > 0 {
+				budget = "budget " + bytesize.Format(d.Budget)
+			}
+			fmt.Printf("tier gpu: device %d: %s on it, %s (peak %s)\n", d.Device, bytesize.Format(d.Bytes), budget, bytesize.Format(d.Peak))
+		}
+		hostBudget := "eviction off (--host-budget 0)"
+		if t.HostBudget > 0 {
+			hostBudget = "budget " + bytesize.Format(t.HostBudget)
+		}
+		fmt.Printf("tier host: %s evicted, %s in copies of segments back on their GPU, %s; %d evictions (%s), %d restores (%s)\n",
+			bytesize.Format(t.HostBytes), bytesize.Format(t.CleanBytes), hostBudget, t.Evictions,
+			bytesize.Format(t.EvictedBytes), t.Restores, bytesize.Format(t.RestoredBytes))
+	}
+	fmt.Println()
+	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(w, "DEVICE\tNAME\tUUID\tTOTAL\tFREE\tGRANULARITY")
+	for _, d := range inf.Devices {
+		uuid := d.UUID
+		if uuid == "" {
+			uuid = "-"
+		}
+		fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\n", d.Index, d.Name, uuid,
+			bytesize.Format(int64(d.TotalBytes)), bytesize.Format(int64(d.FreeBytes)), bytesize.Format(d.Granularity))
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	return printGPUs(os.Stdout, inf.GPU)
 }

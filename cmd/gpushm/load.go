@@ -15,6 +15,8 @@ func loadCmd() *cobra.Command {
 'gpushm load' brings a segment back now, so that the next open need not
 wait for the copy; a segment on its device already stays. Read access is
 enough.`,
+		`  gpushm load weights          # before the workers start
+  gpushm load $(gpushm ls -o name 'llama-*')`,
 		func(ctx context.Context, c *gpushm.Client, name string) (*gpushm.SegmentInfo, error) {
 			return c.Load(ctx, name)
 		})

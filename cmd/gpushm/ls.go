@@ -1,10 +1,13 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"os"
-	"os/user"
+	"path"
 	"strconv"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -12,15 +15,21 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/bytesize"
+	"github.com/gpushm/gpushm/internal/segment"
 )
 
 func lsCmd() *cobra.Command {
-	var bytes, wide, asJSON bool
+	var bytes, wide bool
 	cmd := &cobra.Command{
-		Use:     "ls",
+		Use:     "ls [NAME|PATTERN]...",
 		Aliases: []string{"list"},
-		Short:   "List segments",
-		Long: `List segments. LIFETIME says how each ends: "-" when removed, "creator"
+		Short:   "List segments, all or those named (PATTERN: a shell glob such as 'llama-*')",
+		Long: `List segments: all of them, or those named, and those a PATTERN matches
+(a shell glob: *, ? and [...]; quote it, so that the shell does not match
+it against files). A NAME that names no segment is an error, reported
+after the others are listed; a PATTERN that matches none is not.
+
+LIFETIME says how each ends: "-" when removed, "creator"
 with its creator's connection, "ttl" after that long unopened, and
 "orphaned" for one that survived a restart in a state the daemon could not
 prove (see 'gpushm stat NAME'; 'gpushm rm NAME' frees it), "channel of N"
@@ -34,65 +43,124 @@ when it never leaves it), or "host" when the daemon evicted it to host
 memory to keep its device under budget (the next open brings it back;
 docs/architecture.md, "Tiers"). OPENED is how long ago it was last opened.
 
-With --json it prints one JSON array of segment objects with the protocol's
-field names (docs/protocol.md).`,
-		Args: cobra.NoArgs,
+-o wide adds each segment's GPU by name and UUID; -o json (or --json) and
+-o yaml print every segment in full, meta included, with the protocol's
+field names (docs/cli.md, "Output"); -o name prints the names alone.`,
+		Example: `  gpushm ls
+  gpushm ls 'llama-*' -o wide
+  gpushm ls -o json | jq -r '.[] | select(.tier == "host") | .name'
+  gpushm ls -o name | xargs gpushm load`,
+		ValidArgsFunction: segmentNames(),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := dial(cmd.Context())
-			if err != nil {
-				return err
+			if wide && output == "" {
+				output = "wide"
 			}
-			defer c.Close()
-			segs, err := c.List(cmd.Context())
-			if err != nil {
-				return err
-			}
-			if asJSON {
-				if segs == nil {
-					segs = []gpushm.SegmentInfo{}
-				}
-				return printJSON(segs)
-			}
-			devName := map[int]string{}
-			if wide {
-				inf, err := c.Info(cmd.Context())
-				if err != nil {
-					return err
-				}
-				for _, d := range inf.Devices {
-					id := d.UUID
-					if id == "" {
-						id = "-"
-					}
-					devName[d.Index] = d.Name + "\t" + id
-				}
-			}
-			w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-			header := "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tTIER\tOPENED\tAGE\tLIFETIME"
-			if wide {
-				header += "\tGPU\tUUID"
-			}
-			fmt.Fprintln(w, header)
-			for _, s := range segs {
-				size := bytesize.Format(s.Size)
-				if bytes {
-					size = strconv.FormatInt(s.Size, 10)
-				}
-				fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\t%s\t%s\t%s", s.Name, size, s.Device,
-					owner(s.UID, s.GID), s.Mode, s.Opens, tier(&s), opened(&s),
-					age(time.Since(time.Unix(0, s.Created))), lifetime(&s))
-				if wide {
-					fmt.Fprintf(w, "\t%s", devName[s.Device])
-				}
-				fmt.Fprintln(w)
-			}
-			return w.Flush()
+			return failed("ls", "", list(cmd.Context(), args, bytes))
 		},
 	}
 	cmd.Flags().BoolVar(&bytes, "bytes", false, "print sizes in bytes")
-	cmd.Flags().BoolVarP(&wide, "wide", "w", false, "also show each segment's GPU by name and UUID")
-	cmd.Flags().BoolVar(&asJSON, "json", false, "print one JSON array (the protocol's field names)")
+	cmd.Flags().BoolVarP(&wide, "wide", "w", false, "short for -o wide")
+	addOutput(cmd, true)
 	return cmd
+}
+
+// isPattern says whether an argument of ls is a glob rather than a name.
+func isPattern(arg string) bool { return strings.ContainsAny(arg, "*?[\\") }
+
+func list(ctx context.Context, args []string, bytes bool) error {
+	for _, a := range args {
+		if _, err := path.Match(a, ""); err != nil {
+			return fmt.Errorf("pattern %q: %w", a, err)
+		}
+	}
+	c, err := dial(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	all, err := c.List(ctx)
+	if err != nil {
+		return err
+	}
+	var segs []gpushm.SegmentInfo
+	matched := make([]bool, len(args))
+	for _, s := range all {
+		keep := len(args) == 0
+		for i, a := range args {
+			if ok, _ := path.Match(a, s.Name); ok {
+				matched[i], keep = true, true
+			}
+		}
+		if keep {
+			segs = append(segs, s)
+		}
+	}
+	var errs []error
+	for i, a := range args {
+		if !matched[i] && !isPattern(a) {
+			errs = append(errs, failed("ls", a, segment.ErrNotFound))
+		}
+	}
+	if len(segs) > 0 || len(args) == 0 || structured() {
+		if err := printList(ctx, c, segs, bytes); err != nil {
+			return err
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func printList(ctx context.Context, c *gpushm.Client, segs []gpushm.SegmentInfo, bytes bool) error {
+	switch output {
+	case "json", "yaml":
+		// A list carries no meta (docs/protocol.md): each segment's stat
+		// does. One gone meanwhile is listed as the list saw it.
+		for i := range segs {
+			if s, err := c.Stat(ctx, segs[i].Name); err == nil && s.ID == segs[i].ID {
+				segs[i].Meta = s.Meta
+			}
+		}
+		return printValue(viewsOf(segs))
+	case "name":
+		for _, s := range segs {
+			printNames(s.Name)
+		}
+		return nil
+	}
+	wide := output == "wide"
+	devName := map[int]string{}
+	if wide {
+		inf, err := c.Info(ctx)
+		if err != nil {
+			return err
+		}
+		for _, d := range inf.Devices {
+			id := d.UUID
+			if id == "" {
+				id = "-"
+			}
+			devName[d.Index] = d.Name + "\t" + id
+		}
+	}
+	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	header := "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tTIER\tOPENED\tAGE\tLIFETIME"
+	if wide {
+		header += "\tGPU\tUUID"
+	}
+	fmt.Fprintln(w, header)
+	for _, s := range segs {
+		size := bytesize.Format(s.Size)
+		if bytes {
+			size = strconv.FormatInt(s.Size, 10)
+		}
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\t%s\t%s\t%s", s.Name, size, s.Device,
+			owner(s.UID, s.GID), s.Mode, s.Opens, tier(&s), opened(&s),
+			age(time.Since(time.Unix(0, s.Created))), lifetime(&s))
+		if wide {
+			fmt.Fprintf(w, "\t%s", devName[s.Device])
+		}
+		fmt.Fprintln(w)
+	}
+	return w.Flush()
 }
 
 // lifetime says how a segment ends: "-" (when removed), "creator" (with
@@ -137,17 +205,7 @@ func opened(s *gpushm.SegmentInfo) string {
 	return age(time.Since(time.Unix(0, s.LastOpen)))
 }
 
-func owner(uid, gid uint32) string {
-	u := strconv.FormatUint(uint64(uid), 10)
-	if pw, err := user.LookupId(u); err == nil {
-		u = pw.Username
-	}
-	g := strconv.FormatUint(uint64(gid), 10)
-	if gr, err := user.LookupGroupId(g); err == nil {
-		g = gr.Name
-	}
-	return u + ":" + g
-}
+func owner(uid, gid uint32) string { return userName(uid) + ":" + groupName(gid) }
 
 func age(d time.Duration) string {
 	switch {

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -136,12 +137,24 @@ func mustRun(t *testing.T, stdin []byte, args ...string) string {
 	return r.stdout
 }
 
+// mustFail runs a command that must fail with an error (a line starting
+// "gpushm: ", after any notices) that mentions want.
 func mustFail(t *testing.T, want string, args ...string) {
 	t.Helper()
 	r := cli(t, nil, args...)
-	if r.code == 0 || !strings.Contains(r.stderr, want) || !strings.HasPrefix(r.stderr, "gpushm: ") {
+	if r.code == 0 || !errorSays(r.stderr, want) {
 		t.Fatalf("gpushm %v: exit %d, stderr %q; want failure mentioning %q", args, r.code, r.stderr, want)
 	}
+}
+
+// errorSays says whether an error line of stderr mentions want.
+func errorSays(stderr, want string) bool {
+	for _, line := range strings.Split(stderr, "\n") {
+		if strings.HasPrefix(line, "gpushm: ") && strings.Contains(line, want) {
+			return true
+		}
+	}
+	return false
 }
 
 // startDaemonProc runs 'gpushm daemon' as a separate process.
@@ -343,6 +356,7 @@ func TestMetricsEndpoint(t *testing.T) {
 		`gpushm_operations_total{code="OK",op="create"} 1`,
 		`gpushm_device_memory_total_bytes{device="0",name="host memory",uuid=""}`,
 		`gpushm_operation_duration_seconds_bucket{op="create"`,
+		`gpushm_build_info{backend="host",goversion="` + runtime.Version() + `",version="` + version + `"} 1`,
 	} {
 		if !strings.Contains(string(body), want) {
 			t.Errorf("/metrics lacks %s", want)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"io"
 	"os"
 	"time"
@@ -17,8 +18,9 @@ const minProgress = 256 << 20
 // of total bytes, when standard error is a terminal; otherwise nothing. Its
 // methods are safe for concurrent use, and a nil *progress does nothing.
 type progress struct {
-	p   *mpb.Progress
-	bar *mpb.Bar
+	p     *mpb.Progress
+	bar   *mpb.Bar
+	total int64
 }
 
 func newProgress(what string, total int64) *progress {
@@ -30,17 +32,31 @@ func newProgress(what string, total int64) *progress {
 	// refresh keeps finish from waiting for ever should the two checks
 	// ever disagree (they once did, for /dev/null).
 	p := mpb.New(mpb.WithOutput(os.Stderr), mpb.WithWidth(40), mpb.WithRefreshRate(150*time.Millisecond), mpb.WithAutoRefresh())
+	start, final := time.Now(), ""
 	bar := p.AddBar(total,
 		mpb.PrependDecorators(
 			decor.Name(what+" ", decor.WCSyncSpaceR),
 			decor.CountersKibiByte("% .1f / % .1f", decor.WCSyncSpace),
 		),
 		mpb.AppendDecorators(
-			decor.AverageSpeed(decor.SizeB1000(0), "% .2f", decor.WCSyncSpace),
+			// mpb's AverageSpeed keeps the rate of the last frame before
+			// completion, which for a copy the daemon makes in a few
+			// steps may be none: this one is the whole copy's at the end.
+			decor.Any(func(s decor.Statistics) string {
+				if final != "" {
+					return final
+				}
+				rate := float64(s.Current) / max(time.Since(start).Seconds(), 1e-9)
+				msg := fmt.Sprintf("% .2f/s", decor.SizeB1000(int64(rate)))
+				if s.Completed {
+					final = msg
+				}
+				return msg
+			}, decor.WCSyncSpace),
 			decor.OnComplete(decor.AverageETA(decor.ET_STYLE_GO, decor.WCSyncSpace), " done"),
 		),
 	)
-	return &progress{p, bar}
+	return &progress{p, bar, total}
 }
 
 // add counts n more bytes done.
@@ -66,9 +82,11 @@ func (p *progress) finish(err error) {
 	if err != nil {
 		p.bar.Abort(false)
 	} else {
-		// Complete at what was counted: a total given up front may include
-		// bytes that were written without a count, such as headers.
-		p.bar.SetTotal(-1, true)
+		// Complete, though a total given up front may include bytes that
+		// were written without a count, such as headers. (SetTotal would
+		// not do: mpb ignores it for a bar made with a total, and Wait
+		// then waited for ever.)
+		p.bar.SetCurrent(p.total)
 	}
 	p.p.Wait()
 }

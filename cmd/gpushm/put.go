@@ -8,17 +8,18 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/checkpoint"
 	"github.com/gpushm/gpushm/internal/bytesize"
 	layout "github.com/gpushm/gpushm/internal/checkpoint"
+	"github.com/gpushm/gpushm/internal/crc32c"
 )
 
 func putCmd() *cobra.Command {
@@ -71,85 +72,46 @@ that hold the old one keep it until they refresh onto the new one (at the
 same addresses) or close it; it is freed after the last of them.
 'gpushm stat NAME' shows the versions still held. Only NAME's owner (or
 root) may replace it.`,
+		Example: `  gpushm put weights model.bin
+  gpushm put llama /models/llama              # a checkpoint directory
+  curl -s https://example.com/w.bin | gpushm put weights -
+  gpushm put --new-version weights model-v2.bin`,
 		Args: cobra.ExactArgs(2),
-		RunE: func(cmd *cobra.Command, args []string) (err error) {
+		ValidArgsFunction: namesThenFiles(func(cmd *cobra.Command) bool {
+			on, _ := cmd.Flags().GetBool("new-version")
+			return on // a new name otherwise: nothing to complete
+		}),
+		RunE: func(cmd *cobra.Command, args []string) error {
 			name, path := args[0], args[1]
-			defer func() {
-				if errors.Is(err, syscall.EEXIST) && !next {
-					err = fmt.Errorf("%w ('gpushm put --new-version %s ...' replaces it)", err, name)
-				}
-			}()
 			co, err := copyOpts.options()
 			if err != nil {
-				return err
+				return usagef(cmd, "%v", err)
 			}
-			var perm *uint32
-			if mode != "" {
-				m, err := strconv.ParseUint(mode, 8, 32)
-				if err != nil {
-					return fmt.Errorf("--mode %q: want octal permission bits such as 0640", mode)
-				}
-				m32 := uint32(m)
-				perm = &m32
+			perm, err := parseMode(cmd, mode)
+			if err != nil {
+				return err
 			}
 			inDaemon, err := copyOpts.inDaemon()
 			if err != nil {
-				return err
+				return usagef(cmd, "%v", err)
 			}
-			start := time.Now()
-			if path != "-" {
-				if st, err := os.Stat(path); err == nil && st.IsDir() {
-					return putDir(cmd.Context(), name, path, device, perm, readOnly, co, inDaemon, verbose, next, start)
-				}
+			ctx, stop := interruptible(cmd.Context())
+			defer stop()
+			o := putOptions{device: device, perm: perm, readOnly: readOnly, co: co, inDaemon: inDaemon, verbose: verbose, next: next}
+			var res copyResult
+			if st, serr := os.Stat(path); path != "-" && serr == nil && st.IsDir() {
+				res, err = putDir(ctx, name, path, o)
+			} else {
+				res, err = putFile(ctx, name, path, o)
 			}
-			f, size, cleanup, err := openSource(path)
+			err = failed("put", name, err)
+			if errors.Is(err, syscall.EEXIST) && !next {
+				err = fmt.Errorf("%w ('gpushm put --new-version %s ...' replaces it)", err, name)
+			}
 			if err != nil {
 				return err
 			}
-			defer cleanup()
-			if size == 0 {
-				return fmt.Errorf("put %s: %s is empty, and a segment has at least one byte", name, path)
-			}
-			// The file's identity, taken before its header is read, for
-			// the bundle's origin.
-			var origin *layout.Origin
-			if path != "-" {
-				origin = &layout.Origin{}
-				if origin.Dir, err = layout.OriginDir(filepath.Dir(path)); err != nil {
-					return fmt.Errorf("put %s: %w", name, err)
-				}
-				id, err := layout.StatFile(f)
-				if err != nil {
-					return fmt.Errorf("put %s: %w", name, err)
-				}
-				id.Name = filepath.Base(path)
-				origin.Files = []layout.Identity{id}
-			}
-			o := &gpushm.CreateOptions{Mode: perm, NextVersion: next}
-			if o.Meta, err = layout.FileMeta(f, size, readOnly); err != nil {
-				return fmt.Errorf("put %s: %w", name, err)
-			}
-			if o.Meta == nil && readOnly {
-				return fmt.Errorf("put %s: --readonly-default is for tensor bundles, and %s is not a safetensors file", name, path)
-			}
-			if o.Meta == nil {
-				origin = nil // only bundles say where they came from
-			}
-			ctx := cmd.Context()
-			c, err := dial(ctx)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			if o.Device, err = resolveDevice(ctx, c, device); err != nil {
-				return err
-			}
-			st, err := put(ctx, c, name, f, size, o, co, inDaemon, origin)
-			if err != nil {
-				return err
-			}
-			report("put", name, size, time.Since(start), st, verbose)
-			return nil
+			return printCopy(res)
 		},
 	}
 	f := cmd.Flags()
@@ -159,7 +121,90 @@ root) may replace it.`,
 	f.BoolVarP(&verbose, "verbose", "v", false, "print what was copied, how, and how fast")
 	f.BoolVar(&next, "new-version", false, "replace an existing NAME with this copy as its next version, once the copy is complete (readers refresh onto it)")
 	copyOpts.register(cmd)
+	addOutput(cmd, false)
 	return cmd
+}
+
+// putOptions are put's flags, read.
+type putOptions struct {
+	device   string
+	perm     *uint32
+	readOnly bool
+	co       *gpushm.CopyOptions
+	inDaemon bool
+	verbose  bool
+	next     bool
+}
+
+// putFile puts a file, or standard input ("-"), into a new segment name.
+func putFile(ctx context.Context, name, path string, po putOptions) (res copyResult, err error) {
+	start := time.Now()
+	f, size, cleanup, err := openSource(ctx, path)
+	if err != nil {
+		return res, err
+	}
+	defer cleanup()
+	if size == 0 {
+		return res, fmt.Errorf("%s is empty, and a segment has at least one byte", path)
+	}
+	// The file's identity, taken before its header is read, for the
+	// bundle's origin.
+	var origin *layout.Origin
+	if path != "-" {
+		origin = &layout.Origin{}
+		if origin.Dir, err = layout.OriginDir(filepath.Dir(path)); err != nil {
+			return res, err
+		}
+		id, err := layout.StatFile(f)
+		if err != nil {
+			return res, err
+		}
+		id.Name = filepath.Base(path)
+		origin.Files = []layout.Identity{id}
+	}
+	o := &gpushm.CreateOptions{Mode: po.perm, NextVersion: po.next}
+	if o.Meta, err = layout.FileMeta(f, size, po.readOnly); err != nil {
+		return res, err
+	}
+	if o.Meta == nil && po.readOnly {
+		return res, fmt.Errorf("--readonly-default is for tensor bundles, and %s is not a safetensors file", path)
+	}
+	if o.Meta == nil {
+		origin = nil // only bundles say where they came from
+	}
+	c, err := dial(ctx)
+	if err != nil {
+		return res, err
+	}
+	defer c.Close()
+	if o.Device, err = resolveDevice(ctx, c, po.device); err != nil {
+		return res, err
+	}
+	st, copier, err := put(ctx, c, name, f, size, o, po.co, po.inDaemon, origin)
+	if err != nil {
+		return res, err
+	}
+	res = copyResult{Name: name, File: path, Bytes: size, Copier: copier}
+	if origin != nil && len(st.CRC32C) == 1 {
+		res.CRC32C = crc32c.Format(st.CRC32C[0])
+	}
+	res.finish(start)
+	report("put", name, size, time.Since(start), st, po.verbose)
+	return res, describe(ctx, c, &res)
+}
+
+// describe adds the segment put made to res, for -o json and yaml.
+func describe(ctx context.Context, c *gpushm.Client, res *copyResult) error {
+	if !structured() {
+		return nil
+	}
+	s, err := c.Stat(ctx, res.Name)
+	if err != nil {
+		return fmt.Errorf("put, then: %w", err)
+	}
+	v := viewOf(s)
+	res.Segment = &v
+	return nil
 }
 
 // copyFlags are the copy tuning flags of put and get.
@@ -220,24 +265,25 @@ func (c *copyFlags) options() (*gpushm.CopyOptions, error) {
 	return o, nil
 }
 
-func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnly bool, co *gpushm.CopyOptions, inDaemon bool, verbose bool, next bool, start time.Time) error {
+func putDir(ctx context.Context, name, dir string, po putOptions) (res copyResult, err error) {
+	start := time.Now()
 	ck, err := checkpoint.Open(dir)
 	if err != nil {
-		return fmt.Errorf("put %s: %w", name, err)
+		return res, err
 	}
 	defer ck.Close()
 	scanned := time.Since(start)
 	if s := ck.Skipped(); len(s) > 0 {
-		fmt.Fprintf(os.Stderr, "gpushm: put %s: not kept: %s\n", name, strings.Join(s, ", "))
+		fmt.Fprintf(os.Stderr, "put %s: not kept: %s\n", name, strings.Join(s, ", "))
 	}
 	c, err := dial(ctx)
 	if err != nil {
-		return err
+		return res, err
 	}
 	defer c.Close()
-	o := &checkpoint.PutOptions{Mode: perm, ReadOnlyDefault: readOnly, Copy: *co, InDaemon: inDaemon, NextVersion: next}
-	if o.Device, err = resolveDevice(ctx, c, device); err != nil {
-		return err
+	o := &checkpoint.PutOptions{Mode: po.perm, ReadOnlyDefault: po.readOnly, Copy: *po.co, InDaemon: po.inDaemon, NextVersion: po.next}
+	if o.Device, err = resolveDevice(ctx, c, po.device); err != nil {
+		return res, err
 	}
 	bar := newProgress("put "+name, ck.DataBytes()+ck.FileBytes())
 	o.Copy.Progress = bar.fn()
@@ -249,29 +295,35 @@ func putDir(ctx context.Context, name, dir, device string, perm *uint32, readOnl
 	}
 	bar.finish(err)
 	if err != nil {
-		return err
+		return res, err
 	}
 	if len(st.CRC32C) == 0 {
-		fmt.Fprintf(os.Stderr, "gpushm: put %s: the daemon did not checksum the shards it copied (it predates that): the bundle records no origin, so loaders read the files themselves\n", name)
+		fmt.Fprintf(os.Stderr, "put %s: the daemon did not checksum the shards it copied (it predates that): the bundle records no origin, so loaders read the files themselves\n", name)
 	}
-	if verbose {
+	if po.verbose {
 		fmt.Fprintf(os.Stderr, "put %s: %d tensors in %d shards, %d small files; checked in %s\n",
 			name, ck.Tensors(), len(ck.Shards()), len(ck.Files()), scanned.Round(time.Microsecond))
 	}
-	report("put", name, ck.Size(), time.Since(start), st, verbose)
-	return nil
+	res = copyResult{Name: name, File: dir, Bytes: ck.Size(), Copier: "client"}
+	if o.InDaemon {
+		res.Copier = "daemon"
+	}
+	res.finish(start)
+	report("put", name, ck.Size(), time.Since(start), st, po.verbose)
+	return res, describe(ctx, c, &res)
 }
 
-// put creates name uncommitted and fills it from f, a regular file, with
-// parallel reads, then commits it; on any failure the segment goes. With
-// origin (f's identity, without its checksum), whoever copies hashes the
-// file as it reads it, and the commit records origin, checksum included,
-// in the meta.
-func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size int64, o *gpushm.CreateOptions, co *gpushm.CopyOptions, inDaemon bool, origin *layout.Origin) (st gpushm.CopyStats, err error) {
+// put creates name uncommitted and fills it from f, a regular file, then
+// commits it; on any failure, or an interrupt, the segment goes. The
+// daemon copies (inDaemon), in steps that a bar follows, or this process,
+// with parallel reads; copier says which did. With origin (f's identity,
+// without its checksum), whoever copies hashes the file as it reads it,
+// and the commit records origin, checksum included, in the meta.
+func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size int64, o *gpushm.CreateOptions, co *gpushm.CopyOptions, inDaemon bool, origin *layout.Origin) (st gpushm.CopyStats, copier string, err error) {
 	o.Uncommitted = true
 	seg, err := c.Create(ctx, name, size, o)
 	if err != nil {
-		return st, err
+		return st, "", err
 	}
 	defer func() {
 		// Closed uncommitted, after a failure, the segment goes.
@@ -280,62 +332,71 @@ func put(ctx context.Context, c *gpushm.Client, name string, f *os.File, size in
 			err = cerr
 		}
 	}()
-	if inDaemon {
-		st, err = seg.Fill(ctx, f, 0, 0, size)
-		if err == nil {
-			return st, commit(ctx, seg, name, f, o.Meta, origin, st.CRC32C)
-		}
-		if !errors.Is(err, syscall.ENOSYS) {
-			return st, fmt.Errorf("put %s: %w", name, err)
-		}
-		// A daemon from before fill: copy here.
-	}
-	m, err := seg.Map()
-	if err != nil {
-		return st, err
-	}
 	bar := newProgress("put "+name, size)
-	co.Progress = bar.fn()
-	co.CRC32C = origin != nil
-	st, err = m.LoadFiles([]gpushm.FileRange{{File: f, Len: size}}, co)
+	copier = "daemon"
+	if inDaemon {
+		st, err = fillSteps(ctx, seg, f, size, bar)
+	}
+	if !inDaemon || errors.Is(err, syscall.ENOSYS) {
+		// This process copies; so does it when the daemon is from before
+		// fill.
+		copier = "client"
+		var m *gpushm.Mapping
+		if m, err = seg.Map(); err == nil {
+			co.Progress = bar.fn()
+			co.CRC32C = origin != nil
+			st, err = m.LoadFiles([]gpushm.FileRange{{File: f, Len: size}}, co)
+		}
+	}
 	bar.finish(err)
 	if err != nil {
-		return st, fmt.Errorf("put %s: %w", name, err)
+		return st, copier, err
 	}
-	return st, commit(ctx, seg, name, f, o.Meta, origin, st.CRC32C)
+	return st, copier, commit(ctx, seg, name, f, o.Meta, origin, st.CRC32C)
 }
 
 // commit commits seg, with meta gaining origin and the file's checksum when
 // there is an origin: unless f changed during the copy, which fails the
 // put. A daemon that cannot take the meta (it predates commits that carry
 // one), or did not hash what it filled, gets a plain commit and a notice.
+//
+// An interrupt before the commit is sent fails the put; one after is too
+// late, and the commit is seen through, so that what put says is what
+// happened.
 func commit(ctx context.Context, seg *gpushm.Segment, name string, f *os.File, meta json.RawMessage, origin *layout.Origin, crcs []uint32) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	ctx = context.WithoutCancel(ctx)
 	if origin == nil {
 		return seg.Commit(ctx)
 	}
 	if err := origin.Files[0].Unchanged(f); err != nil {
-		return fmt.Errorf("put %s: %w", name, err)
+		return err
 	}
 	if len(crcs) != 1 {
-		fmt.Fprintf(os.Stderr, "gpushm: put %s: the daemon did not checksum the file it copied (it predates that): the bundle records no origin, so loaders read the file itself\n", name)
+		fmt.Fprintf(os.Stderr, "put %s: the daemon did not checksum the file it copied (it predates that): the bundle records no origin, so loaders read the file itself\n", name)
 		return seg.Commit(ctx)
 	}
 	o := *origin
 	o.Files = []layout.Identity{origin.Files[0].Sealed(crcs[0])}
 	meta, err := layout.WithOrigin(meta, &o)
 	if err != nil {
-		return fmt.Errorf("put %s: %w", name, err)
+		return err
 	}
 	err = seg.CommitMeta(ctx, meta)
 	if errors.Is(err, syscall.EPROTO) {
-		fmt.Fprintf(os.Stderr, "gpushm: put %s: the daemon cannot record where the file came from (it predates commits with meta): the bundle records no origin, so loaders read the file itself\n", name)
+		fmt.Fprintf(os.Stderr, "put %s: the daemon cannot record where the file came from (it predates commits with meta): the bundle records no origin, so loaders read the file itself\n", name)
 		return seg.Commit(ctx)
 	}
 	return err
 }
 
-// openSource opens path, or spools stdin for "-", and tells its size.
-func openSource(path string) (*os.File, int64, func(), error) {
+// openSource opens path, or spools stdin for "-", and tells its size. An
+// interrupt while stdin is read fails it: the writer of a pipe usually
+// dies of the same Ctrl-C, and what was read up to then is not the
+// whole input.
+func openSource(ctx context.Context, path string) (*os.File, int64, func(), error) {
 	if path != "-" {
 		f, err := os.Open(path)
 		if err != nil {
@@ -357,7 +418,7 @@ func openSource(path string) (*os.File, int64, func(), error) {
 		return nil, 0, nil, fmt.Errorf("spool stdin: %w", err)
 	}
 	os.Remove(tmp.Name())
-	size, err := io.Copy(tmp, os.Stdin)
+	size, err := spool(ctx, tmp)
 	if err == nil {
 		_, err = tmp.Seek(0, io.SeekStart)
 	}
@@ -366,6 +427,36 @@ func openSource(path string) (*os.File, int64, func(), error) {
 		return nil, 0, nil, fmt.Errorf("spool stdin: %w", err)
 	}
 	return tmp, size, func() { tmp.Close() }, nil
+}
+
+// spool copies standard input to dst until its end, or an interrupt. A
+// pipe's read is made to end at once at an interrupt (through the
+// runtime's poller, on a descriptor of its own), whether or not the
+// writer dies of the same Ctrl-C; other inputs (a file, a terminal, which
+// is the shell's too) are read to their end. Either way an interrupt
+// fails it: what was read is not the whole input.
+func spool(ctx context.Context, dst *os.File) (int64, error) {
+	in := os.Stdin
+	// A terminal's description is the shell's too: left non-blocking by a
+	// forced exit, it would be the shell's problem.
+	if fd, err := unix.Dup(0); err == nil && !isTerminal(in) {
+		// O_NONBLOCK is the open file description's, shared with
+		// descriptor 0: it is set back through 0 before return.
+		if unix.SetNonblock(fd, true) == nil {
+			defer unix.SetNonblock(0, false)
+		}
+		in = os.NewFile(uintptr(fd), "standard input")
+		defer in.Close()
+		stop := context.AfterFunc(ctx, func() { in.SetReadDeadline(time.Now()) })
+		defer stop()
+	} else if err == nil {
+		unix.Close(fd)
+	}
+	n, err := io.Copy(dst, in)
+	if cerr := ctx.Err(); cerr != nil {
+		return n, cerr
+	}
+	return n, err
 }
 
 // report prints the whole command's rate on a terminal, and with verbose

@@ -20,6 +20,28 @@ import (
 var socketFlag string
 
 func run(args []string) error {
+	root, plain := newRoot()
+	output = scanOutput(args)
+	root.SetArgs(args)
+	cmd, err := root.ExecuteContextC(context.Background())
+	if err == nil {
+		return nil
+	}
+	if strings.HasPrefix(err.Error(), "unknown command ") {
+		// cobra's own, for the root's first argument.
+		return &usageError{cmd, err}
+	}
+	for c := cmd; c != nil; c = c.Parent() {
+		if plain[c] {
+			return &daemonError{err}
+		}
+	}
+	return err
+}
+
+// newRoot makes the command tree, and says which commands are not clients
+// of the daemon (daemonError).
+func newRoot() (*cobra.Command, map[*cobra.Command]bool) {
 	root := &cobra.Command{
 		Use:   "gpushm",
 		Short: "Named GPU memory segments shared between processes, zero-copy",
@@ -33,18 +55,103 @@ $GPUSHM_SOCKET if set. Otherwise the daemon listens on the user's own socket:
 /run/gpushm/gpushm.sock for root (the node's daemon, which every user may
 reach), $XDG_RUNTIME_DIR/gpushm/gpushm.sock for other users (or
 /tmp/gpushm-UID/gpushm.sock); and the other commands try the user's own
-socket, then /run/gpushm/gpushm.sock. 'gpushm info' says which one answered.`,
+socket, then /run/gpushm/gpushm.sock. 'gpushm info' says which one answered.
+
+Commands that print take -o json, yaml, wide or name; with -o json or yaml
+an error is one object on standard error too. docs/cli.md says more.
+
+` + exitHelp,
+		Example: `  gpushm daemon &                  # serve host memory, or the GPUs
+  gpushm put weights model.bin     # a file into a new segment
+  gpushm ls -o wide
+  gpushm get weights copy.bin
+  gpushm rm weights
+  source <(gpushm completion bash) # complete commands, flags and segment names`,
+		Version:       cliVersion(),
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
+	root.SetVersionTemplate("gpushm {{.Version}}\n")
+	// Defined here, cobra's would take -v, which put and get have for
+	// --verbose.
+	root.Flags().Bool("version", false, "print this client's version ('gpushm version' asks the daemon too)")
 	root.PersistentFlags().StringVar(&socketFlag, "socket", "", "daemon socket path (default "+defaultSockets()+")")
+	// Not a client of the daemon: their failures exit 1 (daemonError).
+	daemon, bench, demo, child, systemd := daemonCmd(), bench.Command(), bench.DemoCommand(), bench.ChildCommand(), installSystemdCmd()
 	root.AddCommand(
-		daemonCmd(), infoCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(),
+		daemon, infoCmd(), versionCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(),
 		chmodCmd(), chownCmd(), mvCmd(), evictCmd(), loadCmd(), pinCmd(true), pinCmd(false),
-		putCmd(), getCmd(), bench.Command(), bench.DemoCommand(), bench.ChildCommand(), installSystemdCmd(),
+		putCmd(), getCmd(), bench, demo, child, systemd, manCmd(),
 	)
-	root.SetArgs(args)
-	return root.ExecuteContext(context.Background())
+	// internal/bench's commands, given their examples here, where the
+	// CLI's help is written.
+	demo.Example = `  gpushm demo
+  gpushm demo --backend host --size 1GiB`
+	bench.Example = `  gpushm bench open --backend host
+  gpushm bench files --sizes 1GiB,4GiB`
+	root.SetFlagErrorFunc(func(cmd *cobra.Command, err error) error {
+		return flagError(cmd, err)
+	})
+	walk(root, func(c *cobra.Command) {
+		strictArgs(c)
+		completeFlags(c)
+	})
+	return root, map[*cobra.Command]bool{daemon: true, bench: true, demo: true, child: true, systemd: true}
+}
+
+// walk calls fn for cmd and every command below it.
+func walk(cmd *cobra.Command, fn func(*cobra.Command)) {
+	fn(cmd)
+	for _, c := range cmd.Commands() {
+		walk(c, fn)
+	}
+}
+
+// strictArgs makes a wrong number of arguments a usageError that says
+// what the command takes.
+func strictArgs(cmd *cobra.Command) {
+	check := cmd.Args
+	if check == nil {
+		return
+	}
+	cmd.Args = func(cmd *cobra.Command, args []string) error {
+		if err := check(cmd, args); err != nil {
+			want := strings.TrimSpace(strings.TrimPrefix(cmd.Use, cmd.Name()))
+			switch {
+			case want == "":
+				return usagef(cmd, "%s takes no arguments, got %s", cmd.Name(), strconv.Quote(args[0]))
+			case len(args) == 0:
+				return usagef(cmd, "%s: want %s", cmd.Name(), want)
+			}
+			return usagef(cmd, "%s: want %s, got %s", cmd.Name(), want, plural(len(args), "argument"))
+		}
+		return nil
+	}
+}
+
+// plural is "1 argument", "2 arguments".
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return strconv.Itoa(n) + " " + what + "s"
+}
+
+// flagError is a usageError for a flag cobra could not parse; a negative
+// number read as a flag says what to do, since it is never meant as one.
+func flagError(cmd *cobra.Command, err error) error {
+	msg := err.Error()
+	if i := strings.Index(msg, "' in -"); strings.HasPrefix(msg, "unknown shorthand flag: '") && i > 0 {
+		arg := msg[i+len("' in "):]
+		if _, nerr := strconv.ParseFloat(arg, 64); nerr == nil {
+			what := "a number here is positive"
+			if cmd.Name() == "create" {
+				what = "a size is positive, such as 4096, 64MiB or 1G"
+			}
+			return usagef(cmd, "%s: %s is not a flag, and %s (an argument that starts with '-' goes after '--')", cmd.Name(), arg, what)
+		}
+	}
+	return usagef(cmd, "%s: %s", cmd.Name(), msg)
 }
 
 // socketPath is where the daemon listens.
@@ -71,12 +178,19 @@ func defaultSockets() string {
 // dial connects to the daemon at --socket, else at the first of
 // gpushm.SocketCandidates that answers.
 func dial(ctx context.Context) (*gpushm.Client, error) {
-	return gpushm.Dial(ctx, socketFlag)
+	c, err := gpushm.Dial(ctx, socketFlag)
+	var we *gpushm.Error
+	if err != nil && !errors.As(err, &we) {
+		// No daemon answered; one that did and refused (too many
+		// connections) said why, with an errno.
+		return nil, &unreachableError{err}
+	}
+	return c, err
 }
 
 // eachName runs fn for every name on one connection, going on past
-// failures, and returns them all.
-func eachName(ctx context.Context, names []string, fn func(c *gpushm.Client, name string) error) error {
+// failures, and returns them all, each said in verb's words (failed).
+func eachName(ctx context.Context, verb string, names []string, fn func(c *gpushm.Client, name string) error) error {
 	c, err := dial(ctx)
 	if err != nil {
 		return err
@@ -84,7 +198,7 @@ func eachName(ctx context.Context, names []string, fn func(c *gpushm.Client, nam
 	defer c.Close()
 	var errs []error
 	for _, name := range names {
-		errs = append(errs, fn(c, name))
+		errs = append(errs, failed(verb, name, fn(c, name)))
 	}
 	return errors.Join(errs...)
 }

@@ -73,6 +73,8 @@ func installSystemdCmd() *cobra.Command {
 
 Then: 'systemctl reload gpushm' upgrades to the binary on disk, 'systemctl
 restart gpushm' keeps every segment, 'systemctl stop gpushm' frees them.`,
+		Example: `  sudo gpushm install-systemd --enable
+  gpushm install-systemd --print -- --gpu-budget 80%`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			exe, err := os.Executable()
 			if err != nil {

@@ -223,7 +223,7 @@ func (d *tierDaemon) check(t *testing.T) func() {
 // tiersOf is ls --json's tier of every segment.
 func tiersOf(t *testing.T, sock string) map[string]string {
 	t.Helper()
-	var segs []gpushm.SegmentInfo
+	var segs []struct{ Name, Tier string }
 	if err := json.Unmarshal([]byte(mustRun(t, nil, "--socket", sock, "ls", "--json")), &segs); err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,184 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gpushm/gpushm/internal/crc32c"
+)
+
+// onTerminal runs the CLI with args in a terminal of 100 columns, through
+// util-linux's script(1), and returns what the command wrote to it, escape
+// sequences and all, as a person's screen gets it, and its exit status.
+func onTerminal(t *testing.T, args ...string) (string, int) {
+	t.Helper()
+	script, err := exec.LookPath("script")
+	if err != nil {
+		t.Skip("no script(1) to run the command in a terminal: install util-linux (Debian: bsdutils); ./scripts/test does")
+	}
+	line := "stty cols 100 rows 30 && exec " + shellQuote(os.Args[0])
+	for _, a := range args {
+		line += " " + shellQuote(a)
+	}
+	// Not a timing assertion: a command that never ends is killed, with
+	// its terminal, rather than left behind by the test binary's timeout.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, script, "--quiet", "--return", "--command", line, "/dev/null")
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err = cmd.Run()
+	code := 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	if ctx.Err() != nil {
+		t.Fatalf("gpushm %s on a terminal did not end; the terminal showed:\n%s", strings.Join(args, " "), out.String())
+	}
+	if errb.Len() > 0 {
+		t.Fatalf("script: %s", errb.String())
+	}
+	return out.String(), code
+}
+
+func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
+
+// sparseFile makes a file of size bytes, all holes but for marks at each
+// end and in the middle: fast to read, and every step of a copy differs.
+func sparseFile(t *testing.T, path string, header []byte, size int64) {
+	t.Helper()
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	f.Write(header)
+	for _, off := range []int64{int64(len(header)), size / 3, size / 2, size - 8} {
+		f.WriteAt([]byte("gpushm!!"), off)
+	}
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// bar is a progress bar as mpb draws it: the command and the name, bytes
+// done of the total, the bar, and the rate.
+func bar(verb, name, total string) *regexp.Regexp {
+	return regexp.MustCompile(regexp.QuoteMeta(verb+" "+name) + ` +\d+\.\d (b|KiB|MiB|GiB) / ` + regexp.QuoteMeta(total) + ` \[[=>-]+\] +\d+\.\d\d [kMG]?B/s`)
+}
+
+// TestProgressOnTerminal: a long put or get draws a bar on a terminal
+// (bytes, rate, then "done"), whichever side copies; on a pipe it prints
+// nothing, or with -v its summary lines alone.
+func TestProgressOnTerminal(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	size := int64(minProgress + 44<<20) // two of the daemon's steps
+	src := filepath.Join(dir, "big.bin")
+	sparseFile(t, src, nil, size)
+	ckpt := filepath.Join(dir, "ckpt")
+	os.Mkdir(ckpt, 0o755)
+	n := size / 4
+	hdr := `{"w":{"dtype":"F32","shape":[` + strconv.FormatInt(n, 10) + `],"data_offsets":[0,` + strconv.FormatInt(4*n, 10) + `]}}`
+	hdr += strings.Repeat(" ", (8-len(hdr)%8)%8)
+	sparseFile(t, filepath.Join(ckpt, "model.safetensors"), safetensorsFile(hdr, nil), int64(8+len(hdr))+4*n)
+	os.WriteFile(filepath.Join(ckpt, "config.json"), []byte(`{"model_type":"llama"}`), 0o644)
+
+	for _, tc := range []struct {
+		name  string
+		args  []string
+		bar   *regexp.Regexp
+		final string
+	}{
+		{"put, the daemon copies", []string{"put", "d", src}, bar("put", "d", "300.0 MiB"), "put d: 300 MiB in "},
+		{"put, this process copies", []string{"put", "--copier", "client", "c", src}, bar("put", "c", "300.0 MiB"), "put c: 300 MiB in "},
+		{"put of a directory, the daemon copies", []string{"put", "k", ckpt}, bar("put", "k", "300.0 MiB"), "put k: 300"},
+		{"get, the daemon copies", []string{"get", "d", filepath.Join(dir, "out-d")}, bar("get", "d", "300.0 MiB"), "get d: 300 MiB in "},
+		{"get, this process copies", []string{"get", "--copier", "client", "c", filepath.Join(dir, "out-c")}, bar("get", "c", "300.0 MiB"), "get c: 300 MiB in "},
+		{"get of a directory", []string{"get", "k", filepath.Join(dir, "out-k")}, bar("get", "k", "300.0 MiB"), "get k: 300"},
+	} {
+		screen, code := onTerminal(t, tc.args...)
+		if code != 0 || !tc.bar.MatchString(screen) || !strings.Contains(screen, " done") || !strings.Contains(screen, tc.final) {
+			t.Errorf("%s: gpushm %s: exit %d; the terminal showed:\n%s\nwant a bar matching %s ending in done, then %q",
+				tc.name, strings.Join(tc.args, " "), code, screen, tc.bar, tc.final)
+		}
+	}
+	if out, _ := os.ReadFile(filepath.Join(dir, "out-d")); int64(len(out)) != size || !bytes.Equal(out[size/3:size/3+8], []byte("gpushm!!")) {
+		t.Errorf("get wrote %d bytes, want %d with the marks", len(out), size)
+	}
+
+	// On a pipe: no bar, and nothing at all unless asked.
+	r := cli(t, nil, "put", "p", src)
+	if r.code != 0 || r.stderr != "" || r.stdout != "" {
+		t.Errorf("put on a pipe: exit %d, stdout %q, stderr %q; want nothing", r.code, r.stdout, r.stderr)
+	}
+	for _, args := range [][]string{{"put", "-v", "q", src}, {"get", "-v", "p", filepath.Join(dir, "out-p")}} {
+		r := cli(t, nil, args...)
+		lines := strings.Split(strings.TrimSuffix(r.stderr, "\n"), "\n")
+		prefix := args[0] + " " + args[2] + ": "
+		for _, l := range lines {
+			if !strings.HasPrefix(l, prefix) || strings.ContainsAny(l, "\r\x1b[") {
+				t.Errorf("gpushm %s on a pipe wrote %q; want its summary lines alone", strings.Join(args, " "), r.stderr)
+				break
+			}
+		}
+	}
+}
+
+// TestDaemonCopyInSteps: a file the daemon copies in several steps keeps
+// its bytes and its checksum: the CRC-32C put records is the whole file's,
+// made from the steps', and the same whoever copies.
+func TestDaemonCopyInSteps(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	n := int64(2*daemonStep/4 + 1000) // F32s: two steps and a bit
+	hdr := `{"w":{"dtype":"F32","shape":[` + strconv.FormatInt(n, 10) + `],"data_offsets":[0,` + strconv.FormatInt(4*n, 10) + `]}}`
+	hdr += strings.Repeat(" ", (8-len(hdr)%8)%8)
+	src := filepath.Join(dir, "model.safetensors")
+	size := int64(8+len(hdr)) + 4*n
+	sparseFile(t, src, safetensorsFile(hdr, nil), size)
+	data, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := crc32c.Format(crc32c.Checksum(data))
+
+	for _, copier := range []string{"daemon", "client"} {
+		var res struct {
+			Copier, CRC32C string
+			Segment        struct {
+				Meta struct {
+					Origin struct {
+						Files []struct{ CRC32C string }
+					}
+				}
+			}
+		}
+		decode(t, mustRun(t, nil, "put", "--copier", copier, "m-"+copier, src, "-o", "json"), &res)
+		files := res.Segment.Meta.Origin.Files
+		if res.Copier != copier || res.CRC32C != want || len(files) != 1 || files[0].CRC32C != want {
+			b, _ := json.Marshal(res)
+			t.Errorf("put --copier %s: %s; want the CRC-32C %s recorded", copier, b, want)
+		}
+		out := filepath.Join(dir, "out-"+copier)
+		mustRun(t, nil, "get", "m-"+copier, out)
+		if got, _ := os.ReadFile(out); !bytes.Equal(got, data) {
+			t.Errorf("get of what put --copier %s copied differs from the file (%d bytes, want %d)", copier, len(got), len(data))
+		}
+	}
+}
