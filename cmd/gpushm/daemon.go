@@ -23,6 +23,7 @@ import (
 
 	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/channel"
+	"github.com/gpushm/gpushm/internal/cuda"
 	"github.com/gpushm/gpushm/internal/epoch"
 	"github.com/gpushm/gpushm/internal/fusefs"
 	"github.com/gpushm/gpushm/internal/metrics"
@@ -144,6 +145,7 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&o.hostBudget, "host-budget", "auto", "bound the bytes evicted to host memory; past it, eviction stops and creates that need room fail with ENOSPC: a size (64GiB), a share of host memory (50%), 0 (never evict), or auto: half of host memory")
 	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
 	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
+	f.StringVar(&o.rdma, "rdma", "auto", "make GPU memory that RDMA engines (NIXL, UCX, Mooncake) can register: auto (on devices that allow it with VMM allocations) or off")
 	f.StringVar(&o.nvml, "nvml", "auto", "GPU figures for info and metrics from NVML: auto (when libnvidia-ml.so.1 loads and works), require (refuse to start without it) or off")
 	f.StringVar(&o.nvmlLibrary, "nvml-library", nvml.Library, "the NVML library to load (a name for the loader, or a path)")
 	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables; off below 4 cores): a little CPU for latency")
@@ -154,6 +156,9 @@ socket, and replaces a stale socket file.`,
 }
 
 type daemonOptions struct {
+	// rdma is auto or off: whether cuda allocations are made
+	// gpuDirectRDMACapable where the device allows it.
+	rdma        string
 	backend     string
 	devices     string
 	spin        time.Duration
@@ -275,6 +280,13 @@ func removeSocket(path string, listener *os.File) {
 // runServing serves clients: as the serving process of a supervisor
 // (supervised), or alone.
 func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervised bool) error {
+	switch o.rdma {
+	case "auto":
+	case "off":
+		cuda.DisableRDMA()
+	default:
+		return fmt.Errorf("--rdma %q: want auto or off", o.rdma)
+	}
 	b, err := backend.Open(o.backend, o.devices, log)
 	if err != nil {
 		return err

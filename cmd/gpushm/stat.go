@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm/internal/bytesize"
+	"github.com/gpushm/gpushm/internal/wire"
 	"github.com/spf13/cobra"
 )
 
@@ -62,6 +63,10 @@ func stat(ctx context.Context, name string) error {
 		fmt.Printf("gpu:         %s\n", s.UUID)
 	}
 	fmt.Printf("handle:      %s\n", s.HandleType)
+	if s.HandleType == wire.HandleCUDA {
+		// Whether NIXL, UCX or Mooncake can register it for RDMA.
+		fmt.Printf("rdma:        %s\n", map[bool]string{true: "yes (GPUDirect RDMA can register it)", false: "no (the device does not allow it with VMM, or the segment is evicted)"}[s.RDMA])
+	}
 	fmt.Printf("owner:       %s (%d:%d)\n", owner(s.UID, s.GID), s.UID, s.GID)
 	fmt.Printf("mode:        %04o\n", s.Mode)
 	fmt.Printf("opens:       %d\n", s.Opens)

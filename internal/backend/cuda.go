@@ -282,7 +282,14 @@ type cudaMemory struct {
 
 // FromPool implements segment.Pooled, for a create's trace.
 func (m *cudaMemory) FromPool() bool { return m.pooled }
-func (m *cudaMemory) setPooled()     { m.pooled = true }
+
+// RDMA reports whether an RDMA engine can register the memory, as the
+// driver recorded it when the memory was made (cuda.Device.RDMACapable).
+func (m *cudaMemory) RDMA() bool {
+	ok, err := m.d.HandleRDMA(m.h)
+	return err == nil && ok
+}
+func (m *cudaMemory) setPooled() { m.pooled = true }
 
 // export makes the descriptor; a failure (out of descriptors, say) is kept
 // and the next FD tries again.

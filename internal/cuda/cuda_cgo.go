@@ -139,6 +139,7 @@ type Device struct {
 	dev     C.CUdevice
 	ctx     C.CUcontext
 	gran    atomic.Int64 // cached Granularity; 0 until first known
+	rdma    atomic.Int32 // cached RDMACapable: 0 until known, 1 no, 2 yes
 }
 
 var devices struct {
@@ -340,6 +341,34 @@ func (d *Device) VMMSupported() (bool, error) {
 		return false, err
 	}
 	return vmm != 0 && fd != 0, nil
+}
+
+// RDMACapable reports whether d makes VMM allocations that an RDMA engine
+// can register (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED):
+// Create then asks for every allocation to be, as NIXL, UCX and Mooncake
+// need (ibv_reg_mr fails on VMM memory made without the flag). A driver
+// that cannot answer counts as no. Queried once.
+func (d *Device) RDMACapable() bool {
+	if rdmaOff.Load() {
+		return false
+	}
+	switch d.rdma.Load() {
+	case 1:
+		return false
+	case 2:
+		return true
+	}
+	v, err := d.attribute(C.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)
+	yes := err == nil && v != 0
+	d.rdma.Store(int32(1 + b2i(yes)))
+	return yes
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // Granularity returns the minimum allocation granularity for pinned device

@@ -51,6 +51,8 @@ func (d *Device) UUID() (string, error)                    { return "", errUnava
 func (d *Device) TotalMem() (uint64, error)                { return 0, errUnavailable }
 func (d *Device) MemInfo() (free, total uint64, err error) { return 0, 0, errUnavailable }
 func (d *Device) VMMSupported() (bool, error)              { return false, errUnavailable }
+func (d *Device) RDMACapable() bool                        { return false }
+func (d *Device) HandleRDMA(Handle) (bool, error)          { return false, errUnavailable }
 func (d *Device) Granularity() (int64, error)              { return 0, errUnavailable }
 func (d *Device) CanAccessPeer(*Device) (bool, error)      { return false, errUnavailable }
 func (d *Device) Create(int64) (Handle, error)             { return 0, errUnavailable }

@@ -32,7 +32,8 @@ typedef struct CUuuid_st {
 
 typedef enum CUdevice_attribute_enum {
 	CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
-	CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103
+	CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103,
+	CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED = 110
 } CUdevice_attribute;
 
 typedef enum CUmemAllocationHandleType_enum {
@@ -162,23 +163,26 @@ static inline CUresult gs_cuMemGetInfo(size_t *free, size_t *total) { return gpu
 
 // The allocation properties are built here rather than in Go so that every
 // reserved and Windows-only field is certainly zero, as the driver requires.
-static inline void gs_prop(CUmemAllocationProp *p, int ordinal) {
+// rdma asks for memory an RDMA engine can register (gpuDirectRDMACapable),
+// which only devices that report it accept.
+static inline void gs_prop(CUmemAllocationProp *p, int ordinal, int rdma) {
 	memset(p, 0, sizeof *p);
 	p->type = CU_MEM_ALLOCATION_TYPE_PINNED;
 	p->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 	p->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
 	p->location.id = ordinal;
+	p->allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
 }
 
 static inline CUresult gs_granularity(size_t *g, int ordinal) {
 	CUmemAllocationProp p;
-	gs_prop(&p, ordinal);
+	gs_prop(&p, ordinal, 0);
 	return gpushm_cu.cuMemGetAllocationGranularity(g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
 }
 
-static inline CUresult gs_cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, int ordinal) {
+static inline CUresult gs_cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, int ordinal, int rdma) {
 	CUmemAllocationProp p;
-	gs_prop(&p, ordinal);
+	gs_prop(&p, ordinal, rdma);
 	return gpushm_cu.cuMemCreate(h, size, &p, 0);
 }
 
@@ -186,7 +190,7 @@ static inline CUresult gs_cuMemRelease(CUmemGenericAllocationHandle h) { return 
 
 // gs_handleLocation reports where h's memory lives and which handle types
 // it can be exported as.
-static inline CUresult gs_handleLocation(CUmemGenericAllocationHandle h, int *locType, int *id, int *handleTypes) {
+static inline CUresult gs_handleLocation(CUmemGenericAllocationHandle h, int *locType, int *id, int *handleTypes, int *rdma) {
 	CUmemAllocationProp p;
 	memset(&p, 0, sizeof p);
 	CUresult r = gpushm_cu.cuMemGetAllocationPropertiesFromHandle(&p, h);
@@ -194,6 +198,7 @@ static inline CUresult gs_handleLocation(CUmemGenericAllocationHandle h, int *lo
 		*locType = (int)p.location.type;
 		*id = p.location.id;
 		*handleTypes = (int)p.requestedHandleTypes;
+		*rdma = (int)p.allocFlags.gpuDirectRDMACapable;
 	}
 	return r;
 }

@@ -37,7 +37,7 @@ func (d *Device) Create(size int64) (Handle, error) {
 	}
 	var h C.CUmemGenericAllocationHandle
 	err := d.withCtx(func() error {
-		return wrap("cuMemCreate", C.gs_cuMemCreate(&h, C.size_t(size), C.int(d.ordinal)))
+		return wrap("cuMemCreate", C.gs_cuMemCreate(&h, C.size_t(size), C.int(d.ordinal), C.int(b2i(d.RDMACapable()))))
 	})
 	if err != nil {
 		return 0, err
@@ -53,13 +53,23 @@ func (d *Device) Release(h Handle) error {
 	})
 }
 
+// HandleRDMA reports whether h's memory was made for RDMA engines to
+// register (gpuDirectRDMACapable), as the driver records it.
+func (d *Device) HandleRDMA(h Handle) (bool, error) {
+	var locType, id, types, rdma C.int
+	err := d.withCtx(func() error {
+		return wrap("cuMemGetAllocationPropertiesFromHandle", C.gs_handleLocation(C.CUmemGenericAllocationHandle(h), &locType, &id, &types, &rdma))
+	})
+	return rdma != 0, err
+}
+
 // HandleDevice reports the ordinal of the GPU whose memory h refers to, and
 // whether the memory can be exported as a POSIX file descriptor; an
 // allocation that is not device memory is an ErrInvalidValue error.
 func (d *Device) HandleDevice(h Handle) (ordinal int, posixFD bool, err error) {
-	var locType, id, types C.int
+	var locType, id, types, rdma C.int
 	err = d.withCtx(func() error {
-		return wrap("cuMemGetAllocationPropertiesFromHandle", C.gs_handleLocation(C.CUmemGenericAllocationHandle(h), &locType, &id, &types))
+		return wrap("cuMemGetAllocationPropertiesFromHandle", C.gs_handleLocation(C.CUmemGenericAllocationHandle(h), &locType, &id, &types, &rdma))
 	})
 	if err != nil {
 		return 0, false, err

@@ -179,6 +179,9 @@ type Info struct {
 	Version  uint64
 	Next     bool
 	Versions []VersionInfo
+	// RDMA: an RDMA engine can register the memory (GPUDirect RDMA with
+	// VMM); cuda memory on a device that allows it, never host memory.
+	RDMA bool
 	// Tier is where its bytes live; LastOpen when it was last opened (or
 	// created, or loaded); Resident that it is pinned to its device.
 	Tier     Tier
@@ -830,6 +833,9 @@ func (r *Registry) infoLocked(s *Segment) Info {
 	}
 	if s.mem != nil {
 		inf.AllocSize = s.mem.Size()
+		if m, ok := s.mem.(interface{ RDMA() bool }); ok {
+			inf.RDMA = m.RDMA()
+		}
 	}
 	return inf
 }

@@ -1260,7 +1260,7 @@ func (s *Server) toWire(inf segment.Info) *wire.Segment {
 		Created: inf.Created.UnixNano(), Meta: inf.Meta, Orphan: inf.Orphan,
 		Uncommitted: inf.Uncommitted,
 		Tier:        inf.Tier.String(), LastOpen: inf.LastOpen.UnixNano(), Pinned: inf.Resident,
-		Version: inf.Version,
+		Version: inf.Version, RDMA: inf.RDMA,
 	}
 	for _, v := range inf.Versions {
 		w.Versions = append(w.Versions, wire.HeldVersion{ID: v.ID, Version: v.Version, Opens: v.Opens, PIDs: v.PIDs})

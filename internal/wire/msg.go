@@ -325,7 +325,11 @@ type Segment struct {
 	// Version counts the segments the name has named, this one included
 	// (absent from older daemons: 1). Versions (stat only) are the
 	// name's earlier versions that are still held, oldest first.
-	Version  uint64        `json:"version,omitempty"`
+	Version uint64 `json:"version,omitempty"`
+	// RDMA says an RDMA engine (NIXL, UCX, Mooncake) can register the
+	// memory: cuda memory made gpuDirectRDMACapable, on a device that
+	// allows it. Absent for host memory, evicted segments included.
+	RDMA     bool          `json:"rdma,omitempty"`
 	Versions []HeldVersion `json:"versions,omitempty"`
 }
 
