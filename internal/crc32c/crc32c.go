@@ -45,8 +45,12 @@ func multModP(a, b uint32) uint32 {
 	}
 }
 
-// x2n[k] is x^(2^k) modulo the polynomial.
-var x2n = func() (t [32]uint32) {
+// x2n[k] is x^(2^k) modulo the polynomial, for every k x2nModP meets:
+// from 3 (bytes to bits) up to 3+63 (a length of 63 bits). zlib's table
+// has 32 entries and wraps k at 32, since x^(2^32) is x modulo its
+// polynomial; modulo Castagnoli's it is not, and a wrapped table combined
+// wrongly wherever B is 512 MiB or more.
+var x2n = func() (t [3 + 64]uint32) {
 	p := uint32(1) << 30 // x^1
 	t[0] = p
 	for k := 1; k < len(t); k++ {
@@ -61,7 +65,7 @@ func x2nModP(n uint64, k uint) uint32 {
 	p := uint32(1) << 31 // x^0
 	for n != 0 {
 		if n&1 != 0 {
-			p = multModP(x2n[k&31], p)
+			p = multModP(x2n[k], p)
 		}
 		n >>= 1
 		k++
