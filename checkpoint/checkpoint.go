@@ -19,7 +19,7 @@ import (
 
 	"github.com/gpushm/gpushm"
 	layout "github.com/gpushm/gpushm/internal/checkpoint"
-	"github.com/gpushm/gpushm/internal/crc32c"
+	"github.com/gpushm/gpushm/internal/xfer"
 )
 
 // Checkpoint is a checkpoint directory, checked and ready to load: its
@@ -187,7 +187,7 @@ func load(seg *gpushm.Segment, p *layout.Plan, ranges []gpushm.FileRange, o gpus
 // each (the daemon hashes what it reads), then the pieces this process
 // holds (headers, and the shard table, made last with the checksums) from
 // a memfd where each lies at its place in the segment. With progress, a
-// range is filled in steps of fillStep, each told to progress.
+// range is filled in steps, each told to progress.
 func fill(ctx context.Context, seg *gpushm.Segment, p *layout.Plan, ranges []gpushm.FileRange, progress func(int64)) (st gpushm.CopyStats, crcs []uint32, err error) {
 	start := time.Now()
 	add := func(rs gpushm.CopyStats) {
@@ -240,42 +240,16 @@ func fill(ctx context.Context, seg *gpushm.Segment, p *layout.Plan, ranges []gpu
 	return st, crcs, nil
 }
 
-// fillStep is the most one fill request copies when a bar follows the
-// copy: the daemon answers a request only when its copy is done. A step
-// costs a round trip and the copy engine's start, a fraction of a
-// millisecond, against the tenth of a second its 256 MiB take at PCIe
-// speed.
-const fillStep = 256 << 20
-
-// fillRange has the daemon copy r, in one request, or in steps told to
-// progress; the steps' checksums make the range's (crc32c.Combine).
+// fillRange has the daemon copy r, in one request, or with progress in
+// steps that progress follows (xfer.Steps), whose checksums make the
+// range's.
 func fillRange(ctx context.Context, seg *gpushm.Segment, r gpushm.FileRange, progress func(int64)) (gpushm.CopyStats, error) {
 	if progress == nil {
 		return seg.Fill(ctx, r.File, r.Off, r.At, r.Len)
 	}
-	var st gpushm.CopyStats
-	hashed := true
-	var crc uint32
-	for done := int64(0); done < r.Len; {
-		n := min(r.Len-done, fillStep)
-		s, err := seg.Fill(ctx, r.File, r.Off+done, r.At+done, n)
-		if err != nil {
-			return st, err
-		}
-		st.Bytes += s.Bytes
-		st.Direct += s.Direct
-		st.Elapsed += s.Elapsed
-		st.Workers = max(st.Workers, s.Workers)
-		if hashed = hashed && len(s.CRC32C) == 1; hashed {
-			crc = crc32c.Combine(crc, s.CRC32C[0], n)
-		}
-		progress(n)
-		done += n
-	}
-	if hashed {
-		st.CRC32C = []uint32{crc}
-	}
-	return st, nil
+	return xfer.Steps(r.Len, progress, func(off, n int64) (gpushm.CopyStats, error) {
+		return seg.Fill(ctx, r.File, r.Off+off, r.At+off, n)
+	})
 }
 
 // Get writes a checkpoint directory's bundle back as the

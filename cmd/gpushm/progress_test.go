@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm/internal/crc32c"
+	"github.com/gpushm/gpushm/internal/xfer"
 )
 
 // onTerminal runs the CLI with args in a terminal of 100 columns, through
@@ -146,7 +147,7 @@ func TestDaemonCopyInSteps(t *testing.T) {
 	sock := filepath.Join(dir, "gpushm.sock")
 	startDaemonProc(t, sock)
 	t.Setenv("GPUSHM_SOCKET", sock)
-	n := int64(2*daemonStep/4 + 1000) // F32s: two steps and a bit
+	n := int64(2*xfer.MinStep/4 + 1000) // F32s: more than one step
 	hdr := `{"w":{"dtype":"F32","shape":[` + strconv.FormatInt(n, 10) + `],"data_offsets":[0,` + strconv.FormatInt(4*n, 10) + `]}}`
 	hdr += strings.Repeat(" ", (8-len(hdr)%8)%8)
 	src := filepath.Join(dir, "model.safetensors")
