@@ -166,23 +166,32 @@ def _segments(gt, m):
     return gt.segments(m)
 
 
+def _serve(handlers):
+    """Answers the driver's commands, a line each, with a JSON line each:
+    handlers[command](arguments, result) fills the result; "quit" ends."""
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "quit":
+            break
+        res = {"cmd": cmd[0], "ok": True}
+        try:
+            handlers[cmd[0]](cmd[1:], res)
+        except Exception as e:
+            res["ok"], res["error"] = False, f"{type(e).__name__}: {e}"
+        print(json.dumps(res), flush=True)
+
+
 def w_filler(socket, nbytes):
     import gpushm
 
     c = gpushm.connect(socket)
-    for line in sys.stdin:
-        cmd = line.split()
-        res = {"cmd": cmd[0], "ok": True}
-        try:
-            if cmd[0] == "fill":
-                with c.create("filler", int(nbytes)):
-                    res["model_tier"] = c.stat(cmd[1]).tier
-                c.unlink("filler")
-            elif cmd[0] == "quit":
-                break
-        except Exception as e:
-            res["ok"], res["error"] = False, f"{type(e).__name__}: {e}"
-        print(json.dumps(res), flush=True)
+
+    def fill(args, res):
+        with c.create("filler", int(nbytes)):
+            res["model_tier"] = c.stat(args[0]).tier
+        c.unlink("filler")
+
+    _serve({"fill": fill})
     c.close()
 
 
@@ -192,22 +201,15 @@ def w_trainer(socket, name):
     import gpushm
 
     c = gpushm.connect(socket)
-    for line in sys.stdin:
-        cmd = line.split()
-        res = {"cmd": cmd[0], "ok": True}
-        try:
-            if cmd[0] == "version":
-                v = int(cmd[1])
-                ts = weights(torch, v, "cuda")
-                torch.cuda.synchronize()
-                c.put_tensors(name, ts, mode=0o644, next_version=v > 1).close()
-                res["version"] = c.stat(name).version
-                del ts
-            elif cmd[0] == "quit":
-                break
-        except Exception as e:
-            res["ok"], res["error"] = False, f"{type(e).__name__}: {e}"
-        print(json.dumps(res), flush=True)
+
+    def version(args, res):
+        v = int(args[0])
+        ts = weights(torch, v, "cuda")
+        torch.cuda.synchronize()
+        c.put_tensors(name, ts, mode=0o644, next_version=v > 1).close()
+        res["version"] = c.stat(name).version
+
+    _serve({"version": version})
     c.close()
 
 
