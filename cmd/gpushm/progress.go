@@ -33,27 +33,35 @@ func newProgress(what string, total int64) *progress {
 	// ever disagree (they once did, for /dev/null).
 	p := mpb.New(mpb.WithOutput(os.Stderr), mpb.WithWidth(40), mpb.WithRefreshRate(150*time.Millisecond), mpb.WithAutoRefresh())
 	start, final := time.Now(), ""
+	rate := func(done int64) float64 { return float64(done) / max(time.Since(start).Seconds(), 1e-9) }
 	bar := p.AddBar(total,
 		mpb.PrependDecorators(
 			decor.Name(what+" ", decor.WCSyncSpaceR),
 			decor.CountersKibiByte("% .1f / % .1f", decor.WCSyncSpace),
 		),
+		// The rate and the time left are the whole copy's so far. mpb's
+		// own keep, at completion, the rate of the last frame before it,
+		// none for a copy the daemon made in a step or two; and its time
+		// left counts whole nanoseconds a byte, 0 above 2 GB/s.
 		mpb.AppendDecorators(
-			// mpb's AverageSpeed keeps the rate of the last frame before
-			// completion, which for a copy the daemon makes in a few
-			// steps may be none: this one is the whole copy's at the end.
 			decor.Any(func(s decor.Statistics) string {
 				if final != "" {
 					return final
 				}
-				rate := float64(s.Current) / max(time.Since(start).Seconds(), 1e-9)
-				msg := fmt.Sprintf("% .2f/s", decor.SizeB1000(int64(rate)))
+				msg := fmt.Sprintf("% .2f/s", decor.SizeB1000(int64(rate(s.Current))))
 				if s.Completed {
 					final = msg
 				}
 				return msg
 			}, decor.WCSyncSpace),
-			decor.OnComplete(decor.AverageETA(decor.ET_STYLE_GO, decor.WCSyncSpace), " done"),
+			decor.OnComplete(decor.Any(func(s decor.Statistics) string {
+				r := rate(s.Current)
+				if r <= 0 {
+					return "-"
+				}
+				left := time.Duration(float64(s.Total-s.Current) / r * float64(time.Second))
+				return (left + time.Second - 1).Truncate(time.Second).String()
+			}, decor.WCSyncSpace), " done"),
 		),
 	)
 	return &progress{p, bar, total}
