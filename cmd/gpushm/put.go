@@ -50,7 +50,8 @@ on standard error.
 
 Several copiers read in parallel, each through two pinned buffers and its
 own CUDA stream; chunks the page cache does not hold are read with O_DIRECT
-where the file system allows it. A progress bar shows on a terminal.
+where the file system allows it. On a terminal a bar shows the bytes
+copied, the rate and the time left, whichever side copies.
 
 Whoever copies a safetensors file (the daemon, or this process) computes
 its CRC-32C while copying, and the bundle records where each came from:
@@ -63,7 +64,8 @@ during the copy fails the put.
 The segment is created uncommitted and committed once it is full: until
 then 'gpushm ls' lists it as incomplete, and opens and 'gpushm get' refuse
 it (or wait for it, with --wait). If anything fails, or put is killed, the
-segment goes with it.
+segment goes with it; Ctrl-C stops put with status 130, and leaves no
+segment (from '-', it stops reading at once).
 
 With --new-version, NAME may exist already: the copy becomes its next
 version, which readers do not see while it is written. The commit makes it
@@ -71,7 +73,10 @@ current in one step: from then on NAME names the new version, and processes
 that hold the old one keep it until they refresh onto the new one (at the
 same addresses) or close it; it is freed after the last of them.
 'gpushm stat NAME' shows the versions still held. Only NAME's owner (or
-root) may replace it.`,
+root) may replace it.
+
+It prints nothing on standard output unless -o asks: -o json and -o yaml
+print what was copied and the segment made, -o name its name.`,
 		Example: `  gpushm put weights model.bin
   gpushm put llama /models/llama              # a checkpoint directory
   curl -s https://example.com/w.bin | gpushm put weights -
