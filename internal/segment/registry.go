@@ -471,6 +471,12 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	if o.Memory != nil {
 		need = o.Memory.Size()
 	}
+	if budget := r.tiers.cfg.Budgets[o.Device]; budget > 0 && need > budget {
+		// No eviction could make room: say so, rather than blame the
+		// segments that cannot move.
+		r.mu.Unlock()
+		return nil, false, fmt.Errorf("%w: %d bytes exceeds device %d's budget of %d bytes", ErrNoRoom, need, o.Device, budget)
+	}
 	descs := 1
 	if o.Slots > 0 {
 		descs = 2
@@ -521,7 +527,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	if need > 0 {
 		// Counted from here on (deviceUseLocked): room is made for it now,
 		// and no room ends the create as a failed allocation does.
-		err = r.roomLocked(o.Device, nil, fmt.Sprintf("creating %q (%s)", o.Name, fmtBytes(need)))
+		err = r.roomLocked(o.Device, nil, need, fmt.Sprintf("creating %q (%s)", o.Name, fmtBytes(need)))
 	}
 	r.mu.Unlock()
 	o.Trace.Mark("check")

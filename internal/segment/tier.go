@@ -335,20 +335,23 @@ func (r *Registry) movingOnLocked(d int, self *Segment) chan struct{} {
 
 // roomLocked makes what device d holds and has let in fit its budget,
 // evicting the least recently opened segments that may move. The caller
-// has already counted what it asks for (a creating segment, a restore's
-// reservation of self). When nothing may move, it waits for moves in
+// has already counted what it asks for, need bytes (a creating segment, a
+// restore's reservation of self). When nothing may move, it waits for moves in
 // flight, and for the grace period after a restart; then it fails. mu is
 // held, and dropped while segments move.
-func (r *Registry) roomLocked(d int, self *Segment, what string) error {
+func (r *Registry) roomLocked(d int, self *Segment, need int64, what string) error {
 	budget := r.tiers.cfg.Budgets[d]
-	if budget <= 0 {
-		return nil
-	}
 	for {
 		used := r.deviceUseLocked(d)
-		if used <= budget {
+		if budget <= 0 || used <= budget {
+			// Kept with a budget or without: info's peak says how much
+			// a device held, which is what a budget is chosen from.
 			r.tiers.peak[d] = max(r.tiers.peak[d], used)
 			return nil
+		}
+		if need > budget {
+			// (A create was refused before it came here.)
+			return fmt.Errorf("%w: %s: %d bytes exceeds device %d's budget of %d bytes", ErrNoRoom, what, need, d, budget)
 		}
 		if used-r.freeableLocked(d) > budget {
 			// Evicting all that may go would not be enough: evict nothing.
@@ -459,7 +462,7 @@ func (r *Registry) evictLocked(s *Segment) error {
 func (r *Registry) reserveLocked(s *Segment, capacity int64) error {
 	n := r.roundSize(s.device, capacity)
 	r.tiers.reserved[s.device] += n
-	if err := r.roomLocked(s.device, s, fmt.Sprintf("growing %q to %s", s.name, fmtBytes(capacity))); err != nil {
+	if err := r.roomLocked(s.device, s, n, fmt.Sprintf("growing %q to %s", s.name, fmtBytes(capacity))); err != nil {
 		r.tiers.reserved[s.device] -= n
 		return err
 	}
@@ -479,7 +482,7 @@ func (r *Registry) restoreLocked(s *Segment) error {
 	done := make(chan struct{})
 	s.moving = done
 	r.tiers.reserved[s.device] += size
-	err := r.roomLocked(s.device, s, fmt.Sprintf("restoring %q (%s)", s.name, fmtBytes(size)))
+	err := r.roomLocked(s.device, s, size, fmt.Sprintf("restoring %q (%s)", s.name, fmtBytes(size)))
 	if err == nil {
 		s.copying = true
 		r.mu.Unlock()

@@ -664,3 +664,40 @@ func TestTierGrowthEvicts(t *testing.T) {
 		t.Fatalf("the file after the refused growth: %q, %v", got, err)
 	}
 }
+
+// TestPeakWithoutBudget: info's peak is the most a device held, whether or
+// not it has a budget; a budget is chosen from it.
+func TestPeakWithoutBudget(t *testing.T) {
+	r := New(newFake(), nil)
+	if _, _, err := r.Create(alice, CreateOptions{Name: "a", Size: 3 * page}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := r.Create(alice, CreateOptions{Name: "b", Size: page}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Unlink(alice, "a"); err != nil {
+		t.Fatal(err)
+	}
+	st := r.TierStats()
+	if len(st.Devices) != 1 || st.Devices[0].Budget != 0 || st.Devices[0].Bytes != page || st.Devices[0].Peak != 4*page {
+		t.Fatalf("after 4 pages and 3 freed, no budget: %+v; want 1 page held, peak 4 pages", st.Devices)
+	}
+}
+
+// TestCreatePastWholeBudget: a create larger than the whole budget says
+// so, without evicting anything or blaming the segments that are there.
+func TestCreatePastWholeBudget(t *testing.T) {
+	f := newTiers(t, 4, 16)
+	f.put(t, "x")
+	_, _, err := f.r.Create(alice, CreateOptions{Name: "big", Size: 5 * page})
+	want := fmt.Sprintf("%d bytes exceeds device 0's budget of %d bytes", 5*page, 4*page)
+	if !errors.Is(err, ErrNoRoom) || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "unable to move") {
+		t.Fatalf("create of 5 pages under a budget of 4: %v; want ENOSPC saying %q", err, want)
+	}
+	if got := f.tiers(t); got["x"] != OnDevice || f.mover.moves.Load() != 0 {
+		t.Fatalf("a create that could never fit moved segments: %v, %d moves", got, f.mover.moves.Load())
+	}
+	if _, err := f.r.Stat("big"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("a refused create left its name: %v", err)
+	}
+}
