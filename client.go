@@ -66,10 +66,22 @@ type Info struct {
 	// memory and what moved (docs/architecture.md, "Tiers"); nil from a
 	// daemon without tiers.
 	Tiers *Tiers `json:"tiers,omitempty"`
+	// Users is what each uid holds on each device, and Quotas the limits
+	// in force with their use (the asker's own user limits included,
+	// whether or not it holds anything); both nil from a daemon from
+	// before them.
+	Users  []UserUse `json:"users,omitempty"`
+	Quotas []Quota   `json:"quotas,omitempty"`
 }
 
 // Tiers is the daemon's budgets and eviction (Info).
 type Tiers = wire.Tiers
+
+// UserUse is what one uid holds on one device (Info).
+type UserUse = wire.UserUse
+
+// Quota is one limit in force and its use (Info).
+type Quota = wire.Quota
 
 // Usage is what the daemon holds.
 type Usage = wire.Usage
@@ -810,7 +822,8 @@ func (c *Client) Info(ctx context.Context) (*Info, error) {
 	}
 	inf := &Info{Server: c.server, Backend: rep.Backend, Devices: rep.Devices, GPU: rep.GPU,
 		PID: rep.PID, SupervisorPID: rep.SupervisorPID, Pool: rep.Pool, Tiers: rep.Tiers,
-		Grace: time.Duration(rep.Grace * float64(time.Second)), GraceSeconds: rep.Grace}
+		Grace: time.Duration(rep.Grace * float64(time.Second)), GraceSeconds: rep.Grace,
+		Users: rep.Users, Quotas: rep.Quotas}
 	if rep.Usage != nil {
 		inf.Usage = *rep.Usage
 	}
@@ -908,6 +921,14 @@ func (c *Client) Rename(ctx context.Context, from, to string) error {
 	return err
 }
 
+// RenameNoReplace is Rename, but fails with EEXIST when to exists, as
+// renameat2's RENAME_NOREPLACE does: the check and the rename are one
+// step. A daemon from before it fails with EPROTO.
+func (c *Client) RenameNoReplace(ctx context.Context, from, to string) error {
+	_, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpRename, Name: from, To: to, NoReplace: true})
+	return err
+}
+
 // Publish names memory this process allocated: fd is an exported CUDA VMM
 // allocation (or a sealable memfd on a host daemon) of size bytes, which the
 // daemon checks and keeps, so the name outlives this process. fd stays this
@@ -989,12 +1010,17 @@ func (c *Client) Create(ctx context.Context, name string, size int64, o *CreateO
 }
 
 // CreateOnly makes a segment without opening it; created is false when
-// ExistOK found it already there.
+// ExistOK found it already there. A size of 0 makes an empty segment: a
+// name that holds no memory, as an empty file does, which can be listed,
+// renamed and removed but not opened (a daemon from before empty
+// segments fails with EPROTO).
 func (c *Client) CreateOnly(ctx context.Context, name string, size int64, o *CreateOptions) (info *SegmentInfo, created bool, err error) {
 	if o == nil {
 		o = &CreateOptions{}
 	}
-	rep, _, err := c.roundTrip(ctx, o.request(name, size, false))
+	req := o.request(name, size, false)
+	req.Empty = size == 0
+	rep, _, err := c.roundTrip(ctx, req)
 	if err != nil {
 		return nil, false, err
 	}

@@ -192,11 +192,20 @@ type QuotaUse struct {
 // Quotas lists every limit in force with its use: device limits for each
 // limited device, the daemon's segment limit, user limits for each uid
 // holding something.
-func (r *Registry) Quotas() []QuotaUse {
+func (r *Registry) Quotas() []QuotaUse { return r.quotas(nil) }
+
+// QuotasFor is Quotas with uid's user limits too, whether it holds
+// something or not: the one asking wants to know its room.
+func (r *Registry) QuotasFor(uid uint32) []QuotaUse { return r.quotas(&uid) }
+
+func (r *Registry) quotas(also *uint32) []QuotaUse {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	l := r.limits
 	dev, user, segs, total := r.usageLocked()
+	if also != nil {
+		segs[*also] += 0 // listed, holding nothing or not
+	}
 	var out []QuotaUse
 	for d, max := range l.DeviceBytes {
 		if max > 0 {
@@ -236,6 +245,47 @@ func (r *Registry) Quotas() []QuotaUse {
 			return out[i].Kind < out[j].Kind
 		}
 		return out[i].Scope < out[j].Scope
+	})
+	return out
+}
+
+// UserUse is what one uid's segments hold on one device.
+type UserUse struct {
+	UID      uint32
+	Device   int
+	Bytes    int64 // on the device or evicted to host memory
+	Segments int   // empty ones, which hold no memory, included
+}
+
+// Users lists what each uid holds on each device, counted as the limits
+// count it, by uid and then device.
+func (r *Registry) Users() []UserUse {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	type key struct {
+		uid    uint32
+		device int
+	}
+	use := map[key]*UserUse{}
+	r.eachHeldLocked(func(s *Segment, bytes int64, _ int) {
+		k := key{s.uid, s.device}
+		u := use[k]
+		if u == nil {
+			u = &UserUse{UID: s.uid, Device: s.device}
+			use[k] = u
+		}
+		u.Bytes += bytes
+		u.Segments++
+	})
+	out := make([]UserUse, 0, len(use))
+	for _, u := range use {
+		out = append(out, *u)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].UID != out[j].UID {
+			return out[i].UID < out[j].UID
+		}
+		return out[i].Device < out[j].Device
 	})
 	return out
 }

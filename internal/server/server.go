@@ -905,6 +905,7 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 			}
 		}
 		rep.Tiers = wireTiers(c.s.reg.TierStats())
+		rep.Users, rep.Quotas = wireUsers(c.s.reg.Users()), wireQuotas(c.s.reg.QuotasFor(cred.UID))
 		return rep, -1
 	case wire.OpEvict, wire.OpLoad, wire.OpPin:
 		return c.tier(cred, req)
@@ -1065,7 +1066,11 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		}
 		return &wire.Reply{Segment: c.s.toWire(inf)}, -1
 	case wire.OpRename:
-		if err := c.s.reg.Rename(cred, req.Name, req.To, 0); err != nil {
+		var flags uint32
+		if req.NoReplace {
+			flags = segment.RenameNoReplace
+		}
+		if err := c.s.reg.Rename(cred, req.Name, req.To, flags); err != nil {
 			return fail(fmt.Errorf("rename: %w", err))
 		}
 		return &wire.Reply{}, -1
@@ -1120,6 +1125,14 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 	}
 	if req.ReadOnly && !req.Open {
 		return o, fmt.Errorf("readonly applies to the open of a create with open: %w", syscall.EINVAL)
+	}
+	if req.Empty {
+		// A name that holds no memory: there is nothing to open, fill
+		// or commit, and a channel is its slots.
+		if req.Size != 0 || req.Open || req.Uncommitted || req.Slots != 0 {
+			return o, fmt.Errorf("an empty segment has size 0 and no memory to open, fill or commit (empty takes no size, open, uncommitted or slots): %w", syscall.EINVAL)
+		}
+		o.AllowEmpty = true
 	}
 	// A client that lost the reply resends the request, id and all, on a
 	// new connection: this finds what the first attempt made.

@@ -47,6 +47,24 @@ func wireTiers(st segment.TierStats) *wire.Tiers {
 	return w
 }
 
+// wireUsers is info's account of what each uid holds.
+func wireUsers(us []segment.UserUse) []wire.UserUse {
+	out := make([]wire.UserUse, len(us))
+	for i, u := range us {
+		out[i] = wire.UserUse{UID: u.UID, Device: u.Device, Bytes: u.Bytes, Segments: u.Segments}
+	}
+	return out
+}
+
+// wireQuotas is info's account of the limits in force.
+func wireQuotas(qs []segment.QuotaUse) []wire.Quota {
+	out := make([]wire.Quota, len(qs))
+	for i, q := range qs {
+		out[i] = wire.Quota{Kind: q.Kind, Scope: q.Scope, Used: q.Used, Limit: q.Limit}
+	}
+	return out
+}
+
 // MoveObserver is told of every move between tiers (the metrics).
 type MoveObserver interface {
 	ObserveMove(kind string, bytes int64, d time.Duration)

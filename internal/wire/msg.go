@@ -122,6 +122,12 @@ type Request struct {
 	// version of the name: it takes the name only when its writer commits
 	// it, replacing the current version in one step.
 	NextVersion bool `json:"next_version,omitempty"`
+	// Empty (create, without open) makes a segment of size 0: a name
+	// that holds no memory, as an empty file does.
+	Empty bool `json:"empty,omitempty"`
+	// NoReplace (rename) fails with EEXIST when the new name exists,
+	// instead of replacing it.
+	NoReplace bool `json:"no_replace,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -157,6 +163,10 @@ type Reply struct {
 	Grace         float64 `json:"grace_seconds,omitempty"`
 	// GPU is what the daemon knows of the node's GPUs.
 	GPU *GPUReport `json:"gpu,omitempty"`
+	// Users is what each uid holds on each device; Quotas the limits in
+	// force and their use.
+	Users  []UserUse `json:"users,omitempty"`
+	Quotas []Quota   `json:"quotas,omitempty"`
 
 	// Trace answers a request that asked for one (create, open).
 	Trace *Trace `json:"trace,omitempty"`
@@ -374,6 +384,27 @@ type DeviceTier struct {
 	Peak   int64 `json:"peak_bytes"`
 }
 
+// UserUse is what one uid's segments hold on one device (info): bytes
+// allocated, whether on the device or evicted to host memory, and
+// segments, those that hold no memory included.
+type UserUse struct {
+	UID      uint32 `json:"uid"`
+	Device   int    `json:"device"`
+	Bytes    int64  `json:"bytes"`
+	Segments int    `json:"segments"`
+}
+
+// Quota is one limit in force and its use (info), as the daemon's
+// metrics have them: Kind is "device_bytes" (Scope: the device),
+// "segments" (the daemon's), "user_bytes" or "user_segments" (Scope: the
+// uid) or "user_device_bytes" (Scope: uid/device).
+type Quota struct {
+	Kind  string `json:"kind"`
+	Scope string `json:"scope,omitempty"`
+	Used  int64  `json:"used"`
+	Limit int64  `json:"limit"`
+}
+
 // Channel is a channel's layout.
 type Channel struct {
 	Slots        int   `json:"slots"`
@@ -509,6 +540,8 @@ const (
 	fTrace
 	fPin
 	fNextVersion
+	fEmpty
+	fNoReplace
 	fieldCount = iota
 )
 
@@ -516,6 +549,7 @@ var fieldNames = [fieldCount]string{
 	"version", "name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "segment",
 	"after", "limit", "lifetime", "ttl_seconds", "uid", "gid", "to", "session", "count", "slots",
 	"slot_bytes", "role", "uncommitted", "wait", "offset", "at", "trace", "pin", "next_version",
+	"empty", "no_replace",
 }
 
 // used is the fields each operation reads. A field outside its
@@ -526,7 +560,7 @@ var fieldNames = [fieldCount]string{
 var used = map[string]uint32{
 	OpHello:   fTrace | fVersion | fSession,
 	OpInfo:    fTrace,
-	OpCreate:  fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted | fPin | fNextVersion,
+	OpCreate:  fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted | fPin | fNextVersion | fEmpty,
 	OpOpen:    fTrace | fName | fReadOnly | fRole | fWait,
 	OpClose:   fTrace | fSegment | fRole,
 	OpUnlink:  fTrace | fName,
@@ -534,7 +568,7 @@ var used = map[string]uint32{
 	OpList:    fTrace | fAfter | fLimit,
 	OpChmod:   fTrace | fName | fMode,
 	OpChown:   fTrace | fName | fUID | fGID,
-	OpRename:  fTrace | fName | fTo,
+	OpRename:  fTrace | fName | fTo | fNoReplace,
 	OpPublish: fTrace | fName | fSize | fDevice | fMode | fMeta | fLifetime | fTTL,
 	OpReclaim: fTrace | fSegment | fCount | fReadOnly | fRole,
 	OpCommit:  fTrace | fSegment | fMeta,
@@ -586,6 +620,8 @@ func setFields(r *Request) uint32 {
 	set(fTrace, r.Trace)
 	set(fPin, r.Pin)
 	set(fNextVersion, r.NextVersion)
+	set(fEmpty, r.Empty)
+	set(fNoReplace, r.NoReplace)
 	return m
 }
 
