@@ -71,7 +71,7 @@ func listNames(ctx context.Context, prefix string, given []string) []cobra.Compl
 	var out []cobra.Completion
 	for _, s := range segs {
 		if strings.HasPrefix(s.Name, prefix) && !slices.Contains(given, s.Name) {
-			out = append(out, cobra.CompletionWithDesc(s.Name, bytesize.Format(s.Size)+", "+tier(&s)))
+			out = append(out, cobra.CompletionWithDesc(s.Name, bytesize.Format(s.Size)+", "+tier(c.Backend(), &s)))
 		}
 	}
 	return out

@@ -56,7 +56,7 @@ func tierCmd(use, short, long, example string, op func(context.Context, *gpushm.
 				case "name":
 					printNames(s.Name)
 				default:
-					fmt.Printf("%s: %s, %s\n", s.Name, bytesize.Format(s.AllocSize), tier(s))
+					fmt.Printf("%s: %s, %s\n", s.Name, bytesize.Format(s.AllocSize), tier(c.Backend(), s))
 				}
 				return nil
 			})

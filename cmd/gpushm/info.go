@@ -6,8 +6,10 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/gpushm/gpushm/internal/bytesize"
 	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/bytesize"
 )
 
 func infoCmd() *cobra.Command {
@@ -59,19 +61,26 @@ func info(cmd *cobra.Command) error {
 		fmt.Printf("pool:     %d allocations made ahead of time, %s\n", p.Ready, bytesize.Format(p.Bytes))
 	}
 	if t := inf.Tiers; t != nil {
+		// Named as ls names them: a daemon serving host memory has no GPU.
+		onDevice := tier(inf.Backend, &gpushm.SegmentInfo{Tier: "gpu"})
+		evicted := tier(inf.Backend, &gpushm.SegmentInfo{Tier: "host"})
+		back := "back on their GPU"
+		if inf.Backend == "host" {
+			back = "back in place"
+		}
 		for _, d := range t.Devices {
 			budget := "no budget"
 			if d.Budget > 0 {
 				budget = "budget " + bytesize.Format(d.Budget)
 			}
-			fmt.Printf("tier gpu: device %d: %s on it, %s (peak %s)\n", d.Device, bytesize.Format(d.Bytes), budget, bytesize.Format(d.Peak))
+			fmt.Printf("tier %s: device %d: %s on it, %s (peak %s)\n", onDevice, d.Device, bytesize.Format(d.Bytes), budget, bytesize.Format(d.Peak))
 		}
 		hostBudget := "eviction off (--host-budget 0)"
 		if t.HostBudget > 0 {
 			hostBudget = "budget " + bytesize.Format(t.HostBudget)
 		}
-		fmt.Printf("tier host: %s evicted, %s in copies of segments back on their GPU, %s; %d evictions (%s), %d restores (%s)\n",
-			bytesize.Format(t.HostBytes), bytesize.Format(t.CleanBytes), hostBudget, t.Evictions,
+		fmt.Printf("tier %s: %s evicted, %s in copies of segments %s, %s; %d evictions (%s), %d restores (%s)\n",
+			evicted, bytesize.Format(t.HostBytes), bytesize.Format(t.CleanBytes), back, hostBudget, t.Evictions,
 			bytesize.Format(t.EvictedBytes), t.Restores, bytesize.Format(t.RestoredBytes))
 	}
 	fmt.Println()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path"
 	"strconv"
@@ -19,7 +20,10 @@ import (
 )
 
 func lsCmd() *cobra.Command {
-	var bytes, wide bool
+	var (
+		bytes, wide, watch bool
+		interval           time.Duration
+	)
 	cmd := &cobra.Command{
 		Use:     "ls [NAME|PATTERN]...",
 		Aliases: []string{"list"},
@@ -41,25 +45,45 @@ first.
 TIER is where the bytes are: "gpu" on the segment's device ("gpu, pinned"
 when it never leaves it), or "host" when the daemon evicted it to host
 memory to keep its device under budget (the next open brings it back;
-docs/architecture.md, "Tiers"). OPENED is how long ago it was last opened.
+docs/architecture.md, "Tiers"). A daemon serving host memory (no GPU)
+says "host memory" for the memory it serves, and "evicted" for a segment
+moved out of it. OPENED is how long ago it was last opened.
 
 -o wide adds each segment's GPU by name and UUID; -o json (or --json) and
 -o yaml print every segment in full, meta included, with the protocol's
-field names (docs/cli.md, "Output"); -o name prints the names alone.`,
+field names (docs/cli.md, "Output"), whose "tier" is "gpu" or "host"
+whatever the backend; -o name prints the names alone.
+
+--watch lists again every --interval (2s unless given), redrawing the
+screen on a terminal, and appending each listing elsewhere, until Ctrl-C,
+which ends it with status 0, as watch(1) does. A failure to list is shown
+in place of the listing, and the next interval tries again.`,
 		Example: `  gpushm ls
   gpushm ls 'llama-*' -o wide
   gpushm ls -o json | jq -r '.[] | select(.tier == "host") | .name'
-  gpushm ls -o name | xargs gpushm load`,
+  gpushm ls -o name | xargs gpushm load
+  gpushm ls --watch --interval 1s`,
 		ValidArgsFunction: segmentNames(),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if wide && output == "" {
 				output = "wide"
 			}
-			return failed("ls", "", list(cmd.Context(), args, bytes))
+			if cmd.Flags().Changed("interval") && !watch {
+				return usagef(cmd, "ls: --interval is for --watch")
+			}
+			if watch {
+				if interval <= 0 {
+					return usagef(cmd, "ls: --interval %s: want a positive duration, such as 2s or 500ms", interval)
+				}
+				return failed("ls", "", watchList(cmd.Context(), args, bytes, interval))
+			}
+			return failed("ls", "", list(cmd.Context(), os.Stdout, args, bytes))
 		},
 	}
 	cmd.Flags().BoolVar(&bytes, "bytes", false, "print sizes in bytes")
 	cmd.Flags().BoolVarP(&wide, "wide", "w", false, "short for -o wide")
+	cmd.Flags().BoolVar(&watch, "watch", false, "list again every --interval until Ctrl-C (status 0)")
+	cmd.Flags().DurationVar(&interval, "interval", 2*time.Second, "with --watch, how often to list")
 	addOutput(cmd, true)
 	return cmd
 }
@@ -67,17 +91,31 @@ field names (docs/cli.md, "Output"); -o name prints the names alone.`,
 // isPattern says whether an argument of ls is a glob rather than a name.
 func isPattern(arg string) bool { return strings.ContainsAny(arg, "*?[\\") }
 
-func list(ctx context.Context, args []string, bytes bool) error {
+// checkPatterns refuses a pattern path.Match cannot read.
+func checkPatterns(args []string) error {
 	for _, a := range args {
 		if _, err := path.Match(a, ""); err != nil {
 			return fmt.Errorf("pattern %q: %w", a, err)
 		}
+	}
+	return nil
+}
+
+func list(ctx context.Context, w io.Writer, args []string, bytes bool) error {
+	if err := checkPatterns(args); err != nil {
+		return err
 	}
 	c, err := dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
+	return listWith(ctx, c, w, args, bytes)
+}
+
+// listWith writes the segments args name or match to w, as -o asks, and
+// returns an error for each name that names none.
+func listWith(ctx context.Context, c *gpushm.Client, w io.Writer, args []string, bytes bool) error {
 	all, err := c.List(ctx)
 	if err != nil {
 		return err
@@ -102,14 +140,14 @@ func list(ctx context.Context, args []string, bytes bool) error {
 		}
 	}
 	if len(segs) > 0 || len(args) == 0 || structured() {
-		if err := printList(ctx, c, segs, bytes); err != nil {
+		if err := printList(ctx, c, w, segs, bytes); err != nil {
 			return err
 		}
 	}
 	return errors.Join(errs...)
 }
 
-func printList(ctx context.Context, c *gpushm.Client, segs []gpushm.SegmentInfo, bytes bool) error {
+func printList(ctx context.Context, c *gpushm.Client, out io.Writer, segs []gpushm.SegmentInfo, bytes bool) error {
 	switch output {
 	case "json", "yaml":
 		// A list carries no meta (docs/protocol.md): each segment's stat
@@ -119,10 +157,10 @@ func printList(ctx context.Context, c *gpushm.Client, segs []gpushm.SegmentInfo,
 				segs[i].Meta = s.Meta
 			}
 		}
-		return printValue(viewsOf(segs))
+		return writeValue(out, viewsOf(segs))
 	case "name":
 		for _, s := range segs {
-			printNames(s.Name)
+			fmt.Fprintln(out, s.Name)
 		}
 		return nil
 	}
@@ -141,7 +179,7 @@ func printList(ctx context.Context, c *gpushm.Client, segs []gpushm.SegmentInfo,
 			devName[d.Index] = d.Name + "\t" + id
 		}
 	}
-	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
 	header := "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tTIER\tOPENED\tAGE\tLIFETIME"
 	if wide {
 		header += "\tGPU\tUUID"
@@ -153,7 +191,7 @@ func printList(ctx context.Context, c *gpushm.Client, segs []gpushm.SegmentInfo,
 			size = strconv.FormatInt(s.Size, 10)
 		}
 		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\t%s\t%s\t%s", s.Name, size, s.Device,
-			owner(s.UID, s.GID), s.Mode, s.Opens, tier(&s), opened(&s),
+			owner(s.UID, s.GID), s.Mode, s.Opens, tier(c.Backend(), &s), opened(&s),
 			age(time.Since(time.Unix(0, s.Created))), lifetime(&s))
 		if wide {
 			fmt.Fprintf(w, "\t%s", devName[s.Device])
@@ -187,14 +225,23 @@ func lifetime(s *gpushm.SegmentInfo) string {
 }
 
 // tier says where a segment's bytes are: "gpu", "gpu, pinned" or "host".
-func tier(s *gpushm.SegmentInfo) string {
+// The protocol's "gpu" is the device's own memory, which a daemon of the
+// host backend serves from host memory: it says so, and "evicted" for a
+// segment moved out of it, lest a user without a GPU read "gpu".
+func tier(backend string, s *gpushm.SegmentInfo) string {
+	t := s.Tier
 	switch {
-	case s.Tier == "":
+	case t == "":
 		return "-" // a daemon without tiers
-	case s.Pinned:
-		return s.Tier + ", pinned"
+	case backend == "host" && t == "gpu":
+		t = "host memory"
+	case backend == "host" && t == "host":
+		t = "evicted"
 	}
-	return s.Tier
+	if s.Pinned {
+		return t + ", pinned"
+	}
+	return t
 }
 
 // opened is how long ago a segment was last opened ("-" if unknown).

@@ -74,7 +74,7 @@ func stat(ctx context.Context, name string) error {
 	for _, v := range s.Versions {
 		fmt.Printf("held:        version %d (segment %d): %d opens%s\n", v.Version, v.ID, v.Opens, pids(v.PIDs))
 	}
-	fmt.Printf("tier:        %s\n", tier(s))
+	fmt.Printf("tier:        %s\n", tier(c.Backend(), s))
 	if s.LastOpen != 0 {
 		last := time.Unix(0, s.LastOpen)
 		fmt.Printf("last open:   %s (%s ago)\n", last.Format(time.RFC3339), age(time.Since(last)))
