@@ -104,6 +104,10 @@ type PutOptions struct {
 	// NextVersion makes the bundle the next version of name, which its
 	// commit makes current (gpushm.CreateOptions.NextVersion).
 	NextVersion bool
+	// Pin and TTL are gpushm.CreateOptions's: keep the bundle on its
+	// device; remove it once unopened this long.
+	Pin bool
+	TTL time.Duration
 }
 
 // Put creates name as one bundle segment holding the
@@ -127,7 +131,8 @@ func Put(ctx context.Context, c *gpushm.Client, name string, ck *Checkpoint, o *
 	if err != nil {
 		return st, err
 	}
-	seg, err := c.Create(ctx, name, ck.p.Size, &gpushm.CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, Uncommitted: true, NextVersion: o.NextVersion})
+	seg, err := c.Create(ctx, name, ck.p.Size, &gpushm.CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, Uncommitted: true, NextVersion: o.NextVersion,
+		Pin: o.Pin, TTL: o.TTL})
 	if err != nil {
 		return st, err
 	}

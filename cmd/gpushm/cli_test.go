@@ -70,7 +70,7 @@ func TestExitStatus(t *testing.T) {
 		{[]string{"ls", "a", "nope"}, exitNotFound, `^gpushm: ls nope: no such segment\n$`},
 		{[]string{"put", "x", filepath.Join(dir, "missing")}, exitNotFound, `^gpushm: put x: open .*/missing: no such file or directory\n$`},
 		{[]string{"create", "a", "1M"}, exitExists, `^gpushm: create a: segment exists\n$`},
-		{[]string{"put", "a", "/etc/hostname"}, exitExists, `^gpushm: put a: segment exists \('gpushm put --new-version a \.\.\.' replaces it\)\n$`},
+		{[]string{"put", "a", "/etc/hostname"}, exitExists, `^gpushm: put a: segment exists \('gpushm put --force a \.\.\.' replaces it\)\n$`},
 		{[]string{"evict", "a"}, exitBusy, `^gpushm: evict a: .*\n$`},
 		{[]string{"get", "half", filepath.Join(dir, "out")}, exitBusy, `^gpushm: get half: .*still being written.*'gpushm get --wait 1m half `},
 		// Sizes in binary units beside bytes.

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -53,6 +54,11 @@ func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existO
 	size, err := bytesize.Parse(sizeArg)
 	if err != nil {
 		return usagef(cmd, "create %s: %v", name, err)
+	}
+	if size == 0 {
+		// The protocol makes an empty segment only when asked to: one
+		// holds nothing to map, and a size of 0 typed here is a mistake.
+		return errnof(syscall.EINVAL, "invalid size: 0 (must be positive; an empty file puts as an empty segment, which holds nothing to map)")
 	}
 	o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl, Pin: pin}
 	if o.Mode, err = parseMode(cmd, mode); err != nil {

@@ -88,6 +88,20 @@ type daemonError struct{ err error }
 func (e *daemonError) Error() string { return e.err.Error() }
 func (e *daemonError) Unwrap() error { return e.err }
 
+// errnoError is a failure said in the command's words that carries the
+// errno a script tells it by (status): "t exists", not "file exists".
+type errnoError struct {
+	msg   string
+	errno syscall.Errno
+}
+
+func errnof(errno syscall.Errno, format string, args ...any) error {
+	return &errnoError{fmt.Sprintf(format, args...), errno}
+}
+
+func (e *errnoError) Error() string { return e.msg }
+func (e *errnoError) Unwrap() error { return e.errno }
+
 // status is err's exit status and the errno name a script may test: the
 // protocol's code (docs/protocol.md, "Error codes") where the error has
 // one.

@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -110,8 +111,20 @@ func get(ctx context.Context, name, path string, o getOptions) (res copyResult, 
 	}
 	defer c.Close()
 	start := time.Now()
-	seg, err := c.Open(ctx, name, &gpushm.OpenOptions{ReadOnly: true, Wait: o.wait})
+	seg, err := openForRead(ctx, c, name, o.wait)
 	if err != nil {
+		return res, err
+	}
+	if seg == nil {
+		// Empty: an empty file, as cp makes of one.
+		if path, err = inDir(path, name); err != nil {
+			return res, err
+		}
+		res = copyResult{Name: name, File: path, Copier: "client"}
+		if path != "-" {
+			_, err = intoFile(ctx, path, 0, func(*os.File) (gpushm.CopyStats, error) { return gpushm.CopyStats{}, nil })
+		}
+		res.finish(start)
 		return res, err
 	}
 	defer seg.Close()
@@ -127,6 +140,10 @@ func get(ctx context.Context, name, path string, o getOptions) (res copyResult, 
 		report("get", name, st.Bytes, time.Since(start), st, o.verbose)
 		return res, nil
 	}
+	if path, err = inDir(path, name); err != nil {
+		return res, err
+	}
+	res.File = path
 	stream := path == "-" || !daemonWrites(path)
 	bar := newProgress("get "+name, info.Size)
 	var st gpushm.CopyStats
@@ -172,6 +189,29 @@ func get(ctx context.Context, name, path string, o getOptions) (res copyResult, 
 	res.finish(start)
 	report("get", name, m.Size(), time.Since(start), st, o.verbose)
 	return res, nil
+}
+
+// inDir is where get writes segment name given path: path/name when path
+// is a directory (or says it must be one, ending in '/'), as cp writes a
+// file into a directory; else path itself. A checkpoint bundle, which is
+// a directory, is written as path instead (getDir).
+func inDir(path, name string) (string, error) {
+	if path == "-" {
+		return path, nil
+	}
+	st, err := os.Stat(path)
+	switch {
+	case err == nil && st.IsDir():
+		return filepath.Join(path, name), nil
+	case strings.HasSuffix(path, "/"):
+		// Not there, or not a directory (stat of "file/" fails so).
+		var pe *fs.PathError
+		if errors.As(err, &pe) {
+			err = pe.Err
+		}
+		return "", &fs.PathError{Op: "open directory", Path: path, Err: err}
+	}
+	return path, nil
 }
 
 // getDir writes a checkpoint bundle back as its directory. Interrupted,

@@ -243,7 +243,8 @@ func TestCLI(t *testing.T) {
 	}
 	empty := filepath.Join(dir, "empty")
 	os.WriteFile(empty, nil, 0o644)
-	mustFail(t, "is empty", "put", "e", empty)
+	mustRun(t, nil, "put", "e", empty) // an empty segment (TestEmptyFiles)
+	mustRun(t, nil, "rm", "e")
 	mustFail(t, "exists", "put", "a", filepath.Join(dir, "in"))
 	mustFail(t, "no such file", "put", "e", filepath.Join(dir, "missing"))
 

@@ -6,11 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
+	"unicode/utf8"
 
 	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
@@ -20,6 +22,7 @@ import (
 	"github.com/gpushm/gpushm/internal/bytesize"
 	layout "github.com/gpushm/gpushm/internal/checkpoint"
 	"github.com/gpushm/gpushm/internal/crc32c"
+	"github.com/gpushm/gpushm/internal/segment"
 )
 
 func putCmd() *cobra.Command {
@@ -30,6 +33,9 @@ func putCmd() *cobra.Command {
 		copyOpts copyFlags
 		verbose  bool
 		next     bool
+		meta     string
+		pin      bool
+		ttl      time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "put NAME FILE|DIR",
@@ -67,24 +73,34 @@ it (or wait for it, with --wait). If anything fails, or put is killed, the
 segment goes with it; Ctrl-C stops put with status 130, and leaves no
 segment (from '-', it stops reading at once).
 
-With --new-version, NAME may exist already: the copy becomes its next
-version, which readers do not see while it is written. The commit makes it
-current in one step: from then on NAME names the new version, and processes
-that hold the old one keep it until they refresh onto the new one (at the
-same addresses) or close it; it is freed after the last of them.
-'gpushm stat NAME' shows the versions still held. Only NAME's owner (or
-root) may replace it.
+With --force (-f; --new-version is the same flag, by the protocol's name
+for it), NAME is replaced if it exists, as cp -f replaces a file, and made
+if it does not: the copy becomes NAME's next version, which readers do
+not see while it is written. The commit makes it current in one step:
+from then on NAME names the new version, and processes that hold the old
+one keep it until they refresh onto the new one (at the same addresses)
+or close it; it is freed after the last of them. 'gpushm stat NAME' shows
+the versions still held. Only NAME's owner (or root) may replace it; the
+new version keeps its owner, and its mode unless --mode says another.
+
+An empty FILE makes an empty segment: a name that holds no memory, as an
+empty file does, which 'gpushm get' writes back as an empty file and
+'gpushm cat' as nothing; programs cannot open it (there is nothing to
+map). With --force it replaces NAME in one step too (a rename over it).
+
+--mode, --meta (for a file that is not a tensor bundle, whose meta is its
+layout), --pin and --ttl are create's.
 
 It prints nothing on standard output unless -o asks: -o json and -o yaml
 print what was copied and the segment made, -o name its name.`,
 		Example: `  gpushm put weights model.bin
   gpushm put llama /models/llama              # a checkpoint directory
   curl -s https://example.com/w.bin | gpushm put weights -
-  gpushm put --new-version weights model-v2.bin`,
+  gpushm put --force weights model-v2.bin     # replace weights, readers refresh
+  gpushm put --ttl 1h --mode 0644 scratch data.bin`,
 		Args: cobra.ExactArgs(2),
 		ValidArgsFunction: namesThenFiles(func(cmd *cobra.Command) bool {
-			on, _ := cmd.Flags().GetBool("new-version")
-			return on // a new name otherwise: nothing to complete
+			return next // a new name otherwise: nothing to complete
 		}),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, path := args[0], args[1]
@@ -100,9 +116,19 @@ print what was copied and the segment made, -o name its name.`,
 			if err != nil {
 				return usagef(cmd, "%v", err)
 			}
+			if meta != "" && !json.Valid([]byte(meta)) {
+				return usagef(cmd, "--meta: not valid JSON")
+			}
+			if ttl < 0 {
+				return usagef(cmd, "--ttl %s: want a positive duration, such as 10m", ttl)
+			}
 			ctx, stop := interruptible(cmd.Context())
 			defer stop()
-			o := putOptions{device: device, perm: perm, readOnly: readOnly, co: co, inDaemon: inDaemon, verbose: verbose, next: next}
+			o := putOptions{device: device, perm: perm, readOnly: readOnly, co: co, inDaemon: inDaemon, verbose: verbose, next: next,
+				pin: pin, ttl: ttl}
+			if meta != "" {
+				o.meta = json.RawMessage(meta)
+			}
 			var res copyResult
 			if st, serr := os.Stat(path); path != "-" && serr == nil && st.IsDir() {
 				res, err = putDir(ctx, name, path, o)
@@ -111,7 +137,7 @@ print what was copied and the segment made, -o name its name.`,
 			}
 			err = failed("put", name, err)
 			if errors.Is(err, syscall.EEXIST) && !next {
-				err = fmt.Errorf("%w ('gpushm put --new-version %s ...' replaces it)", err, name)
+				err = fmt.Errorf("%w ('gpushm put --force %s ...' replaces it)", err, name)
 			}
 			if err != nil {
 				return err
@@ -124,7 +150,11 @@ print what was copied and the segment made, -o name its name.`,
 	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
 	f.BoolVar(&readOnly, "readonly-default", false, "mark a tensor bundle so that clients map it read-only unless they ask for write access")
 	f.BoolVarP(&verbose, "verbose", "v", false, "print what was copied, how, and how fast")
-	f.BoolVar(&next, "new-version", false, "replace an existing NAME with this copy as its next version, once the copy is complete (readers refresh onto it)")
+	f.BoolVarP(&next, "force", "f", false, "replace NAME if it exists, in one step once the copy is complete: the copy is its next version, which readers refresh onto")
+	f.BoolVar(&next, "new-version", false, "the same as --force")
+	f.StringVar(&meta, "meta", "", "user metadata, a JSON value (not for a tensor bundle, whose meta is its layout)")
+	f.BoolVar(&pin, "pin", false, "keep the segment on its device: never evict it to host memory ('gpushm unpin' lets it go)")
+	f.DurationVar(&ttl, "ttl", 0, "remove the segment once nobody has had it open for this long (e.g. 10m)")
 	copyOpts.register(cmd)
 	addOutput(cmd, false)
 	return cmd
@@ -139,6 +169,10 @@ type putOptions struct {
 	inDaemon bool
 	verbose  bool
 	next     bool
+	// meta, pin and ttl are create's.
+	meta json.RawMessage
+	pin  bool
+	ttl  time.Duration
 }
 
 // putFile puts a file, or standard input ("-"), into a new segment name.
@@ -150,7 +184,7 @@ func putFile(ctx context.Context, name, path string, po putOptions) (res copyRes
 	}
 	defer cleanup()
 	if size == 0 {
-		return res, fmt.Errorf("%s is empty, and a segment has at least one byte", path)
+		return putEmpty(ctx, name, path, po)
 	}
 	// The file's identity, taken before its header is read, for the
 	// bundle's origin.
@@ -167,15 +201,19 @@ func putFile(ctx context.Context, name, path string, po putOptions) (res copyRes
 		id.Name = filepath.Base(path)
 		origin.Files = []layout.Identity{id}
 	}
-	o := &gpushm.CreateOptions{Mode: po.perm, NextVersion: po.next}
+	o := &gpushm.CreateOptions{Mode: po.perm, NextVersion: po.next, Pin: po.pin, TTL: po.ttl}
 	if o.Meta, err = layout.FileMeta(f, size, po.readOnly); err != nil {
 		return res, err
 	}
 	if o.Meta == nil && po.readOnly {
 		return res, fmt.Errorf("--readonly-default is for tensor bundles, and %s is not a safetensors file", path)
 	}
+	if o.Meta != nil && po.meta != nil {
+		return res, fmt.Errorf("--meta: %s is a safetensors file, whose segment's meta is its tensors' layout", path)
+	}
 	if o.Meta == nil {
 		origin = nil // only bundles say where they came from
+		o.Meta = po.meta
 	}
 	c, err := dial(ctx)
 	if err != nil {
@@ -196,6 +234,84 @@ func putFile(ctx context.Context, name, path string, po putOptions) (res copyRes
 	res.finish(start)
 	report("put", name, size, time.Since(start), st, po.verbose)
 	return res, describe(ctx, c, &res)
+}
+
+// putEmpty makes name an empty segment, as the empty file path is: a name
+// that holds no memory (docs/protocol.md, "create": empty). Replacing
+// name (--force), it is made under a name of its own beside it and renamed
+// over name, one step as a next version's commit is (a version is memory
+// to fill, and an empty segment has none); it takes the owner, and unless
+// --mode the mode, of what it replaces, as a next version does. A put
+// killed between the two steps leaves that name, which says what it is,
+// as get leaves a file.
+func putEmpty(ctx context.Context, name, path string, po putOptions) (res copyResult, err error) {
+	start := time.Now()
+	if po.readOnly {
+		return res, fmt.Errorf("--readonly-default is for tensor bundles, and %s is empty", path)
+	}
+	c, err := dial(ctx)
+	if err != nil {
+		return res, err
+	}
+	defer c.Close()
+	o := &gpushm.CreateOptions{Mode: po.perm, Meta: po.meta, Pin: po.pin, TTL: po.ttl}
+	if o.Device, err = resolveDevice(ctx, c, po.device); err != nil {
+		return res, err
+	}
+	target := name
+	var cur *gpushm.SegmentInfo
+	if po.next {
+		cur, err = c.Stat(ctx, name)
+		switch {
+		case errors.Is(err, syscall.ENOENT):
+			cur = nil // nothing to replace
+		case err != nil:
+			return res, err
+		default:
+			target = besideName(name)
+			if o.Mode == nil {
+				o.Mode = &cur.Mode
+			}
+		}
+	}
+	made, _, err := c.CreateOnly(ctx, target, 0, o)
+	if errors.Is(err, syscall.EPROTO) {
+		return res, fmt.Errorf("%s is empty, and the daemon predates empty segments (upgrade it): %w", path, err)
+	}
+	if err != nil {
+		return res, err
+	}
+	if cur != nil {
+		// Seen through once begun, as a commit is: an interrupt leaves
+		// no stray name behind.
+		ctx := context.WithoutCancel(ctx)
+		if made.UID != cur.UID || made.GID != cur.GID {
+			err = c.Chown(ctx, target, int64(cur.UID), int64(cur.GID))
+		}
+		if err == nil {
+			err = c.Rename(ctx, target, name)
+		}
+		if err != nil {
+			c.Unlink(ctx, target)
+			return res, err
+		}
+	}
+	res = copyResult{Name: name, File: path, Copier: "client"}
+	res.finish(start)
+	report("put", name, 0, time.Since(start), gpushm.CopyStats{}, po.verbose)
+	return res, describe(ctx, c, &res)
+}
+
+// besideName is a name for a segment made to be renamed over name, hidden
+// from globs that do not match a leading dot, and saying what it is, as
+// get's temporary files do.
+func besideName(name string) string {
+	suffix := fmt.Sprintf(".gpushm-put-%08x", rand.Uint32())
+	keep := name[:min(len(name), segment.MaxName-1-len(suffix))]
+	for !utf8.ValidString(keep) {
+		keep = keep[:len(keep)-1] // cut inside a character
+	}
+	return "." + keep + suffix
 }
 
 // describe adds the segment put made to res, for -o json and yaml.
@@ -272,6 +388,9 @@ func (c *copyFlags) options() (*gpushm.CopyOptions, error) {
 
 func putDir(ctx context.Context, name, dir string, po putOptions) (res copyResult, err error) {
 	start := time.Now()
+	if po.meta != nil {
+		return res, fmt.Errorf("--meta: %s is a checkpoint directory, whose segment's meta is its tensors' layout", dir)
+	}
 	ck, err := checkpoint.Open(dir)
 	if err != nil {
 		return res, err
@@ -286,7 +405,8 @@ func putDir(ctx context.Context, name, dir string, po putOptions) (res copyResul
 		return res, err
 	}
 	defer c.Close()
-	o := &checkpoint.PutOptions{Mode: po.perm, ReadOnlyDefault: po.readOnly, Copy: *po.co, InDaemon: po.inDaemon, NextVersion: po.next}
+	o := &checkpoint.PutOptions{Mode: po.perm, ReadOnlyDefault: po.readOnly, Copy: *po.co, InDaemon: po.inDaemon, NextVersion: po.next,
+		Pin: po.pin, TTL: po.ttl}
 	if o.Device, err = resolveDevice(ctx, c, po.device); err != nil {
 		return res, err
 	}

@@ -391,3 +391,151 @@ func TestGetToFIFO(t *testing.T) {
 		t.Fatalf("get into a FIFO: the reader got %d bytes, want the segment's %d", len(b), len(data))
 	}
 }
+
+// TestPutTakesCreateFlags: put takes what create takes, --ttl, --meta,
+// --pin and --mode; --meta only where the segment's meta is not a bundle's
+// layout.
+func TestPutTakesCreateFlags(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	src := filepath.Join(dir, "src")
+	os.WriteFile(src, []byte("some bytes"), 0o644)
+
+	mustRun(t, nil, "put", "p", src, "--ttl", "1h", "--meta", `{"k":1}`, "--pin", "--mode", "0640")
+	var seg map[string]any
+	decode(t, mustRun(t, nil, "stat", "p", "-o", "json"), &seg)
+	want := map[string]any{"ttl_seconds": float64(3600), "meta": map[string]any{"k": float64(1)}, "pinned": true, "mode": "0640", "size": float64(10)}
+	for k, v := range want {
+		if !equalJSON(map[string]any{k: seg[k]}, map[string]any{k: v}) {
+			t.Errorf("put --ttl 1h --meta {\"k\":1} --pin --mode 0640: %s is %v, want %v", k, seg[k], v)
+		}
+	}
+	st := filepath.Join(dir, "model.safetensors")
+	os.WriteFile(st, safetensorsFile(goodHeader, make([]byte, 22)), 0o644)
+	mustFail(t, "--meta: "+st+" is a safetensors file", "put", "s", st, "--meta", `{"k":1}`)
+	ck := filepath.Join(dir, "ck")
+	os.Mkdir(ck, 0o755)
+	mustFail(t, "--meta: "+ck+" is a checkpoint directory", "put", "d", ck, "--meta", `{"k":1}`)
+	if r := cli(t, nil, "put", "x", src, "--meta", "{"); r.code != exitUsage {
+		t.Errorf("put --meta {: exit %d, want %d", r.code, exitUsage)
+	}
+	if out := mustRun(t, nil, "ls", "-o", "name"); out != "p\n" {
+		t.Errorf("after the refused puts, ls says %q", out)
+	}
+}
+
+// TestPutForce: --force replaces a name in one step, as --new-version
+// does (both spellings work), and makes a name that is not there.
+func TestPutForce(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	v := func(i uint64) string {
+		p := filepath.Join(dir, "v"+strconv.FormatUint(i, 10))
+		os.WriteFile(p, remapBytes(i, 5000), 0o644)
+		return p
+	}
+	check := func(what string, version int, seed uint64) {
+		t.Helper()
+		out := mustRun(t, nil, "stat", "w")
+		if got := mustRun(t, nil, "cat", "w"); got != string(remapBytes(seed, 5000)) || !strings.Contains(out, "version:     "+strconv.Itoa(version)+"\n") {
+			t.Fatalf("after %s: version or bytes not the copy's:\n%s", what, out)
+		}
+	}
+	mustRun(t, nil, "put", "--force", "w", v(1)) // no w yet
+	check("put --force of a new name", 1, 1)
+	r := cli(t, nil, "put", "w", v(2))
+	if r.code != exitExists || r.stderr != "gpushm: put w: segment exists ('gpushm put --force w ...' replaces it)\n" {
+		t.Errorf("put of a name there: exit %d, %q", r.code, r.stderr)
+	}
+	mustRun(t, nil, "put", "-f", "w", v(2))
+	check("put -f", 2, 2)
+	mustRun(t, nil, "put", "--new-version", "w", v(3))
+	check("put --new-version", 3, 3)
+}
+
+// TestEmptyFiles: an empty file puts as an empty segment, which gets
+// back as an empty file, cats as nothing, and is replaced (--force) in one
+// step too.
+func TestEmptyFiles(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	empty, full := filepath.Join(dir, "empty"), filepath.Join(dir, "full")
+	os.WriteFile(empty, nil, 0o644)
+	os.WriteFile(full, []byte("not empty"), 0o644)
+
+	mustRun(t, nil, "put", "e", empty)
+	mustRun(t, []byte{}, "put", "e2", "-")
+	var segs []map[string]any
+	decode(t, mustRun(t, nil, "ls", "-o", "json"), &segs)
+	if len(segs) != 2 || segs[0]["size"] != float64(0) || segs[0]["alloc_size"] != float64(0) || segs[1]["size"] != float64(0) {
+		t.Fatalf("ls after putting an empty file and empty standard input: %v", segs)
+	}
+	out := filepath.Join(dir, "out")
+	os.WriteFile(out, []byte("old contents"), 0o640)
+	mustRun(t, nil, "get", "e", out)
+	if b, err := os.ReadFile(out); err != nil || len(b) != 0 {
+		t.Errorf("get of an empty segment over a file: %q, %v; want an empty file", b, err)
+	}
+	if got := mustRun(t, nil, "get", "e", "-"); got != "" {
+		t.Errorf("get e - said %q", got)
+	}
+	if got := mustRun(t, nil, "cat", "e", "e2"); got != "" {
+		t.Errorf("cat of empty segments said %q", got)
+	}
+	mustFail(t, "segment exists", "put", "e", empty)
+
+	// Replaced: by a copy, then by an empty file again, keeping the mode.
+	mustRun(t, nil, "chmod", "0640", "e")
+	mustRun(t, nil, "put", "--force", "e", full)
+	if got := mustRun(t, nil, "cat", "e"); got != "not empty" {
+		t.Errorf("cat after put --force of a file over an empty segment: %q", got)
+	}
+	mustRun(t, nil, "put", "--force", "e", empty)
+	segs = nil
+	decode(t, mustRun(t, nil, "ls", "-o", "json"), &segs)
+	if len(segs) != 2 || segs[0]["name"] != "e" || segs[0]["size"] != float64(0) || segs[0]["mode"] != "0640" {
+		t.Errorf("ls after put --force of an empty file: %v; want e empty, mode 0640, and nothing else made", segs)
+	}
+	mustRun(t, nil, "put", "--force", "e3", empty) // not there yet
+	if got := mustRun(t, nil, "ls", "-o", "name"); got != "e\ne2\ne3\n" {
+		t.Errorf("ls -o name: %q", got)
+	}
+}
+
+// TestGetIntoDirectory: get NAME DIR writes DIR/NAME, as cp writes a file
+// into a directory; DIR/ must be one.
+func TestGetIntoDirectory(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	src := filepath.Join(dir, "src")
+	os.WriteFile(src, []byte("some bytes"), 0o644)
+	mustRun(t, nil, "put", "w", src)
+	d := filepath.Join(dir, "d")
+	os.Mkdir(d, 0o755)
+
+	for _, to := range []string{d, d + "/"} {
+		os.Remove(filepath.Join(d, "w"))
+		var res map[string]any
+		decode(t, mustRun(t, nil, "get", "w", to, "-o", "json"), &res)
+		if b, _ := os.ReadFile(filepath.Join(d, "w")); string(b) != "some bytes" || res["file"] != filepath.Join(d, "w") {
+			t.Errorf("get w %s: wrote %q, said %v; want %s/w", to, b, res, d)
+		}
+	}
+	if r := cli(t, nil, "get", "w", filepath.Join(dir, "none")+"/"); r.code != exitNotFound || !strings.Contains(r.stderr, "none/: no such file or directory") {
+		t.Errorf("get into a directory that is not there: exit %d, %q", r.code, r.stderr)
+	}
+	if r := cli(t, nil, "get", "w", src+"/"); r.code == 0 || !strings.Contains(r.stderr, "src/: not a directory") {
+		t.Errorf("get into a file as a directory: exit %d, %q", r.code, r.stderr)
+	}
+	if b, _ := os.ReadFile(src); string(b) != "some bytes" {
+		t.Errorf("the file named as a directory was written: %q", b)
+	}
+}

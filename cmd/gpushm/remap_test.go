@@ -137,7 +137,7 @@ func TestPutNewVersion(t *testing.T) {
 	os.WriteFile(v1, remapBytes(1, 70000), 0o644)
 	os.WriteFile(v2, remapBytes(2, 70000), 0o644)
 	mustRun(t, nil, "put", "w", v1)
-	mustFail(t, "put --new-version w", "put", "w", v2)
+	mustFail(t, "put --force w", "put", "w", v2)
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, sock)
 	if err != nil {

@@ -81,7 +81,7 @@ an error is one object on standard error too. docs/cli.md says more.
 	root.AddCommand(
 		daemon, infoCmd(), versionCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(),
 		chmodCmd(), chownCmd(), mvCmd(), evictCmd(), loadCmd(), pinCmd(true), pinCmd(false),
-		putCmd(), getCmd(), bench, demo, child, systemd, manCmd(),
+		putCmd(), getCmd(), catCmd(), bench, demo, child, systemd, manCmd(),
 	)
 	// internal/bench's commands, given their examples here, where the
 	// CLI's help is written.

@@ -1,0 +1,86 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/gpushm/gpushm"
+)
+
+// TestCat: cat writes segments' bytes to standard output, one after
+// another; on a terminal it refuses binary output unless --force.
+func TestCat(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	text, bin := filepath.Join(dir, "text"), filepath.Join(dir, "bin")
+	os.WriteFile(text, []byte("hello\nworld\n"), 0o644)
+	binary := append(bytes.Repeat([]byte("text first, "), 10), 0, 1, 2, 0xff)
+	os.WriteFile(bin, binary, 0o644)
+	mustRun(t, nil, "put", "text", text)
+	mustRun(t, nil, "put", "bin", bin)
+
+	if out := mustRun(t, nil, "cat", "text"); out != "hello\nworld\n" {
+		t.Errorf("cat text said %q", out)
+	}
+	if out := mustRun(t, nil, "cat", "text", "bin", "text"); out != "hello\nworld\n"+string(binary)+"hello\nworld\n" {
+		t.Errorf("cat text bin text said %q", out)
+	}
+	if r := cli(t, nil, "cat", "nope", "text"); r.code != exitNotFound || r.stdout != "hello\nworld\n" || r.stderr != "gpushm: cat nope: no such segment\n" {
+		t.Errorf("cat nope text: exit %d, stdout %q, stderr %q; want the second written and the first said missing", r.code, r.stdout, r.stderr)
+	}
+
+	// Still being written: refused, as get refuses it.
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	half, err := c.Create(ctx, "half", 4096, &gpushm.CreateOptions{Uncommitted: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer half.Close()
+	if r := cli(t, nil, "cat", "half"); r.code != exitBusy || !strings.HasPrefix(r.stderr, "gpushm: cat half: ") {
+		t.Errorf("cat of a segment being written: exit %d, %q; want %d", r.code, r.stderr, exitBusy)
+	}
+
+	out, code := onTerminal(t, "cat", "text")
+	if code != 0 || !strings.Contains(out, "hello\r\nworld\r\n") {
+		t.Errorf("cat text on a terminal: exit %d, %q", code, out)
+	}
+	out, code = onTerminal(t, "cat", "bin")
+	if code != exitFailure || !strings.Contains(out, "gpushm: cat bin: binary output can mess up your terminal: 'gpushm cat --force bin' writes it here anyway") || strings.Contains(out, "\x00") {
+		t.Errorf("cat of binary on a terminal: exit %d, %q; want it refused, and no NUL written", code, out)
+	}
+	out, code = onTerminal(t, "cat", "--force", "bin")
+	if code != 0 || !strings.Contains(out, "text first, ") {
+		t.Errorf("cat --force of binary on a terminal: exit %d, %q", code, out)
+	}
+}
+
+// TestCatPieces: cat writes a mapping a piece at a time, however large
+// the write it is given, so that nothing holds more than a piece.
+func TestCatPieces(t *testing.T) {
+	var w recordWriter
+	b := bytes.Repeat([]byte{7}, 2*catPiece+3)
+	if n, err := (pieces{&w}).Write(b); n != len(b) || err != nil {
+		t.Fatalf("Write(%d bytes) = %d, %v", len(b), n, err)
+	}
+	if len(w.sizes) != 3 || w.sizes[0] != catPiece || w.sizes[1] != catPiece || w.sizes[2] != 3 {
+		t.Fatalf("a write of %d bytes was written as %v, want pieces of at most %d", len(b), w.sizes, catPiece)
+	}
+}
+
+type recordWriter struct{ sizes []int }
+
+func (w *recordWriter) Write(b []byte) (int, error) {
+	w.sizes = append(w.sizes, len(b))
+	return len(b), nil
+}
