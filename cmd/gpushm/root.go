@@ -79,7 +79,7 @@ an error is one object on standard error too. docs/cli.md says more.
 	// Not a client of the daemon: their failures exit 1 (daemonError).
 	daemon, bench, demo, child, systemd := daemonCmd(), bench.Command(), bench.DemoCommand(), bench.ChildCommand(), installSystemdCmd()
 	root.AddCommand(
-		daemon, infoCmd(), versionCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(),
+		daemon, infoCmd(), versionCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(), dfCmd(),
 		chmodCmd(), chownCmd(), mvCmd(), evictCmd(), loadCmd(), pinCmd(true), pinCmd(false),
 		putCmd(), getCmd(), catCmd(), bench, demo, child, systemd, manCmd(),
 	)
