@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -446,5 +447,38 @@ func TestDaemonAndDeviceQuotas(t *testing.T) {
 	}
 	if got := strings.Join(kinds, " "); got != "segments: user_device_bytes:"+fmt.Sprint(alice.UID)+"/0" {
 		t.Fatalf("Quotas = %s", got)
+	}
+}
+
+// TestUsersAndQuotasFor: Users says what each uid holds on each device,
+// empty segments counted as segments of no bytes; QuotasFor lists the
+// asker's user limits even before it holds anything.
+func TestUsersAndQuotasFor(t *testing.T) {
+	r := New(newFake(), nil)
+	r.SetLimits(Limits{UserBytes: 1 << 20, UserSegments: 10})
+	if _, _, err := r.Create(alice, CreateOptions{Name: "a", Size: 4096}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := r.Create(alice, CreateOptions{Name: "e", AllowEmpty: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := r.Create(Root, CreateOptions{Name: "r", Size: 8192}); err != nil {
+		t.Fatal(err)
+	}
+	want := []UserUse{{UID: 0, Device: 0, Bytes: 8192, Segments: 1}, {UID: alice.UID, Device: 0, Bytes: 4096, Segments: 2}}
+	if got := r.Users(); !slices.Equal(got, want) {
+		t.Errorf("Users = %+v, want %+v", got, want)
+	}
+	has := func(qs []QuotaUse, scope string) bool {
+		return slices.ContainsFunc(qs, func(q QuotaUse) bool { return q.Kind == "user_bytes" && q.Scope == scope })
+	}
+	if q := r.Quotas(); !has(q, "1000") || has(q, "1001") || has(q, "0") {
+		t.Errorf("Quotas = %+v, want alice's user limits only", q)
+	}
+	if q := r.QuotasFor(bob.UID); !has(q, "1001") || !has(q, "1000") {
+		t.Errorf("QuotasFor(bob) = %+v, want bob's user limits, holding nothing, beside alice's", q)
+	}
+	if q := r.QuotasFor(Root.UID); has(q, "0") {
+		t.Errorf("QuotasFor(root) = %+v: root is held to no user limit", q)
 	}
 }
