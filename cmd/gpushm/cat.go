@@ -9,6 +9,7 @@ import (
 	"os"
 	"syscall"
 	"time"
+	"unicode/utf8"
 
 	"github.com/spf13/cobra"
 
@@ -25,9 +26,9 @@ standard output, one after another, as cat(1) does with files. Each is
 opened read-only and streamed a piece at a time: a segment larger than
 this machine's free memory is written all the same.
 
-Binary output can mess up a terminal: on a terminal, a piece holding a
-NUL byte stops the command before it is written, unless --force says to
-write it anyway, as curl does. A pipe or a file gets the bytes as they
+Binary output can mess up a terminal: on a terminal, a piece that is not
+text (UTF-8 without NUL bytes) stops the command before it is written,
+unless --force says to write it anyway, as curl does. A pipe or a file gets the bytes as they
 are. 'gpushm get NAME FILE' writes a segment into a file, with the
 daemon's copy engine.
 
@@ -113,14 +114,42 @@ func (p pieces) Write(b []byte) (int, error) {
 // errBinary is output that would mess up a terminal.
 var errBinary = errors.New("binary output can mess up your terminal")
 
-// textOnly writes to a terminal what holds no NUL byte, which text never
-// holds and binary data nearly always does (curl's test), and refuses
-// the rest before writing any of it.
-type textOnly struct{ w io.Writer }
+// textOnly writes to a terminal what is text, and refuses the rest before
+// writing any of it. Text is UTF-8 without NUL: curl's test is a NUL byte
+// alone, which a piece of random bytes lacks more often than not, while
+// it is never valid UTF-8 for long. A character split between two
+// writes is checked whole.
+type textOnly struct {
+	w       io.Writer
+	partial []byte // the start of a character the last write ended in
+}
 
 func (t *textOnly) Write(b []byte) (int, error) {
-	if bytes.IndexByte(b, 0) >= 0 {
+	body := b
+	if n := len(t.partial); n > 0 {
+		c := append(t.partial, b[:min(len(b), utf8.UTFMax-n)]...)
+		if !utf8.FullRune(c) {
+			t.partial = c
+			return t.w.Write(b)
+		}
+		r, size := utf8.DecodeRune(c)
+		if r == utf8.RuneError && size == 1 {
+			return 0, errBinary
+		}
+		body, t.partial = b[size-n:], t.partial[:0]
+	}
+	tail := 0 // bytes of a character that the next write ends
+	for k := 1; k <= min(utf8.UTFMax-1, len(body)); k++ {
+		if utf8.RuneStart(body[len(body)-k]) {
+			if !utf8.FullRune(body[len(body)-k:]) {
+				tail = k
+			}
+			break
+		}
+	}
+	if bytes.IndexByte(body, 0) >= 0 || !utf8.Valid(body[:len(body)-tail]) {
 		return 0, errBinary
 	}
+	t.partial = append(t.partial, body[len(body)-tail:]...)
 	return t.w.Write(b)
 }

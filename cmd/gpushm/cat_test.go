@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -59,6 +60,14 @@ func TestCat(t *testing.T) {
 	if code != exitFailure || !strings.Contains(out, "gpushm: cat bin: binary output can mess up your terminal: 'gpushm cat --force bin' writes it here anyway") || strings.Contains(out, "\x00") {
 		t.Errorf("cat of binary on a terminal: exit %d, %q; want it refused, and no NUL written", code, out)
 	}
+	// No NUL, but not text either: random bytes often hold no NUL.
+	latin := filepath.Join(dir, "latin")
+	os.WriteFile(latin, []byte{0xe9, 0x74, 0xe9, 0x0a, 0xff, 0xfe, 0x01}, 0o644)
+	mustRun(t, nil, "put", "latin", latin)
+	out, code = onTerminal(t, "cat", "latin")
+	if code != exitFailure || !strings.Contains(out, "gpushm: cat latin: binary output can mess up your terminal") || strings.Contains(out, "\xff") {
+		t.Errorf("cat of bytes that are not UTF-8 on a terminal: exit %d, %q; want it refused", code, out)
+	}
 	out, code = onTerminal(t, "cat", "--force", "bin")
 	if code != 0 || !strings.Contains(out, "text first, ") {
 		t.Errorf("cat --force of binary on a terminal: exit %d, %q", code, out)
@@ -83,4 +92,34 @@ type recordWriter struct{ sizes []int }
 func (w *recordWriter) Write(b []byte) (int, error) {
 	w.sizes = append(w.sizes, len(b))
 	return len(b), nil
+}
+
+// TestCatText: what is text on a terminal: UTF-8 without NUL, a character
+// split between two writes included.
+func TestCatText(t *testing.T) {
+	text := []byte("h\u00e9llo \u4e16\u754c \U0001F600\n")
+	for i := range len(text) + 1 {
+		var out bytes.Buffer
+		w := &textOnly{w: &out}
+		_, err1 := w.Write(text[:i])
+		_, err2 := w.Write(text[i:])
+		if err1 != nil || err2 != nil || !bytes.Equal(out.Bytes(), text) {
+			t.Errorf("text written as %q and %q: %v, %v, %q", text[:i], text[i:], err1, err2, out.Bytes())
+		}
+	}
+	for _, b := range [][]byte{{'a', 0, 'b'}, {0xe9, 't', 0xe9}, {0xff, 0xfe}, []byte("\xe4\xb8 broken")} {
+		var out bytes.Buffer
+		if _, err := (&textOnly{w: &out}).Write(b); !errors.Is(err, errBinary) || out.Len() != 0 {
+			t.Errorf("Write(%q) = %v, wrote %q; want errBinary and nothing written", b, err, out.Bytes())
+		}
+	}
+	// A character begun at one write's end and not finished by the next.
+	var out bytes.Buffer
+	w := &textOnly{w: &out}
+	if _, err := w.Write([]byte("ok \xe4")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Write([]byte("x")); !errors.Is(err, errBinary) {
+		t.Errorf("a character cut short by the next write: %v, want errBinary", err)
+	}
 }
