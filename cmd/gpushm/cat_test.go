@@ -15,10 +15,7 @@ import (
 // TestCat: cat writes segments' bytes to standard output, one after
 // another; on a terminal it refuses binary output unless --force.
 func TestCat(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, sock := cliDaemon(t)
 	text, bin := filepath.Join(dir, "text"), filepath.Join(dir, "bin")
 	os.WriteFile(text, []byte("hello\nworld\n"), 0o644)
 	binary := append(bytes.Repeat([]byte("text first, "), 10), 0, 1, 2, 0xff)

@@ -148,10 +148,7 @@ func equalJSON(a, b map[string]any) bool {
 // and name, and --json where it had it; JSON says modes in octal, times in
 // RFC 3339 and owners by name, and ls filters by name and pattern.
 func TestOutputFormats(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, _ := cliDaemon(t)
 
 	var seg map[string]any
 	decode(t, mustRun(t, nil, "create", "llama-1", "1M", "--meta", `{"dtype":"f16"}`, "--mode", "0640", "-o", "json"), &seg)

@@ -288,10 +288,7 @@ func checkWholeOrGone(t *testing.T, c *gpushm.Client, name string, want []byte, 
 // TestPutIncomplete: what 'ls', 'stat' and 'get' say of a segment still
 // being written, and 'get --wait' of one that is not there yet.
 func TestPutIncomplete(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, sock := cliDaemon(t)
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, sock)
 	if err != nil {

@@ -69,10 +69,7 @@ func (p *started) interrupt(t *testing.T, before func() bool) bool {
 // TestInterruptGet: Ctrl-C during get leaves the file as it was (or none),
 // removes what it wrote, and exits 130, whoever copies.
 func TestInterruptGet(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, _ := cliDaemon(t)
 	mustRun(t, nil, "create", "big", "1G") // four of the daemon's steps
 
 	const before = "the file as it was\n"
@@ -128,10 +125,7 @@ func TestInterruptGet(t *testing.T) {
 // TestInterruptPut: Ctrl-C during put, from a file or a pipe, leaves no
 // segment and exits 130.
 func TestInterruptPut(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, sock := cliDaemon(t)
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, sock)
 	if err != nil {

@@ -157,6 +157,17 @@ func errorSays(stderr, want string) bool {
 	return false
 }
 
+// cliDaemon starts a host daemon on a socket in a directory of its own and
+// points the commands the test runs at it ($GPUSHM_SOCKET).
+func cliDaemon(t *testing.T) (dir, sock string) {
+	t.Helper()
+	dir = socketDir(t)
+	sock = filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	return dir, sock
+}
+
 // startDaemonProc runs 'gpushm daemon' as a separate process.
 func startDaemonProc(t *testing.T, socket string, args ...string) *exec.Cmd {
 	t.Helper()

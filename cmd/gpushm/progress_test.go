@@ -83,10 +83,7 @@ func bar(verb, name, total string) *regexp.Regexp {
 // (bytes, rate, then "done"), whichever side copies; on a pipe it prints
 // nothing, or with -v its summary lines alone.
 func TestProgressOnTerminal(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, _ := cliDaemon(t)
 	size := int64(minProgress + 44<<20) // two of the daemon's steps
 	src := filepath.Join(dir, "big.bin")
 	sparseFile(t, src, nil, size)
@@ -143,10 +140,7 @@ func TestProgressOnTerminal(t *testing.T) {
 // its bytes and its checksum: the CRC-32C put records is the whole file's,
 // made from the steps', and the same whoever copies.
 func TestDaemonCopyInSteps(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, _ := cliDaemon(t)
 	n := int64(2*xfer.MinStep/4 + 1000) // F32s: more than one step
 	hdr := `{"w":{"dtype":"F32","shape":[` + strconv.FormatInt(n, 10) + `],"data_offsets":[0,` + strconv.FormatInt(4*n, 10) + `]}}`
 	hdr += strings.Repeat(" ", (8-len(hdr)%8)%8)

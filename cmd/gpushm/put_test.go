@@ -29,10 +29,7 @@ func safetensorsFile(header string, data []byte) []byte {
 const goodHeader = `{"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]},"e":{"dtype":"F4","shape":[0],"data_offsets":[22,22]}}   `
 
 func TestPutSafetensors(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, _ := cliDaemon(t)
 
 	data := make([]byte, 22)
 	for i := range data {
@@ -396,10 +393,7 @@ func TestGetToFIFO(t *testing.T) {
 // --pin and --mode; --meta only where the segment's meta is not a bundle's
 // layout.
 func TestPutTakesCreateFlags(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, _ := cliDaemon(t)
 	src := filepath.Join(dir, "src")
 	os.WriteFile(src, []byte("some bytes"), 0o644)
 
@@ -429,10 +423,7 @@ func TestPutTakesCreateFlags(t *testing.T) {
 // TestPutForce: --force replaces a name in one step, as --new-version
 // does (both spellings work), and makes a name that is not there.
 func TestPutForce(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, _ := cliDaemon(t)
 	v := func(i uint64) string {
 		p := filepath.Join(dir, "v"+strconv.FormatUint(i, 10))
 		os.WriteFile(p, remapBytes(i, 5000), 0o644)
@@ -461,10 +452,7 @@ func TestPutForce(t *testing.T) {
 // back as an empty file, cats as nothing, and is replaced (--force) in one
 // step too.
 func TestEmptyFiles(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, _ := cliDaemon(t)
 	empty, full := filepath.Join(dir, "empty"), filepath.Join(dir, "full")
 	os.WriteFile(empty, nil, 0o644)
 	os.WriteFile(full, []byte("not empty"), 0o644)
@@ -511,10 +499,7 @@ func TestEmptyFiles(t *testing.T) {
 // TestGetIntoDirectory: get NAME DIR writes DIR/NAME, as cp writes a file
 // into a directory; DIR/ must be one.
 func TestGetIntoDirectory(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, _ := cliDaemon(t)
 	src := filepath.Join(dir, "src")
 	os.WriteFile(src, []byte("some bytes"), 0o644)
 	mustRun(t, nil, "put", "w", src)

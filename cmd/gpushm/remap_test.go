@@ -129,10 +129,7 @@ func TestSurviveReleaseAndVersions(t *testing.T) {
 // replace it; put --new-version replaces it, and stat shows the version
 // and who still holds the old one.
 func TestPutNewVersion(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	dir, sock := cliDaemon(t)
 	v1, v2 := filepath.Join(dir, "v1"), filepath.Join(dir, "v2")
 	os.WriteFile(v1, remapBytes(1, 70000), 0o644)
 	os.WriteFile(v2, remapBytes(2, 70000), 0o644)

@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -17,10 +16,7 @@ import (
 // ends it with status 0, as watch(1) does; SIGTERM with 143. Nothing here
 // waits for a time: each step waits for the listings it needs.
 func TestLsWatch(t *testing.T) {
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	cliDaemon(t)
 	mustRun(t, nil, "create", "a", "4096")
 
 	for _, tc := range []struct {
@@ -95,10 +91,7 @@ func TestLsWatchOnTerminal(t *testing.T) {
 	if err != nil {
 		t.Skip("no script(1) to run the command in a terminal: install util-linux (Debian: bsdutils); ./scripts/test does")
 	}
-	dir := socketDir(t)
-	sock := filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock)
-	t.Setenv("GPUSHM_SOCKET", sock)
+	cliDaemon(t)
 	mustRun(t, nil, "create", "a", "4096")
 
 	cmd := exec.Command(script, "--quiet", "--return", "--command",
