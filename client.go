@@ -202,7 +202,9 @@ func dialReason(err error) string {
 // GPUSHM_SPIN (a Go duration, "0" to disable) overrides both.
 const DefaultSpin = 200 * time.Microsecond
 
-func clientSpin() time.Duration {
+// ClientSpin is the spin this process's clients use: GPUSHM_SPIN if set,
+// else DefaultSpin, or none below 4 cores.
+func ClientSpin() time.Duration {
 	if v := os.Getenv("GPUSHM_SPIN"); v != "" {
 		if d, err := time.ParseDuration(v); err == nil {
 			return d
@@ -220,7 +222,7 @@ func dialConn(socket string, timeout time.Duration) (*wire.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	conn.SetSpin(clientSpin())
+	conn.SetSpin(ClientSpin())
 	return conn, nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -23,7 +24,7 @@ func ChildCommand() *cobra.Command {
 		Hidden: true,
 		Args:   cobra.NoArgs,
 	}
-	cmd.AddCommand(verifyChildCmd(), openChildCmd(), idleChildCmd())
+	cmd.AddCommand(verifyChildCmd(), openChildCmd(), idleChildCmd(), echoChildCmd())
 	return cmd
 }
 
@@ -92,6 +93,9 @@ type samples struct {
 	// trace): in all, and by step.
 	DaemonNS []int64            `json:",omitempty"`
 	StepNS   map[string][]int64 `json:",omitempty"`
+	// EchoNS are round trips to each echo server (by mode), taken in
+	// turn with the opens.
+	EchoNS map[string][]int64 `json:",omitempty"`
 }
 
 func openChildCmd() *cobra.Command {
@@ -101,6 +105,7 @@ func openChildCmd() *cobra.Command {
 		reopen   bool
 		readOnly bool
 		floor    floorSpec
+		echoes   []string
 	)
 	cmd := &cobra.Command{
 		Use: "open",
@@ -126,8 +131,34 @@ func openChildCmd() *cobra.Command {
 					return err
 				}
 			}
+			// Echo servers, mode=socket each, reached as the client reaches
+			// the daemon.
+			echo := map[string]*echoClient{}
+			var modes []string
+			for _, e := range echoes {
+				mode, socket, _ := strings.Cut(e, "=")
+				ec, err := dialEcho(socket, gpushm.ClientSpin())
+				if err != nil {
+					return fmt.Errorf("echo server %s: %w", mode, err)
+				}
+				defer ec.c.Close()
+				echo[mode] = ec
+				modes = append(modes, mode)
+			}
 			// The first round warms up the driver and the connection.
 			for i := -1; i < iters; i++ {
+				for _, mode := range modes {
+					d, err := echo[mode].roundTrip()
+					if err != nil {
+						return fmt.Errorf("echo server %s: %w", mode, err)
+					}
+					if i >= 0 {
+						if s.EchoNS == nil {
+							s.EchoNS = map[string][]int64{}
+						}
+						s.EchoNS[mode] = append(s.EchoNS[mode], d.Nanoseconds())
+					}
+				}
 				if floor.handle != "" {
 					t := time.Now()
 					undo, err := mapFloor(fdev, floorFD, floor.size)
@@ -179,6 +210,7 @@ func openChildCmd() *cobra.Command {
 	cmd.Flags().StringVar(&floor.handle, "floor-handle", "", "also time mapping fd 3, of this handle type, alternately")
 	cmd.Flags().IntVar(&floor.device, "floor-device", 0, "GPU ordinal of fd 3")
 	cmd.Flags().Int64Var(&floor.size, "floor-size", 0, "bytes to map of fd 3")
+	cmd.Flags().StringArrayVar(&echoes, "echo", nil, "also time round trips to this echo server, MODE=SOCKET, alternately")
 	return cmd
 }
 

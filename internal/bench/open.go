@@ -163,6 +163,16 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 		b2bSteps, pacedSteps        createSamples
 		openDaemon                  Dist
 		openSteps                   map[string]Dist
+		echo                        map[string]Dist
+	}
+	var echoArgs []string
+	for _, mode := range echoModes {
+		e, err := startEcho(ctx, d.dir, mode)
+		if err != nil {
+			return err
+		}
+		defer e.stop()
+		echoArgs = append(echoArgs, "--echo", mode+"="+e.socket)
 	}
 	var rows []row
 	for _, size := range sizes {
@@ -208,14 +218,17 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 			seg.Close()
 			return fmt.Errorf("floor: %w", err)
 		}
-		s, err := runChild(ctx, []*os.File{f}, "open", "--socket", d.socket, "--name", "bench",
+		s, err := runChild(ctx, []*os.File{f}, append([]string{"open", "--socket", d.socket, "--name", "bench",
 			"--iters", fmt.Sprint(iters), "--floor-handle", spec.handle,
-			"--floor-device", fmt.Sprint(spec.device), "--floor-size", fmt.Sprint(spec.size))
+			"--floor-device", fmt.Sprint(spec.device), "--floor-size", fmt.Sprint(spec.size)}, echoArgs...)...)
 		f.Close()
 		release()
 		if err == nil {
 			r.open, r.roundTrip, r.floor = Summarize(s.NS), Summarize(s.RoundTripNS), Summarize(s.FloorNS)
-			r.openDaemon, r.openSteps = Summarize(s.DaemonNS), map[string]Dist{}
+			r.openDaemon, r.openSteps, r.echo = Summarize(s.DaemonNS), map[string]Dist{}, map[string]Dist{}
+			for mode, ns := range s.EchoNS {
+				r.echo[mode] = Summarize(ns)
+			}
 			for name, ns := range s.StepNS {
 				r.openSteps[name] = Summarize(ns)
 			}
@@ -304,6 +317,27 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 			fmtDur(r.roundTrip.P50), fmtDur(r.roundTrip.P99), fmtDur(r.openDaemon.P50),
 			fmtDur(r.openSteps["lookup"].P50), fmtDur(r.openSteps["handout"].P50),
 			fmtDur(r.open.P50-r.roundTrip.P50), fmtDur(r.floor.P50))
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	fmt.Printf("\nround trip against a bare echo server: the same second process, in turn with its opens, sends\n"+
+		"%d bytes to an echo server in a process of its own and waits for %d bytes and a descriptor, as an open's\n"+
+		"reply brings (blocking: a goroutine per connection in recvmsg; net: Go's network poller)\n\n", echoRequest, echoReply)
+	w = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprint(w, "size\tround trip p50\tp99\t")
+	for _, mode := range echoModes {
+		fmt.Fprintf(w, "echo %s p50\tp99\tratio p50\tratio p99\t", mode)
+	}
+	fmt.Fprintln(w)
+	for _, r := range rows {
+		fmt.Fprintf(w, "%s\t%s\t%s\t", bytesize.Format(r.size), fmtDur(r.roundTrip.P50), fmtDur(r.roundTrip.P99))
+		for _, mode := range echoModes {
+			e := r.echo[mode]
+			fmt.Fprintf(w, "%s\t%s\t%.2fx\t%.2fx\t", fmtDur(e.P50), fmtDur(e.P99),
+				float64(r.roundTrip.P50)/float64(e.P50), float64(r.roundTrip.P99)/float64(e.P99))
+		}
+		fmt.Fprintln(w)
 	}
 	return w.Flush()
 }
