@@ -1,6 +1,7 @@
 package supervisor
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -90,11 +91,28 @@ func (l *Link) Heal(h Healing) {
 // journalLocked sends one journal message to the supervisor; with none
 // it is dropped, since the next one gets the whole state. l.mu is held.
 func (l *Link) journalLocked(m msg, fd int) {
+	b, err := json.Marshal(m)
+	if err != nil && l.conn != nil {
+		l.lostLocked(l.conn, fmt.Errorf("journal %s of segment %d: %w", m.T, m.ID, err))
+		return
+	}
+	l.journalBytesLocked(m.T, m.ID, b, fd)
+}
+
+// journalBytesLocked sends b, a journal message of type t about segment
+// id, encoded. l.mu is held.
+func (l *Link) journalBytesLocked(t string, id uint64, b []byte, fd int) {
 	if l.conn == nil {
 		return
 	}
-	if err := send(l.conn, m, fd); err != nil {
-		l.lostLocked(l.conn, fmt.Errorf("journal %s of segment %d: %w", m.T, m.ID, err))
+	var err error
+	if len(b) > maxControl {
+		err = fmt.Errorf("control message of %d bytes exceeds %d", len(b), maxControl)
+	} else {
+		err = l.conn.Send(b, fd)
+	}
+	if err != nil {
+		l.lostLocked(l.conn, fmt.Errorf("journal %s of segment %d: %w", t, id, err))
 	}
 }
 

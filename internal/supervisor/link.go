@@ -476,17 +476,19 @@ func (l *Link) Quiesced() error { return l.send(msg{T: tQuiesced}, -1) }
 // record with the data's descriptor: the supervisor gives a control block
 // to the put that follows it only, and closes it if anything else comes.
 func (l *Link) Put(rec segment.Record, fd, ctlFD int) {
-	b, err := json.Marshal(rec)
-	if err != nil {
-		l.Lost(fmt.Errorf("encode record %d: %w", rec.ID, err))
-		return
+	// Every open and close puts a record: spelled out by hand, as
+	// json.Marshal(msg{T: tPut, ID: rec.ID, Rec: ...}) would.
+	b := append(make([]byte, 0, 512), `{"t":"put"`...)
+	if rec.ID != 0 {
+		b = strconv.AppendUint(append(b, `,"id":`...), rec.ID, 10)
 	}
+	b = append(rec.AppendJSON(append(b, `,"rec":`...)), '}')
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if ctlFD >= 0 {
 		l.journalLocked(msg{T: tCtl, ID: rec.ID}, ctlFD)
 	}
-	l.journalLocked(msg{T: tPut, ID: rec.ID, Rec: b}, fd)
+	l.journalBytesLocked(tPut, rec.ID, b, fd)
 }
 
 // Delete implements segment.Journal.
@@ -515,12 +517,7 @@ func (l *Link) Batch(changes []segment.Change) {
 			m.Batch = append(m.Batch, msg{T: tDel, ID: id})
 			continue
 		}
-		b, err := json.Marshal(c.Record)
-		if err != nil {
-			l.Lost(fmt.Errorf("encode record %d: %w", id, err))
-			return
-		}
-		m.Batch = append(m.Batch, msg{T: tPut, ID: id, Rec: b})
+		m.Batch = append(m.Batch, msg{T: tPut, ID: id, Rec: c.Record.AppendJSON(nil)})
 	}
 	if !l.batches {
 		return
