@@ -204,6 +204,28 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 		}
 	}
 	st.Chunk = chunk
+	if !load {
+		// Each file's pages made ahead of its writes: their ranges, in
+		// order, one goroutine a file, stopped when the copy ends and
+		// waited for (the descriptor may be closed once this returns).
+		done := make(chan struct{})
+		var wg sync.WaitGroup
+		defer func() {
+			close(done)
+			wg.Wait()
+		}()
+		spans := map[*source][2]int64{}
+		for _, s := range steps {
+			sp, ok := spans[s.src]
+			if !ok {
+				sp = [2]int64{s.off, s.off + s.len}
+			}
+			spans[s.src] = [2]int64{min(sp[0], s.off), max(sp[1], s.off+s.len)}
+		}
+		for s, sp := range spans {
+			wg.Go(func() { allocateAhead(s.f, sp[0], sp[1], done) })
+		}
+	}
 	hash := load && o.CRC32C
 	var sums []uint32
 	if hash {

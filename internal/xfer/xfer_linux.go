@@ -162,3 +162,32 @@ func (m *mincore) cached(off, n int64) bool {
 }
 
 func (m *mincore) close() {}
+
+// allocateAhead makes the pages of [lo, hi) of f, a file on tmpfs, in
+// pieces, ahead of the copiers that write them, until done closes. On tmpfs
+// a write must first make and zero each 4 KiB page, which bounds a store
+// into a new file (about 3 GB/s, the same as cp's); fallocate makes them
+// in bulk and faster, and the copiers' writes then only copy. Measured on an
+// H200 machine, 2026-11-26, `gpushm bench files --sizes 4GiB,16GiB`: get
+// into /dev/shm 3.02 and 3.21 GB/s before, 3.51 and 3.73 GB/s with it.
+// Other file systems allocate without zeroing, and are left alone. The
+// pages are the file's, as the writes would have made them: a copy that
+// fails leaves the file as long as writes up to its end would have.
+func allocateAhead(f *os.File, lo, hi int64, done <-chan struct{}) {
+	var fs unix.Statfs_t
+	fd := fdOf(f)
+	if fd < 0 || unix.Fstatfs(fd, &fs) != nil || fs.Type != unix.TMPFS_MAGIC {
+		return
+	}
+	const piece = 256 << 20
+	for off := lo; off < hi; off += piece {
+		select {
+		case <-done:
+			return
+		default:
+		}
+		if unix.Fallocate(fd, 0, off, min(piece, hi-off)) != nil {
+			return // out of room, say: the writes will say so
+		}
+	}
+}

@@ -15,3 +15,5 @@ func closeFDInt(int)                                       {}
 func allocAligned(n int) ([]byte, error)                   { return make([]byte, n), nil }
 func freeAligned([]byte)                                   {}
 func newResidency(*os.File, int64) residency               { return nil }
+
+func allocateAhead(*os.File, int64, int64, <-chan struct{}) {}
