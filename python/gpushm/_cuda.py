@@ -353,19 +353,32 @@ class Device:
         cu.channel_calls()
         push, pop, ctx, popped = cu.cuCtxPushCurrent, cu.cuCtxPopCurrent, self.ctx, ctypes.byref(c_void_p())
         write, wait = cu.cuStreamWriteValue64, cu.cuStreamWaitValue64
+        # Where the calling thread's context is already ours (a framework
+        # made the primary context current), the push and pop are two
+        # ctypes calls of the three a hand-off would make: asking is one.
+        # Each channel has its own pair, used under its lock, so current
+        # is not shared between threads.
+        get_current = getattr(cu._lib, "cuCtxGetCurrent", None)
+        if get_current is not None:
+            get_current.argtypes, get_current.restype = (POINTER(c_void_p),), c_int
+        current = c_void_p()
+        pcurrent, ours = ctypes.byref(current), ctx.value
 
         def op(fn, call):
             def run(stream, addr, value):
-                # The current context decides what the legacy stream is;
-                # pushing our own also makes the call work on a thread that
-                # never touched CUDA.
-                r = push(ctx)
-                if r:
-                    cu.check("cuCtxPushCurrent", r)
-                try:
+                if get_current is not None and get_current(pcurrent) == 0 and current.value == ours:
                     r = fn(stream or CU_STREAM_LEGACY, addr, value, 0)
-                finally:
-                    pop(popped)
+                else:
+                    # The current context decides what the legacy stream
+                    # is; pushing our own also makes the call work on a
+                    # thread that never touched CUDA.
+                    r = push(ctx)
+                    if r:
+                        cu.check("cuCtxPushCurrent", r)
+                    try:
+                        r = fn(stream or CU_STREAM_LEGACY, addr, value, 0)
+                    finally:
+                        pop(popped)
                 if r:
                     cu.check(call, r)
             return run

@@ -103,7 +103,10 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) {
 	last_ctx_dev = dev;
 	return dev >= 0 && dev < ngpus ? OK : INVALID_VALUE;
 }
-CUresult cuCtxPushCurrent_v2(void *ctx) { if (ctx != &the_ctx) return INVALID_CONTEXT; ctx_depth++; return OK; }
+static long calls_push;
+long fake_pushes(void) { return calls_push; }
+CUresult cuCtxPushCurrent_v2(void *ctx) { if (ctx != &the_ctx) return INVALID_CONTEXT; ctx_depth++; calls_push++; return OK; }
+CUresult cuCtxGetCurrent(void **ctx) { if (!ctx) return INVALID_VALUE; *ctx = ctx_depth > 0 ? (void *)&the_ctx : NULL; return OK; }
 CUresult cuCtxPopCurrent_v2(void **ctx) { if (ctx_depth <= 0) return INVALID_CONTEXT; ctx_depth--; if (ctx) *ctx = &the_ctx; return OK; }
 CUresult cuCtxSynchronize(void) { NEED_CTX(); calls_sync++; return OK; }
 CUresult cuStreamSynchronize(void *s) { NEED_CTX(); calls_sync++; return s == NULL ? OK : INVALID_HANDLE; }

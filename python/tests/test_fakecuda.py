@@ -229,6 +229,15 @@ def test_channel_cuda_path(daemon, fake_libdir, name):
         # One write per message; a wait for every message that reuses a slot.
         assert (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet()) == (count, count - slots, 0), \\
             (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet())
+        # A thread whose current context is the channel's (as a framework
+        # leaves it) hands over without pushing it again.
+        fake.cuCtxPushCurrent_v2(tx._dev.ctx)
+        pushes = fake.fake_pushes()
+        with tx.send(stream=given[count % 5]) as v:
+            src = np.arange(n, dtype=np.float32) + count
+            ctypes.memmove(v.ptr, src.ctypes.data, src.nbytes)
+        assert fake.fake_pushes() == pushes, "the stream operations pushed a context already current"
+        fake.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
         tx.close()
         del m, v
         gc.collect()
@@ -254,8 +263,8 @@ def test_channel_cuda_path(daemon, fake_libdir, name):
                     assert (got == np.arange(n, dtype=np.float32) + k).all(), (k, got)
                 assert fake.fake_last_stream() == want_stream(k)
                 k += 1
-            assert k == count
-            assert (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet()) == (count, count, 0)
+            assert k == count + 1
+            assert (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet()) == (count + 1, count + 1, 0)
             rx.close()
             del m, v
             gc.collect()
