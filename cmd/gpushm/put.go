@@ -25,22 +25,8 @@ import (
 	"github.com/gpushm/gpushm/internal/segment"
 )
 
-func putCmd() *cobra.Command {
-	var (
-		device   string
-		mode     string
-		readOnly bool
-		copyOpts copyFlags
-		verbose  bool
-		next     bool
-		meta     string
-		pin      bool
-		ttl      time.Duration
-	)
-	cmd := &cobra.Command{
-		Use:   "put NAME FILE|DIR",
-		Short: "Copy a file, or a checkpoint directory, into a new segment ('-' reads stdin)",
-		Long: `Copy FILE into a new segment NAME of exactly the file's size. With FILE '-',
+// putLong is put's help.
+const putLong = `Copy FILE into a new segment NAME of exactly the file's size. With FILE '-',
 standard input is spooled to a temporary file first, to learn its size. A
 safetensors file becomes a tensor bundle as it is (its header is checked
 first).
@@ -92,7 +78,24 @@ map). With --force it replaces NAME in one step too (a rename over it).
 layout), --pin and --ttl are create's.
 
 It prints nothing on standard output unless -o asks: -o json and -o yaml
-print what was copied and the segment made, -o name its name.`,
+print what was copied and the segment made, -o name its name.`
+
+func putCmd() *cobra.Command {
+	var (
+		device   string
+		mode     string
+		readOnly bool
+		copyOpts copyFlags
+		verbose  bool
+		next     bool
+		meta     string
+		pin      bool
+		ttl      time.Duration
+	)
+	cmd := &cobra.Command{
+		Use:   "put NAME FILE|DIR",
+		Short: "Copy a file, or a checkpoint directory, into a new segment ('-' reads stdin)",
+		Long:  putLong,
 		Example: `  gpushm put weights model.bin
   gpushm put llama /models/llama              # a checkpoint directory
   curl -s https://example.com/w.bin | gpushm put weights -

@@ -147,24 +147,26 @@ func rest(ns, daemon []int64) []int64 {
 	return out
 }
 
+// openRow is one size's figures in bench open.
+type openRow struct {
+	size                        int64
+	floor, open, reopen, create Dist
+	roundTrip                   Dist
+	paced                       Dist // creates one per pace
+	pace                        time.Duration
+	alloc, commit, free         Dist // createSteps
+	b2bSteps, pacedSteps        createSamples
+	openDaemon                  Dist
+	openSteps                   map[string]Dist
+	echo                        map[string]Dist
+}
+
 func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []int64, iters int) error {
 	inf, err := c.Info(ctx)
 	if err != nil {
 		return err
 	}
 	dev := inf.Devices[0]
-	type row struct {
-		size                        int64
-		floor, open, reopen, create Dist
-		roundTrip                   Dist
-		paced                       Dist // creates one per pace
-		pace                        time.Duration
-		alloc, commit, free         Dist // createSteps
-		b2bSteps, pacedSteps        createSamples
-		openDaemon                  Dist
-		openSteps                   map[string]Dist
-		echo                        map[string]Dist
-	}
 	var echoArgs []string
 	for _, mode := range echoModes {
 		e, err := startEcho(ctx, d.dir, mode)
@@ -174,79 +176,103 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 		defer e.stop()
 		echoArgs = append(echoArgs, "--echo", mode+"="+e.socket)
 	}
-	var rows []row
+	var rows []openRow
 	for _, size := range sizes {
-		r := row{size: size}
-		r.alloc, r.commit, r.free, err = createSteps(c.Backend(), dev, size, min(iters, 50))
-		if err != nil {
-			return fmt.Errorf("create steps: %w", err)
-		}
-		// Back to back, creates come faster than the pool makes
-		// allocations ahead; paced, each finds one ready, as a service
-		// creating a segment per request would.
-		pace := 4*(r.alloc.P50+r.commit.P50+r.free.P50) + time.Millisecond
-		for _, paced := range []bool{false, true} {
-			var cs createSamples
-			for i := range iters {
-				if paced {
-					time.Sleep(pace)
-				}
-				name := fmt.Sprintf("bench-create-%d", i)
-				var tr gpushm.Trace
-				t := time.Now()
-				if _, _, err := c.CreateOnly(ctx, name, size, &gpushm.CreateOptions{Trace: &tr}); err != nil {
-					return err
-				}
-				cs.add(time.Since(t), &tr)
-				if err := c.Unlink(ctx, name); err != nil {
-					return err
-				}
-			}
-			if paced {
-				r.paced, r.pace, r.pacedSteps = Summarize(cs.ns), pace, cs
-			} else {
-				r.create, r.b2bSteps = Summarize(cs.ns), cs
-			}
-		}
-
-		seg, err := c.Create(ctx, "bench", size, nil)
-		if err != nil {
+		r := openRow{size: size}
+		if err := measureCreates(ctx, c, dev, iters, &r); err != nil {
 			return err
 		}
-		f, spec, release, err := exportFloor(c.Backend(), dev, size)
-		if err != nil {
-			seg.Close()
-			return fmt.Errorf("floor: %w", err)
-		}
-		s, err := runChild(ctx, []*os.File{f}, append([]string{"open", "--socket", d.socket, "--name", "bench",
-			"--iters", fmt.Sprint(iters), "--floor-handle", spec.handle,
-			"--floor-device", fmt.Sprint(spec.device), "--floor-size", fmt.Sprint(spec.size)}, echoArgs...)...)
-		f.Close()
-		release()
-		if err == nil {
-			r.open, r.roundTrip, r.floor = Summarize(s.NS), Summarize(s.RoundTripNS), Summarize(s.FloorNS)
-			r.openDaemon, r.openSteps, r.echo = Summarize(s.DaemonNS), map[string]Dist{}, map[string]Dist{}
-			for mode, ns := range s.EchoNS {
-				r.echo[mode] = Summarize(ns)
-			}
-			for name, ns := range s.StepNS {
-				r.openSteps[name] = Summarize(ns)
-			}
-			s, err = runChild(ctx, nil, "open", "--socket", d.socket, "--name", "bench", "--iters", fmt.Sprint(iters), "--reopen")
-			r.reopen = Summarize(s.NS)
-		}
-		seg.Close()
-		if uerr := c.Unlink(ctx, "bench"); err == nil {
-			err = uerr
-		}
-		if err != nil {
+		if err := measureOpens(ctx, d, c, dev, iters, echoArgs, &r); err != nil {
 			return err
 		}
 		rows = append(rows, r)
 	}
-
 	fmt.Printf("gpushm bench open: backend %s, device %d %q, %d samples each, %s\n\n",
 		c.Backend(), dev.Index, dev.Name, iters, time.Now().UTC().Format("2006-01-02"))
+	for _, table := range []func(string, []openRow) error{openTable, createSplitTable, createStepsTable, openSplitTable, echoTable} {
+		if err := table(c.Backend(), rows); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// measureCreates times r.size's creates, back to back and paced, and the
+// steps of an allocation in this process.
+func measureCreates(ctx context.Context, c *gpushm.Client, dev gpushm.Device, iters int, r *openRow) (err error) {
+	size := r.size
+	r.alloc, r.commit, r.free, err = createSteps(c.Backend(), dev, size, min(iters, 50))
+	if err != nil {
+		return fmt.Errorf("create steps: %w", err)
+	}
+	// Back to back, creates come faster than the pool makes
+	// allocations ahead; paced, each finds one ready, as a service
+	// creating a segment per request would.
+	pace := 4*(r.alloc.P50+r.commit.P50+r.free.P50) + time.Millisecond
+	for _, paced := range []bool{false, true} {
+		var cs createSamples
+		for i := range iters {
+			if paced {
+				time.Sleep(pace)
+			}
+			name := fmt.Sprintf("bench-create-%d", i)
+			var tr gpushm.Trace
+			t := time.Now()
+			if _, _, err := c.CreateOnly(ctx, name, size, &gpushm.CreateOptions{Trace: &tr}); err != nil {
+				return err
+			}
+			cs.add(time.Since(t), &tr)
+			if err := c.Unlink(ctx, name); err != nil {
+				return err
+			}
+		}
+		if paced {
+			r.paced, r.pace, r.pacedSteps = Summarize(cs.ns), pace, cs
+		} else {
+			r.create, r.b2bSteps = Summarize(cs.ns), cs
+		}
+	}
+	return nil
+}
+
+// measureOpens times opens and reopens of r.size in a second process,
+// against the floor (the driver's own import and map) and echo servers.
+func measureOpens(ctx context.Context, d *privateDaemon, c *gpushm.Client, dev gpushm.Device, iters int, echoArgs []string, r *openRow) error {
+	size := r.size
+	seg, err := c.Create(ctx, "bench", size, nil)
+	if err != nil {
+		return err
+	}
+	f, spec, release, err := exportFloor(c.Backend(), dev, size)
+	if err != nil {
+		seg.Close()
+		return fmt.Errorf("floor: %w", err)
+	}
+	s, err := runChild(ctx, []*os.File{f}, append([]string{"open", "--socket", d.socket, "--name", "bench",
+		"--iters", fmt.Sprint(iters), "--floor-handle", spec.handle,
+		"--floor-device", fmt.Sprint(spec.device), "--floor-size", fmt.Sprint(spec.size)}, echoArgs...)...)
+	f.Close()
+	release()
+	if err == nil {
+		r.open, r.roundTrip, r.floor = Summarize(s.NS), Summarize(s.RoundTripNS), Summarize(s.FloorNS)
+		r.openDaemon, r.openSteps, r.echo = Summarize(s.DaemonNS), map[string]Dist{}, map[string]Dist{}
+		for mode, ns := range s.EchoNS {
+			r.echo[mode] = Summarize(ns)
+		}
+		for name, ns := range s.StepNS {
+			r.openSteps[name] = Summarize(ns)
+		}
+		s, err = runChild(ctx, nil, "open", "--socket", d.socket, "--name", "bench", "--iters", fmt.Sprint(iters), "--reopen")
+		r.reopen = Summarize(s.NS)
+	}
+	seg.Close()
+	if uerr := c.Unlink(ctx, "bench"); err == nil {
+		err = uerr
+	}
+	return err
+}
+
+func openTable(_ string, rows []openRow) error {
 	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(w, "size\tfloor p50\tfloor p99\topen p50\topen p99\topen/floor\treopen p50\treopen p99\tcreate p50\tcreate p99\t")
 	for _, r := range rows {
@@ -255,13 +281,14 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 			float64(r.open.P50)/float64(r.floor.P50),
 			fmtDur(r.reopen.P50), fmtDur(r.reopen.P99), fmtDur(r.create.P50), fmtDur(r.create.P99))
 	}
-	if err := w.Flush(); err != nil {
-		return err
-	}
+	return w.Flush()
+}
+
+func createSplitTable(backend string, rows []openRow) error {
 	fmt.Printf("\ncreate, split: the daemon's create back to back and one per pace (each finding its size made ahead, --create-pool), and the steps of an allocation made while a create waits, timed in this process\n\n")
-	w = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
 	alloc, commit := "memfd p50", "fallocate p50"
-	if c.Backend() == "cuda" {
+	if backend == "cuda" {
 		alloc, commit = "cuMemCreate p50", "export p50"
 	}
 	fmt.Fprintf(w, "size\tcreate p50\tpace\tpaced p50\tpaced p99\t%s\t%s\tfree p50\t\n", alloc, commit)
@@ -269,12 +296,13 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", bytesize.Format(r.size), fmtDur(r.create.P50), fmtDur(r.pace),
 			fmtDur(r.paced.P50), fmtDur(r.paced.P99), fmtDur(r.alloc.P50), fmtDur(r.commit.P50), fmtDur(r.free.P50))
 	}
-	if err := w.Flush(); err != nil {
-		return err
-	}
+	return w.Flush()
+}
+
+func createStepsTable(_ string, rows []openRow) error {
 	fmt.Printf("\ncreate, the daemon's steps (its trace; p50 of each, which need not add up): from the pool is how many\n" +
 		"creates took an allocation made ahead; socket+client is the client's time less the daemon's, sample by sample\n\n")
-	w = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
 	var order []string
 	for _, r := range rows {
 		for _, name := range append(slices.Clone(r.b2bSteps.order), r.pacedSteps.order...) {
@@ -305,12 +333,13 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 			fmt.Fprintf(w, "%s\t\n", fmtDur(Summarize(rest(m.s.ns, m.s.daemon)).P50))
 		}
 	}
-	if err := w.Flush(); err != nil {
-		return err
-	}
+	return w.Flush()
+}
+
+func openSplitTable(_ string, rows []openRow) error {
 	fmt.Printf("\nopen, split: the daemon round trip (Open), the daemon's part of it and its steps (its trace), and\n" +
 		"import + map (Map) in the second process (open less round trip) against the floor\n\n")
-	w = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(w, "size\topen p50\tround trip p50\tround trip p99\tdaemon p50\tlookup p50\thandout p50\topen - round trip\tfloor p50\t")
 	for _, r := range rows {
 		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", bytesize.Format(r.size), fmtDur(r.open.P50),
@@ -318,13 +347,14 @@ func benchOpen(ctx context.Context, d *privateDaemon, c *gpushm.Client, sizes []
 			fmtDur(r.openSteps["lookup"].P50), fmtDur(r.openSteps["handout"].P50),
 			fmtDur(r.open.P50-r.roundTrip.P50), fmtDur(r.floor.P50))
 	}
-	if err := w.Flush(); err != nil {
-		return err
-	}
+	return w.Flush()
+}
+
+func echoTable(_ string, rows []openRow) error {
 	fmt.Printf("\nround trip against a bare echo server: the same second process, in turn with its opens, sends\n"+
 		"%d bytes to an echo server in a process of its own and waits for %d bytes and a descriptor, as an open's\n"+
 		"reply brings (blocking: a goroutine per connection in recvmsg; net: Go's network poller)\n\n", echoRequest, echoReply)
-	w = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprint(w, "size\tround trip p50\tp99\t")
 	for _, mode := range echoModes {
 		fmt.Fprintf(w, "echo %s p50\tp99\tratio p50\tratio p99\t", mode)

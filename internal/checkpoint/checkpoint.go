@@ -85,6 +85,9 @@ const indexSuffix = ".safetensors.index.json"
 // them); subdirectories are not. Every shard's header is checked, tensors
 // named twice across shards and index entries that point at nothing are
 // errors, and each error names the file. Close the Plan when done.
+//
+// Its steps: list the directory, choose the shards, read their headers,
+// hold them against the index, open the small files, lay out the bundle.
 func Scan(dir string) (_ *Plan, err error) {
 	ents, err := os.ReadDir(dir)
 	if err != nil {
@@ -99,15 +102,45 @@ func Scan(dir string) (_ *Plan, err error) {
 			p.Close()
 		}
 	}()
-	type entry struct {
-		name string
-		info os.FileInfo
+	regular, indexes := p.list(ents)
+	shardNames, wantTensors, err := chooseShards(dir, regular, indexes)
+	if err != nil {
+		return nil, err
 	}
-	var regular []entry
-	var indexes []string
+	names, err := sortedShards(dir, regular, indexes, shardNames)
+	if err != nil {
+		return nil, err
+	}
+	all, meta, owner, err := p.readShards(names)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkIndex(dir, indexes, wantTensors, owner); err != nil {
+		return nil, err
+	}
+	if err := p.openFiles(regular, shardNames); err != nil {
+		return nil, err
+	}
+	sort.Strings(p.Skipped)
+	p.Tensors = len(all)
+	if err := p.layOut(all, meta); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// dirEntry is a regular file of the directory, links followed.
+type dirEntry struct {
+	name string
+	info os.FileInfo
+}
+
+// list sorts the directory's entries: regular files (and which of them are
+// safetensors indexes) kept, the rest skipped.
+func (p *Plan) list(ents []os.DirEntry) (regular []dirEntry, indexes []string) {
 	for _, e := range ents {
 		name := e.Name()
-		path := filepath.Join(dir, name)
+		path := filepath.Join(p.Dir, name)
 		info, err := os.Stat(path) // follows links
 		if err != nil {
 			p.skip(name, "unreadable: "+err.Error())
@@ -121,14 +154,19 @@ func Scan(dir string) (_ *Plan, err error) {
 		case !utf8.ValidString(name):
 			p.skip(name, "name is not UTF-8")
 		default:
-			regular = append(regular, entry{name, info})
+			regular = append(regular, dirEntry{name, info})
 			if strings.HasSuffix(name, indexSuffix) {
 				indexes = append(indexes, name)
 			}
 		}
 	}
-	shardNames := map[string]bool{}
-	var wantTensors map[string]string // tensor -> shard, from the index
+	return regular, indexes
+}
+
+// chooseShards names the shards: those the one index names (wantTensors is
+// its tensor -> shard map), or without one every *.safetensors file.
+func chooseShards(dir string, regular []dirEntry, indexes []string) (shardNames map[string]bool, wantTensors map[string]string, err error) {
+	shardNames = map[string]bool{}
 	switch len(indexes) {
 	case 0:
 		for _, e := range regular {
@@ -139,13 +177,13 @@ func Scan(dir string) (_ *Plan, err error) {
 	case 1:
 		wantTensors, err = readIndex(dir, indexes[0])
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		for _, shard := range wantTensors {
 			shardNames[shard] = true
 		}
 	default:
-		return nil, fmt.Errorf("%s has %d safetensors indexes (%s): keep one", dir, len(indexes), strings.Join(indexes, ", "))
+		return nil, nil, fmt.Errorf("%s has %d safetensors indexes (%s): keep one", dir, len(indexes), strings.Join(indexes, ", "))
 	}
 	if len(shardNames) == 0 {
 		hint := ""
@@ -156,10 +194,15 @@ func Scan(dir string) (_ *Plan, err error) {
 			}
 		}
 		if len(indexes) == 1 {
-			return nil, fmt.Errorf("%s names no shards", filepath.Join(dir, indexes[0]))
+			return nil, nil, fmt.Errorf("%s names no shards", filepath.Join(dir, indexes[0]))
 		}
-		return nil, fmt.Errorf("%s has no *.safetensors files%s", dir, hint)
+		return nil, nil, fmt.Errorf("%s has no *.safetensors files%s", dir, hint)
 	}
+	return shardNames, wantTensors, nil
+}
+
+// sortedShards is the shards in name order, each checked to be there.
+func sortedShards(dir string, regular []dirEntry, indexes []string, shardNames map[string]bool) ([]string, error) {
 	present := map[string]bool{}
 	for _, e := range regular {
 		present[e.name] = true
@@ -174,20 +217,27 @@ func Scan(dir string) (_ *Plan, err error) {
 			return nil, fmt.Errorf("%s names shard %s, which is not in %s", filepath.Join(dir, indexes[0]), name, dir)
 		}
 	}
-	owner := map[string]string{} // tensor -> shard
-	var all []safetensors.Tensor
-	meta := map[string]string{}
+	return names, nil
+}
+
+// readShards opens the shards in turn and reads their headers: every
+// tensor (its offsets rebased to the shards' data laid end to end), the
+// metadata (the first shard's value of each key), and each tensor's shard.
+// A tensor in two shards is an error.
+func (p *Plan) readShards(names []string) (all []safetensors.Tensor, meta, owner map[string]string, err error) {
+	owner = map[string]string{} // tensor -> shard
+	meta = map[string]string{}
 	at := int64(0) // data offset, relative to the data's start
 	for _, name := range names {
-		sh, h, err := openShard(dir, name)
+		sh, h, err := openShard(p.Dir, name)
 		if err != nil {
-			return nil, err
+			return nil, nil, nil, err
 		}
 		p.Shards = append(p.Shards, sh)
 		s := &p.Shards[len(p.Shards)-1]
 		for _, t := range h.Tensors {
 			if prev, ok := owner[t.Name]; ok {
-				return nil, fmt.Errorf("tensor %q is in both %s and %s", t.Name, filepath.Join(dir, prev), filepath.Join(dir, name))
+				return nil, nil, nil, fmt.Errorf("tensor %q is in both %s and %s", t.Name, filepath.Join(p.Dir, prev), filepath.Join(p.Dir, name))
 			}
 			owner[t.Name] = name
 			t.Begin += uint64(at)
@@ -199,9 +249,15 @@ func Scan(dir string) (_ *Plan, err error) {
 				meta[k] = v
 			}
 		}
-		s.DataAt = at // rebased below, once the header's length is known
+		s.DataAt = at // rebased by layOut, once the header's length is known
 		at = alignUp(at+s.Size-s.HeaderLen, Align)
 	}
+	return all, meta, owner, nil
+}
+
+// checkIndex holds the index's tensor -> shard map (wantTensors) against
+// where the shards put each tensor (owner).
+func checkIndex(dir string, indexes []string, wantTensors, owner map[string]string) error {
 	wanted := make([]string, 0, len(wantTensors))
 	for t := range wantTensors {
 		wanted = append(wanted, t)
@@ -210,11 +266,17 @@ func Scan(dir string) (_ *Plan, err error) {
 	for _, t := range wanted {
 		if shard := wantTensors[t]; owner[t] != shard {
 			if owner[t] == "" {
-				return nil, fmt.Errorf("%s says tensor %q is in %s, which has no such tensor", filepath.Join(dir, indexes[0]), t, filepath.Join(dir, shard))
+				return fmt.Errorf("%s says tensor %q is in %s, which has no such tensor", filepath.Join(dir, indexes[0]), t, filepath.Join(dir, shard))
 			}
-			return nil, fmt.Errorf("%s says tensor %q is in %s, but it is in %s", filepath.Join(dir, indexes[0]), t, shard, filepath.Join(dir, owner[t]))
+			return fmt.Errorf("%s says tensor %q is in %s, but it is in %s", filepath.Join(dir, indexes[0]), t, shard, filepath.Join(dir, owner[t]))
 		}
 	}
+	return nil
+}
+
+// openFiles opens the small files kept with the tensors, and skips the
+// other files that are not shards.
+func (p *Plan) openFiles(regular []dirEntry, shardNames map[string]bool) error {
 	for _, e := range regular {
 		switch {
 		case shardNames[e.name]:
@@ -223,19 +285,23 @@ func Scan(dir string) (_ *Plan, err error) {
 		case e.info.Size() > MaxFileSize:
 			p.skip(e.name, fmt.Sprintf("%d bytes, over the %d MiB limit for small files", e.info.Size(), MaxFileSize>>20))
 		default:
-			f, err := os.Open(filepath.Join(dir, e.name))
+			f, err := os.Open(filepath.Join(p.Dir, e.name))
 			if err != nil {
-				return nil, err
+				return err
 			}
 			p.Files = append(p.Files, File{Name: e.name, Size: e.info.Size(), file: f})
 			if st, err := f.Stat(); err != nil || st.Size() != e.info.Size() {
-				return nil, fmt.Errorf("%s changed while being read", filepath.Join(dir, e.name))
+				return fmt.Errorf("%s changed while being read", filepath.Join(p.Dir, e.name))
 			}
 		}
 	}
-	sort.Strings(p.Skipped)
-	p.Tensors = len(all)
-	// Lay out the segment.
+	return nil
+}
+
+// layOut places the parts in the segment: the combined header, the
+// shards' data, the small files, the shards' original headers, the shard
+// table; and checks that the meta listing them fits.
+func (p *Plan) layOut(all []safetensors.Tensor, meta map[string]string) error {
 	p.prefix = safetensors.Encode(all, meta, Align)
 	data := int64(len(p.prefix))
 	var end int64
@@ -265,11 +331,11 @@ func Scan(dir string) (_ *Plan, err error) {
 	p.tableAt = pos
 	p.Size = pos + int64(len(p.table))
 	if m, err := p.Meta(true); err != nil {
-		return nil, err
+		return err
 	} else if len(m) > wire.MaxMeta {
-		return nil, fmt.Errorf("%s: listing its %d small files takes %d bytes of meta, over the limit of %d; move some out of the directory", dir, len(p.Files), len(m), wire.MaxMeta)
+		return fmt.Errorf("%s: listing its %d small files takes %d bytes of meta, over the limit of %d; move some out of the directory", p.Dir, len(p.Files), len(m), wire.MaxMeta)
 	}
-	return p, nil
+	return nil
 }
 
 func (p *Plan) skip(name, why string) {

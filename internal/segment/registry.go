@@ -356,6 +356,14 @@ func ValidName(name string) error {
 
 // Create makes a new segment, or with ExistOK returns the existing one.
 // created reports which. With Open, the caller holds a lease on the result.
+//
+// Its steps: checkCreate reads the options; under mu, the name's current
+// segment is found (createExistingLocked answers with it, or
+// nextVersionLocked makes the new segment its next version);
+// admitLocked checks budgets and limits and addCreatingLocked names the
+// new segment, still creating; room is made; the memory is allocated and
+// exported without mu; finishCreateLocked records it, or undoes the
+// segment.
 func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, err error) {
 	// Until o.Memory is taken below, freeing it on failure is this
 	// function's job; after, the paths that fail free mem themselves.
@@ -365,41 +373,9 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 			free(pending)
 		}
 	}()
-	if err := ValidName(o.Name); err != nil {
-		return nil, false, err
-	}
-	if o.Slots != 0 {
-		size, err := r.channelSize(o)
-		if err != nil {
-			return nil, false, err
-		}
-		o.Size = size
-	}
-	if o.Uncommitted && (!o.Open || o.ExistOK || o.Pin || o.Memory != nil || o.Slots != 0 || o.AllowEmpty) {
-		return nil, false, fmt.Errorf("%w: an uncommitted segment is created open, and not with exist_ok, as a channel or from published memory", ErrBadOption)
-	}
-	if o.NextVersion && !o.Uncommitted {
-		return nil, false, fmt.Errorf("%w: a next version is created uncommitted: its writer fills it, then commits it to make it current", ErrBadOption)
-	}
-	if o.Size < 0 || o.Size == 0 && !o.AllowEmpty {
-		return nil, false, fmt.Errorf("%w: %d (must be positive)", ErrBadSize, o.Size)
-	}
-	mode := uint32(DefaultMode)
-	if o.UseMode {
-		if o.Mode&^0o777 != 0 {
-			return nil, false, fmt.Errorf("%w: %#o (permission bits only)", ErrBadMode, o.Mode)
-		}
-		mode = o.Mode
-	}
-	if len(o.Meta) > 0 && !json.Valid(o.Meta) {
-		return nil, false, fmt.Errorf("%w: not valid JSON", ErrBadMeta)
-	}
-	capacity, err := r.alloc.Capacity(o.Device)
+	mode, err := r.checkCreate(&o)
 	if err != nil {
 		return nil, false, err
-	}
-	if o.Size > capacity {
-		return nil, false, fmt.Errorf("%w: %d bytes exceeds device %d's %d bytes", ErrBadSize, o.Size, o.Device, capacity)
 	}
 
 	r.mu.Lock()
@@ -410,72 +386,175 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		return nil, false, err
 	}
 	if o.NextVersion {
-		if again := r.nextByOriginLocked(o.Origin); again != nil {
-			defer r.mu.Unlock()
-			if err := r.acquireLocked(c, again, o.ReadOnly); err != nil {
-				return nil, false, err
-			}
-			return again, true, nil
-		}
-		if err := mayReplace(c, existing); err != nil {
+		var again *Segment
+		again, owner, mode, err = r.nextVersionLocked(c, o, existing, mode)
+		if err != nil || again != nil {
 			r.mu.Unlock()
-			return nil, false, err
-		}
-		if existing != nil {
-			// A new version of the same thing: its readers may read it.
-			owner.UID, owner.GID = existing.uid, existing.gid
-			if !o.UseMode {
-				mode = existing.mode
-			}
+			return again, again != nil, err
 		}
 		existing = nil // stays current until the commit
 	}
 	if existing != nil {
-		defer r.mu.Unlock()
-		if o.Origin != "" && existing.origin == o.Origin {
-			// This request's own segment: its first attempt was applied
-			// and the reply lost.
-			if o.Open {
-				if err := r.acquireLocked(c, existing, o.ReadOnly); err != nil {
-					return nil, false, err
-				}
-			}
-			return existing, true, nil
+		s, created, err = r.createExistingLocked(c, o, existing)
+		r.mu.Unlock()
+		return s, created, err
+	}
+	need, err := r.admitLocked(c, o)
+	if err != nil {
+		r.mu.Unlock()
+		return nil, false, err
+	}
+	s = r.addCreatingLocked(owner, o, mode)
+	err = nil // find's ErrNotFound
+	if need > 0 {
+		// Counted from here on (deviceUseLocked): room is made for it now,
+		// and no room ends the create as a failed allocation does.
+		err = r.roomLocked(o.Device, nil, need, fmt.Sprintf("creating %q (%s)", o.Name, fmtBytes(need)))
+	}
+	r.mu.Unlock()
+	o.Trace.Mark("check")
+
+	var mem Memory
+	switch {
+	case err != nil:
+	case o.Memory != nil:
+		mem, pending = o.Memory, nil
+	case o.Slots > 0:
+		mem, err = r.allocateChannel(o)
+	case o.Size > 0:
+		mem, err = r.allocate(o.Device, o.Size)
+	}
+	o.Trace.Mark(allocStep(mem))
+	fd := -1
+	if err == nil {
+		fd, err = r.durableFD(mem)
+	}
+	o.Trace.Mark("export")
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	defer close(s.ready)
+	return r.finishCreateLocked(c, s, o, mem, fd, err)
+}
+
+// checkCreate checks a create's options before anything is locked, sizes a
+// channel (o.Size), and says the mode the segment gets.
+func (r *Registry) checkCreate(o *CreateOptions) (mode uint32, err error) {
+	if err := ValidName(o.Name); err != nil {
+		return 0, err
+	}
+	if o.Slots != 0 {
+		size, err := r.channelSize(*o)
+		if err != nil {
+			return 0, err
 		}
-		if !o.ExistOK {
-			return nil, false, fmt.Errorf("%w: %q", ErrExist, o.Name)
+		o.Size = size
+	}
+	if o.Uncommitted && (!o.Open || o.ExistOK || o.Pin || o.Memory != nil || o.Slots != 0 || o.AllowEmpty) {
+		return 0, fmt.Errorf("%w: an uncommitted segment is created open, and not with exist_ok, as a channel or from published memory", ErrBadOption)
+	}
+	if o.NextVersion && !o.Uncommitted {
+		return 0, fmt.Errorf("%w: a next version is created uncommitted: its writer fills it, then commits it to make it current", ErrBadOption)
+	}
+	if o.Size < 0 || o.Size == 0 && !o.AllowEmpty {
+		return 0, fmt.Errorf("%w: %d (must be positive)", ErrBadSize, o.Size)
+	}
+	mode = uint32(DefaultMode)
+	if o.UseMode {
+		if o.Mode&^0o777 != 0 {
+			return 0, fmt.Errorf("%w: %#o (permission bits only)", ErrBadMode, o.Mode)
 		}
-		if existing.uncommitted {
-			return nil, false, uncommittedError(existing)
+		mode = o.Mode
+	}
+	if len(o.Meta) > 0 && !json.Valid(o.Meta) {
+		return 0, fmt.Errorf("%w: not valid JSON", ErrBadMeta)
+	}
+	capacity, err := r.alloc.Capacity(o.Device)
+	if err != nil {
+		return 0, err
+	}
+	if o.Size > capacity {
+		return 0, fmt.Errorf("%w: %d bytes exceeds device %d's %d bytes", ErrBadSize, o.Size, o.Device, capacity)
+	}
+	return mode, nil
+}
+
+// nextVersionLocked prepares a create of the next version of existing (nil
+// when the name names nothing): again is the version a retried request
+// already made, now opened once more; otherwise the new version takes the
+// current one's owner, and its mode unless o sets one. mu is held.
+func (r *Registry) nextVersionLocked(c Cred, o CreateOptions, existing *Segment, mode uint32) (again *Segment, owner Cred, _ uint32, err error) {
+	owner = c
+	if again := r.nextByOriginLocked(o.Origin); again != nil {
+		if err := r.acquireLocked(c, again, o.ReadOnly); err != nil {
+			return nil, owner, mode, err
 		}
-		if existing.slots != o.Slots || existing.slotBytes != o.SlotBytes {
-			return nil, false, fmt.Errorf("%w: %q is %s, not %s", ErrExist, o.Name,
-				describeLayout(existing.slots, existing.slotBytes), describeLayout(o.Slots, o.SlotBytes))
+		return again, owner, mode, nil
+	}
+	if err := mayReplace(c, existing); err != nil {
+		return nil, owner, mode, err
+	}
+	if existing != nil {
+		// A new version of the same thing: its readers may read it.
+		owner.UID, owner.GID = existing.uid, existing.gid
+		if !o.UseMode {
+			mode = existing.mode
 		}
-		if o.Slots > 0 && !sameJSON(existing.meta, o.Meta) {
-			// A channel's meta is its tensors' layout: both ends must agree.
-			return nil, false, fmt.Errorf("%w: channel %q carries %s, not %s", ErrExist, o.Name, existing.meta, o.Meta)
-		}
-		if existing.size != o.Size || existing.device != o.Device {
-			return nil, false, fmt.Errorf("%w: %q has size %d on device %d, not size %d on device %d",
-				ErrExist, o.Name, existing.size, existing.device, o.Size, o.Device)
-		}
+	}
+	return nil, owner, mode, nil
+}
+
+// createExistingLocked answers a create of a name that names existing:
+// the segment a first attempt of the same request made, or with ExistOK
+// existing itself if it is what o describes. mu is held.
+func (r *Registry) createExistingLocked(c Cred, o CreateOptions, existing *Segment) (*Segment, bool, error) {
+	if o.Origin != "" && existing.origin == o.Origin {
+		// This request's own segment: its first attempt was applied
+		// and the reply lost.
 		if o.Open {
 			if err := r.acquireLocked(c, existing, o.ReadOnly); err != nil {
 				return nil, false, err
 			}
 		}
-		return existing, false, nil
+		return existing, true, nil
 	}
-	need := r.roundSize(o.Device, o.Size)
+	if !o.ExistOK {
+		return nil, false, fmt.Errorf("%w: %q", ErrExist, o.Name)
+	}
+	if existing.uncommitted {
+		return nil, false, uncommittedError(existing)
+	}
+	if existing.slots != o.Slots || existing.slotBytes != o.SlotBytes {
+		return nil, false, fmt.Errorf("%w: %q is %s, not %s", ErrExist, o.Name,
+			describeLayout(existing.slots, existing.slotBytes), describeLayout(o.Slots, o.SlotBytes))
+	}
+	if o.Slots > 0 && !sameJSON(existing.meta, o.Meta) {
+		// A channel's meta is its tensors' layout: both ends must agree.
+		return nil, false, fmt.Errorf("%w: channel %q carries %s, not %s", ErrExist, o.Name, existing.meta, o.Meta)
+	}
+	if existing.size != o.Size || existing.device != o.Device {
+		return nil, false, fmt.Errorf("%w: %q has size %d on device %d, not size %d on device %d",
+			ErrExist, o.Name, existing.size, existing.device, o.Size, o.Device)
+	}
+	if o.Open {
+		if err := r.acquireLocked(c, existing, o.ReadOnly); err != nil {
+			return nil, false, err
+		}
+	}
+	return existing, false, nil
+}
+
+// admitLocked checks a new segment against its device's budget and the
+// caller's limits, and says the bytes it needs there. mu is held.
+func (r *Registry) admitLocked(c Cred, o CreateOptions) (need int64, err error) {
+	need = r.roundSize(o.Device, o.Size)
 	if o.Memory != nil {
 		need = o.Memory.Size()
 	}
 	if budget := r.tiers.cfg.Budgets[o.Device]; budget > 0 && need > budget {
 		// No eviction could make room: say so, rather than blame the
 		// segments that cannot move.
-		r.mu.Unlock()
-		return nil, false, fmt.Errorf("%w: %d bytes exceeds device %d's budget of %d bytes", ErrNoRoom, need, o.Device, budget)
+		return 0, fmt.Errorf("%w: %d bytes exceeds device %d's budget of %d bytes", ErrNoRoom, need, o.Device, budget)
 	}
 	descs := 1
 	if o.Slots > 0 {
@@ -485,12 +564,18 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		descs = 0 // an empty file holds no memory
 	}
 	if err := r.checkLimitsLocked(c, o.Device, need, descs, true); err != nil {
-		r.mu.Unlock()
-		return nil, false, err
+		return 0, err
 	}
+	return need, nil
+}
+
+// addCreatingLocked makes the new segment's record, still creating (opens
+// of its name wait for it), and names it unless it is a next version. mu
+// is held.
+func (r *Registry) addCreatingLocked(owner Cred, o CreateOptions, mode uint32) *Segment {
 	r.nextID++
 	now := time.Now()
-	s = &Segment{
+	s := &Segment{
 		id:        r.nextID,
 		name:      o.Name,
 		size:      o.Size,
@@ -523,35 +608,14 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 	if s.linked {
 		r.byName[o.Name] = s
 	}
-	err = nil // find's ErrNotFound
-	if need > 0 {
-		// Counted from here on (deviceUseLocked): room is made for it now,
-		// and no room ends the create as a failed allocation does.
-		err = r.roomLocked(o.Device, nil, need, fmt.Sprintf("creating %q (%s)", o.Name, fmtBytes(need)))
-	}
-	r.mu.Unlock()
-	o.Trace.Mark("check")
+	return s
+}
 
-	var mem Memory
-	switch {
-	case err != nil:
-	case o.Memory != nil:
-		mem, pending = o.Memory, nil
-	case o.Slots > 0:
-		mem, err = r.allocateChannel(o)
-	case o.Size > 0:
-		mem, err = r.allocate(o.Device, o.Size)
-	}
-	o.Trace.Mark(allocStep(mem))
-	fd := -1
-	if err == nil {
-		fd, err = r.durableFD(mem)
-	}
-	o.Trace.Mark("export")
-
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	defer close(s.ready)
+// finishCreateLocked ends the creation of s: with its memory (mem, fd its
+// durable descriptor) it is recorded, journaled and opened as o asks; after
+// err, or a registry closed meanwhile, it is undone. mu is held; the
+// caller closes s.ready.
+func (r *Registry) finishCreateLocked(c Cred, s *Segment, o CreateOptions, mem Memory, fd int, err error) (*Segment, bool, error) {
 	s.creating = false
 	if err == nil && r.closed {
 		free(mem)

@@ -9,4 +9,11 @@
 // Lifetimes: Serve owns the listener and one goroutine per connection, and
 // returns only after every connection goroutine has finished and the registry
 // has been closed.
+//
+// Where things are: server.go is the server and its accept loop; conn.go a
+// connection (serve, send, flush, end); ops.go the dispatch, a switch of
+// one-line calls, and a method per operation (opOpen, opCreate, ...), with
+// the larger ones in files of their own (commit.go, copy.go, tier.go,
+// version.go, channel.go for a channel's roles); conns.go the workers
+// and the idle set; park.go the handover to a successor.
 package server

@@ -1,0 +1,230 @@
+// Command housecheck keeps the house's rules (docs/architecture.md, "The
+// map"): it fails when a package imports what the map says it may not, or
+// when a non-test function is longer than maxLines. ./scripts/test runs it:
+//
+//	go run ./scripts/housecheck
+//
+// It reads the imports from 'go list' and the functions with go/ast, so it
+// takes a second or two and needs nothing but the Go toolchain.
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+)
+
+const module = "github.com/gpushm/gpushm"
+
+// maxLines is the longest a non-test function may be, from its func
+// keyword to its closing brace.
+const maxLines = 120
+
+// longExempt lists the files whose functions may still be longer than
+// maxLines, each until it is broken up; shrink it, never grow it.
+var longExempt = []string{
+	"cmd/gpushm/daemon.go",
+	"cmd/gpushm/daemon_adopt.go",
+	"cmd/gpushm/daemon_gpu.go",
+	"cmd/gpushm/daemon_listen.go",
+	"cmd/gpushm/limits.go",
+	"cmd/gpushm/systemd.go",
+}
+
+// daemonPkgs are the packages that compose the daemon: the only ones that
+// may import the server, the supervisor and the backends.
+var daemonPkgs = []string{
+	"cmd/gpushm",
+	"internal/daemon",
+	// A daemon in a test's process, on the host backend.
+	"internal/testdaemon",
+}
+
+// daemonOnly are the packages only daemonPkgs may import.
+var daemonOnly = []string{"internal/server", "internal/supervisor", "internal/backend"}
+
+// serverCode is what the root package (the client) may not import.
+var serverCode = []string{"internal/server", "internal/supervisor", "internal/backend", "internal/segment"}
+
+// importExempt lists arrows the map forbids that are still there, each
+// until it is gone; shrink it, never grow it.
+var importExempt = map[string]string{
+	// ReadOnlyFD: issue 30, part 2 moves it down.
+	"internal/server -> internal/backend": "",
+}
+
+func main() {
+	var bad []string
+	imp, err := checkImports()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "housecheck:", err)
+		os.Exit(2)
+	}
+	bad = append(bad, imp...)
+	long, err := checkLengths(".")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "housecheck:", err)
+		os.Exit(2)
+	}
+	bad = append(bad, long...)
+	for _, b := range bad {
+		fmt.Println(b)
+	}
+	if len(bad) > 0 {
+		fmt.Printf("housecheck: %d broken rules (docs/architecture.md, \"The map\")\n", len(bad))
+		os.Exit(1)
+	}
+}
+
+// rel names a package of the module by its path from the module's root
+// ("." for the root package); other packages are "".
+func rel(p string) string {
+	if p == module {
+		return "."
+	}
+	if r, ok := strings.CutPrefix(p, module+"/"); ok {
+		return r
+	}
+	return ""
+}
+
+// under reports whether pkg is p or a package below it.
+func under(pkg, p string) bool {
+	return pkg == p || strings.HasPrefix(pkg, p+"/")
+}
+
+func underAny(pkg string, ps []string) bool {
+	return slices.ContainsFunc(ps, func(p string) bool { return under(pkg, p) })
+}
+
+// checkImports reads every package's imports, and its tests', from go list.
+func checkImports() ([]string, error) {
+	cmd := exec.Command("go", "list", "-e", "-f",
+		"{{.ImportPath}}|{{join .Imports \" \"}}|{{join .TestImports \" \"}} {{join .XTestImports \" \"}}", "./...")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("go list: %v: %s", err, stderr.Bytes())
+	}
+	var bad []string
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	for sc.Scan() {
+		f := strings.Split(sc.Text(), "|")
+		if len(f) != 3 {
+			continue
+		}
+		from := rel(f[0])
+		for _, to := range strings.Fields(f[1]) {
+			if msg := forbidden(from, rel(to), false); msg != "" {
+				bad = append(bad, msg)
+			}
+		}
+		for _, to := range strings.Fields(f[2]) {
+			if msg := forbidden(from, rel(to), true); msg != "" {
+				bad = append(bad, msg)
+			}
+		}
+	}
+	sort.Strings(bad)
+	return slices.Compact(bad), sc.Err()
+}
+
+// forbidden says why from may not import to, or "" where it may. Tests may
+// start daemons (through internal/testdaemon), so only the rule on cmd/
+// holds for their imports.
+func forbidden(from, to string, test bool) string {
+	if to == "" || from == to {
+		return ""
+	}
+	arrow := from + " -> " + to
+	if _, ok := importExempt[arrow]; ok {
+		return ""
+	}
+	switch {
+	case under(to, "cmd"):
+		return arrow + ": nothing imports a command"
+	case test:
+		return ""
+	case underAny(to, daemonOnly) && !underAny(from, daemonPkgs) && !underAny(from, daemonOnly):
+		return arrow + ": only the daemon's package imports " + to
+	case from == "." && underAny(to, serverCode):
+		return arrow + ": the client imports no server code"
+	}
+	return ""
+}
+
+// checkLengths lists the non-test functions under root longer than
+// maxLines, outside longExempt.
+func checkLengths(root string) ([]string, error) {
+	var bad []string
+	fset := token.NewFileSet()
+	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			// deploy/ is a module of its own, kept to the same rule.
+			if n := d.Name(); path != root && (strings.HasPrefix(n, ".") || n == "testdata" || n == "node_modules") {
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		if !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
+			return nil
+		}
+		if slices.Contains(longExempt, filepath.ToSlash(path)) {
+			return nil
+		}
+		f, err := parser.ParseFile(fset, path, nil, parser.SkipObjectResolution)
+		if err != nil {
+			return err
+		}
+		for _, decl := range f.Decls {
+			fn, ok := decl.(*ast.FuncDecl)
+			if !ok || fn.Body == nil {
+				continue
+			}
+			start, end := fset.Position(fn.Pos()), fset.Position(fn.End())
+			if n := end.Line - start.Line + 1; n > maxLines {
+				bad = append(bad, fmt.Sprintf("%s:%d: %s is %d lines (at most %d)", path, start.Line, name(fn), n, maxLines))
+			}
+		}
+		return nil
+	})
+	return bad, err
+}
+
+// name spells a function as a reader looks for it: (*conn).dispatch.
+func name(fn *ast.FuncDecl) string {
+	if fn.Recv == nil || len(fn.Recv.List) == 0 {
+		return fn.Name.Name
+	}
+	t := fn.Recv.List[0].Type
+	if ix, ok := t.(*ast.IndexExpr); ok {
+		t = ix.X
+	}
+	switch t := t.(type) {
+	case *ast.StarExpr:
+		x := t.X
+		if ix, ok := x.(*ast.IndexExpr); ok {
+			x = ix.X
+		}
+		if id, ok := x.(*ast.Ident); ok {
+			return "(*" + id.Name + ")." + fn.Name.Name
+		}
+	case *ast.Ident:
+		return t.Name + "." + fn.Name.Name
+	}
+	return fn.Name.Name
+}
