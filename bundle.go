@@ -3,7 +3,7 @@ package gpushm
 import (
 	"fmt"
 
-	"github.com/gpushm/gpushm/internal/checkpoint"
+	"github.com/gpushm/gpushm/internal/layout"
 )
 
 // BundleFile is a small file kept in a bundle beside its tensors.
@@ -16,7 +16,7 @@ type BundleFile struct {
 // BundleFiles lists the small files a bundle segment keeps (none for a
 // bundle of one safetensors file, or of put_tensors).
 func (s *Segment) BundleFiles() ([]BundleFile, error) {
-	meta, ok, err := checkpoint.ParseMeta(s.Info().Meta, s.Size())
+	meta, ok, err := layout.ParseMeta(s.Info().Meta, s.Size())
 	if err != nil {
 		return nil, err
 	}

@@ -18,7 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
-	layout "github.com/gpushm/gpushm/internal/checkpoint"
+	"github.com/gpushm/gpushm/internal/layout"
 	"github.com/gpushm/gpushm/internal/xfer"
 )
 

@@ -19,7 +19,7 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/checkpoint"
-	layout "github.com/gpushm/gpushm/internal/checkpoint"
+	"github.com/gpushm/gpushm/internal/layout"
 )
 
 func getCmd() *cobra.Command {

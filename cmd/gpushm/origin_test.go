@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/gpushm/gpushm"
-	layout "github.com/gpushm/gpushm/internal/checkpoint"
+	"github.com/gpushm/gpushm/internal/layout"
 	"github.com/gpushm/gpushm/internal/testdaemon"
 )
 

@@ -20,8 +20,8 @@ import (
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/checkpoint"
 	"github.com/gpushm/gpushm/internal/bytesize"
-	layout "github.com/gpushm/gpushm/internal/checkpoint"
 	"github.com/gpushm/gpushm/internal/crc32c"
+	"github.com/gpushm/gpushm/internal/layout"
 	"github.com/gpushm/gpushm/internal/segment"
 )
 

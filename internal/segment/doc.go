@@ -13,7 +13,7 @@
 // Allocation and freeing run outside it. Concurrent operations on a name that
 // is still being created wait for the creation to finish.
 //
-// Files (the FUSE view, files.go and data.go): a segment may be created
+// Files (the FUSE view, fileops.go and data.go): a segment may be created
 // empty (AllowEmpty), with a name and no memory until it is written or
 // resized; Acquire refuses it (ErrEmpty). Pin and Unpin count in-daemon
 // references (open files): like leases they keep an unlinked segment's

@@ -54,7 +54,7 @@ type Record struct {
 	Uncommitted  bool   `json:"uncommitted,omitempty"`
 	CommitOrigin string `json:"commit_origin,omitempty"`
 	// Version counts the segments the name has named (absent: 1); Next
-	// marks a next version its writer had not made current (version.go).
+	// marks a next version its writer had not made current (versions.go).
 	Version uint64 `json:"version,omitempty"`
 	Next    bool   `json:"next,omitempty"`
 	// Tier is "host" for a segment evicted to host memory: its descriptor
@@ -516,7 +516,7 @@ func (r *Registry) Bound() []BoundSegment {
 		}
 	}
 	for _, s := range r.byID {
-		// Next versions hold no name until committed (version.go).
+		// Next versions hold no name until committed (versions.go).
 		if s.next && !s.linked && !s.gone {
 			out = append(out, BoundSegment{Segment: s, Session: s.session, Creator: s.creator})
 		}

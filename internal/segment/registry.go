@@ -112,7 +112,7 @@ type CreateOptions struct {
 	// create with the same Origin finds the segment it made, as created,
 	// so that a retried request has the outcome of the first.
 	Origin string
-	// Slots > 0 makes a channel (channel.go): Slots buffers of SlotBytes
+	// Slots > 0 makes a channel (slots.go): Slots buffers of SlotBytes
 	// each, and a control block that Control initializes.
 	Slots     int
 	SlotBytes int64
@@ -121,7 +121,7 @@ type CreateOptions struct {
 	// open until Commit (commit.go); it ends with its creator as a Bound
 	// segment does. It needs Open, and no ExistOK, Pin, Memory or Slots.
 	Uncommitted bool
-	// NextVersion makes the next version of the name (version.go): an
+	// NextVersion makes the next version of the name (versions.go): an
 	// uncommitted segment that takes no name until Commit makes it the
 	// name's current version, in place of the one there. It needs
 	// Uncommitted, and the right to remove the current version, whose
@@ -173,7 +173,7 @@ type Info struct {
 	// Uncommitted: its creator is still filling it (commit.go).
 	Uncommitted bool
 	// Version counts the segments the name has named, this one included
-	// (version.go); Next marks a next version not yet made current.
+	// (versions.go); Next marks a next version not yet made current.
 	// Versions, filled by Stat only, are the name's earlier versions
 	// that are still held.
 	Version  uint64
@@ -250,7 +250,7 @@ type Segment struct {
 	// commitOrigin names the request that did.
 	uncommitted  bool
 	commitOrigin string
-	// Versions (version.go): version counts the segments the name has
+	// Versions (versions.go): version counts the segments the name has
 	// named (0 in records of older daemons: 1); next marks a next version
 	// not yet made current, which holds no name.
 	version uint64

@@ -65,7 +65,7 @@ type conn struct {
 	// ones), closed once it is sent.
 	temp []int
 	// adopted: the connection was served by a predecessor, which admitted
-	// it (limits.go).
+	// it (connlimits.go).
 	adopted bool
 }
 

@@ -14,6 +14,7 @@
 // connection (serve, send, flush, end); ops.go the dispatch, a switch of
 // one-line calls, and a method per operation (opOpen, opCreate, ...), with
 // the larger ones in files of their own (commit.go, copy.go, tier.go,
-// version.go, channel.go for a channel's roles); conns.go the workers
-// and the idle set; park.go the handover to a successor.
+// waitversion.go, roles.go for a channel's roles); workers.go the
+// workers and the idle set; connlimits.go the limits on connections;
+// park.go the handover to a successor.
 package server

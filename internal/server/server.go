@@ -60,7 +60,7 @@ type Server struct {
 	conns map[*conn]struct{} // every connection, in any state, until it ends
 	live  sync.WaitGroup     // one per connection, until it ends
 
-	// Workers and the idle set (conns.go).
+	// Workers and the idle set (workers.go).
 	epfd       int // the idle set
 	pollStop   int // eventfd in the idle set: readable while workers must exit
 	byFD       map[int32]*conn
@@ -71,7 +71,7 @@ type Server struct {
 	workerSet  map[*worker]struct{} // under mu
 	wg         sync.WaitGroup
 
-	// Limits (limits.go): connections counted by uid, the refuser that
+	// Limits (connlimits.go): connections counted by uid, the refuser that
 	// answers those turned away, and a spare descriptor to give up when
 	// the process runs out.
 	connLimits ConnLimits
@@ -83,7 +83,7 @@ type Server struct {
 	// (-1 until the first hello).
 	epochRO int
 	// trimLast and trimmed are what the process had allocated at the last
-	// sweep and at the last trim (limits.go); only the sweep touches them.
+	// sweep and at the last trim (connlimits.go); only the sweep touches them.
 	trimLast, trimmed uint64
 
 	// Durability (park.go): who supervises this process (it may change

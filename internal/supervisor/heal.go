@@ -24,7 +24,7 @@ import (
 // process may hold a CUDA context), in a session of its own so that it
 // outlives the serving process. It hands it what the journal would have:
 // every record with its descriptors, then "handed". The new supervisor
-// adopts the running serving process (adopt.go) and is from then on its
+// adopts the running serving process (handover.go) and is from then on its
 // supervisor in every way: it restarts it when it dies, upgrades it on
 // SIGHUP, stops everything on SIGTERM.
 //

@@ -22,7 +22,7 @@ import (
 // by envLock (a supervisor that passes it lets the serving process replace
 // it, heal.go). A supervisor started by a serving process whose own died
 // finds the same four, and the serving process's pidfd at 7, announced by
-// envAdopt (adopt.go).
+// envAdopt (handover.go).
 const (
 	envLink  = "GPUSHM_SUPERVISOR_FD"
 	envLock  = "GPUSHM_SUPERVISOR_LOCK"
@@ -89,7 +89,7 @@ const (
 	tSync     = "sync"     // answer "synced" once everything before this is applied
 	tSynced   = "synced"   // supervisor -> server: the sync of this id
 	// A serving process whose supervisor died and the one it started in
-	// its place (heal.go, adopt.go): the new supervisor says "init" when it
+	// its place (heal.go, handover.go): the new supervisor says "init" when it
 	// reads, the server sends every record (put, ctl) and then "handed",
 	// and the new supervisor answers "adopted".
 	tHanded  = "handed"  // server -> new supervisor: that was everything

@@ -43,7 +43,7 @@ type Config struct {
 	Lock *os.File
 	Heal bool
 	// Handover, if set, is a serving process whose supervisor died: Run
-	// adopts it (adopt.go) instead of starting one.
+	// adopts it (handover.go) instead of starting one.
 	Handover *Handover
 }
 
@@ -73,7 +73,7 @@ type child struct {
 	ready   bool    // it said it serves
 	ctl     pending // a control block received, for the put that follows it
 	// An adopted serving process is not our child (cmd is nil): it is
-	// watched and killed through its pidfd (adopt.go).
+	// watched and killed through its pidfd (handover.go).
 	pidfd *pidfd
 }
 

@@ -1,4 +1,4 @@
-package checkpoint
+package layout
 
 import (
 	"encoding/json"

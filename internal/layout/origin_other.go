@@ -1,6 +1,6 @@
 //go:build !linux
 
-package checkpoint
+package layout
 
 import (
 	"errors"

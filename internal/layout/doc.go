@@ -1,4 +1,4 @@
-// Package checkpoint turns a Hugging Face checkpoint directory (safetensors
+// Package layout turns a Hugging Face checkpoint directory (safetensors
 // shards, maybe an index, and small files such as config.json and the
 // tokenizer's) into the layout of one bundle segment, and reads that layout
 // back. It moves no bytes itself: Scan checks every shard's header and says
@@ -24,4 +24,4 @@
 // Scan opens every file it plans to read and keeps it open until Close, so
 // that what is copied is what was checked (a file replaced by rename after
 // Scan is not read).
-package checkpoint
+package layout
