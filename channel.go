@@ -129,12 +129,7 @@ func (c *Client) Channel(ctx context.Context, name string, role Role, o *Channel
 		c.roundTrip(context.Background(), &wire.Request{Op: wire.OpClose, Segment: ch.info.ID})
 		return nil, fmt.Errorf("gpushm: channel %q: %w", name, err)
 	}
-	c.cmu.Lock()
-	if c.channels == nil {
-		c.channels = map[*Channel]struct{}{}
-	}
-	c.channels[ch] = struct{}{}
-	c.cmu.Unlock()
+	c.hold(ch)
 	return ch, nil
 }
 
@@ -416,9 +411,7 @@ func (ch *Channel) Close() error {
 	// Still listed while closing: a reconnection on the way reclaims the
 	// role first, so that this close ends it.
 	_, _, err := c.roundTrip(context.Background(), &wire.Request{Op: wire.OpClose, Segment: ch.info.ID, Role: string(ch.role)})
-	c.cmu.Lock()
-	delete(c.channels, ch)
-	c.cmu.Unlock()
+	c.unhold(ch)
 	if errors.Is(err, syscall.EINVAL) {
 		err = nil // the lease went with a connection the daemon lost
 	}
@@ -428,23 +421,12 @@ func (ch *Channel) Close() error {
 	return errors.Join(err, unix.Munmap(ch.ctl), ch.m.unmap())
 }
 
-// reclaimChannels takes back the roles of this client's channels after a
-// reconnection; c.mu is held.
-func (c *Client) reclaimChannelsLocked(ctx context.Context) error {
-	c.cmu.Lock()
-	chans := make([]*Channel, 0, len(c.channels))
-	for ch := range c.channels {
-		chans = append(chans, ch)
-	}
-	c.cmu.Unlock()
-	for _, ch := range chans {
-		c.nextID++
-		_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpReclaim, Segment: ch.info.ID,
-			Count: 1, ReadOnly: ch.role == Consumer, Role: string(ch.role)}, -1)
-		closeFD(fd)
-		if errors.Is(err, errLost) {
-			return err
-		}
-	}
-	return nil
+// reclaimLocked takes back ch's role on c's new connection after a
+// reconnection; c.mu is held (holder).
+func (ch *Channel) reclaimLocked(ctx context.Context, c *Client) error {
+	c.nextID++
+	_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpReclaim, Segment: ch.info.ID,
+		Count: 1, ReadOnly: ch.role == Consumer, Role: string(ch.role)}, -1)
+	closeFD(fd)
+	return err
 }

@@ -284,11 +284,53 @@ type Client struct {
 	reconnects int
 	stopWatch  chan struct{} // closed by Close: ends watch
 
-	cmu      sync.Mutex
-	cache    map[cacheKey]*shared
-	open     map[*shared]struct{}
-	channels map[*Channel]struct{}
-	closed   bool
+	cmu    sync.Mutex
+	cache  map[cacheKey]*shared
+	open   map[*shared]struct{}
+	held   map[holder]struct{} // what features hold besides segments (hold)
+	closed bool
+}
+
+// holder is what a feature of the client (a channel's end) holds of the
+// daemon's besides its segments' leases: the client core takes it back
+// after a reconnection and closes it with the client, knowing nothing more
+// of it.
+type holder interface {
+	// reclaimLocked takes back on c's new connection what the holder held
+	// on the old one; c.mu is held. Only an error wrapping errLost (the
+	// connection lost again) stops the reclaim.
+	reclaimLocked(ctx context.Context, c *Client) error
+	// Close ends it; it calls unhold.
+	Close() error
+}
+
+// hold has c reclaim h after each reconnection, and close it at Close,
+// until unhold.
+func (c *Client) hold(h holder) {
+	c.cmu.Lock()
+	if c.held == nil {
+		c.held = map[holder]struct{}{}
+	}
+	c.held[h] = struct{}{}
+	c.cmu.Unlock()
+}
+
+// unhold ends what hold began.
+func (c *Client) unhold(h holder) {
+	c.cmu.Lock()
+	delete(c.held, h)
+	c.cmu.Unlock()
+}
+
+// heldNow is what features hold, at this moment.
+func (c *Client) heldNow() []holder {
+	c.cmu.Lock()
+	defer c.cmu.Unlock()
+	hs := make([]holder, 0, len(c.held))
+	for h := range c.held {
+		hs = append(hs, h)
+	}
+	return hs
 }
 
 // Dial connects to the daemon at socket and says hello. With socket ""
@@ -366,7 +408,7 @@ func (c *Client) watch() {
 		case <-t.C:
 		}
 		c.cmu.Lock()
-		holds := len(c.open)+len(c.channels) > 0
+		holds := len(c.open)+len(c.held) > 0
 		c.cmu.Unlock()
 		// A call in flight holds mu, and reconnects by itself.
 		if holds && c.mu.TryLock() {
@@ -488,14 +530,14 @@ func (c *Client) Close() error {
 	}
 	c.closed = true
 	close(c.stopWatch)
-	chans := make([]*Channel, 0, len(c.channels))
-	for ch := range c.channels {
-		chans = append(chans, ch)
+	held := make([]holder, 0, len(c.held))
+	for h := range c.held {
+		held = append(held, h)
 	}
 	c.cmu.Unlock()
 	var errs []error
-	for _, ch := range chans {
-		errs = append(errs, ch.Close())
+	for _, h := range held {
+		errs = append(errs, h.Close())
 	}
 	c.cmu.Lock()
 	open := make([]*shared, 0, len(c.open))
@@ -623,7 +665,7 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 }
 
 // reclaimLocked takes back, on a new connection, the leases of every
-// segment and channel c holds. It fails only with a lost connection
+// segment c holds, and what its features hold (hold). It fails only with a lost connection
 // (errLost).
 func (c *Client) reclaimLocked(ctx context.Context) error {
 	// Names may mean other segments now: ask the daemon again for each.
@@ -658,8 +700,10 @@ func (c *Client) reclaimLocked(ctx context.Context) error {
 			sh.mu.Unlock()
 		}
 	}
-	if err := c.reclaimChannelsLocked(ctx); errors.Is(err, errLost) {
-		return err
+	for _, h := range c.heldNow() {
+		if err := h.reclaimLocked(ctx, c); errors.Is(err, errLost) {
+			return err
+		}
 	}
 	if released != "" {
 		// A release whose close the restart cut off left a lease

@@ -116,7 +116,7 @@ func (m *Mapping) WriteAt(p []byte, off int64) (int, error) {
 
 var errOffset = errors.New("outside the segment")
 
-func mapSegment(fd int, info *SegmentInfo, readOnly bool, devices []int) (*Mapping, error) {
+func mapSegment(fd int, info *wire.Segment, readOnly bool, devices []int) (*Mapping, error) {
 	m := &Mapping{size: info.Size, alloc: info.AllocSize, reserved: info.AllocSize, readOnly: readOnly}
 	switch info.HandleType {
 	case wire.HandleMemfd:
@@ -165,7 +165,7 @@ func mapSegment(fd int, info *SegmentInfo, readOnly bool, devices []int) (*Mappi
 // it: the daemon names it by UUID, since a process in a container or under
 // CUDA_VISIBLE_DEVICES numbers the node's GPUs its own way. A daemon that
 // sends no UUID is taken to number them as this process does.
-func homeDevice(info *SegmentInfo) (*cuda.Device, error) {
+func homeDevice(info *wire.Segment) (*cuda.Device, error) {
 	ord := info.Device
 	if info.UUID != "" {
 		var err error
@@ -254,7 +254,7 @@ func (m *Mapping) releaseMemory() error {
 // remap maps the memory fd refers to (info describes it) at the range this
 // mapping keeps, after releaseMemory: the same addresses as before, for
 // the same segment or another version of its name that fits the range.
-func (m *Mapping) remap(fd int, info *SegmentInfo, devices []int) error {
+func (m *Mapping) remap(fd int, info *wire.Segment, devices []int) error {
 	if !m.released {
 		return errors.New("remap of memory still mapped")
 	}
