@@ -17,6 +17,7 @@ import (
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/cuda"
 	"github.com/gpushm/gpushm/internal/testdaemon"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // message is what message seq of a channel test holds: the number, then
@@ -197,7 +198,11 @@ func TestChannelHandsOverInOrder(t *testing.T) {
 				t.Fatal(err)
 			}
 			// The consumer may start before the channel exists: wait.
-			waitFor(t, d.Socket, "ch")
+			c := dial(t, d.Socket)
+			testutil.WaitFor(t, "channel ch", func() bool {
+				_, err := c.Stat(context.Background(), "ch")
+				return err == nil
+			})
 			cons := child(t, d.Socket, "chan-consumer", env...)
 			var out bytes.Buffer
 			cons.Stdout = &out
@@ -211,20 +216,6 @@ func TestChannelHandsOverInOrder(t *testing.T) {
 				t.Fatalf("consumer said %q, want %d messages", got, count)
 			}
 		})
-	}
-}
-
-func waitFor(t *testing.T, socket, name string) {
-	t.Helper()
-	c := dial(t, socket)
-	for deadline := time.Now().Add(20 * time.Second); ; {
-		if _, err := c.Stat(context.Background(), name); err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s never appeared", name)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }
 

@@ -8,65 +8,15 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/testdaemon"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/wire"
 )
-
-// rawConn speaks the protocol without the client library, for requests
-// the library never sends.
-type rawConn struct {
-	t  *testing.T
-	wc *wire.Conn
-	id uint64
-}
-
-func dialRaw(t *testing.T, socket string) *rawConn {
-	t.Helper()
-	wc, err := wire.Dial(socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { wc.Close() })
-	r := &rawConn{t: t, wc: wc}
-	if rep := r.do(`{"op":"hello","version":1}`); rep.Error != nil {
-		t.Fatalf("hello: %v", rep.Error)
-	}
-	return r
-}
-
-// do sends req (a JSON object without its id) and returns the reply,
-// closing any descriptor that came with it.
-func (r *rawConn) do(req string) *wire.Reply {
-	r.t.Helper()
-	r.id++
-	b := fmt.Sprintf(`{"id":%d,%s`, r.id, strings.TrimPrefix(req, "{"))
-	if err := r.wc.Send([]byte(b), -1); err != nil {
-		r.t.Fatal(err)
-	}
-	for {
-		p, fd, err := r.wc.Recv()
-		if err != nil {
-			r.t.Fatalf("%s: %v", req, err)
-		}
-		if fd >= 0 {
-			syscall.Close(fd)
-		}
-		rep, err := wire.DecodeReply(p)
-		if err != nil {
-			r.t.Fatal(err)
-		}
-		// A request that could not be decoded may be answered with id 0.
-		if (rep.ID == r.id || rep.ID == 0 && rep.Error != nil) && !rep.ControlFD {
-			return rep
-		}
-	}
-}
 
 // wantCode checks that rep failed with code.
 func wantCode(t *testing.T, what string, rep *wire.Reply, code string) {
@@ -122,9 +72,10 @@ func TestUncommitted(t *testing.T) {
 	if err := w.Rename(ctx, "model", "other"); !errors.Is(err, syscall.EBUSY) {
 		t.Fatalf("Rename of an uncommitted segment = %v, want EBUSY", err)
 	}
-	raw := dialRaw(t, d.Socket)
-	wantCode(t, "commit by another client", raw.do(fmt.Sprintf(`{"op":"commit","segment":%d}`, seg.ID())), "EPERM")
-	wantCode(t, "reclaim by another client", raw.do(fmt.Sprintf(`{"op":"reclaim","segment":%d,"readonly":true}`, seg.ID())), "EAGAIN")
+	raw := testutil.DialRaw(t, d.Socket)
+	raw.Hello()
+	wantCode(t, "commit by another client", raw.Do(fmt.Sprintf(`{"op":"commit","segment":%d}`, seg.ID())), "EPERM")
+	wantCode(t, "reclaim by another client", raw.Do(fmt.Sprintf(`{"op":"reclaim","segment":%d,"readonly":true}`, seg.ID())), "EAGAIN")
 
 	// A reader waiting for it gets it once it is committed, whole.
 	got := make(chan error, 1)
@@ -166,8 +117,8 @@ func TestUncommitted(t *testing.T) {
 	if err := seg.Commit(ctx); !errors.Is(err, syscall.EINVAL) {
 		t.Fatalf("second Commit = %v, want EINVAL", err)
 	}
-	wantCode(t, "commit of a committed segment by another", raw.do(fmt.Sprintf(`{"op":"commit","segment":%d}`, seg.ID())), "EINVAL")
-	wantCode(t, "commit of no segment", raw.do(`{"op":"commit","segment":999999}`), "ENOENT")
+	wantCode(t, "commit of a committed segment by another", raw.Do(fmt.Sprintf(`{"op":"commit","segment":%d}`, seg.ID())), "EINVAL")
+	wantCode(t, "commit of no segment", raw.Do(`{"op":"commit","segment":999999}`), "ENOENT")
 	// The creator's own reopen is served from its cache after the commit.
 	again, err := w.Open(ctx, "model", nil)
 	if err != nil || again.ID() != seg.ID() {
@@ -283,7 +234,8 @@ func TestUncommittedBadInput(t *testing.T) {
 	d := testdaemon.Start(t, "host")
 	ctx := context.Background()
 	c := dial(t, d.Socket)
-	raw := dialRaw(t, d.Socket)
+	raw := testutil.DialRaw(t, d.Socket)
+	raw.Hello()
 
 	for _, tc := range []struct{ name, req, code string }{
 		{"negative wait", `{"op":"open","name":"x","wait":-1}`, "EINVAL"},
@@ -296,7 +248,7 @@ func TestUncommittedBadInput(t *testing.T) {
 		{"commit of nothing", `{"op":"commit"}`, "ENOENT"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			wantCode(t, tc.req, raw.do(tc.req), tc.code)
+			wantCode(t, tc.req, raw.Do(tc.req), tc.code)
 		})
 	}
 	if _, _, err := c.CreateOnly(ctx, "x", 4096, &gpushm.CreateOptions{Uncommitted: true}); !errors.Is(err, syscall.EINVAL) {

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // A writer killed at any moment leaves its name either gone or whole:
@@ -88,8 +89,8 @@ func TestPutKilled(t *testing.T) {
 	}
 	ckpt := filepath.Join(dir, "ckpt")
 	os.Mkdir(ckpt, 0o755)
-	writeShard(t, filepath.Join(ckpt, "model-00001-of-00002.safetensors"), map[string]int{"a.weight": 14 << 20, "b.bias": 13})
-	writeShard(t, filepath.Join(ckpt, "model-00002-of-00002.safetensors"), map[string]int{"c.weight": 9 << 20})
+	testutil.WriteShard(t, filepath.Join(ckpt, "model-00001-of-00002.safetensors"), pt, testutil.NewTensor("a.weight", "U8", 14<<20), testutil.NewTensor("b.bias", "U8", 13))
+	testutil.WriteShard(t, filepath.Join(ckpt, "model-00002-of-00002.safetensors"), pt, testutil.NewTensor("c.weight", "U8", 9<<20))
 	os.WriteFile(filepath.Join(ckpt, "config.json"), []byte(`{"model_type":"llama","hidden_size":8}`), 0o644)
 	os.WriteFile(filepath.Join(ckpt, "tokenizer.json"), bytes.Repeat([]byte("tok "), 5000), 0o644)
 

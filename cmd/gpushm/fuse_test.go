@@ -17,21 +17,12 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // These tests drive the FUSE view of a real 'gpushm daemon --mount' process
 // with coreutils, as users do. They mount without fusermount, so they need
 // root and /dev/fuse; scripts/test installs attr (getfattr) and fuse3.
-
-func requireFUSE(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("FUSE tests mount without fusermount: they need root")
-	}
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skipf("FUSE tests need /dev/fuse: %v", err)
-	}
-}
 
 // sh runs a command and returns its standard output; a failure is fatal.
 func sh(t *testing.T, name string, args ...string) string {
@@ -109,7 +100,7 @@ type fuseDaemon struct {
 // mount is ready once the socket answers.
 func startFUSEDaemon(t *testing.T) *fuseDaemon {
 	t.Helper()
-	requireFUSE(t)
+	testutil.RequireFUSE(t)
 	dir := socketDir(t)
 	// Another user must reach the socket and the mount below.
 	if err := os.Chmod(dir, 0o755); err != nil {

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/safetensors"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // safetensorsFile lays out header JSON and data as a safetensors file.
@@ -70,26 +71,8 @@ func TestPutSafetensors(t *testing.T) {
 	}
 }
 
-// writeShard writes a safetensors file of U8 tensors holding their names'
-// bytes repeated, laid out as the safetensors library does.
-func writeShard(t *testing.T, path string, sizes map[string]int) {
-	t.Helper()
-	var names []string
-	for n := range sizes {
-		names = append(names, n)
-	}
-	slices.Sort(names)
-	var ts []safetensors.Tensor
-	var data []byte
-	for _, n := range names {
-		b := bytes.Repeat([]byte(n), sizes[n]/len(n)+1)[:sizes[n]]
-		ts = append(ts, safetensors.Tensor{Name: n, Dtype: "U8", Shape: []uint64{uint64(len(b))}, Begin: uint64(len(data)), End: uint64(len(data) + len(b))})
-		data = append(data, b...)
-	}
-	if err := os.WriteFile(path, append(safetensors.Encode(ts, map[string]string{"format": "pt"}, 8), data...), 0o644); err != nil {
-		t.Fatal(err)
-	}
-}
+// pt is the metadata PyTorch's safetensors writer leaves in a shard.
+var pt = map[string]string{"format": "pt"}
 
 // checkpointDir is a small sharded checkpoint with an index and the files
 // that come with one, plus things put leaves out.
@@ -98,14 +81,14 @@ func checkpointDir(t *testing.T, root string) string {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	writeShard(t, filepath.Join(dir, "model-00001-of-00002.safetensors"), map[string]int{"a.weight": 300000, "b.bias": 13})
-	writeShard(t, filepath.Join(dir, "model-00002-of-00002.safetensors"), map[string]int{"c.weight": 70000})
+	testutil.WriteShard(t, filepath.Join(dir, "model-00001-of-00002.safetensors"), pt, testutil.NewTensor("a.weight", "U8", 300000), testutil.NewTensor("b.bias", "U8", 13))
+	testutil.WriteShard(t, filepath.Join(dir, "model-00002-of-00002.safetensors"), pt, testutil.NewTensor("c.weight", "U8", 70000))
 	os.WriteFile(filepath.Join(dir, "model.safetensors.index.json"), []byte(`{"metadata":{"total_size":370013},"weight_map":{"a.weight":"model-00001-of-00002.safetensors","b.bias":"model-00001-of-00002.safetensors","c.weight":"model-00002-of-00002.safetensors"}}`), 0o644)
 	os.WriteFile(filepath.Join(dir, "config.json"), []byte(`{"model_type":"llama","hidden_size":8}`), 0o644)
 	os.WriteFile(filepath.Join(dir, "generation_config.json"), []byte(`{"do_sample":false}`), 0o644)
 	os.WriteFile(filepath.Join(dir, "tokenizer.json"), bytes.Repeat([]byte("tok "), 5000), 0o644)
 	os.WriteFile(filepath.Join(dir, "special_tokens_map.json"), []byte(`{}`), 0o644)
-	writeShard(t, filepath.Join(dir, "consolidated.safetensors"), map[string]int{"x": 10})
+	testutil.WriteShard(t, filepath.Join(dir, "consolidated.safetensors"), pt, testutil.NewTensor("x", "U8", 10))
 	os.Mkdir(filepath.Join(dir, "original"), 0o755)
 	return dir
 }
@@ -212,7 +195,7 @@ func TestPutDirBadInput(t *testing.T) {
 			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), safetensorsFile(`{"c.weight":{"dtype":"U8","shape":[7],"data_offsets":[0,7]`, make([]byte, 7)), 0o644)
 		}, "model-00002-of-00002.safetensors is not a valid safetensors file"},
 		{"two shards name the same tensor", func(dir string) {
-			writeShard(t, filepath.Join(dir, "model-00002-of-00002.safetensors"), map[string]int{"c.weight": 10, "a.weight": 10})
+			testutil.WriteShard(t, filepath.Join(dir, "model-00002-of-00002.safetensors"), pt, testutil.NewTensor("a.weight", "U8", 10), testutil.NewTensor("c.weight", "U8", 10))
 		}, `tensor "a.weight" is in both`},
 		{"unknown dtype", func(dir string) {
 			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), safetensorsFile(`{"c.weight":{"dtype":"Q4_K","shape":[7],"data_offsets":[0,7]}}`, make([]byte, 7)), 0o644)

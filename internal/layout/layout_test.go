@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/binary"
 	"encoding/json"
-	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
@@ -13,44 +12,8 @@ import (
 
 	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/safetensors"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
-
-type tensor struct {
-	name  string
-	dtype string
-	shape []uint64
-}
-
-func (t tensor) bytes() int {
-	n := int(safetensors.Bits[t.dtype])
-	for _, d := range t.shape {
-		n *= int(d)
-	}
-	return n / 8
-}
-
-// writeShard writes a safetensors file as the safetensors library lays one
-// out (tensors back to back, the header padded to 8 bytes), filled with
-// bytes that depend on each tensor's name, and returns them by name.
-func writeShard(t *testing.T, path string, meta map[string]string, ts ...tensor) map[string][]byte {
-	t.Helper()
-	var st []safetensors.Tensor
-	var data []byte
-	out := map[string][]byte{}
-	for _, x := range ts {
-		b := make([]byte, x.bytes())
-		seed := [32]byte{}
-		copy(seed[:], x.name)
-		rand.NewChaCha8(seed).Read(b)
-		st = append(st, safetensors.Tensor{Name: x.name, Dtype: x.dtype, Shape: x.shape, Begin: uint64(len(data)), End: uint64(len(data) + len(b))})
-		data = append(data, b...)
-		out[x.name] = b
-	}
-	if err := os.WriteFile(path, append(safetensors.Encode(st, meta, 8), data...), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	return out
-}
 
 func writeFile(t *testing.T, path, content string) {
 	t.Helper()
@@ -75,16 +38,16 @@ func fixture(t *testing.T) (string, map[string][]byte) {
 			all[k] = v
 		}
 	}
-	add(writeShard(t, filepath.Join(dir, "model-00001-of-00002.safetensors"), map[string]string{"format": "pt"},
-		tensor{"model.embed_tokens.weight", "BF16", []uint64{33, 16}},
-		tensor{"model.norm.weight", "F32", []uint64{16}},
-		tensor{"odd", "U8", []uint64{7}}, // leaves the shard's data a length that is not a multiple of 64
+	add(testutil.WriteShard(t, filepath.Join(dir, "model-00001-of-00002.safetensors"), map[string]string{"format": "pt"},
+		testutil.NewTensor("model.embed_tokens.weight", "BF16", 33, 16),
+		testutil.NewTensor("model.norm.weight", "F32", 16),
+		testutil.NewTensor("odd", "U8", 7), // leaves the shard's data a length that is not a multiple of 64
 	))
-	add(writeShard(t, filepath.Join(dir, "model-00002-of-00002.safetensors"), map[string]string{"format": "pt"},
-		tensor{"model.layers.0.mlp.up_proj.weight", "F16", []uint64{24, 16}},
-		tensor{"model.layers.0.mlp.down_proj.weight", "F16", []uint64{16, 24}},
-		tensor{"scalar", "I64", []uint64{}},
-		tensor{"empty", "F32", []uint64{0, 4}},
+	add(testutil.WriteShard(t, filepath.Join(dir, "model-00002-of-00002.safetensors"), map[string]string{"format": "pt"},
+		testutil.NewTensor("model.layers.0.mlp.up_proj.weight", "F16", 24, 16),
+		testutil.NewTensor("model.layers.0.mlp.down_proj.weight", "F16", 16, 24),
+		testutil.NewTensor("scalar", "I64"),
+		testutil.NewTensor("empty", "F32", 0, 4),
 	))
 	wm := map[string]string{}
 	for _, n := range []string{"model.embed_tokens.weight", "model.norm.weight", "odd"} {
@@ -98,7 +61,7 @@ func fixture(t *testing.T) (string, map[string][]byte) {
 	writeFile(t, filepath.Join(dir, "tokenizer.model"), "\x00\x01binary tokenizer")
 	writeFile(t, filepath.Join(dir, "empty.txt"), "")
 	// Not kept: an unindexed safetensors file, a directory, a big file.
-	writeShard(t, filepath.Join(dir, "consolidated.safetensors"), nil, tensor{"x", "U8", []uint64{3}})
+	testutil.WriteShard(t, filepath.Join(dir, "consolidated.safetensors"), nil, testutil.NewTensor("x", "U8", 3))
 	os.Mkdir(filepath.Join(dir, "original"), 0o755)
 	big, _ := os.Create(filepath.Join(dir, "pytorch_model.bin"))
 	big.Truncate(MaxFileSize + 1) // sparse: no disk used
@@ -228,8 +191,8 @@ func TestScanLayout(t *testing.T) {
 
 func TestScanWithoutIndexTakesEveryShard(t *testing.T) {
 	dir := t.TempDir()
-	writeShard(t, filepath.Join(dir, "b.safetensors"), nil, tensor{"b", "F32", []uint64{2}})
-	writeShard(t, filepath.Join(dir, "a.safetensors"), nil, tensor{"a", "F32", []uint64{2}})
+	testutil.WriteShard(t, filepath.Join(dir, "b.safetensors"), nil, testutil.NewTensor("b", "F32", 2))
+	testutil.WriteShard(t, filepath.Join(dir, "a.safetensors"), nil, testutil.NewTensor("a", "F32", 2))
 	p, err := Scan(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -241,7 +204,7 @@ func TestScanWithoutIndexTakesEveryShard(t *testing.T) {
 }
 
 func TestScanErrors(t *testing.T) {
-	good := tensor{"w", "F32", []uint64{4}}
+	good := testutil.NewTensor("w", "F32", 4)
 	tests := []struct {
 		name    string
 		setup   func(t *testing.T, dir string)
@@ -254,7 +217,7 @@ func TestScanErrors(t *testing.T) {
 			writeFile(t, filepath.Join(dir, "pytorch_model.bin"), "x")
 		}, "only safetensors checkpoints are read; convert pytorch_model.bin first"},
 		{"shard missing from the index", func(t *testing.T, dir string) {
-			writeShard(t, filepath.Join(dir, "model-00001-of-00002.safetensors"), nil, good)
+			testutil.WriteShard(t, filepath.Join(dir, "model-00001-of-00002.safetensors"), nil, good)
 			writeIndex(t, dir, map[string]string{"w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"})
 		}, "model.safetensors.index.json names shard model-00002-of-00002.safetensors, which is not in"},
 		{"corrupt header", func(t *testing.T, dir string) {
@@ -270,16 +233,16 @@ func TestScanErrors(t *testing.T) {
 			writeFile(t, filepath.Join(dir, "model.safetensors"), string(binary.LittleEndian.AppendUint64(nil, uint64(len(h))))+h+"xx")
 		}, "are outside the 2 data bytes"},
 		{"tensor in two shards", func(t *testing.T, dir string) {
-			writeShard(t, filepath.Join(dir, "a.safetensors"), nil, good)
-			writeShard(t, filepath.Join(dir, "b.safetensors"), nil, good)
+			testutil.WriteShard(t, filepath.Join(dir, "a.safetensors"), nil, good)
+			testutil.WriteShard(t, filepath.Join(dir, "b.safetensors"), nil, good)
 		}, `tensor "w" is in both`},
 		{"index names a tensor its shard lacks", func(t *testing.T, dir string) {
-			writeShard(t, filepath.Join(dir, "a.safetensors"), nil, good)
+			testutil.WriteShard(t, filepath.Join(dir, "a.safetensors"), nil, good)
 			writeIndex(t, dir, map[string]string{"w": "a.safetensors", "gone": "a.safetensors"})
 		}, `says tensor "gone" is in`},
 		{"index names the wrong shard", func(t *testing.T, dir string) {
-			writeShard(t, filepath.Join(dir, "a.safetensors"), nil, good)
-			writeShard(t, filepath.Join(dir, "b.safetensors"), nil, tensor{"v", "U8", []uint64{1}})
+			testutil.WriteShard(t, filepath.Join(dir, "a.safetensors"), nil, good)
+			testutil.WriteShard(t, filepath.Join(dir, "b.safetensors"), nil, testutil.NewTensor("v", "U8", 1))
 			writeIndex(t, dir, map[string]string{"w": "b.safetensors", "v": "b.safetensors"})
 		}, `b.safetensors, which has no such tensor`},
 		{"index points outside the directory", func(t *testing.T, dir string) {
@@ -299,7 +262,7 @@ func TestScanErrors(t *testing.T) {
 		}, "has 2 safetensors indexes"},
 		{"a shard that is not a file", func(t *testing.T, dir string) {
 			os.Mkdir(filepath.Join(dir, "a.safetensors"), 0o755)
-			writeShard(t, filepath.Join(dir, "b.safetensors"), nil, good)
+			testutil.WriteShard(t, filepath.Join(dir, "b.safetensors"), nil, good)
 			writeIndex(t, dir, map[string]string{"w": "a.safetensors"})
 		}, "names shard a.safetensors, which is not in"},
 	}
@@ -324,7 +287,7 @@ func TestScanErrors(t *testing.T) {
 
 func TestTooManyFilesForMeta(t *testing.T) {
 	dir := t.TempDir()
-	writeShard(t, filepath.Join(dir, "a.safetensors"), nil, tensor{"w", "U8", []uint64{1}})
+	testutil.WriteShard(t, filepath.Join(dir, "a.safetensors"), nil, testutil.NewTensor("w", "U8", 1))
 	for i := range 200 {
 		writeFile(t, filepath.Join(dir, strings.Repeat("n", 150)+string(rune('a'+i%26))+strings.Repeat("x", i/26)), "")
 	}

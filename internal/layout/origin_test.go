@@ -2,6 +2,7 @@ package layout
 
 import (
 	"encoding/json"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"os"
 	"path/filepath"
 	"strings"
@@ -31,11 +32,11 @@ func TestTableRecordsOrigin(t *testing.T) {
 	os.Mkdir(dir, 0o755)
 	blobs := filepath.Join(root, "blobs")
 	os.Mkdir(blobs, 0o755)
-	writeShard(t, filepath.Join(blobs, "3f9a"), nil, tensor{"a", "F32", []uint64{1000, 3}})
+	testutil.WriteShard(t, filepath.Join(blobs, "3f9a"), nil, testutil.NewTensor("a", "F32", 1000, 3))
 	if err := os.Symlink(filepath.Join(blobs, "3f9a"), filepath.Join(dir, "a.safetensors")); err != nil {
 		t.Fatal(err)
 	}
-	writeShard(t, filepath.Join(dir, "b.safetensors"), nil, tensor{"b", "BF16", []uint64{7}})
+	testutil.WriteShard(t, filepath.Join(dir, "b.safetensors"), nil, testutil.NewTensor("b", "BF16", 7))
 	writeFile(t, filepath.Join(dir, "config.json"), "{}")
 	link := filepath.Join(root, "current")
 	if err := os.Symlink("snapshot", link); err != nil {
@@ -90,7 +91,7 @@ func TestTableRecordsOrigin(t *testing.T) {
 func TestTableRefusesChangedShard(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "a.safetensors")
-	writeShard(t, path, nil, tensor{"a", "F32", []uint64{16}})
+	testutil.WriteShard(t, path, nil, testutil.NewTensor("a", "F32", 16))
 	for _, tc := range []struct {
 		name   string
 		change func()

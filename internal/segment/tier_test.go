@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 const page = 4096
@@ -561,14 +563,14 @@ func TestTierVictimRemovedBeforeItMoves(t *testing.T) {
 		_, _, err := f.r.Create(alice, CreateOptions{Name: "c", Size: page})
 		created <- err
 	}()
-	waitFor(t, "the eviction of a", func() bool {
+	testutil.WaitFor(t, "the eviction of a", func() bool {
 		f.r.mu.Lock()
 		defer f.r.mu.Unlock()
 		return a.moving != nil
 	})
 	unlinked := make(chan error, 1)
 	go func() { unlinked <- f.r.Unlink(alice, "a") }()
-	waitFor(t, "a's removal", func() bool {
+	testutil.WaitFor(t, "a's removal", func() bool {
 		f.r.mu.Lock()
 		defer f.r.mu.Unlock()
 		return a.gone
@@ -586,16 +588,6 @@ func TestTierVictimRemovedBeforeItMoves(t *testing.T) {
 	}
 	if n := f.spill.liveCount(); n != 0 {
 		t.Fatalf("%d host allocations left, want 0", n)
-	}
-}
-
-func waitFor(t *testing.T, what string, ok func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !ok(); {
-		if time.Now().After(deadline) {
-			t.Fatalf("no %s within 10s", what)
-		}
-		time.Sleep(time.Millisecond)
 	}
 }
 

@@ -18,6 +18,7 @@ import (
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
 	"github.com/gpushm/gpushm/internal/testdaemon"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -123,8 +124,8 @@ func TestRestoredBoundFollowsCreator(t *testing.T) {
 
 	// The creator of "back" says hello again, here: the segment is bound
 	// to this connection now, not to the process that made it.
-	r := dialRaw(t, d.Socket)
-	if rep := r.call(`{"id":1,"op":"hello","version":1,"session":"session-back"}`, -1); rep.Error != nil {
+	r := testutil.DialRaw(t, d.Socket)
+	if rep := r.Call(`{"id":1,"op":"hello","version":1,"session":"session-back"}`, -1); rep.Error != nil {
 		t.Fatalf("hello = %+v", rep.Error)
 	}
 	back.Process.Kill()
@@ -136,7 +137,7 @@ func TestRestoredBoundFollowsCreator(t *testing.T) {
 		t.Fatal("the grace period is over: it, not the creator's exit, may have ended the segment")
 	}
 	// The connection that took "back" ends it.
-	r.c.Close()
+	r.Conn.Close()
 	waitNames(t, reg, []string{"unknown"}, "after the connection that took it back closed")
 }
 
@@ -218,9 +219,9 @@ func TestIdentityAtAccept(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &raw{t, wc}
+	r := testutil.NewRaw(t, wc)
 	defer wc.Close()
-	if rep := r.call(`{"id":2,"op":"create","name":"inherited","size":4096,"lifetime":"connection"}`, -1); rep.Error != nil {
+	if rep := r.Call(`{"id":2,"op":"create","name":"inherited","size":4096,"lifetime":"connection"}`, -1); rep.Error != nil {
 		t.Fatalf("create over the inherited connection: %+v", rep.Error)
 	}
 	var got []segment.Process
@@ -244,7 +245,7 @@ func TestHelperPassConn(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	(&raw{t, c}).hello()
+	testutil.NewRaw(t, c).Hello()
 	if err := unix.Sendmsg(3, []byte{0}, unix.UnixRights(c.FD()), nil, 0); err != nil {
 		t.Fatal(err)
 	}

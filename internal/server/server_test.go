@@ -14,52 +14,9 @@ import (
 
 	"github.com/gpushm/gpushm/internal/server"
 	"github.com/gpushm/gpushm/internal/testdaemon"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/wire"
 )
-
-// raw is a client that speaks the protocol by hand.
-type raw struct {
-	t *testing.T
-	c *wire.Conn
-}
-
-func dialRaw(t *testing.T, socket string) *raw {
-	t.Helper()
-	c, err := wire.Dial(socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	return &raw{t, c}
-}
-
-// call sends a packet (and optional fd) and returns the decoded reply,
-// closing any descriptor that came with it.
-func (r *raw) call(msg string, fd int) *wire.Reply {
-	r.t.Helper()
-	if err := r.c.Send([]byte(msg), fd); err != nil {
-		r.t.Fatalf("send %.80q: %v", msg, err)
-	}
-	b, rfd, err := r.c.Recv()
-	if err != nil {
-		r.t.Fatalf("reply to %.80q: %v", msg, err)
-	}
-	if rfd >= 0 {
-		unix.Close(rfd)
-	}
-	rep, err := wire.DecodeReply(b)
-	if err != nil {
-		r.t.Fatalf("decode reply %q: %v", b, err)
-	}
-	return rep
-}
-
-func (r *raw) hello() {
-	r.t.Helper()
-	if rep := r.call(`{"id":1,"op":"hello","version":1}`, -1); rep.Error != nil || !rep.Epoch {
-		r.t.Fatalf("hello = %+v", rep)
-	}
-}
 
 func code(rep *wire.Reply) string {
 	if rep.Error == nil {
@@ -70,15 +27,15 @@ func code(rep *wire.Reply) string {
 
 func TestBadInputChangesNothing(t *testing.T) {
 	d := testdaemon.Start(t, "host")
-	r := dialRaw(t, d.Socket)
+	r := testutil.DialRaw(t, d.Socket)
 
-	if got := code(r.call(`{"id":1,"op":"list"}`, -1)); got != "EPROTO" {
+	if got := code(r.Call(`{"id":1,"op":"list"}`, -1)); got != "EPROTO" {
 		t.Fatalf("op before hello: %q, want EPROTO", got)
 	}
-	if got := code(r.call(`{"id":1,"op":"hello","version":99}`, -1)); got != "EPROTO" {
+	if got := code(r.Call(`{"id":1,"op":"hello","version":99}`, -1)); got != "EPROTO" {
 		t.Fatalf("hello version 99: %q, want EPROTO", got)
 	}
-	r.hello()
+	r.Hello()
 
 	long := strings.Repeat("x", 256)
 	tests := []struct {
@@ -106,47 +63,47 @@ func TestBadInputChangesNothing(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := code(r.call(tc.msg, -1)); got != tc.code {
+			if got := code(r.Call(tc.msg, -1)); got != tc.code {
 				t.Fatalf("%.80s: code %q, want %q", tc.msg, got, tc.code)
 			}
 		})
 	}
 
 	// An oversized packet, and a descriptor nobody asked for.
-	if got := code(r.call(`{"id":30,"op":"stat","name":"`+strings.Repeat("y", wire.MaxMessage)+`"}`, -1)); got != "EPROTO" {
+	if got := code(r.Call(`{"id":30,"op":"stat","name":"`+strings.Repeat("y", wire.MaxMessage)+`"}`, -1)); got != "EPROTO" {
 		t.Fatalf("oversized packet: %q, want EPROTO", got)
 	}
 	f, _ := os.CreateTemp(t.TempDir(), "fd")
 	defer f.Close()
-	if got := code(r.call(`{"id":31,"op":"info"}`, int(f.Fd()))); got != "EPROTO" {
+	if got := code(r.Call(`{"id":31,"op":"info"}`, int(f.Fd()))); got != "EPROTO" {
 		t.Fatalf("unsolicited fd: %q, want EPROTO", got)
 	}
 
 	// None of that changed anything, and the connection still works.
-	rep := r.call(`{"id":40,"op":"info"}`, -1)
+	rep := r.Call(`{"id":40,"op":"info"}`, -1)
 	if rep.Error != nil || rep.Usage == nil || rep.Usage.Segments != 0 {
 		t.Fatalf("info after bad input = %+v (usage %+v)", rep, rep.Usage)
 	}
-	if rep := r.call(`{"id":41,"op":"create","name":"ok","size":1}`, -1); rep.Error != nil || rep.Created == nil || !*rep.Created {
+	if rep := r.Call(`{"id":41,"op":"create","name":"ok","size":1}`, -1); rep.Error != nil || rep.Created == nil || !*rep.Created {
 		t.Fatalf("create after bad input = %+v", rep)
 	}
-	if got := code(r.call(`{"id":42,"op":"create","name":"ok","size":1}`, -1)); got != "EEXIST" {
+	if got := code(r.Call(`{"id":42,"op":"create","name":"ok","size":1}`, -1)); got != "EEXIST" {
 		t.Fatalf("duplicate create: %q, want EEXIST", got)
 	}
-	if rep := r.call(`{"id":43,"op":"list"}`, -1); len(rep.Segments) != 1 {
+	if rep := r.Call(`{"id":43,"op":"list"}`, -1); len(rep.Segments) != 1 {
 		t.Fatalf("list = %+v, want only 'ok'", rep.Segments)
 	}
 }
 
 func TestOpenSendsUsableDescriptor(t *testing.T) {
 	d := testdaemon.Start(t, "host")
-	r := dialRaw(t, d.Socket)
-	r.hello()
-	r.call(`{"id":2,"op":"create","name":"s","size":100,"meta":{"dtype":"uint8","shape":[100]}}`, -1)
-	if err := r.c.Send([]byte(`{"id":3,"op":"open","name":"s"}`), -1); err != nil {
+	r := testutil.DialRaw(t, d.Socket)
+	r.Hello()
+	r.Call(`{"id":2,"op":"create","name":"s","size":100,"meta":{"dtype":"uint8","shape":[100]}}`, -1)
+	if err := r.Conn.Send([]byte(`{"id":3,"op":"open","name":"s"}`), -1); err != nil {
 		t.Fatal(err)
 	}
-	b, fd, err := r.c.Recv()
+	b, fd, err := r.Conn.Recv()
 	if err != nil || fd < 0 {
 		t.Fatalf("open reply %q fd %d: %v", b, fd, err)
 	}

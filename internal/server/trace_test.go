@@ -8,6 +8,7 @@ import (
 	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/server"
 	"github.com/gpushm/gpushm/internal/testdaemon"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -41,17 +42,17 @@ func steps(t *testing.T, rep *wire.Reply) []string {
 // request that does not ask gets none.
 func TestTrace(t *testing.T) {
 	d := testdaemon.StartWith(t, "host", func(_ *server.Server, b backend.Backend) { b.Pool(64 << 20) })
-	r := dialRaw(t, d.Socket)
-	r.hello()
-	if rep := r.call(`{"id":2,"op":"create","name":"a","size":8192}`, -1); rep.Error != nil || rep.Trace != nil {
+	r := testutil.DialRaw(t, d.Socket)
+	r.Hello()
+	if rep := r.Call(`{"id":2,"op":"create","name":"a","size":8192}`, -1); rep.Error != nil || rep.Trace != nil {
 		t.Fatalf("create without trace = %+v, trace %+v", rep.Error, rep.Trace)
 	}
-	if rep := r.call(`{"id":2,"op":"create","name":"a2","size":8192}`, -1); rep.Error != nil {
+	if rep := r.Call(`{"id":2,"op":"create","name":"a2","size":8192}`, -1); rep.Error != nil {
 		t.Fatal(rep.Error)
 	}
 	// The first creates of the size allocated; the pool makes the next.
 	for deadline := time.Now().Add(30 * time.Second); ; {
-		inf := r.call(`{"id":3,"op":"info"}`, -1)
+		inf := r.Call(`{"id":3,"op":"info"}`, -1)
 		if inf.Pool != nil && inf.Pool.Ready > 0 && inf.Pool.Filling == 0 {
 			break
 		}
@@ -60,24 +61,24 @@ func TestTrace(t *testing.T) {
 		}
 		time.Sleep(time.Millisecond)
 	}
-	got := steps(t, r.call(`{"id":4,"op":"create","name":"b","size":8192,"open":true,"trace":true}`, -1))
+	got := steps(t, r.Call(`{"id":4,"op":"create","name":"b","size":8192,"open":true,"trace":true}`, -1))
 	if want := []string{"decode", "options", "check", "alloc-pool", "export", "journal", "handout"}; !slices.Equal(got, want) {
 		t.Errorf("create steps %v, want %v", got, want)
 	}
-	got = steps(t, r.call(`{"id":5,"op":"create","name":"c","size":12288,"trace":true}`, -1))
+	got = steps(t, r.Call(`{"id":5,"op":"create","name":"c","size":12288,"trace":true}`, -1))
 	if want := []string{"decode", "options", "check", "alloc", "export", "journal"}; !slices.Equal(got, want) {
 		t.Errorf("create steps of a size not pooled yet %v, want %v", got, want)
 	}
-	got = steps(t, r.call(`{"id":6,"op":"open","name":"a","trace":true}`, -1))
+	got = steps(t, r.Call(`{"id":6,"op":"open","name":"a","trace":true}`, -1))
 	if want := []string{"decode", "lookup", "handout"}; !slices.Equal(got, want) {
 		t.Errorf("open steps %v, want %v", got, want)
 	}
 	// A failed request is traced as far as it went.
-	rep := r.call(`{"id":7,"op":"open","name":"nope","trace":true}`, -1)
+	rep := r.Call(`{"id":7,"op":"open","name":"nope","trace":true}`, -1)
 	if code(rep) != "ENOENT" || rep.Trace == nil || len(rep.Trace.Steps) == 0 || rep.Trace.Steps[0].Step != "decode" {
 		t.Errorf("failed open = %+v, trace %+v", rep.Error, rep.Trace)
 	}
-	if rep := r.call(`{"id":8,"op":"open","name":"a","trace":1}`, -1); code(rep) != "EPROTO" {
+	if rep := r.Call(`{"id":8,"op":"open","name":"a","trace":1}`, -1); code(rep) != "EPROTO" {
 		t.Errorf("trace of 1 = %+v, want EPROTO", rep.Error)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/testdaemon"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -58,7 +59,7 @@ func TestClientsThatDoNotReadHoldNoWorker(t *testing.T) {
 	sent := make([]int, stuck)
 	within(t, 60*time.Second, "clients that stop reading", func() error {
 		for k := range stuck {
-			c := dialRaw(t, d.Socket).c
+			c := testutil.DialRaw(t, d.Socket).Conn
 			if _, err := ask(c, `{"id":1,"op":"hello","version":1}`); err != nil {
 				return fmt.Errorf("client %d: hello: %w", k, err)
 			}
@@ -79,7 +80,7 @@ func TestClientsThatDoNotReadHoldNoWorker(t *testing.T) {
 		}
 		return nil
 	})
-	other := dialRaw(t, d.Socket).c
+	other := testutil.DialRaw(t, d.Socket).Conn
 	within(t, 30*time.Second, "another client's hello and stat", func() error {
 		if _, err := ask(other, `{"id":1,"op":"hello","version":1}`); err != nil {
 			return err
@@ -122,7 +123,7 @@ func TestBusyClientsTakeTurns(t *testing.T) {
 	counts := make([]atomic.Int64, busy)
 	var conns []*wire.Conn
 	for k := range busy {
-		c := dialRaw(t, d.Socket).c
+		c := testutil.DialRaw(t, d.Socket).Conn
 		conns = append(conns, c)
 		go func() {
 			if _, err := ask(c, `{"id":1,"op":"hello","version":1}`); err != nil {
@@ -165,7 +166,7 @@ func TestBusyClientsTakeTurns(t *testing.T) {
 			}
 		}
 	}()
-	other := dialRaw(t, d.Socket).c
+	other := testutil.DialRaw(t, d.Socket).Conn
 	within(t, 60*time.Second, "another client among busy ones", func() error {
 		if _, err := ask(other, `{"id":1,"op":"hello","version":1}`); err != nil {
 			return err
@@ -202,7 +203,7 @@ func TestWaitingOpensHoldNoWorker(t *testing.T) {
 	var waiters []*wire.Conn
 	within(t, 60*time.Second, "opens that wait", func() error {
 		for k := range waiting {
-			c := dialRaw(t, d.Socket).c
+			c := testutil.DialRaw(t, d.Socket).Conn
 			if _, err := ask(c, `{"id":1,"op":"hello","version":1}`); err != nil {
 				return fmt.Errorf("waiter %d: hello: %w", k, err)
 			}
@@ -213,7 +214,7 @@ func TestWaitingOpensHoldNoWorker(t *testing.T) {
 		}
 		return nil
 	})
-	writer := dialRaw(t, d.Socket).c
+	writer := testutil.DialRaw(t, d.Socket).Conn
 	var id uint64
 	within(t, 30*time.Second, "another client, while they wait", func() error {
 		if _, err := ask(writer, `{"id":1,"op":"hello","version":1}`); err != nil {
