@@ -5,6 +5,7 @@ package testdaemon
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -84,18 +85,67 @@ func StartAt(t testing.TB, backendName, path string) *Daemon {
 func start(t testing.TB, backendName, path string, setup func(*server.Server, backend.Backend)) *Daemon {
 	t.Helper()
 	RequireBackend(t, backendName)
+	d, wait, err := launch(backendName, path, setup)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	d.stop = func() {
+		once.Do(func() {
+			if err := wait(); err != nil {
+				t.Errorf("Serve: %v", err)
+			}
+		})
+	}
+	t.Cleanup(d.stop)
+	return d
+}
+
+// Run starts a daemon of backend on a socket in a directory of its own,
+// for a TestMain: runnable examples have no test to start one for them.
+// stop ends it, removes the directory and returns what Serve returned.
+func Run(backendName string) (d *Daemon, stop func() error, err error) {
+	dir, err := os.MkdirTemp("", "gpushm-test-")
+	if err != nil {
+		return nil, nil, err
+	}
+	d, wait, err := launch(backendName, filepath.Join(dir, "s.sock"), nil)
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, nil, err
+	}
+	var once sync.Once
+	var serveErr error
+	d.stop = func() {
+		once.Do(func() {
+			serveErr = wait()
+			os.RemoveAll(dir)
+		})
+	}
+	return d, func() error { d.stop(); return serveErr }, nil
+}
+
+// launch serves backend on a socket at path, as the daemon does on the
+// host backend with a host budget (segments move when asked to); wait
+// stops it and says what Serve returned.
+func launch(backendName, path string, setup func(*server.Server, backend.Backend)) (d *Daemon, wait func() error, err error) {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	b, err := backend.Open(backendName, "all", log)
 	if err != nil {
-		t.Fatalf("backend %s: %v", backendName, err)
+		return nil, nil, fmt.Errorf("backend %s: %w", backendName, err)
 	}
+	defer func() {
+		if err != nil {
+			b.Close()
+		}
+	}()
 	srv, err := server.New(b, log, "test")
 	if err != nil {
-		t.Fatal(err)
+		return nil, nil, err
 	}
 	host, err := backend.NewHost()
 	if err != nil {
-		t.Fatal(err)
+		return nil, nil, err
 	}
 	srv.Registry().SetControlAllocator(host)
 	// No budget (as the daemon on the host backend), and a host budget:
@@ -106,21 +156,16 @@ func start(t testing.TB, backendName, path string, setup func(*server.Server, ba
 	}
 	ln, err := server.Listen(path, "")
 	if err != nil {
-		t.Fatal(err)
+		return nil, nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ctx, ln, false) }()
-	var once sync.Once
-	stop := func() {
-		once.Do(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("Serve: %v", err)
-			}
-			b.Close()
-		})
+	wait = func() error {
+		cancel()
+		err := <-done
+		b.Close()
+		return err
 	}
-	t.Cleanup(stop)
-	return &Daemon{Socket: path, Server: srv, Backend: b, stop: stop}
+	return &Daemon{Socket: path, Server: srv, Backend: b}, wait, nil
 }

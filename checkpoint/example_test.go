@@ -1,0 +1,99 @@
+package checkpoint_test
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"log"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/checkpoint"
+	"github.com/gpushm/gpushm/internal/testdaemon"
+)
+
+// A checkpoint directory, as Hugging Face lays one out, goes into one
+// bundle segment with Put, and comes back out, byte for byte, with Get.
+// (The tests run the examples against a daemon on the host backend, at
+// $GPUSHM_SOCKET.)
+func Example() {
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, "") // $GPUSHM_SOCKET, else gpushm.SocketCandidates
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
+
+	// Safetensors shards, an index maybe, config.json and the tokenizer's
+	// files: here a tiny stand-in for a model.
+	dir := tinyModel()
+	defer os.RemoveAll(dir)
+
+	// Open checks every shard's header before anything is allocated.
+	ck, err := checkpoint.Open(filepath.Join(dir, "model"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer ck.Close()
+	fmt.Println("shards:", ck.Shards(), "tensors:", ck.Tensors(), "files:", ck.Files())
+
+	// Put copies it into the segment "tiny-model", committed once full.
+	if _, err := checkpoint.Put(ctx, c, "tiny-model", ck, nil); err != nil {
+		log.Fatal(err)
+	}
+	defer c.Unlink(ctx, "tiny-model")
+
+	// Get writes the directory back.
+	if _, err := checkpoint.Get(ctx, c, "tiny-model", filepath.Join(dir, "copy"), nil); err != nil {
+		log.Fatal(err)
+	}
+	got, _ := os.ReadDir(filepath.Join(dir, "copy"))
+	for _, e := range got {
+		fmt.Println("got back:", e.Name())
+	}
+	// Output:
+	// shards: [model.safetensors] tensors: 1 files: [config.json]
+	// got back: config.json
+	// got back: model.safetensors
+}
+
+// tinyModel writes DIR/model: one safetensors shard of one tensor, and a
+// config.json. It returns DIR.
+func tinyModel() string {
+	dir, err := os.MkdirTemp("", "gpushm-example-")
+	if err != nil {
+		log.Fatal(err)
+	}
+	model := filepath.Join(dir, "model")
+	if err := os.Mkdir(model, 0o755); err != nil {
+		log.Fatal(err)
+	}
+	header := `{"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}  ` // padded to 8 bytes
+	shard := binary.LittleEndian.AppendUint64(nil, uint64(len(header)))
+	shard = append(append(shard, header...), make([]byte, 16)...)
+	for name, b := range map[string][]byte{"model.safetensors": shard, "config.json": []byte(`{"model_type":"tiny"}`)} {
+		if err := os.WriteFile(filepath.Join(model, name), b, 0o644); err != nil {
+			log.Fatal(err)
+		}
+	}
+	return dir
+}
+
+// TestMain starts the daemon the examples find at $GPUSHM_SOCKET, one on
+// the host backend in this process; the tests start their own.
+func TestMain(m *testing.M) {
+	d, stop, err := testdaemon.Run("host")
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "the examples' daemon: %v\n", err)
+		os.Exit(1)
+	}
+	os.Setenv("GPUSHM_SOCKET", d.Socket)
+	code := m.Run()
+	if err := stop(); err != nil {
+		fmt.Fprintf(os.Stderr, "the examples' daemon: %v\n", err)
+		code = 1
+	}
+	os.Exit(code)
+}
