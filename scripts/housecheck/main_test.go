@@ -1,0 +1,30 @@
+package main
+
+import "testing"
+
+func TestForbidden(t *testing.T) {
+	for _, tc := range []struct {
+		from, to string
+		test     bool
+		bad      bool
+	}{
+		{"cmd/gpushm", "internal/server", false, false},
+		{"internal/daemon", "internal/supervisor", false, false},
+		{"internal/testdaemon", "internal/backend", false, false},
+		{"internal/fusefs", "internal/backend", false, true},
+		{"internal/bench", "internal/server", false, true},
+		{"internal/server", "internal/backend", false, false}, // importExempt, for now
+		{".", "internal/segment", false, true},
+		{".", "internal/server", false, true},
+		{".", "internal/wire", false, false},
+		{".", "internal/testdaemon", true, false},
+		{".", "internal/testdaemon", false, true},
+		{"internal/bench", "cmd/gpushm", false, true},
+		{"internal/bench", "cmd/gpushm", true, true},
+		{"checkpoint", ".", false, false},
+	} {
+		if got := forbidden(tc.from, tc.to, tc.test) != ""; got != tc.bad {
+			t.Errorf("forbidden(%q, %q, test %v) = %q, want forbidden %v", tc.from, tc.to, tc.test, forbidden(tc.from, tc.to, tc.test), tc.bad)
+		}
+	}
+}
