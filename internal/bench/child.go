@@ -24,7 +24,7 @@ func ChildCommand() *cobra.Command {
 		Hidden: true,
 		Args:   cobra.NoArgs,
 	}
-	cmd.AddCommand(verifyChildCmd(), openChildCmd(), idleChildCmd(), echoChildCmd())
+	cmd.AddCommand(verifyChildCmd(), openChildCmd(), idleChildCmd(), echoChildCmd(), channelChildCmd())
 	return cmd
 }
 

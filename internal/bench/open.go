@@ -23,7 +23,7 @@ func Command() *cobra.Command {
 		Use:   "bench",
 		Short: "Benchmarks that print tables",
 	}
-	cmd.AddCommand(benchOpenCmd(), benchPeerCmd(), benchIdleCmd(), benchFilesCmd())
+	cmd.AddCommand(benchOpenCmd(), benchPeerCmd(), benchIdleCmd(), benchFilesCmd(), benchChannelCmd())
 	return cmd
 }
 
@@ -374,19 +374,30 @@ func echoTable(_ string, rows []openRow) error {
 
 // runChild runs '__child ARGS' in a fresh process and collects its samples.
 func runChild(ctx context.Context, extra []*os.File, args ...string) (samples, error) {
+	var s samples
+	err := runChildFiles(ctx, &s, extra, args...)
+	return s, err
+}
+
+// runChildJSON runs '__child ARGS' in a fresh process and decodes what it
+// printed into out.
+func runChildJSON(ctx context.Context, out any, args ...string) error {
+	return runChildFiles(ctx, out, nil, args...)
+}
+
+func runChildFiles(ctx context.Context, v any, extra []*os.File, args ...string) error {
 	self, err := os.Executable()
 	if err != nil {
-		return samples{}, err
+		return err
 	}
 	cmd := exec.CommandContext(ctx, self, append([]string{"__child"}, args...)...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr, cmd.ExtraFiles = &out, os.Stderr, extra
-	var s samples
 	if err := cmd.Run(); err != nil {
-		return s, fmt.Errorf("second process %v: %w", args, err)
+		return fmt.Errorf("second process %v: %w", args, err)
 	}
-	if err := json.Unmarshal(out.Bytes(), &s); err != nil {
-		return s, fmt.Errorf("second process said %q: %w", out.String(), err)
+	if err := json.Unmarshal(out.Bytes(), v); err != nil {
+		return fmt.Errorf("second process said %q: %w", out.String(), err)
 	}
-	return s, nil
+	return nil
 }
