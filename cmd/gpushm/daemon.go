@@ -143,6 +143,7 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&o.createPool, "create-pool", "auto", "make allocations ahead of creates of sizes asked for before, so a create need not wait for the driver (docs/architecture.md): bytes a device (256M), 0 (none), or auto: 2% of each GPU, 1% of host memory")
 	f.StringVar(&o.gpuBudget, "gpu-budget", "auto", "bound the bytes of segments on each GPU; past it, creates and restores first evict the least recently opened segments nobody holds to host memory (docs/architecture.md, \"Tiers\"): a size (24GiB), a share of each GPU (80%), 0 (no budget), or auto: each GPU's memory less a sixteenth, at least 2 GiB, for the CUDA contexts and own memory of the processes using it (no budget on the host backend)")
 	f.StringVar(&o.hostBudget, "host-budget", "auto", "bound the bytes evicted to host memory; past it, eviction stops and creates that need room fail with ENOSPC: a size (64GiB), a share of host memory (50%), 0 (never evict), or auto: half of host memory")
+	f.StringVar(&o.hostReserve, "host-reserve", "auto", "keep this much host memory made ahead of evictions, so that a first eviction copies at the copy engine's speed instead of waiting for the kernel to make its pages; made in the background at the lowest priority once the daemon serves, in pieces of halving sizes (an eviction of up to half of it takes one), on huge pages where the machine has them free, and given back while available memory is below a sixteenth of host memory (docs/architecture.md, \"Tiers\"): a size (32GiB), a share of host memory (10%), 0 (none), or auto: the largest GPU budget, at most an eighth of host memory and the host budget (none on the host backend)")
 	f.StringVar(&o.metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
 	f.StringVar(&o.mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
 	f.StringVar(&o.rdma, "rdma", "auto", "make GPU memory that RDMA engines (NIXL, UCX, Mooncake) can register: auto (on devices that allow it with VMM allocations) or off")
@@ -170,6 +171,7 @@ type daemonOptions struct {
 	createPool  string
 	gpuBudget   string
 	hostBudget  string
+	hostReserve string
 	// Count limits: a number, "auto" or "0" (limits.go).
 	userSegments, userConnections string
 	maxSegments, maxConnections   string
@@ -313,12 +315,20 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 		return err
 	}
 	srv.Registry().SetControlAllocator(host)
-	tiers, err := o.tiers(b, host)
+	spill, err := newSpill(host)
+	if err != nil {
+		return err
+	}
+	tiers, err := o.tiers(b, host, spill)
 	if err != nil {
 		return err
 	}
 	tiers.Observe = srv.ObserveMove
 	srv.Registry().SetTiers(tiers)
+	reserve, err := o.reserveBytes(b, host, tiers)
+	if err != nil {
+		return err
+	}
 	spin := o.spin
 	if spin > 0 && runtime.NumCPU() < 4 {
 		// Polling would take the core the client needs.
@@ -438,6 +448,16 @@ func runServing(ctx context.Context, log *slog.Logger, o daemonOptions, supervis
 			return err
 		}
 		go follow(link, srv, ln, ex, cancel, log)
+	}
+	// The reserve is made in the background once clients can be served,
+	// and freed when serving ends.
+	var reserving sync.WaitGroup
+	defer func() {
+		cancel()
+		reserving.Wait()
+	}()
+	if reserve > 0 {
+		reserving.Go(func() { spill.Reserve(serveCtx, reserve, log) })
 	}
 	if err := srv.Serve(serveCtx, ln, supervised); err != nil {
 		return err

@@ -82,6 +82,10 @@ func info(cmd *cobra.Command) error {
 		fmt.Printf("tier %s: %s evicted, %s in copies of segments %s, %s; %d evictions (%s), %d restores (%s)\n",
 			evicted, bytesize.Format(t.HostBytes), bytesize.Format(t.CleanBytes), back, hostBudget, t.Evictions,
 			bytesize.Format(t.EvictedBytes), t.Restores, bytesize.Format(t.RestoredBytes))
+		if t.ReserveTarget > 0 {
+			fmt.Printf("reserve:  %s of %s of host memory made ahead of evictions (--host-reserve); evictions served from it: %d\n",
+				bytesize.Format(t.ReserveBytes), bytesize.Format(t.ReserveTarget), t.ReserveTakes)
+		}
 	}
 	fmt.Println()
 	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)

@@ -205,16 +205,25 @@ func sizeOrShare(s string, total int64) (int64, error) {
 // allocations of the processes that use the segments, and the create pool.
 func gpuReserve(total int64) int64 { return max(total/16, 2<<30) }
 
-// tiers resolves --gpu-budget and --host-budget (segment/tier.go).
-func (o daemonOptions) tiers(b backend.Backend, host *backend.Host) (segment.Tiers, error) {
+// newSpill is the spill allocator over host: spill memory let go of is
+// kept up to 30 s for the next eviction of its size, up to a quarter of
+// host memory (backend.Spill), a 16 GiB segment's on a machine of 128 GiB.
+func newSpill(host *backend.Host) (*backend.Spill, error) {
+	hostTotal, err := host.Capacity(0)
+	if err != nil {
+		return nil, err
+	}
+	return backend.NewSpill(host, hostTotal/4), nil
+}
+
+// tiers resolves --gpu-budget and --host-budget (segment/tier.go), evicting
+// into spill.
+func (o daemonOptions) tiers(b backend.Backend, host *backend.Host, spill *backend.Spill) (segment.Tiers, error) {
 	hostTotal, err := host.Capacity(0)
 	if err != nil {
 		return segment.Tiers{}, err
 	}
-	// Spill memory let go of is kept up to 30 s for the next eviction of
-	// its size, up to a quarter of host memory (backend.Spill): a 16 GiB
-	// segment's, on a machine of 128 GiB.
-	t := segment.Tiers{Budgets: map[int]int64{}, Spill: backend.NewSpill(host, hostTotal/4)}
+	t := segment.Tiers{Budgets: map[int]int64{}, Spill: spill}
 	mover, ok := b.(segment.Mover)
 	if !ok {
 		return t, fmt.Errorf("the %s backend cannot move segments to host memory", b.Name())
@@ -249,6 +258,44 @@ func (o daemonOptions) tiers(b backend.Backend, host *backend.Host) (segment.Tie
 		}
 	}
 	return t, nil
+}
+
+// reserveBytes resolves --host-reserve for the tiers t: the host memory
+// to keep made ahead of evictions (backend.Spill.Reserve). Auto is the
+// largest GPU budget (its memory, where it has none), at most an eighth of
+// host memory and the host budget; none on the host backend, whose
+// segments are evicted only when asked (gpushm evict) or under a budget
+// set by hand, or with eviction off.
+func (o daemonOptions) reserveBytes(b backend.Backend, host *backend.Host, t segment.Tiers) (int64, error) {
+	hostTotal, err := host.Capacity(0)
+	if err != nil {
+		return 0, err
+	}
+	switch r := strings.TrimSpace(o.hostReserve); r {
+	case "", "auto":
+		if b.Name() == "host" || t.HostBudget <= 0 {
+			return 0, nil
+		}
+		devs, err := b.Devices()
+		if err != nil {
+			return 0, err
+		}
+		var largest int64
+		for _, d := range devs {
+			n := t.Budgets[d.Index]
+			if n <= 0 {
+				n = int64(d.TotalBytes)
+			}
+			largest = max(largest, n)
+		}
+		return min(largest, hostTotal/8, t.HostBudget), nil
+	default:
+		n, err := sizeOrShare(r, hostTotal)
+		if err != nil || n < 0 {
+			return 0, fmt.Errorf("--host-reserve %q: want a size (16GiB), a share of host memory (10%%), 0 or auto", o.hostReserve)
+		}
+		return n, nil
+	}
 }
 
 // poolBytes reads --create-pool: the bytes each device may hold made

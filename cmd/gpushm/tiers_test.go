@@ -21,6 +21,9 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/wire"
 )
 
 var tierPatterns sync.Map // [2]int64{seed, n} -> []byte
@@ -555,4 +558,138 @@ func settledMemfds(t *testing.T, pid, want int) int {
 		}
 	}
 	return n
+}
+
+// TestHostReserve: a daemon with --host-reserve makes host memory ahead,
+// once it serves, and an eviction takes its memory from it; info and the
+// metrics say so.
+func TestHostReserve(t *testing.T) {
+	// The reserve is made only while available memory stays above twice
+	// a sixteenth of host memory (at least 2 GiB) after each piece.
+	var si syscall.Sysinfo_t
+	syscall.Sysinfo(&si)
+	need := 2*max(int64(si.Totalram)*int64(si.Unit)/16, 1<<30) + 64<<20
+	if avail := memAvailable(t); avail < need {
+		t.Skipf("needs %d bytes of memory available to make a reserve, has %d", need, avail)
+	}
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	addr := freePort(t)
+	startDaemonProc(t, sock, "--host-reserve", "64M", "--create-pool", "0", "--metrics-listen", addr)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	tiers := func() gpushm.Tiers {
+		var inf gpushm.Info
+		decode(t, mustRun(t, nil, "info", "-o", "json"), &inf)
+		if inf.Tiers == nil {
+			t.Fatal("info has no tiers")
+		}
+		return *inf.Tiers
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		tr := tiers()
+		if tr.ReserveTarget != 64<<20 {
+			t.Fatalf("info: reserve_target_bytes %d, want 64 MiB", tr.ReserveTarget)
+		}
+		if tr.ReserveBytes == tr.ReserveTarget {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the reserve is not full: %+v", tr)
+		}
+	}
+	src := filepath.Join(dir, "src")
+	want := tierPattern(7, 4<<20)
+	os.WriteFile(src, want, 0o644)
+	mustRun(t, nil, "put", "a", src)
+	mustRun(t, nil, "evict", "a")
+	if tr := tiers(); tr.ReserveTakes != 1 || tr.Evictions != 1 {
+		t.Fatalf("after an eviction of 4 MiB: %+v, want one eviction, which took from the reserve", tr)
+	}
+	if got := tiersOf(t, sock)["a"]; got != "host" {
+		t.Fatalf("a is on tier %q, want host", got)
+	}
+	if out := mustRun(t, nil, "info"); !strings.Contains(out, "\nreserve:  ") || !strings.Contains(out, "of 64 MiB of host memory made ahead of evictions (--host-reserve); evictions served from it: 1") {
+		t.Errorf("info does not say what the reserve did:\n%s", out)
+	}
+	m := scrape(t, addr)
+	for _, w := range []string{"gpushm_host_reserve_target_bytes 6.7108864e+07", "gpushm_host_reserve_takes_total 1"} {
+		if !strings.Contains(m, w) {
+			t.Errorf("metrics lack %q", w)
+		}
+	}
+	if got := mustRun(t, nil, "cat", "a"); got != string(want) {
+		t.Fatal("a's bytes came back other than they were put")
+	}
+}
+
+// gpuBackend is a backend that says it is cuda with devs, for flags
+// resolved from the devices.
+type gpuBackend struct {
+	*backend.Host
+	devs []wire.Device
+}
+
+func (g gpuBackend) Name() string                    { return "cuda" }
+func (g gpuBackend) Devices() ([]wire.Device, error) { return g.devs, nil }
+
+// TestHostReserveFlag: --host-reserve auto is the largest GPU budget, at
+// most an eighth of host memory and the host budget, and none on the host
+// backend; a size, a share or 0 as given.
+func TestHostReserveFlag(t *testing.T) {
+	host, err := backend.NewHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	total, _ := host.Capacity(0)
+	gpus := gpuBackend{host, []wire.Device{{Index: 0, TotalBytes: 80 << 30}, {Index: 1, TotalBytes: 141 << 30}}}
+	budgets := map[int]int64{0: 75 << 30, 1: 1 << 40}
+	for _, tc := range []struct {
+		name    string
+		flag    string
+		b       backend.Backend
+		budgets map[int]int64
+		host    int64 // --host-budget
+		want    int64
+	}{
+		{"host backend", "auto", host, nil, total / 2, 0},
+		{"gpus", "auto", gpus, budgets, 1 << 50, min(1<<40, total/8)},
+		{"gpus, small host budget", "", gpus, map[int]int64{0: 1 << 30, 1: 2 << 30}, 1 << 30, min(1<<30, total/8)},
+		{"gpus without budgets", "auto", gpus, nil, 1 << 50, min(141<<30, total/8)},
+		{"eviction off", "auto", gpus, budgets, 0, 0},
+		{"size", "16GiB", host, nil, 1 << 30, 16 << 30},
+		{"share", "10%", gpus, budgets, 1 << 30, int64(10.0 / 100 * float64(total))},
+		{"none", "0", gpus, budgets, 1 << 50, 0},
+		{"nonsense", "lots", gpus, budgets, 1 << 50, -1},
+		{"too large a share", "120%", gpus, budgets, 1 << 50, -1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := daemonOptions{hostReserve: tc.flag}.reserveBytes(tc.b, host, segment.Tiers{Budgets: tc.budgets, HostBudget: tc.host})
+			if tc.want < 0 {
+				if err == nil || !strings.Contains(err.Error(), "--host-reserve") {
+					t.Fatalf("--host-reserve %q: %d, %v; want an error that names the flag", tc.flag, got, err)
+				}
+				return
+			}
+			if err != nil || got != tc.want {
+				t.Fatalf("--host-reserve %q = %d, %v; want %d", tc.flag, got, err, tc.want)
+			}
+		})
+	}
+}
+
+// memAvailable is /proc/meminfo's MemAvailable, in bytes.
+func memAvailable(t *testing.T) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for l := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(l, "MemAvailable:"); ok {
+			kb, _ := strconv.ParseInt(strings.Fields(v)[0], 10, 64)
+			return kb << 10
+		}
+	}
+	t.Fatal("/proc/meminfo has no MemAvailable")
+	return 0
 }

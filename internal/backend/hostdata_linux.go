@@ -22,10 +22,13 @@ func (h *Host) RoundSize(_ int, size int64) int64 {
 }
 
 // hostView is the daemon's own mapping of a memfd, made on the first copy
-// and kept until the memory is freed.
+// and kept until the memory is freed. It may be longer than the memory's
+// size: a memfd of hugetlbfs is mapped in whole huge pages (munmap refuses
+// a length that is not one), and a piece of the spill reserve keeps the
+// mapping it was populated through, tail and all (reserve_linux.go).
 type hostView struct {
 	mu sync.Mutex
-	b  []byte
+	b  []byte // the whole mapping
 }
 
 func (v *hostView) unmap() error {
@@ -46,13 +49,24 @@ func (m *hostMemory) bytes() ([]byte, error) {
 	m.view.mu.Lock()
 	defer m.view.mu.Unlock()
 	if m.view.b == nil {
-		b, err := unix.Mmap(m.fd, 0, int(m.size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+		b, err := unix.Mmap(m.fd, 0, int(mapLength(m.fd, m.size)), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 		if err != nil {
 			return nil, fmt.Errorf("mmap: %w", err)
 		}
 		m.view.b = b
 	}
-	return m.view.b, nil
+	return m.view.b[:m.size], nil
+}
+
+// mapLength is how much of the memfd fd to map for size bytes: size, or
+// size in whole huge pages on hugetlbfs (spill memory of the reserve, or
+// such memory restored after a restart).
+func mapLength(fd int, size int64) int64 {
+	var fs unix.Statfs_t
+	if unix.Fstatfs(fd, &fs) != nil || fs.Type != unix.HUGETLBFS_MAGIC || fs.Bsize <= 0 {
+		return size
+	}
+	return (size + fs.Bsize - 1) / fs.Bsize * fs.Bsize
 }
 
 func (m *hostMemory) span(off, n int64) ([]byte, error) {

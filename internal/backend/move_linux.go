@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -26,9 +27,15 @@ var (
 // populating took 0.95 s and the copy into it 0.26 s; a fallocate took
 // 0.81 s, but the copy then faulted every page into the daemon's mapping,
 // 1.80 s. Making 4 KiB pages is most of a first eviction's time either way
-// (without transparent huge pages for shmem, which that machine has off).
+// (without transparent huge pages for shmem, which that machine has off):
+// the reserve (Reserve, reserve_linux.go) makes them ahead.
 type Spill struct {
 	host *Host
+	// res is the reserve while Reserve runs; meminfo and every are how
+	// it reads the kernel's memory figures and how often (tests set them).
+	res     atomic.Pointer[reserve]
+	meminfo func() (meminfo, error)
+	every   time.Duration
 	// recycled holds spill memory let go of, by size, for the next
 	// eviction of that size: a restore that was written to after leaves
 	// its host memory, and an eviction that reuses it copies at the copy
@@ -57,7 +64,8 @@ const recycleIdle = 30 * time.Second
 // NewSpill returns the spill allocator over host, keeping up to limit
 // bytes of freed spill memory for reuse (0: none).
 func NewSpill(host *Host, limit int64) *Spill {
-	return &Spill{host: host, recycled: map[int64][]*recycledMem{}, limit: limit}
+	return &Spill{host: host, recycled: map[int64][]*recycledMem{}, limit: limit,
+		meminfo: readMeminfo, every: time.Second}
 }
 
 // HandleType implements segment.Allocator.
@@ -66,14 +74,26 @@ func (s *Spill) HandleType() string { return s.host.HandleType() }
 // Capacity implements segment.Allocator.
 func (s *Spill) Capacity(device int) (int64, error) { return s.host.Capacity(device) }
 
-// Allocate implements segment.Allocator: new memory, zeroed.
+// Allocate implements segment.Allocator: new memory, zeroed (the
+// reserve's, never written, or made now).
 func (s *Spill) Allocate(device int, size int64) (segment.Memory, error) {
 	g := s.host.Granularity()
 	size = (size + g - 1) / g * g
+	if m := s.fromReserve(size); m != nil {
+		return m, nil
+	}
+	return s.allocate(size)
+}
+
+// allocate makes new memory of size bytes, a multiple of the page size.
+func (s *Spill) allocate(size int64) (segment.Memory, error) {
 	m, err := newMemfd("gpushm-spill", size, func(m *hostMemory) error {
 		b, err := m.bytes()
 		if err != nil {
 			return err
+		}
+		if shmemTHP() {
+			unix.Madvise(b, unix.MADV_HUGEPAGE) // a hint: none is no error
 		}
 		if err := populate(b); !errors.Is(err, unix.EINVAL) {
 			return err
@@ -107,7 +127,10 @@ func (s *Spill) AllocateScratch(device int, size int64) (segment.Memory, error) 
 		return r.m, nil
 	}
 	s.mu.Unlock()
-	return s.Allocate(device, size)
+	if m := s.fromReserve(size); m != nil {
+		return m, nil
+	}
+	return s.allocate(size)
 }
 
 // Kept reports the spill memory kept for reuse: how many memfds, how many
@@ -171,8 +194,18 @@ const populateChunk = 64 << 20
 // populate makes every page of b, a shared mapping of a memfd, on up to
 // 16 threads.
 func populate(b []byte) error {
-	n := (len(b) + populateChunk - 1) / populateChunk
-	workers := min(n, 16, runtime.NumCPU())
+	return populateIn(b, populateChunk, 16, nil, nil)
+}
+
+// errStopped: a populate was told to stop.
+var errStopped = errors.New("stopped")
+
+// populateIn makes every page of b chunk bytes at a time on up to workers
+// threads; each calls start (if set) first, and asks more (if set) before
+// each chunk, stopping all with errStopped at its first no.
+func populateIn(b []byte, chunk, workers int, start func(), more func() bool) error {
+	n := (len(b) + chunk - 1) / chunk
+	workers = min(n, workers, runtime.NumCPU())
 	var (
 		mu   sync.Mutex
 		next int
@@ -181,6 +214,9 @@ func populate(b []byte) error {
 	)
 	for range workers {
 		wg.Go(func() {
+			if start != nil {
+				start()
+			}
 			for {
 				mu.Lock()
 				i := next
@@ -190,7 +226,13 @@ func populate(b []byte) error {
 				if stop {
 					return
 				}
-				p := b[i*populateChunk : min((i+1)*populateChunk, len(b))]
+				if more != nil && !more() {
+					mu.Lock()
+					errs = append(errs, errStopped)
+					mu.Unlock()
+					return
+				}
+				p := b[i*chunk : min((i+1)*chunk, len(b))]
 				if err := unix.Madvise(p, unix.MADV_POPULATE_WRITE); err != nil {
 					mu.Lock()
 					errs = append(errs, noMem(err))

@@ -1,9 +1,11 @@
 package backend
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"os"
+	"runtime"
 	"strconv"
 	"testing"
 	"time"
@@ -112,4 +114,108 @@ func TestMoveSpeed(t *testing.T) {
 	line("free gpu", time.Since(start))
 	time.Sleep(100 * time.Millisecond)
 	line("100 ms later", time.Since(start))
+}
+
+// TestEvictSpeed times a first eviction into new host memory against one
+// into the reserve (Spill.Reserve, made ahead), and the restore from the
+// reserve's memory, on the machine's first backend: a diagnostic, run
+// only when GPUSHM_MOVE_SPEED is set to a size in MiB. The reserve is
+// twice the size, so that its largest piece holds the segment.
+func TestEvictSpeed(t *testing.T) {
+	mib, _ := strconv.Atoi(os.Getenv("GPUSHM_MOVE_SPEED"))
+	if mib <= 0 {
+		t.Skip("a diagnostic: set GPUSHM_MOVE_SPEED to a size in MiB")
+	}
+	n := int64(mib) << 20
+	b, err := Open("auto", "all", slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	host, err := NewHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mover := b.(segment.Mover)
+	dev := b.DefaultDevice()
+	row := func(what string, d time.Duration, bytes int64) {
+		if bytes == 0 {
+			fmt.Printf("%-46s %10.3f ms\n", what, d.Seconds()*1e3)
+			return
+		}
+		fmt.Printf("%-46s %10.1f ms %8.1f GB/s\n", what, d.Seconds()*1e3, float64(bytes)/d.Seconds()/1e9)
+	}
+	fmt.Printf("backend %s, %d MiB, shmem transparent huge pages %v, %d cores\n\n", b.Name(), mib, shmemTHP(), runtime.NumCPU())
+	fmt.Printf("%-46s %13s %13s\n", "step", "time", "rate")
+	g, err := b.Allocate(dev, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Free()
+	if d, ok := g.(segment.Data); ok {
+		d.Zero(0, n) // its pages made, on the host backend
+	}
+
+	// Into new memory: the kernel makes its pages on the way.
+	sp := NewSpill(host, 0)
+	start := time.Now()
+	m, err := sp.AllocateScratch(0, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	made := time.Since(start)
+	if err := mover.Move(m, g, n); err != nil {
+		t.Fatal(err)
+	}
+	all := time.Since(start)
+	row("new memory: make its pages", made, n)
+	row("new memory: copy", all-made, n)
+	row("evict into new memory", all, n)
+	m.Free()
+
+	// Into the reserve, made ahead.
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	start = time.Now()
+	go func() {
+		defer close(done)
+		sp.Reserve(ctx, 2*n, slog.Default())
+	}()
+	defer func() { cancel(); <-done }()
+	for r := sp.Reserved(); r.Target == 0 || r.Bytes < r.Target; r = sp.Reserved() {
+		if time.Since(start) > 10*time.Minute {
+			t.Fatalf("the reserve is not full after 10 minutes: %+v", r)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	row(fmt.Sprintf("reserve of %d MiB made (background, nice 19)", 2*mib), time.Since(start), 2*n)
+	start = time.Now()
+	m, err = sp.AllocateScratch(0, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(start)
+	if r := sp.Reserved(); r.Takes != 1 {
+		t.Fatalf("the eviction did not take from the reserve: %+v", r)
+	}
+	if err := mover.Move(m, g, n); err != nil {
+		t.Fatal(err)
+	}
+	all = time.Since(start)
+	row("reserve: take a piece", took, 0)
+	row("reserve: copy", all-took, n)
+	row("evict into the reserve", all, n)
+
+	// Back, from the reserve's memory, into new device memory.
+	back, err := b.Allocate(dev, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer back.Free()
+	start = time.Now()
+	if err := mover.Move(back, m, n); err != nil {
+		t.Fatal(err)
+	}
+	row("restore from the reserve's memory (copy)", time.Since(start), n)
+	m.Free()
 }

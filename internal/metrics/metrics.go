@@ -170,6 +170,12 @@ var (
 	movedBytesDesc = prometheus.NewDesc("gpushm_tier_moved_bytes_total",
 		"Bytes moved between devices and host memory since the serving process started, by kind: evict or restore.",
 		[]string{"kind"}, nil)
+	reserveBytesDesc = prometheus.NewDesc("gpushm_host_reserve_bytes",
+		"Host memory made ahead of evictions and ready (gpushm daemon --host-reserve).", nil, nil)
+	reserveTargetDesc = prometheus.NewDesc("gpushm_host_reserve_target_bytes",
+		"The host memory the reserve holds when full; 0 when there is none.", nil, nil)
+	reserveTakesDesc = prometheus.NewDesc("gpushm_host_reserve_takes_total",
+		"Evictions (and growths of evicted segments) that took their host memory from the reserve, since the serving process started.", nil, nil)
 	gpuProcessDesc = prometheus.NewDesc("gpushm_gpu_process_memory_bytes",
 		"GPU memory NVML charges to each process (NVML only); command, uid and user are empty where the daemon cannot see the process.",
 		[]string{"gpu", "device", "uuid", "pid", "command", "uid", "user"}, nil)
@@ -196,6 +202,9 @@ func (s *state) Describe(ch chan<- *prometheus.Desc) {
 	ch <- tierBudgetDesc
 	ch <- movesDesc
 	ch <- movedBytesDesc
+	ch <- reserveBytesDesc
+	ch <- reserveTargetDesc
+	ch <- reserveTakesDesc
 }
 
 func (s *state) Collect(ch chan<- prometheus.Metric) {
@@ -233,6 +242,9 @@ func (s *state) collectTiers(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(movesDesc, prometheus.CounterValue, float64(t.Restores), "restore")
 	ch <- prometheus.MustNewConstMetric(movedBytesDesc, prometheus.CounterValue, float64(t.EvictedBytes), "evict")
 	ch <- prometheus.MustNewConstMetric(movedBytesDesc, prometheus.CounterValue, float64(t.RestoredBytes), "restore")
+	ch <- prometheus.MustNewConstMetric(reserveBytesDesc, prometheus.GaugeValue, float64(t.Reserve.Bytes))
+	ch <- prometheus.MustNewConstMetric(reserveTargetDesc, prometheus.GaugeValue, float64(t.Reserve.Target))
+	ch <- prometheus.MustNewConstMetric(reserveTakesDesc, prometheus.CounterValue, float64(t.Reserve.Takes))
 }
 
 func (s *state) collectSegments(ch chan<- prometheus.Metric, uuids map[int]string) {

@@ -90,10 +90,23 @@ type TierStats struct {
 	// allocator, for the next eviction of its size.
 	Spare      int
 	SpareBytes int64
+	// Reserve is the host memory the spill allocator keeps made ahead.
+	Reserve Reserve
 	// Evictions and Restores count moves since the process started;
 	// EvictedBytes and RestoredBytes their bytes.
 	Evictions, Restores         uint64
 	EvictedBytes, RestoredBytes int64
+}
+
+// Reserve is host memory a spill allocator keeps made ahead of evictions
+// (backend.Spill.Reserve): Target bytes when full, Bytes in Memfds now;
+// Takes allocations served from it since the process started, TakenBytes
+// their bytes.
+type Reserve struct {
+	Target, Bytes int64
+	Memfds        int
+	Takes         uint64
+	TakenBytes    int64
 }
 
 // DeviceTier is one device's budget and use.
@@ -131,6 +144,9 @@ func (r *Registry) TierStats() TierStats {
 	st.HostBytes, st.CleanBytes = r.hostBytesLocked()
 	if k, ok := r.tiers.cfg.Spill.(interface{ Kept() (int, int64) }); ok {
 		st.Spare, st.SpareBytes = k.Kept()
+	}
+	if k, ok := r.tiers.cfg.Spill.(interface{ Reserved() Reserve }); ok {
+		st.Reserve = k.Reserved()
 	}
 	devs := map[int]bool{}
 	for d := range r.tiers.cfg.Budgets {

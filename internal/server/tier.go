@@ -38,6 +38,7 @@ func wireTiers(st segment.TierStats) *wire.Tiers {
 		Devices:    make([]wire.DeviceTier, len(st.Devices)),
 		HostBudget: st.HostBudget, HostBytes: st.HostBytes, CleanBytes: st.CleanBytes,
 		Spare: st.Spare, SpareBytes: st.SpareBytes,
+		ReserveTarget: st.Reserve.Target, ReserveBytes: st.Reserve.Bytes, ReserveMemfds: st.Reserve.Memfds, ReserveTakes: st.Reserve.Takes,
 		Evictions: st.Evictions, Restores: st.Restores,
 		EvictedBytes: st.EvictedBytes, RestoredBytes: st.RestoredBytes,
 	}

@@ -367,8 +367,16 @@ type Tiers struct {
 	CleanBytes int64 `json:"host_copy_bytes"`
 	// Spare and SpareBytes: host memory let go of (memfds), kept a while
 	// for the next eviction of its size.
-	Spare         int    `json:"spare_memfds"`
-	SpareBytes    int64  `json:"spare_bytes"`
+	Spare      int   `json:"spare_memfds"`
+	SpareBytes int64 `json:"spare_bytes"`
+	// Reserve: host memory made ahead of evictions (gpushm daemon
+	// --host-reserve), ReserveTarget bytes when full, ReserveBytes in
+	// ReserveMemfds now; ReserveTakes is the evictions (and growths of
+	// evicted segments) that took their memory from it.
+	ReserveTarget int64  `json:"reserve_target_bytes"`
+	ReserveBytes  int64  `json:"reserve_bytes"`
+	ReserveMemfds int    `json:"reserve_memfds"`
+	ReserveTakes  uint64 `json:"reserve_takes"`
 	Evictions     uint64 `json:"evictions"`
 	Restores      uint64 `json:"restores"`
 	EvictedBytes  int64  `json:"evicted_bytes"`

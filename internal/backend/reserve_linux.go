@@ -1,0 +1,626 @@
+package backend
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/segment"
+)
+
+// The spill reserve: host memory made ahead of evictions (Spill.Reserve).
+// A first eviction into new memory waits for the kernel to make and zero
+// every page of it (4 KiB pages, where shmem has no transparent huge
+// pages): 3.8 to 4.4 GB/s for 16 GiB on an H100 or H200 machine, where the
+// copy into pages that exist runs at 49 GB/s. The reserve makes the pages
+// before they are needed, in the background, and an eviction takes them.
+//
+// It is a few memfds (pieces) of halving sizes, half the reserve, a
+// quarter, an eighth, ..., down to a 256th of it (at least 2 MiB), the
+// smallest twice: ten descriptors at most, whatever the size. A segment's
+// memory is one memfd, so an eviction takes one piece whole: the smallest
+// ready that holds it and is at most 8 times its size (an eviction of a
+// few MiB would waste a piece of GiBs; it makes its own memory, a few
+// milliseconds). The largest eviction the reserve serves is half of it;
+// two of a quarter of it, or three of an eighth, find pieces ready at once.
+//
+// A piece is made as Spill.Allocate makes memory (a sealed memfd, its
+// pages made by MADV_POPULATE_WRITE in the daemon's mapping, which the
+// eviction's copy then writes through without a fault), but on threads of
+// the lowest priority (nice 19), a few MiB at a time so that the daemon's
+// memory map lock is never held long, smallest piece first, and not within
+// a second of an eviction taking one (the copy needs the memory's
+// bandwidth). Pieces are sealed when made, and the piece taken keeps its
+// size: its tail past the eviction's bytes is punched out
+// (FALLOC_FL_PUNCH_HOLE) in the background. A truncation would free those
+// pages on the eviction's path (it must come before the seal, which the
+// memory needs before it is journaled), a time that grows with the tail.
+//
+// Huge pages: where the machine has hugetlb pages free (HugePages_Free
+// less HugePages_Rsvd, /proc/meminfo) for a whole piece, the piece is a
+// hugetlbfs memfd (MFD_HUGETLB); else, where shmem may have transparent
+// huge pages (/sys/kernel/mm/transparent_hugepage/shmem_enabled other than
+// never or deny), its mapping is advised MADV_HUGEPAGE. Spill memory never
+// leaves the daemon (an open restores a segment first; the FUSE view uses
+// the daemon's mapping), so only the daemon maps a hugetlbfs memfd, in
+// whole huge pages (mapLength), also once restored after a restart.
+//
+// It is not pinned (cuMemHostRegister): the cuda backend copies through
+// its own pinned buffers at the copy engine's speed (49 GB/s into host
+// memory whose pages exist), so pinning would buy no measurable speed and
+// would lock memory the kernel could not reclaim.
+//
+// Under memory pressure it gives memory back: checked every second,
+// MemAvailable below a sixteenth of host memory (at least 1 GiB) frees
+// pieces of ordinary memory (hugetlb pages do not count in MemAvailable),
+// enough to bring it back to twice that; a piece is made only while
+// MemAvailable stays above twice that once it is made. In a memory cgroup
+// with a limit, the room left under the limit counts where it is less,
+// and the threshold is a sixteenth of the limit where that is less (at
+// least 1 GiB still: a container of 512 MiB gets no reserve).
+
+// reserveMaxWaste bounds the piece an allocation may take: at most this
+// many times its size.
+const reserveMaxWaste = 8
+
+// reserveChunk is what one thread populates at a time for the reserve:
+// the daemon's memory map lock is held for that long.
+const reserveChunk = 4 << 20
+
+// reserve is the host memory Spill keeps made ahead.
+type reserve struct {
+	sizes []int64 // each piece's size, largest first
+	low   int64   // MemAvailable under which pieces are given back
+
+	mu         sync.Mutex
+	pieces     []*piece // by slot of sizes; nil while not made
+	closed     bool
+	lastTake   time.Time
+	takes      uint64
+	takenBytes int64
+	// punching counts the tails of taken pieces being punched out; added
+	// to under mu while not closed, so that close can wait for it.
+	punching sync.WaitGroup
+}
+
+// piece is one memfd of the reserve, mapped in the daemon with its pages
+// made.
+type piece struct {
+	fd   int
+	b    []byte // the daemon's mapping of all of it
+	huge bool   // hugetlbfs
+}
+
+func (p *piece) size() int64 { return int64(len(p.b)) }
+
+func (p *piece) free() {
+	if p.b != nil {
+		unix.Munmap(p.b)
+	}
+	unix.Close(p.fd)
+}
+
+// reserveLayout is the pieces' sizes for a reserve of total bytes, each a
+// multiple of align, largest first (see above).
+func reserveLayout(total, align int64) []int64 {
+	least := max(total/256/align*align, align)
+	var sizes []int64
+	rem := total
+	for rem >= 2*least {
+		p := rem / 2 / align * align
+		sizes = append(sizes, p)
+		rem -= p
+	}
+	if p := rem / align * align; p > 0 {
+		sizes = append(sizes, p)
+	}
+	return sizes
+}
+
+// Reserve keeps up to size bytes of host memory made ahead for spill
+// allocations (evictions, and evicted segments that grow) until ctx is
+// done, then frees it, and returns once nothing it started runs. Call it
+// once, in a goroutine of its own, once the daemon serves.
+func (s *Spill) Reserve(ctx context.Context, size int64, log *slog.Logger) {
+	mi, err := s.meminfo()
+	if err != nil {
+		log.Warn("no host reserve: cannot read the kernel's memory figures", "err", err)
+		return
+	}
+	// Pieces of whole huge pages (2 MiB, or the hugetlb size where the
+	// machine has hugetlb pages and the reserve is several of them).
+	align := int64(2 << 20)
+	if mi.hugeTotal > 0 && size >= 4*mi.hugePage {
+		align = max(align, mi.hugePage)
+	}
+	// The threshold is a share of the memory this process may use: the
+	// host's, or its cgroup's limit.
+	total := s.host.total
+	if mi.limit > 0 {
+		total = min(total, mi.limit)
+	}
+	r := &reserve{sizes: reserveLayout(size, align), low: max(total/16, 1<<30)}
+	if len(r.sizes) == 0 {
+		return
+	}
+	r.pieces = make([]*piece, len(r.sizes))
+	s.res.Store(r)
+	thp := shmemTHP()
+	log.Info("host reserve", "bytes", r.target(), "pieces", len(r.sizes), "largest", r.sizes[0],
+		"hugetlb_free_bytes", mi.hugeAvail, "shmem_thp", thp, "pressure_below_bytes", r.low)
+	tick := time.NewTicker(s.every)
+	defer tick.Stop()
+	for {
+		s.relieve(r, log)
+		s.fill(ctx, r, thp, log)
+		select {
+		case <-ctx.Done():
+			s.res.Store(nil)
+			r.close()
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// target is the bytes the reserve holds when full.
+func (r *reserve) target() int64 {
+	var n int64
+	for _, s := range r.sizes {
+		n += s
+	}
+	return n
+}
+
+// fill makes the pieces missing, smallest first, while memory allows.
+func (s *Spill) fill(ctx context.Context, r *reserve, thp bool, log *slog.Logger) {
+	for i := len(r.sizes) - 1; i >= 0; i-- {
+		r.mu.Lock()
+		have := r.pieces[i] != nil
+		r.mu.Unlock()
+		if have {
+			continue
+		}
+		size := r.sizes[i]
+		mi, err := s.meminfo()
+		if err != nil {
+			return
+		}
+		huge := mi.hugeAvail >= size && mi.hugePage > 0 && size%mi.hugePage == 0
+		room := mi.available-size >= 2*r.low
+		if !huge && !room {
+			continue
+		}
+		start := time.Now()
+		var p *piece
+		if huge {
+			p, err = makePiece(size, mi.hugePage, thp, s.more(ctx, r, true))
+			if err != nil && ctx.Err() == nil {
+				log.Debug("host reserve: no hugetlb piece", "bytes", size, "err", err)
+			}
+		}
+		if p == nil && room && ctx.Err() == nil {
+			p, err = makePiece(size, 0, thp, s.more(ctx, r, false))
+		}
+		if err != nil {
+			if ctx.Err() == nil {
+				log.Debug("host reserve: piece not made", "bytes", size, "err", err)
+			}
+			return
+		}
+		log.Debug("host reserve: piece made", "bytes", size, "hugetlb", p.huge, "seconds", time.Since(start).Seconds())
+		r.mu.Lock()
+		if r.closed {
+			r.mu.Unlock()
+			p.free()
+			return
+		}
+		r.pieces[i] = p
+		r.mu.Unlock()
+	}
+}
+
+// more is asked before each chunk of a piece being made: it waits while an
+// eviction took a piece within the last interval, and says no once ctx is
+// done or, for ordinary memory, once memory is short.
+func (s *Spill) more(ctx context.Context, r *reserve, huge bool) func() bool {
+	var (
+		mu      sync.Mutex
+		checked time.Time
+		short   bool
+	)
+	return func() bool {
+		for {
+			r.mu.Lock()
+			wait := s.every - time.Since(r.lastTake)
+			r.mu.Unlock()
+			if wait <= 0 {
+				break
+			}
+			t := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return false
+			case <-t.C:
+			}
+		}
+		if ctx.Err() != nil {
+			return false
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if !huge && !short && time.Since(checked) >= s.every {
+			checked = time.Now()
+			if mi, err := s.meminfo(); err == nil && mi.available < r.low {
+				short = true
+			}
+		}
+		return !short
+	}
+}
+
+// relieve gives back pieces of ordinary memory while MemAvailable is
+// below the reserve's threshold: enough to bring it up to twice that, the
+// smallest piece that is enough, else the largest, and again.
+func (s *Spill) relieve(r *reserve, log *slog.Logger) {
+	mi, err := s.meminfo()
+	if err != nil || mi.available >= r.low {
+		return
+	}
+	need := 2*r.low - mi.available
+	var freed []*piece
+	r.mu.Lock()
+	for need > 0 {
+		best := -1
+		for i, p := range r.pieces {
+			if p == nil || p.huge {
+				continue
+			}
+			if best < 0 {
+				best = i
+				continue
+			}
+			b := r.pieces[best]
+			switch {
+			case p.size() >= need && (b.size() < need || p.size() < b.size()):
+				best = i
+			case p.size() < need && b.size() < need && p.size() > b.size():
+				best = i
+			}
+		}
+		if best < 0 {
+			break
+		}
+		freed = append(freed, r.pieces[best])
+		need -= r.pieces[best].size()
+		r.pieces[best] = nil
+	}
+	r.mu.Unlock()
+	if len(freed) == 0 {
+		return
+	}
+	var n int64
+	for _, p := range freed {
+		n += p.size()
+		p.free()
+	}
+	log.Info("host reserve: gave memory back under memory pressure", "bytes", n,
+		"available_bytes", mi.available, "threshold_bytes", r.low)
+}
+
+// take takes the smallest piece ready that holds size bytes and is at
+// most reserveMaxWaste times that, or nil. With tail set, the caller must
+// punch out what lies past size and then call r.punching.Done.
+func (r *reserve) take(size int64) (p *piece, tail bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	best := -1
+	for i, p := range r.pieces {
+		if p == nil || p.size() < size || p.size() > reserveMaxWaste*size {
+			continue
+		}
+		if best < 0 || p.size() < r.pieces[best].size() {
+			best = i
+		}
+	}
+	if best < 0 || r.closed {
+		return nil, false
+	}
+	p = r.pieces[best]
+	r.pieces[best] = nil
+	r.lastTake = time.Now()
+	r.takes++
+	r.takenBytes += size
+	if p.size() > size {
+		r.punching.Add(1)
+		tail = true
+	}
+	return p, tail
+}
+
+// close frees every piece and waits for the tails being punched out.
+func (r *reserve) close() {
+	r.mu.Lock()
+	r.closed = true
+	ps := r.pieces
+	r.pieces = make([]*piece, len(ps))
+	r.mu.Unlock()
+	for _, p := range ps {
+		if p != nil {
+			p.free()
+		}
+	}
+	r.punching.Wait()
+}
+
+// fromReserve is size bytes (a multiple of the page size) of the reserve,
+// or nil.
+func (s *Spill) fromReserve(size int64) *hostMemory {
+	r := s.res.Load()
+	if r == nil {
+		return nil
+	}
+	p, tail := r.take(size)
+	if p == nil {
+		return nil
+	}
+	m := &hostMemory{fd: p.fd, size: size, recycle: s.recycle}
+	m.view.b = p.b
+	if tail {
+		// Through a descriptor of its own: m may be freed, and its
+		// number given to another file, before the punch.
+		dup, err := unix.FcntlInt(uintptr(p.fd), unix.F_DUPFD_CLOEXEC, 0)
+		if err != nil {
+			punchTail(p.fd, size, p.size())
+			r.punching.Done()
+			return m
+		}
+		go func() {
+			defer r.punching.Done()
+			punchTail(dup, size, p.size())
+			unix.Close(dup)
+		}()
+	}
+	return m
+}
+
+// punchTail frees the pages of fd from off to its end, end bytes. Its
+// size stays: it is sealed.
+func punchTail(fd int, off, end int64) {
+	unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, end-off)
+}
+
+// Reserved reports the reserve (Reserve), for info and metrics.
+func (s *Spill) Reserved() segment.Reserve {
+	r := s.res.Load()
+	if r == nil {
+		return segment.Reserve{}
+	}
+	st := segment.Reserve{Target: r.target()}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, p := range r.pieces {
+		if p != nil {
+			st.Memfds++
+			st.Bytes += p.size()
+		}
+	}
+	st.Takes, st.TakenBytes = r.takes, r.takenBytes
+	return st
+}
+
+// makePiece makes a piece of size bytes, of hugetlbfs when hugePage (its
+// page size) is set, its pages made by threads of the lowest priority that
+// ask more before each chunk.
+func makePiece(size, hugePage int64, thp bool, more func() bool) (*piece, error) {
+	if !more() {
+		return nil, errStopped
+	}
+	huge := hugePage > 0
+	flags := unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
+	if huge {
+		flags |= unix.MFD_HUGETLB
+	}
+	fd, err := unix.MemfdCreate("gpushm-spill", flags)
+	if err != nil {
+		return nil, fmt.Errorf("memfd_create: %w", err)
+	}
+	p := &piece{fd: fd, huge: huge}
+	fail := func(err error) (*piece, error) {
+		p.free()
+		return nil, err
+	}
+	if err := unix.Ftruncate(fd, size); err != nil {
+		return fail(fmt.Errorf("ftruncate: %w", err))
+	}
+	b, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return fail(fmt.Errorf("mmap: %w", err))
+	}
+	p.b = b
+	if thp && !huge {
+		unix.Madvise(b, unix.MADV_HUGEPAGE) // a hint: none is no error
+	}
+	chunk := max(reserveChunk, int(hugePage)) // whole huge pages
+	workers := max(1, min(16, runtime.NumCPU()/2))
+	if err := populateIn(b, chunk, workers, lowPriority, more); err != nil {
+		return fail(err)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+		return fail(fmt.Errorf("seal: %w", err))
+	}
+	restrict(fd)
+	return p, nil
+}
+
+// lowPriority gives the calling goroutine a thread of its own at the
+// lowest priority (nice 19); the thread ends with the goroutine, which
+// never unlocks it.
+func lowPriority() {
+	runtime.LockOSThread()
+	unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), 19)
+}
+
+// meminfo is what the reserve reads of the kernel's memory figures, in
+// bytes.
+type meminfo struct {
+	// available is MemAvailable, or the room left under the memory
+	// cgroup's limit where that is less; limit is that limit (0: none).
+	available, limit int64
+	hugeTotal        int64 // HugePages_Total, pages
+	hugeAvail        int64 // hugetlb pages free and not reserved, bytes
+	hugePage         int64 // Hugepagesize
+}
+
+// readMeminfo reads /proc/meminfo and this process's memory cgroup: a
+// daemon in a container (the Kubernetes DaemonSet's limit is 512 MiB) must
+// not make a reserve its cgroup's limit has no room for, which would have
+// the kernel kill it.
+func readMeminfo() (meminfo, error) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return meminfo{}, err
+	}
+	mi, err := parseMeminfo(b)
+	if err != nil {
+		return mi, err
+	}
+	if self, err := os.ReadFile("/proc/self/cgroup"); err == nil {
+		if limit, room := cgroupRoom("/sys/fs/cgroup", self); limit > 0 {
+			mi.limit, mi.available = limit, min(mi.available, room)
+		}
+	}
+	return mi, nil
+}
+
+// cgroupRoom reads the memory cgroup that self (/proc/self/cgroup) names,
+// and its ancestors, under root: the tightest limit (cgroup v2:
+// memory.max and memory.high; v1: memory.limit_in_bytes) and the room
+// left under it, or 0, 0 where none is set.
+func cgroupRoom(root string, self []byte) (limit, room int64) {
+	var dir string
+	v2 := false
+	for l := range strings.Lines(string(self)) {
+		f := strings.SplitN(strings.TrimSpace(l), ":", 3)
+		if len(f) != 3 {
+			continue
+		}
+		if slices.Contains(strings.Split(f[1], ","), "memory") {
+			dir, v2 = filepath.Join(root, "memory", f[2]), false
+			break
+		}
+		if f[0] == "0" && f[1] == "" {
+			dir, v2 = filepath.Join(root, f[2]), true
+		}
+	}
+	if dir == "" {
+		return 0, 0
+	}
+	read := func(dir, name string) int64 {
+		b, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			return -1
+		}
+		n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+		if err != nil || n >= 1<<60 { // "max", or v1's none
+			return -1
+		}
+		return n
+	}
+	top := filepath.Join(root, "memory")
+	limits, usage := []string{"memory.limit_in_bytes"}, "memory.usage_in_bytes"
+	if v2 {
+		top, limits, usage = root, []string{"memory.max", "memory.high"}, "memory.current"
+	}
+	for {
+		for _, name := range limits {
+			if l := read(dir, name); l >= 0 {
+				r := max(l-max(read(dir, usage), 0), 0)
+				if limit == 0 || r < room {
+					limit, room = l, r
+				}
+			}
+		}
+		if dir == top || !strings.HasPrefix(dir, top) {
+			return limit, room
+		}
+		dir = filepath.Dir(dir)
+	}
+}
+
+func parseMeminfo(b []byte) (meminfo, error) {
+	var (
+		mi         meminfo
+		free, rsvd int64
+		sawAvail   bool
+	)
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		key, rest, ok := strings.Cut(sc.Text(), ":")
+		if !ok {
+			continue
+		}
+		f := strings.Fields(rest)
+		if len(f) == 0 {
+			continue
+		}
+		n, err := strconv.ParseInt(f[0], 10, 64)
+		if err != nil {
+			continue
+		}
+		if len(f) > 1 && f[1] == "kB" {
+			n <<= 10
+		}
+		switch key {
+		case "MemAvailable":
+			mi.available, sawAvail = n, true
+		case "HugePages_Total":
+			mi.hugeTotal = n
+		case "HugePages_Free":
+			free = n
+		case "HugePages_Rsvd":
+			rsvd = n
+		case "Hugepagesize":
+			mi.hugePage = n
+		}
+	}
+	if !sawAvail {
+		return meminfo{}, fmt.Errorf("/proc/meminfo has no MemAvailable")
+	}
+	mi.hugeAvail = max(free-rsvd, 0) * mi.hugePage
+	return mi, nil
+}
+
+// shmemTHP reports whether shmem mappings that ask (MADV_HUGEPAGE) may get
+// transparent huge pages.
+var shmemTHP = sync.OnceValue(func() bool {
+	b, err := os.ReadFile("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+	if err != nil {
+		return false
+	}
+	return thpAllows(string(b))
+})
+
+// thpAllows reads shmem_enabled: the setting in brackets.
+func thpAllows(s string) bool {
+	for _, f := range strings.Fields(s) {
+		if v, ok := strings.CutPrefix(f, "["); ok {
+			v = strings.TrimSuffix(v, "]")
+			return v != "never" && v != "deny"
+		}
+	}
+	return false
+}
