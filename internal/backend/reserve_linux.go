@@ -214,8 +214,9 @@ func (s *Spill) fill(ctx context.Context, r *reserve, thp bool, log *slog.Logger
 		if p == nil && room && ctx.Err() == nil {
 			p, err = makePiece(size, 0, thp, s.more(ctx, r, false))
 		}
-		if err != nil {
-			if ctx.Err() == nil {
+		if p == nil {
+			// Not made: an error, or stopped (ctx done, or memory short).
+			if err != nil && ctx.Err() == nil {
 				log.Debug("host reserve: piece not made", "bytes", size, "err", err)
 			}
 			return

@@ -485,3 +485,18 @@ func TestCgroupRoom(t *testing.T) {
 		t.Fatalf("readMeminfo here: %v", err)
 	}
 }
+
+// TestReserveStoppedWhileFilling: a reserve stopped while it makes its
+// pieces returns at once, frees what it made, and does not crash (a stop
+// in the middle of a piece once dereferenced the piece it had not made).
+func TestReserveStoppedWhileFilling(t *testing.T) {
+	before := spillMemfds(t)
+	for i := range 20 {
+		f := startReserve(t, 256<<20)
+		time.Sleep(time.Duration(i) * time.Millisecond)
+		f.stop()
+	}
+	if n := spillMemfds(t); n != before {
+		t.Fatalf("%d spill memfds left open by stopped reserves", n-before)
+	}
+}
