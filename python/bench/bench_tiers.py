@@ -481,6 +481,7 @@ def main():
         return worker(sys.argv[2:])
     ap = _run.parser(__doc__)
     ap.add_argument("--budget", default="24GiB", help="the daemon's --gpu-budget")
+    ap.add_argument("--host-reserve", help="the daemon's --host-reserve (default: its own default)")
     ap.add_argument("--big", type=int, default=16 * GIB, help="bytes of part 1's segment")
     ap.add_argument("--reps", type=int, default=3, help="rounds of part 1 that open read-only")
     ap.add_argument("--write-reps", type=int, default=2, help="rounds of part 1 that open read-write")
@@ -523,8 +524,20 @@ def main():
             import numpy as np
             one = sum(2 * int(np.prod(sh)) for _, sh in llama_tensors(layers=2, **SHAPE_SMOKE))
             a.budget = str(max(int(2.5 * one), a.big + (1 << 20)))
-        run.start_daemon("--log-level", "info", "--gpu-budget", a.budget)
+        run.start_daemon("--log-level", "info", "--gpu-budget", a.budget,
+                         *(["--host-reserve", a.host_reserve] if a.host_reserve else []))
         a.budget_bytes = run.client.info()["tiers"]["devices"][0]["budget_bytes"]
+        if a.host_reserve:
+            # The reserve is made in the background once the daemon
+            # serves: the first eviction is timed against a full one.
+            t = time.perf_counter()
+            while True:
+                tiers = run.client.info()["tiers"]
+                if tiers.get("reserve_bytes", 0) >= tiers.get("reserve_target_bytes", 1) or time.perf_counter() - t > 120:
+                    break
+                time.sleep(0.2)
+            print(f"host reserve: {tiers.get('reserve_bytes', 0) / GIB:.2f} GiB of "
+                  f"{tiers.get('reserve_target_bytes', 0) / GIB:.2f} GiB made in {time.perf_counter() - t:.1f} s")
         if "restore" in parts:
             print(f"\n=== {time.strftime('%H:%M:%S')} 1. restore", flush=True)
             part_restore(run, torch_ok)
