@@ -27,16 +27,16 @@ func randomRecord(r *rand.Rand, strs []string) Record {
 	rec := Record{
 		ID: r.Uint64(), Name: str(), Linked: flag(), Size: num(), Alloc: num(), Device: int(num() % 8),
 		UID: r.Uint32(), GID: r.Uint32(), Mode: r.Uint32N(0o7777), Created: num(), Modified: num(),
-		TTL: num(), Idle: num(), InUse: flag(), Bound: flag(), Session: str(), CreatorPID: int(num() % 1 << 22),
-		CreatorStart: uint64(num() & 1 << 40), Origin: str(), Orphan: str(), Slots: int(num() % 64), SlotBytes: num(),
-		Uncommitted: flag(), CommitOrigin: str(), Version: uint64(num() & 1 << 20), Next: flag(), Tier: str(),
+		TTL: num(), Idle: num(), InUse: flag(), Bound: flag(), Session: str(), CreatorPID: int(num() % (1 << 22)),
+		CreatorStart: uint64(num() & (1<<40 - 1)), Origin: str(), Orphan: str(), Slots: int(num() % 64), SlotBytes: num(),
+		Uncommitted: flag(), CommitOrigin: str(), Version: uint64(num() & (1<<20 - 1)), Next: flag(), Tier: str(),
 		Pin: flag(), Published: flag(), LastOpen: num(), Leases: flag(), Anon: int(num() % 100),
 	}
 	if flag() {
 		rec.Meta = json.RawMessage(`{ "model": "llama", "shards" : [1, 2, 3], "x": {"y": null} }`)
 	}
 	for range r.IntN(4) {
-		rec.Holders = append(rec.Holders, Holder{PID: int(num() % 1 << 22), Start: uint64(num() & 1 << 40), Session: uint64(num() & 1 << 50), N: int(num() % 1000)})
+		rec.Holders = append(rec.Holders, Holder{PID: int(num() % (1 << 22)), Start: uint64(num() & (1<<40 - 1)), Session: uint64(num() & (1<<50 - 1)), N: int(num() % 1000)})
 	}
 	return rec
 }
