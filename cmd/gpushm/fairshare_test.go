@@ -5,13 +5,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/gpushm/gpushm"
-	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/fairshare"
 )
 
@@ -134,86 +132,4 @@ func TestHostileFairShare(t *testing.T) {
 			}
 		}
 	})
-}
-
-// The unit's numbers agree with the limits: the store keeps every segment
-// the daemon may hold, its names fit in LISTEN_FDNAMES (one environment
-// string, which execve bounds to 32 pages) whatever the segment ids, and
-// the descriptor limit leaves the daemon its reserve.
-func TestSystemdUnitLimits(t *testing.T) {
-	unit := systemdUnit("/usr/local/bin/gpushm", nil)
-	setting := func(key string) int {
-		m := regexp.MustCompile(`(?m)^` + key + `=(\d+)$`).FindStringSubmatch(unit)
-		if m == nil {
-			t.Fatalf("the unit sets no %s", key)
-		}
-		n, _ := strconv.Atoi(m[1])
-		return n
-	}
-	store, nofile := setting("FileDescriptorStoreMax"), setting("LimitNOFILE")
-	b, err := backend.Open("host", "all", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer b.Close()
-	l, err := daemonOptions{}.limits(b, nofile, store)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if l.storeNote != "" || l.seg.Segments+storeOwn > store {
-		t.Errorf("--max-segments auto = %d with FileDescriptorStoreMax=%d: %s", l.seg.Segments, store, l.storeNote)
-	}
-	if got := l.seg.Segments + l.conn.Total + descriptorReserve(nofile); got > nofile {
-		t.Errorf("segments %d + connections %d + the daemon's %d = %d, above LimitNOFILE=%d",
-			l.seg.Segments, l.conn.Total, descriptorReserve(nofile), got, nofile)
-	}
-	// The longest names: 16-digit ids, more segments than any node makes.
-	names := []string{"listener", "epoch", "journal-9999999999"}
-	for len(names) < store {
-		names = append(names, "seg-9999999999999999")
-	}
-	const maxArgStrlen = 32 * 4096
-	if n := len("LISTEN_FDNAMES=" + strings.Join(names, ":") + "\x00"); n > maxArgStrlen {
-		t.Errorf("LISTEN_FDNAMES of a full store: %d bytes, above the kernel's %d", n, maxArgStrlen)
-	}
-	for _, want := range []string{fmt.Sprintf("(%d)", l.seg.Segments), fmt.Sprintf("%d connections", l.conn.Total),
-		fmt.Sprintf("%d\n# descriptors for itself", descriptorReserve(nofile))} {
-		if !strings.Contains(unit, want) {
-			t.Errorf("the unit's comment does not say %q:\n%s", want, unit)
-		}
-	}
-}
-
-// Under systemd's store, --max-segments auto is what the store keeps; a
-// larger one is allowed, with a warning.
-func TestLimitsFromStore(t *testing.T) {
-	b, err := backend.Open("host", "all", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer b.Close()
-	for _, tc := range []struct {
-		name        string
-		flag        string
-		nofile      int
-		store, segs int
-		warn        bool
-	}{
-		{"no store", "auto", 65536, 0, 32768, false},
-		{"store", "auto", 65536, 6144, 6140, false},
-		{"store above half", "auto", 2048, 6144, 1024, false},
-		{"flag above store", "10000", 65536, 6144, 10000, true},
-		{"no cap", "0", 65536, 6144, 0, true},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			l, err := daemonOptions{maxSegments: tc.flag}.limits(b, tc.nofile, tc.store)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if l.seg.Segments != tc.segs || (l.storeNote != "") != tc.warn {
-				t.Errorf("limits(--max-segments %s, nofile %d, store %d): %d segments, warning %q; want %d, warning %v",
-					tc.flag, tc.nofile, tc.store, l.seg.Segments, l.storeNote, tc.segs, tc.warn)
-			}
-		})
-	}
 }

@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/daemon"
 )
 
 // fakeManager plays systemd's part for a Type=notify service with a file
@@ -553,7 +554,7 @@ func TestSystemdUnit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := systemdUnit("/usr/local/bin/gpushm", nil); got != string(want) {
+	if got := daemon.SystemdUnit("/usr/local/bin/gpushm", nil); got != string(want) {
 		t.Fatalf("deploy/systemd/gpushm.service differs from what install-systemd writes:\n%s", got)
 	}
 	dir := t.TempDir()

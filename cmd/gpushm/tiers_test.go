@@ -21,9 +21,6 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm"
-	"github.com/gpushm/gpushm/internal/backend"
-	"github.com/gpushm/gpushm/internal/segment"
-	"github.com/gpushm/gpushm/internal/wire"
 )
 
 var tierPatterns sync.Map // [2]int64{seed, n} -> []byte
@@ -619,61 +616,6 @@ func TestHostReserve(t *testing.T) {
 	}
 	if got := mustRun(t, nil, "cat", "a"); got != string(want) {
 		t.Fatal("a's bytes came back other than they were put")
-	}
-}
-
-// gpuBackend is a backend that says it is cuda with devs, for flags
-// resolved from the devices.
-type gpuBackend struct {
-	*backend.Host
-	devs []wire.Device
-}
-
-func (g gpuBackend) Name() string                    { return "cuda" }
-func (g gpuBackend) Devices() ([]wire.Device, error) { return g.devs, nil }
-
-// TestHostReserveFlag: --host-reserve auto is the largest GPU budget, at
-// most an eighth of host memory and the host budget, and none on the host
-// backend; a size, a share or 0 as given.
-func TestHostReserveFlag(t *testing.T) {
-	host, err := backend.NewHost()
-	if err != nil {
-		t.Fatal(err)
-	}
-	total, _ := host.Capacity(0)
-	gpus := gpuBackend{host, []wire.Device{{Index: 0, TotalBytes: 80 << 30}, {Index: 1, TotalBytes: 141 << 30}}}
-	budgets := map[int]int64{0: 75 << 30, 1: 1 << 40}
-	for _, tc := range []struct {
-		name    string
-		flag    string
-		b       backend.Backend
-		budgets map[int]int64
-		host    int64 // --host-budget
-		want    int64
-	}{
-		{"host backend", "auto", host, nil, total / 2, 0},
-		{"gpus", "auto", gpus, budgets, 1 << 50, min(1<<40, total/8)},
-		{"gpus, small host budget", "", gpus, map[int]int64{0: 1 << 30, 1: 2 << 30}, 1 << 30, min(1<<30, total/8)},
-		{"gpus without budgets", "auto", gpus, nil, 1 << 50, min(141<<30, total/8)},
-		{"eviction off", "auto", gpus, budgets, 0, 0},
-		{"size", "16GiB", host, nil, 1 << 30, 16 << 30},
-		{"share", "10%", gpus, budgets, 1 << 30, int64(10.0 / 100 * float64(total))},
-		{"none", "0", gpus, budgets, 1 << 50, 0},
-		{"nonsense", "lots", gpus, budgets, 1 << 50, -1},
-		{"too large a share", "120%", gpus, budgets, 1 << 50, -1},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			got, err := daemonOptions{hostReserve: tc.flag}.reserveBytes(tc.b, host, segment.Tiers{Budgets: tc.budgets, HostBudget: tc.host})
-			if tc.want < 0 {
-				if err == nil || !strings.Contains(err.Error(), "--host-reserve") {
-					t.Fatalf("--host-reserve %q: %d, %v; want an error that names the flag", tc.flag, got, err)
-				}
-				return
-			}
-			if err != nil || got != tc.want {
-				t.Fatalf("--host-reserve %q = %d, %v; want %d", tc.flag, got, err, tc.want)
-			}
-		})
 	}
 }
 

@@ -32,19 +32,11 @@ const maxLines = 120
 
 // longExempt lists the files whose functions may still be longer than
 // maxLines, each until it is broken up; shrink it, never grow it.
-var longExempt = []string{
-	"cmd/gpushm/daemon.go",
-	"cmd/gpushm/daemon_adopt.go",
-	"cmd/gpushm/daemon_gpu.go",
-	"cmd/gpushm/daemon_listen.go",
-	"cmd/gpushm/limits.go",
-	"cmd/gpushm/systemd.go",
-}
+var longExempt []string
 
 // daemonPkgs are the packages that compose the daemon: the only ones that
 // may import the server, the supervisor and the backends.
 var daemonPkgs = []string{
-	"cmd/gpushm",
 	"internal/daemon",
 	// A daemon in a test's process, on the host backend.
 	"internal/testdaemon",

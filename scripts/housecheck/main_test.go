@@ -8,7 +8,9 @@ func TestForbidden(t *testing.T) {
 		test     bool
 		bad      bool
 	}{
-		{"cmd/gpushm", "internal/server", false, false},
+		{"cmd/gpushm", "internal/server", false, true},
+		{"cmd/gpushm", "internal/supervisor", true, false},
+		{"cmd/gpushm", "internal/daemon", false, false},
 		{"internal/daemon", "internal/supervisor", false, false},
 		{"internal/testdaemon", "internal/backend", false, false},
 		{"internal/fusefs", "internal/backend", false, true},

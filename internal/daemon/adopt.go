@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -10,11 +10,11 @@ import (
 	"github.com/gpushm/gpushm/internal/supervisor"
 )
 
-// runAdoptive is a supervisor started by a serving process whose own
+// Adopt is a supervisor started by a serving process whose own
 // supervisor died: it takes over the lock, the listener and the epoch page
 // from it, then the segments, and supervises it as the first one did. Its
 // flags are the first supervisor's, passed on by the serving process.
-func runAdoptive(ctx context.Context, log *slog.Logger, o daemonOptions) error {
+func Adopt(ctx context.Context, log *slog.Logger, o Options) error {
 	h, err := supervisor.TakeHandover()
 	if err != nil {
 		return err
@@ -31,8 +31,8 @@ func runAdoptive(ctx context.Context, log *slog.Logger, o daemonOptions) error {
 	}
 	sup := supervisor.New(supervisor.Config{
 		Exe: exe, Args: os.Args[1:], Listener: h.Listener, Epoch: h.Epoch,
-		Grace: o.grace, Log: log, Lock: h.Lock, Heal: true, Handover: h,
+		Grace: o.Grace, Log: log, Lock: h.Lock, Heal: true, Handover: h,
 	}, nil)
-	log.Debug("adopting", "socket", socketPath(), "pid", os.Getpid(), "exe", exe)
-	return supervise(ctx, sup, log, socketPath(), h.Listener, false)
+	log.Debug("adopting", "socket", o.Socket, "pid", os.Getpid(), "exe", exe)
+	return supervise(ctx, sup, log, o.Socket, h.Listener, false)
 }

@@ -1,7 +1,8 @@
-package main
+package daemon
 
 import (
 	"fmt"
+	"log/slog"
 	"os"
 	"strconv"
 	"strings"
@@ -93,7 +94,7 @@ type daemonLimits struct {
 // limits resolves the limit flags for b's devices, a descriptor limit of
 // nofile and, under systemd, a file descriptor store of store descriptors
 // (0: none).
-func (o daemonOptions) limits(b backend.Backend, nofile, store int) (daemonLimits, error) {
+func (o Options) limits(b backend.Backend, nofile, store int) (daemonLimits, error) {
 	var l daemonLimits
 	l.conn.Descriptors = nofile
 	reserve := descriptorReserve(nofile)
@@ -101,14 +102,14 @@ func (o daemonOptions) limits(b backend.Backend, nofile, store int) (daemonLimit
 	if store > 0 {
 		autoSegs = min(autoSegs, max(1, store-storeOwn))
 	}
-	maxSegs, err := countFlag("--max-segments", o.maxSegments, autoSegs)
+	maxSegs, err := countFlag("--max-segments", o.MaxSegments, autoSegs)
 	if err != nil {
 		return l, err
 	}
 	if store > 0 && (maxSegs == 0 || maxSegs > store-storeOwn) {
 		l.storeNote = fmt.Sprintf("systemd's file descriptor store keeps %d segments (FileDescriptorStoreMax=%d, less %d of the daemon's own), fewer than --max-segments allows: those past it do not survive a restart of the whole service", max(0, store-storeOwn), store, storeOwn)
 	}
-	maxConns, err := countFlag("--max-connections", o.maxConnections, max(0, nofile-maxSegs-reserve))
+	maxConns, err := countFlag("--max-connections", o.MaxConnections, max(0, nofile-maxSegs-reserve))
 	if err != nil {
 		return l, err
 	}
@@ -121,14 +122,14 @@ func (o daemonOptions) limits(b backend.Backend, nofile, store int) (daemonLimit
 	if maxSegs > 0 {
 		autoUserSegs = min(autoUserSegs, max(1, maxSegs/4))
 	}
-	if l.seg.UserSegments, err = countFlag("--user-segments", o.userSegments, autoUserSegs); err != nil {
+	if l.seg.UserSegments, err = countFlag("--user-segments", o.UserSegments, autoUserSegs); err != nil {
 		return l, err
 	}
 	autoUserConns := defaultUserConnections
 	if maxConns > 0 {
 		autoUserConns = min(autoUserConns, max(1, maxConns/4))
 	}
-	if l.conn.PerUser, err = countFlag("--user-connections", o.userConnections, autoUserConns); err != nil {
+	if l.conn.PerUser, err = countFlag("--user-connections", o.UserConnections, autoUserConns); err != nil {
 		return l, err
 	}
 
@@ -136,7 +137,7 @@ func (o daemonOptions) limits(b backend.Backend, nofile, store int) (daemonLimit
 	if err != nil {
 		return l, err
 	}
-	quota := strings.TrimSpace(o.userQuota)
+	quota := strings.TrimSpace(o.UserQuota)
 	switch quota {
 	case "", "auto":
 		share := defaultUserShareGPU
@@ -162,10 +163,10 @@ func (o daemonOptions) limits(b backend.Backend, nofile, store int) (daemonLimit
 		}
 		l.seg.UserBytes = n
 	}
-	if o.maxMemory != "" {
+	if o.MaxMemory != "" {
 		l.seg.DeviceBytes = map[int]int64{}
 		for _, d := range devs {
-			n, err := sizeOrShare(o.maxMemory, int64(d.TotalBytes))
+			n, err := sizeOrShare(o.MaxMemory, int64(d.TotalBytes))
 			if err != nil {
 				return l, fmt.Errorf("--max-memory: %w", err)
 			}
@@ -218,7 +219,7 @@ func newSpill(host *backend.Host) (*backend.Spill, error) {
 
 // tiers resolves --gpu-budget and --host-budget (segment/tier.go), evicting
 // into spill.
-func (o daemonOptions) tiers(b backend.Backend, host *backend.Host, spill *backend.Spill) (segment.Tiers, error) {
+func (o Options) tiers(b backend.Backend, host *backend.Host, spill *backend.Spill) (segment.Tiers, error) {
 	hostTotal, err := host.Capacity(0)
 	if err != nil {
 		return segment.Tiers{}, err
@@ -233,7 +234,7 @@ func (o daemonOptions) tiers(b backend.Backend, host *backend.Host, spill *backe
 	if err != nil {
 		return t, err
 	}
-	budget := strings.TrimSpace(o.gpuBudget)
+	budget := strings.TrimSpace(o.GPUBudget)
 	for _, d := range devs {
 		total := int64(d.TotalBytes)
 		var n int64
@@ -244,17 +245,17 @@ func (o daemonOptions) tiers(b backend.Backend, host *backend.Host, spill *backe
 			}
 		default:
 			if n, err = sizeOrShare(budget, total); err != nil || n < 0 {
-				return t, fmt.Errorf("--gpu-budget %q: want a size (24GiB), a share (80%%), 0 or auto", o.gpuBudget)
+				return t, fmt.Errorf("--gpu-budget %q: want a size (24GiB), a share (80%%), 0 or auto", o.GPUBudget)
 			}
 		}
 		t.Budgets[d.Index] = n
 	}
-	switch hb := strings.TrimSpace(o.hostBudget); hb {
+	switch hb := strings.TrimSpace(o.HostBudget); hb {
 	case "", "auto":
 		t.HostBudget = hostTotal / 2
 	default:
 		if t.HostBudget, err = sizeOrShare(hb, hostTotal); err != nil || t.HostBudget < 0 {
-			return t, fmt.Errorf("--host-budget %q: want a size (64GiB), a share (50%%), 0 or auto", o.hostBudget)
+			return t, fmt.Errorf("--host-budget %q: want a size (64GiB), a share (50%%), 0 or auto", o.HostBudget)
 		}
 	}
 	return t, nil
@@ -266,12 +267,12 @@ func (o daemonOptions) tiers(b backend.Backend, host *backend.Host, spill *backe
 // host memory and the host budget; none on the host backend, whose
 // segments are evicted only when asked (gpushm evict) or under a budget
 // set by hand, or with eviction off.
-func (o daemonOptions) reserveBytes(b backend.Backend, host *backend.Host, t segment.Tiers) (int64, error) {
+func (o Options) reserveBytes(b backend.Backend, host *backend.Host, t segment.Tiers) (int64, error) {
 	hostTotal, err := host.Capacity(0)
 	if err != nil {
 		return 0, err
 	}
-	switch r := strings.TrimSpace(o.hostReserve); r {
+	switch r := strings.TrimSpace(o.HostReserve); r {
 	case "", "auto":
 		if b.Name() == "host" || t.HostBudget <= 0 {
 			return 0, nil
@@ -292,7 +293,7 @@ func (o daemonOptions) reserveBytes(b backend.Backend, host *backend.Host, t seg
 	default:
 		n, err := sizeOrShare(r, hostTotal)
 		if err != nil || n < 0 {
-			return 0, fmt.Errorf("--host-reserve %q: want a size (16GiB), a share of host memory (10%%), 0 or auto", o.hostReserve)
+			return 0, fmt.Errorf("--host-reserve %q: want a size (16GiB), a share of host memory (10%%), 0 or auto", o.HostReserve)
 		}
 		return n, nil
 	}
@@ -300,11 +301,11 @@ func (o daemonOptions) reserveBytes(b backend.Backend, host *backend.Host, t seg
 
 // poolBytes reads --create-pool: the bytes each device may hold made
 // ahead of creates.
-func (o daemonOptions) poolBytes(b backend.Backend) (int64, error) {
-	if o.createPool != "auto" {
-		n, err := bytesize.Parse(o.createPool)
+func (o Options) poolBytes(b backend.Backend) (int64, error) {
+	if o.CreatePool != "auto" {
+		n, err := bytesize.Parse(o.CreatePool)
 		if err != nil || n < 0 {
-			return 0, fmt.Errorf("--create-pool %q: want a size (256M), 0 or auto", o.createPool)
+			return 0, fmt.Errorf("--create-pool %q: want a size (256M), 0 or auto", o.CreatePool)
 		}
 		return n, nil
 	}
@@ -316,4 +317,29 @@ func (o daemonOptions) poolBytes(b backend.Backend) (int64, error) {
 		return capacity / 100, nil
 	}
 	return capacity / 50, nil
+}
+
+// logLimits says which limits are in force.
+func logLimits(log *slog.Logger, l daemonLimits) {
+	args := []any{"max_segments", l.seg.Segments, "max_connections", l.conn.Total,
+		"user_segments", l.seg.UserSegments, "user_connections", l.conn.PerUser}
+	if l.seg.UserBytes > 0 {
+		args = append(args, "user_bytes", l.seg.UserBytes)
+	}
+	for d, n := range l.seg.UserDeviceBytes {
+		args = append(args, "user_bytes_device_"+strconv.Itoa(d), n)
+	}
+	if l.shareNote != "" {
+		args = append(args, "user_quota", l.shareNote)
+	}
+	for d, n := range l.seg.DeviceBytes {
+		args = append(args, "max_bytes_device_"+strconv.Itoa(d), n)
+	}
+	log.Info("limits", args...)
+	if l.storeNote != "" {
+		log.Warn(l.storeNote)
+	}
+	if l.seg.Segments == 0 {
+		log.Warn("no --max-segments: the supervisor, which holds a descriptor of every segment, may run out of descriptors")
+	}
 }

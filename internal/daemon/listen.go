@@ -1,10 +1,11 @@
-package main
+package daemon
 
 import (
 	"errors"
 	"fmt"
 	"net"
 	"syscall"
+	"time"
 )
 
 // listenMetrics binds the --metrics-listen address, or returns nil when
@@ -30,5 +31,20 @@ func listenMetrics(addr string) (net.Listener, error) {
 func closeListener(ln net.Listener) {
 	if ln != nil {
 		ln.Close()
+	}
+}
+
+// listenRetry binds addr, waiting a moment for a predecessor to let go of
+// it.
+func listenRetry(addr string) (net.Listener, error) {
+	for i := 0; ; i++ {
+		ln, err := net.Listen("tcp", addr)
+		if err == nil {
+			return ln, nil
+		}
+		if !errors.Is(err, syscall.EADDRINUSE) || i == 50 {
+			return listenMetrics(addr) // its error says what to do
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

@@ -1,0 +1,152 @@
+package daemon
+
+import (
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/channel"
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/server"
+	"github.com/gpushm/gpushm/internal/supervisor"
+)
+
+// restore rebuilds the registry from what the supervisor held, checking
+// each descriptor with the backend, and adopts the connections a
+// predecessor parked.
+func restore(srv *server.Server, b backend.Backend, host *backend.Host, start *supervisor.Start, log *slog.Logger) {
+	items := make([]segment.Restored, 0, len(start.Segments))
+	now := time.Now().UnixNano()
+	// An orphan without a record is dated now and owned by root (0600).
+	unknown := segment.Record{Created: now, Modified: now, Mode: 0o600}
+	for _, h := range start.Segments {
+		it := segment.Restored{Record: unknown}
+		it.Record.ID = h.ID
+		if h.Rec == nil {
+			it.Problem = "a memory descriptor came back without a record"
+		} else if err := json.Unmarshal(h.Rec, &it.Record); err != nil || it.Record.ID != h.ID {
+			it.Record = unknown
+			it.Record.ID = h.ID
+			it.Problem = fmt.Sprintf("its record is unreadable: %.200s", h.Rec)
+		}
+		if h.FD >= 0 {
+			alloc := it.Record.Alloc
+			if alloc == 0 && it.Problem == "" {
+				it.Problem = "a memory descriptor came back for a segment without memory"
+			}
+			if alloc == 0 {
+				alloc = 1 // an orphan: anything mappable will do to hold it
+			}
+			var (
+				mem segment.Memory
+				err error
+			)
+			if it.Record.OnHost() {
+				// Evicted: a memfd whatever the backend.
+				mem, err = host.Restore(0, h.FD, alloc)
+			} else {
+				mem, err = b.Restore(it.Record.Device, h.FD, alloc)
+			}
+			if err != nil {
+				if it.Problem == "" {
+					it.Problem = "its memory descriptor is not usable: " + err.Error()
+				}
+				mem = rawMemory{fd: h.FD, size: alloc}
+			}
+			it.Memory = mem
+		}
+		if it.Record.Slots > 0 || h.CtlFD >= 0 {
+			it.Memory, it.Problem = restoreChannel(host, it, h.CtlFD)
+		}
+		items = append(items, it)
+	}
+	reg := srv.Registry()
+	orphans := reg.Restore(items, start.NextID, time.Until(start.GraceUntil))
+	for _, name := range orphans {
+		inf, _ := reg.Stat(name)
+		log.Error("kept a segment that cannot be served; 'gpushm rm' frees it", "name", name, "why", inf.Orphan)
+	}
+	for _, p := range start.Conns {
+		if err := srv.Adopt(p.FD, p.State); err != nil {
+			log.Error("adopt a connection", "err", err)
+		}
+	}
+	srv.RepairChannels()
+	log.Info("restored", "reason", start.Reason, "segments", len(start.Segments), "connections", len(start.Conns), "orphans", len(orphans))
+}
+
+// restoreChannel puts a channel's memory together again: its slots and its
+// control block, which must both be there and check out.
+func restoreChannel(host *backend.Host, it segment.Restored, ctlFD int) (segment.Memory, string) {
+	problem := it.Problem
+	var ctl segment.Memory
+	if ctlFD >= 0 {
+		m, err := host.Restore(0, ctlFD, segment.ControlBytes)
+		if err == nil && it.Record.Slots > 0 {
+			if err = checkControl(ctlFD, it.Record); err != nil {
+				m = nil
+			}
+		}
+		if err != nil {
+			if problem == "" {
+				problem = "its control block is not usable: " + err.Error()
+			}
+			m = rawMemory{fd: ctlFD, size: segment.ControlBytes}
+		}
+		ctl = m
+	} else if problem == "" {
+		problem = "its control block is missing"
+	}
+	if it.Record.Slots == 0 && problem == "" {
+		problem = "a control block came back for a segment that is not a channel"
+	}
+	switch {
+	case it.Memory == nil && ctl == nil:
+		return nil, problem
+	case it.Memory == nil:
+		return ctl, problem
+	case ctl == nil:
+		return it.Memory, problem
+	}
+	return &segment.ChannelMemory{Data: it.Memory, Control: ctl}, problem
+}
+
+// checkControl checks that the control block at fd describes the channel
+// rec records: a block of another layout is another channel's.
+func checkControl(fd int, rec segment.Record) error {
+	b, err := unix.Mmap(fd, 0, channel.BlockBytes, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return fmt.Errorf("map: %w", err)
+	}
+	defer unix.Munmap(b)
+	blk, err := channel.Map(b)
+	if err != nil {
+		return err
+	}
+	slots, slotBytes, _, err := blk.Check()
+	if err != nil {
+		return err
+	}
+	if slots != rec.Slots || slotBytes != rec.SlotBytes {
+		return fmt.Errorf("it describes %d slots of %d bytes, the record %d slots of %d bytes", slots, slotBytes, rec.Slots, rec.SlotBytes)
+	}
+	return nil
+}
+
+// rawMemory holds a descriptor the backend could not use: an orphan's
+// memory, kept (not freed) until removed. Its size is what the record
+// says, so that the record journaled for the orphan still says it has
+// memory and the supervisor goes on holding the descriptor.
+type rawMemory struct {
+	fd   int
+	size int64
+}
+
+func (m rawMemory) FD() (int, error) { return m.fd, nil }
+func (m rawMemory) Size() int64      { return m.size }
+func (m rawMemory) Free() error      { return syscall.Close(m.fd) }
