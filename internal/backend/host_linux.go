@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strconv"
 
 	"golang.org/x/sys/unix"
 
@@ -139,25 +138,12 @@ func noMem(err error) error {
 // owner (the daemon's user). A memfd is made with mode 0777, and whoever
 // holds any descriptor of it may open it again through /proc/self/fd/N
 // with the access those bits allow: a read-only descriptor handed to a
-// client (ReadOnlyFD) would then be no barrier. Descriptors already open
+// client (memfd.ReadOnly) would then be no barrier. Descriptors already open
 // keep their access. Failing (a published memfd owned by another user,
 // with the daemon not root) leaves the bits as they were: the publisher
 // chose them.
 func restrict(fd int) {
 	unix.Fchmod(fd, 0o600)
-}
-
-// ReadOnlyFD returns a new descriptor of the memfd fd that allows reading
-// only: a new open file description, opened O_RDONLY through
-// /proc/self/fd, which the kernel refuses to map writable (mmap with
-// PROT_WRITE and MAP_SHARED) or write (write, pwrite, fallocate,
-// ftruncate), where a copy of fd would allow both. The caller closes it.
-func ReadOnlyFD(fd int) (int, error) {
-	ro, err := unix.Open("/proc/self/fd/"+strconv.Itoa(fd), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return -1, fmt.Errorf("a read-only descriptor of memfd %d (through /proc/self/fd): %w", fd, err)
-	}
-	return ro, nil
 }
 
 type hostMemory struct {

@@ -10,8 +10,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/channel"
+	"github.com/gpushm/gpushm/internal/memfd"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/wire"
 )
@@ -560,7 +560,7 @@ func (c *conn) readOnlyData(fd int) (int, error) {
 // readOnly is a read-only descriptor of the memfd fd, closed once the
 // reply is sent.
 func (c *conn) readOnly(fd int) (int, error) {
-	ro, err := backend.ReadOnlyFD(fd)
+	ro, err := memfd.ReadOnly(fd)
 	if err != nil {
 		return -1, err
 	}

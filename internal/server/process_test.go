@@ -14,7 +14,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
 	"github.com/gpushm/gpushm/internal/testdaemon"
@@ -97,11 +96,11 @@ func TestRestoredBoundFollowsCreator(t *testing.T) {
 		"dead":    {PID: dead.Process.Pid, Start: 1},
 		"unknown": {},
 	}
-	d := testdaemon.StartWith(t, "host", func(srv *server.Server, b backend.Backend) {
+	d := testdaemon.StartOn(t, fakeBackend{}, func(srv *server.Server) {
 		var items []segment.Restored
 		id := uint64(0)
 		for name, c := range creators {
-			mem, err := b.Allocate(0, 4096)
+			mem, err := fakeBackend{}.Allocate(0, 4096)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -155,8 +154,8 @@ func TestRestoredBoundPidReuse(t *testing.T) {
 		{"pid reused", segment.Process{PID: self.PID, Start: self.Start - 1}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			d := testdaemon.StartWith(t, "host", func(srv *server.Server, b backend.Backend) {
-				mem, err := b.Allocate(0, 4096)
+			d := testdaemon.StartOn(t, fakeBackend{}, func(srv *server.Server) {
+				mem, err := fakeBackend{}.Allocate(0, 4096)
 				if err != nil {
 					t.Fatal(err)
 				}

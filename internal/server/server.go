@@ -15,9 +15,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/channel"
 	"github.com/gpushm/gpushm/internal/epoch"
+	"github.com/gpushm/gpushm/internal/memfd"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/wire"
 )
@@ -197,7 +197,7 @@ func (s *Server) epochReadOnly() (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.epochRO < 0 {
-		fd, err := backend.ReadOnlyFD(s.epoch.FD())
+		fd, err := memfd.ReadOnly(s.epoch.FD())
 		if err != nil {
 			return -1, fmt.Errorf("epoch page: %w", err)
 		}

@@ -64,6 +64,13 @@ func Start(t testing.TB, backendName string) *Daemon {
 // before it serves.
 func StartWith(t testing.TB, backendName string, setup func(*server.Server, backend.Backend)) *Daemon {
 	t.Helper()
+	dir := tempDir(t)
+	return start(t, backendName, filepath.Join(dir, "s.sock"), setup)
+}
+
+// tempDir makes a directory for a socket, removed when the test ends.
+func tempDir(t testing.TB) string {
+	t.Helper()
 	// Socket paths are limited to 108 bytes; t.TempDir can be long. The
 	// directory is open to all, for tests that run clients as other users.
 	dir, err := os.MkdirTemp("", "gpushm-test-")
@@ -72,7 +79,7 @@ func StartWith(t testing.TB, backendName string, setup func(*server.Server, back
 	}
 	os.Chmod(dir, 0o755)
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	return start(t, backendName, filepath.Join(dir, "s.sock"), setup)
+	return dir
 }
 
 // StartAt is Start on the socket at path, whose directory the daemon makes
@@ -86,6 +93,24 @@ func start(t testing.TB, backendName, path string, setup func(*server.Server, ba
 	t.Helper()
 	RequireBackend(t, backendName)
 	d, wait, err := launch(backendName, path, setup)
+	return stopAtEnd(t, d, wait, err)
+}
+
+// StartOn serves b, a backend of the test's own (a fake allocator), on a
+// socket in a temporary directory until the test ends; setup, if not nil,
+// sees the server before it serves. Segments move between tiers only
+// where b is a segment.Mover. The Daemon's Backend is nil.
+func StartOn(t testing.TB, b server.Backend, setup func(*server.Server)) *Daemon {
+	t.Helper()
+	dir := tempDir(t)
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	d, wait, err := serve(b, filepath.Join(dir, "s.sock"), log, setup)
+	return stopAtEnd(t, d, wait, err)
+}
+
+// stopAtEnd stops d when the test ends, or fails the test with err.
+func stopAtEnd(t testing.TB, d *Daemon, wait func() error, err error) *Daemon {
+	t.Helper()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,11 +159,28 @@ func launch(backendName, path string, setup func(*server.Server, backend.Backend
 	if err != nil {
 		return nil, nil, fmt.Errorf("backend %s: %w", backendName, err)
 	}
-	defer func() {
-		if err != nil {
-			b.Close()
+	d, stop, err := serve(b, path, log, func(srv *server.Server) {
+		if setup != nil {
+			setup(srv, b)
 		}
-	}()
+	})
+	if err != nil {
+		b.Close()
+		return nil, nil, err
+	}
+	d.Backend = b
+	wait = func() error {
+		err := stop()
+		b.Close()
+		return err
+	}
+	return d, wait, nil
+}
+
+// serve serves b on a socket at path, with channels' control blocks in
+// host memory and, where b can move segments, a host budget; wait stops
+// it and says what Serve returned.
+func serve(b server.Backend, path string, log *slog.Logger, setup func(*server.Server)) (d *Daemon, wait func() error, err error) {
 	srv, err := server.New(b, log, "test")
 	if err != nil {
 		return nil, nil, err
@@ -150,9 +192,11 @@ func launch(backendName, path string, setup func(*server.Server, backend.Backend
 	srv.Registry().SetControlAllocator(host)
 	// No budget (as the daemon on the host backend), and a host budget:
 	// segments move when asked to.
-	srv.Registry().SetTiers(segment.Tiers{HostBudget: 1 << 30, Spill: backend.NewSpill(host, 64<<20), Mover: b.(segment.Mover)})
+	if mover, ok := b.(segment.Mover); ok {
+		srv.Registry().SetTiers(segment.Tiers{HostBudget: 1 << 30, Spill: backend.NewSpill(host, 64<<20), Mover: mover})
+	}
 	if setup != nil {
-		setup(srv, b)
+		setup(srv)
 	}
 	ln, err := server.Listen(path, "")
 	if err != nil {
@@ -163,9 +207,7 @@ func launch(backendName, path string, setup func(*server.Server, backend.Backend
 	go func() { done <- srv.Serve(ctx, ln, false) }()
 	wait = func() error {
 		cancel()
-		err := <-done
-		b.Close()
-		return err
+		return <-done
 	}
-	return &Daemon{Socket: path, Server: srv, Backend: b}, wait, nil
+	return &Daemon{Socket: path, Server: srv}, wait, nil
 }

@@ -15,7 +15,11 @@ func TestForbidden(t *testing.T) {
 		{"internal/testdaemon", "internal/backend", false, false},
 		{"internal/fusefs", "internal/backend", false, true},
 		{"internal/bench", "internal/server", false, true},
-		{"internal/server", "internal/backend", false, false}, // importExempt, for now
+		{"internal/server", "internal/backend", false, true},
+		{"internal/server", "internal/backend", true, false},
+		{"internal/server", "internal/memfd", false, false},
+		{"internal/backend", "internal/memfd", false, false},
+		{"internal/supervisor", "internal/server", false, true},
 		{".", "internal/segment", false, true},
 		{".", "internal/server", false, true},
 		{".", "internal/wire", false, false},
