@@ -153,8 +153,11 @@ func (c *CUDA) Restore(device int, fd int, alloc int64) (segment.Memory, error) 
 }
 
 // Restore takes back a memfd of a segment this daemon made or was
-// published before it restarted: it must be a memfd sealed against
-// shrinking and growing, of at least alloc bytes.
+// published before it restarted: a memfd sealed against shrinking and
+// growing, of at least alloc bytes; or one not sealed yet, which only the
+// daemon's processes ever held (its descriptor went to the journal, never
+// to a client: hostgrow_linux.go), taken back growable and made alloc
+// bytes again if a resize was cut short.
 func (h *Host) Restore(device int, fd int, alloc int64) (segment.Memory, error) {
 	if _, err := h.Capacity(device); err != nil {
 		return nil, err
@@ -163,16 +166,26 @@ func (h *Host) Restore(device int, fd int, alloc int64) (segment.Memory, error) 
 	if err != nil {
 		return nil, fmt.Errorf("not a memfd (%v)", err)
 	}
-	if seals&(unix.F_SEAL_SHRINK|unix.F_SEAL_GROW) != unix.F_SEAL_SHRINK|unix.F_SEAL_GROW {
-		return nil, fmt.Errorf("a memfd whose size is not sealed")
+	const sized = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW
+	growable := seals&(sized|unix.F_SEAL_SEAL) == 0
+	if seals&sized != sized && !growable {
+		return nil, fmt.Errorf("a memfd whose size is not sealed, and cannot be")
+	}
+	if alloc <= 0 {
+		return nil, fmt.Errorf("size %d is not positive", alloc)
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("fstat: %w", err)
 	}
-	if alloc <= 0 || st.Size < alloc {
+	switch {
+	case growable && st.Size != alloc:
+		if err := unix.Ftruncate(fd, alloc); err != nil {
+			return nil, fmt.Errorf("the memfd has %d bytes, the record says %d: %v", st.Size, alloc, err)
+		}
+	case st.Size < alloc:
 		return nil, fmt.Errorf("the memfd has %d bytes, the record says %d", st.Size, alloc)
 	}
 	restrict(fd) // made by an older daemon, perhaps
-	return &hostMemory{fd: fd, size: alloc}, nil
+	return &hostMemory{fd: fd, size: alloc, growable: growable}, nil
 }

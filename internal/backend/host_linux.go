@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -90,19 +91,39 @@ func (h *Host) PoolStats() wire.Pool { return h.pool.stats() }
 // their replies are sent.
 func (h *Host) Refill() { h.pool.refill() }
 
+// allocate makes a segment's memory: committed, and growable until its
+// descriptor first leaves the daemon (hostgrow_linux.go).
 func (h *Host) allocate(alloc int64) (segment.Memory, error) {
-	return newMemfd("gpushm", alloc, func(m *hostMemory) error {
+	m, err := makeMemfd("gpushm", alloc, func(m *hostMemory) error {
 		if err := unix.Fallocate(m.fd, 0, 0, alloc); err != nil {
 			return fmt.Errorf("fallocate: %w", noMem(err))
 		}
 		return nil
 	})
+	if err != nil {
+		return nil, err
+	}
+	m.growable, m.committed = true, alloc
+	return m, nil
 }
 
 // newMemfd makes a memfd of alloc bytes named for /proc/PID/fd, has
 // commit make its pages (so that running out of memory is an error here,
 // not a SIGBUS in a client later), and seals its size.
 func newMemfd(name string, alloc int64, commit func(*hostMemory) error) (*hostMemory, error) {
+	m, err := makeMemfd(name, alloc, commit)
+	if err != nil {
+		return nil, err
+	}
+	if err := seal(m.fd); err != nil {
+		m.Free()
+		return nil, err
+	}
+	return m, nil
+}
+
+// makeMemfd is newMemfd without the seals.
+func makeMemfd(name string, alloc int64, commit func(*hostMemory) error) (*hostMemory, error) {
 	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, fmt.Errorf("memfd_create: %w", err)
@@ -118,11 +139,16 @@ func newMemfd(name string, alloc int64, commit func(*hostMemory) error) (*hostMe
 	if err := commit(m); err != nil {
 		return fail(err)
 	}
-	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
-		return fail(fmt.Errorf("seal: %w", err))
-	}
 	restrict(fd)
 	return m, nil
+}
+
+// seal fixes the size of the memfd fd, and the seals themselves.
+func seal(fd int) error {
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+		return fmt.Errorf("seal: %w", err)
+	}
+	return nil
 }
 
 // noMem is the errno out of memory is reported as: fallocate says ENOSPC,
@@ -154,14 +180,19 @@ type hostMemory struct {
 	// recycle, for spill memory, takes it back for reuse instead of a
 	// free (Spill); false: free it.
 	recycle func(*hostMemory) bool
+
+	// A segment's memory is growable until its descriptor first leaves
+	// the daemon (hostgrow_linux.go). grow guards size, growable and
+	// committed while it is; once sealed, size never changes.
+	grow      sync.Mutex
+	growable  bool  // not sealed: Resize changes the size in place
+	committed int64 // the first committed bytes have pages; all of size once sealed
 }
 
 // FromPool implements segment.Pooled, for a create's trace.
 func (m *hostMemory) FromPool() bool { return m.pooled }
 func (m *hostMemory) setPooled()     { m.pooled = true }
 
-func (m *hostMemory) FD() (int, error) { return m.fd, nil }
-func (m *hostMemory) Size() int64      { return m.size }
 func (m *hostMemory) Free() error {
 	if m.recycle != nil && m.recycle(m) {
 		return nil

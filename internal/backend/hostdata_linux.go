@@ -46,6 +46,9 @@ func (v *hostView) unmap() error {
 }
 
 func (m *hostMemory) bytes() ([]byte, error) {
+	if err := m.commit(); err != nil {
+		return nil, err
+	}
 	m.view.mu.Lock()
 	defer m.view.mu.Unlock()
 	if m.view.b == nil {
@@ -82,6 +85,9 @@ func (m *hostMemory) span(off, n int64) ([]byte, error) {
 
 // ReadAt implements segment.Data.
 func (m *hostMemory) ReadAt(p []byte, off int64) error {
+	if m.growing() {
+		return m.pread(p, off)
+	}
 	b, err := m.span(off, int64(len(p)))
 	if err != nil {
 		return err
@@ -92,6 +98,9 @@ func (m *hostMemory) ReadAt(p []byte, off int64) error {
 
 // WriteAt implements segment.Data.
 func (m *hostMemory) WriteAt(p []byte, off int64) error {
+	if m.growing() {
+		return m.pwrite(p, off)
+	}
 	b, err := m.span(off, int64(len(p)))
 	if err != nil {
 		return err
@@ -102,6 +111,9 @@ func (m *hostMemory) WriteAt(p []byte, off int64) error {
 
 // Zero implements segment.Data.
 func (m *hostMemory) Zero(off, n int64) error {
+	if m.growing() {
+		return m.pzero(off, n)
+	}
 	b, err := m.span(off, n)
 	if err != nil {
 		return err

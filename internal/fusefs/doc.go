@@ -12,9 +12,16 @@
 // timeouts are 0, and files are opened with FOPEN_DIRECT_IO), because the
 // registry changes behind the kernel's back through the socket, and because
 // socket clients write the same memory directly: every read and write here
-// is a copy to or from the segment's memory, never the page cache. Only
-// mmap goes through the page cache (FUSE_DIRECT_IO_ALLOW_MMAP), which the
+// goes to or from the segment's memory, never the page cache. Only mmap
+// goes through the page cache (FUSE_DIRECT_IO_ALLOW_MMAP), which the
 // kernel drops at every open: docs/fuse.md, "mmap".
+//
+// A read of host memory is answered from the daemon's own mapping of the
+// memfd (Registry.Lend), which the kernel copies into the reader's buffer:
+// no copy in the daemon. Other memory (a GPU's) is copied into the reply;
+// for a reader reading sequentially, ahead of its requests, on a goroutine
+// (readahead.go), and served only while Registry.Stamp says nothing can
+// have changed it since.
 //
 // A file created empty is a segment with no memory (segment.CreateOptions
 // AllowEmpty); the first write or truncate allocates. Socket clients see it
@@ -40,11 +47,13 @@
 // until Unmount. The daemon unmounts before it closes the registry, so no
 // request meets a closed registry in normal shutdown.
 //
-// Writes past the end grow the segment; the allocation doubles, so a file
-// written sequentially by cp is copied O(1) times per byte, and the slack is
-// given back (Registry.Trim) when the last writable handle is flushed or
-// released. Growing, shrinking and trimming are refused with EBUSY while a
-// socket client holds the segment open, since it may have the memory mapped.
+// Writes past the end grow the segment: host memory no client has had a
+// descriptor of grows in place (ftruncate of its memfd), other memory is
+// replaced by memory twice as large, so a file written sequentially by cp
+// is copied O(1) times per byte; the slack is given back (Registry.Trim)
+// when the last writable handle is flushed or released. Growing, shrinking
+// and trimming are refused with EBUSY while a socket client holds the
+// segment open, since it may have the memory mapped.
 //
 // # Permissions
 //
@@ -58,7 +67,13 @@
 //
 // # Locking
 //
-// This package keeps one lock, FS.mu, over the count of writable handles per
-// segment; it is never held across a registry call. The registry's order
-// is Segment.io, then Registry.mu (see package segment).
+// This package keeps FS.mu, over the count of writable handles per
+// segment; FS.raMu over read-ahead's buffers and FS.bgMu over its
+// goroutines; and a mutex per handle's read-ahead, taken before FS.raMu.
+// None is held across a registry call. The registry's order is Segment.io,
+// then Registry.mu (see package segment); a lent reply holds Segment.io
+// shared from Read until go-fuse has written it (Done).
+//
+// Read-ahead's goroutines belong to the FS: they run only while a handle
+// has chunks to read, and Server.Unmount waits for them.
 package fusefs

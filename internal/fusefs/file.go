@@ -66,6 +66,9 @@ func (f *FS) open(ctx context.Context, s *segment.Segment, flags uint32) (*handl
 // newHandle makes the handle for a segment the caller has pinned.
 func (f *FS) newHandle(s *segment.Segment, flags uint32) *handle {
 	h := &handle{fs: f, seg: s, writable: flags&syscall.O_ACCMODE != syscall.O_RDONLY}
+	if flags&syscall.O_ACCMODE != syscall.O_WRONLY {
+		h.ra = &readAhead{fs: f, seg: s}
+	}
 	if h.writable {
 		f.addWriter(s)
 	}
@@ -149,6 +152,7 @@ type handle struct {
 	fs       *FS
 	seg      *segment.Segment
 	writable bool
+	ra       *readAhead // nil for a handle not open for reading
 	released atomic.Bool
 }
 
@@ -161,15 +165,53 @@ var (
 	_ fs.FileAllocater = (*handle)(nil)
 )
 
-// Read implements fs.FileReader: a copy from the segment's memory (through
-// a pinned buffer, on cuda) into the request's buffer.
+// Read implements fs.FileReader. Host memory is lent: the reply is written
+// from the daemon's own mapping of the memfd, with no copy in the daemon.
+// Other memory is copied (on cuda, through a pinned buffer) into the
+// request's buffer, or was, ahead of a sequential reader (readahead.go).
 func (h *handle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	if h.fs.lend {
+		b, done, err := h.fs.reg.Lend(h.seg, off, len(dest))
+		switch {
+		case err == nil || errors.Is(err, io.EOF):
+			if len(b) == 0 {
+				// go-fuse does not call Done for an empty reply.
+				done()
+				return fuse.ReadResultData(nil), 0
+			}
+			return &lentBytes{b: b, done: done}, 0
+		case !errors.Is(err, segment.ErrNoData):
+			return nil, h.fs.errno("read", err)
+		}
+	}
+	if h.ra != nil {
+		if rr, ok := h.ra.serve(off, len(dest)); ok {
+			return rr, 0
+		}
+	}
 	n, err := h.fs.reg.ReadAt(h.seg, dest, off)
 	if err != nil && !errors.Is(err, io.EOF) {
 		return nil, h.fs.errno("read", err)
 	}
+	if h.ra != nil {
+		h.ra.after(off, n, len(dest))
+	}
 	return fuse.ReadResultData(dest[:n]), 0
 }
+
+// lentBytes is a reply made of a segment's own bytes (Registry.Lend),
+// given back once the reply is written.
+type lentBytes struct {
+	b    []byte
+	done func()
+}
+
+func (l *lentBytes) Size() int                          { return len(l.b) }
+func (l *lentBytes) Bytes([]byte) ([]byte, fuse.Status) { return l.b, fuse.OK }
+
+// Slices makes go-fuse write the reply from the bytes themselves (writev).
+func (l *lentBytes) Slices() ([][]byte, fuse.Status) { return [][]byte{l.b}, fuse.OK }
+func (l *lentBytes) Done()                           { l.done() }
 
 // Write implements fs.FileWriter. The bytes are in the segment's memory,
 // visible to every process mapping it, when it returns.
@@ -212,6 +254,9 @@ func (h *handle) Fsync(ctx context.Context, flags uint32) syscall.Errno {
 func (h *handle) Release(ctx context.Context) syscall.Errno {
 	if h.released.Swap(true) {
 		return 0
+	}
+	if h.ra != nil {
+		h.ra.close()
 	}
 	if h.writable && h.fs.dropWriter(h.seg) {
 		h.trim()

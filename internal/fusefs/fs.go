@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -43,12 +44,30 @@ type FS struct {
 
 	mu      sync.Mutex
 	writers map[*segment.Segment]int // writable handles open, per segment
+
+	// lend: reads of memory that can lend it are replies made of it
+	// (Registry.Lend); false only in tests, to read ahead on host memory.
+	lend bool
+
+	// Read-ahead (readahead.go): the memory it holds, and its goroutines.
+	raMu     sync.Mutex
+	raBytes  int      // in chunks
+	raKept   int      // in chunks and raFree
+	raFree   [][]byte // buffers for reuse
+	bgMu     sync.Mutex
+	bgDone   bool // unmounting: no more goroutines
+	bg       sync.WaitGroup
+	raServed atomic.Int64 // requests answered from bytes read ahead
 }
+
+// lendReads is FS.lend for views mounted from now on (export_test.go).
+var lendReads = true
 
 // Server is a mounted view.
 type Server struct {
 	dir string
 	srv *fuse.Server
+	fs  *FS
 }
 
 // Dir is the mount point.
@@ -73,6 +92,7 @@ func Mount(dir string, reg *segment.Registry, b Backend, log *slog.Logger) (*Ser
 		uid:     uint32(os.Geteuid()),
 		gid:     uint32(os.Getegid()),
 		writers: make(map[*segment.Segment]int),
+		lend:    lendReads,
 	}
 	var zero time.Duration
 	root := os.Geteuid() == 0
@@ -112,7 +132,7 @@ func Mount(dir string, reg *segment.Registry, b Backend, log *slog.Logger) (*Ser
 	if err != nil {
 		return nil, fmt.Errorf("mount FUSE view at %s: %w", dir, err)
 	}
-	return &Server{dir: dir, srv: srv}, nil
+	return &Server{dir: dir, srv: srv, fs: f}, nil
 }
 
 // Unmount unmounts the view and waits for its requests to finish. A mount
@@ -120,6 +140,7 @@ func Mount(dir string, reg *segment.Registry, b Backend, log *slog.Logger) (*Ser
 // detached lazily instead, so that the daemon can still exit; such a
 // process then sees ENOTCONN.
 func (s *Server) Unmount() error {
+	defer s.fs.waitBackground()
 	if err := s.srv.Unmount(); err != nil {
 		if lerr := lazyUnmount(s.dir); lerr != nil {
 			return fmt.Errorf("unmount %s: %w (lazy unmount: %v)", s.dir, err, lerr)

@@ -35,6 +35,30 @@ type Rounder interface {
 	RoundSize(device int, size int64) int64
 }
 
+// Resizer is implemented by memory that can change size in place, keeping
+// its bytes and its descriptor, for as long as no other process holds the
+// descriptor (host memory before a socket client first opens it): a file
+// the FUSE view grows is then extended instead of copied into new memory.
+type Resizer interface {
+	// Resize makes the memory size bytes (rounded as Allocate rounds).
+	// Bytes past the old size read as zeros; commit makes their memory
+	// now, as Allocate does, where otherwise it may come as they are
+	// written. It fails with ErrFixed once the size can no longer change,
+	// and the registry then replaces the memory instead. The caller holds
+	// the segment's io lock exclusively.
+	Resize(size int64, commit bool) error
+}
+
+// Journaled is implemented by memory whose descriptor the journal (the
+// daemon's own supervisor) may keep without fixing its size, as FD would
+// for a client: the descriptor, as JournalFD returns it, stays resizable.
+type Journaled interface {
+	JournalFD() (int, error)
+}
+
+// ErrFixed: the memory's size can no longer change in place.
+var ErrFixed = errors.New("memory size is fixed")
+
 // ErrTooLarge: a write or resize past the device's memory.
 var ErrTooLarge = &Error{"larger than the device", syscall.EFBIG}
 
@@ -103,6 +127,47 @@ func (r *Registry) ReadAt(s *Segment, p []byte, off int64) (int, error) {
 	return int(n), nil
 }
 
+// Lender is implemented by memory the daemon maps, whose bytes a reply can
+// be made of without copying them first (host memory).
+type Lender interface {
+	// Lend returns the n bytes at off, as they are in the memory; they
+	// stay valid until the memory is resized or freed.
+	Lend(off, n int64) ([]byte, error)
+}
+
+// Lend is ReadAt without the copy, for memory that can lend its bytes
+// (Lender): it returns s's bytes at off, up to n and s's size (io.EOF when
+// fewer), and done, to call once they are no longer used; until then s
+// keeps its memory and its size. It fails with ErrNoData for memory that
+// cannot lend. The caller holds a pin or a lease on s.
+func (r *Registry) Lend(s *Segment, off int64, n int) (b []byte, done func(), err error) {
+	if off < 0 {
+		return nil, nil, fmt.Errorf("read at %d: %w", off, syscall.EINVAL)
+	}
+	s.io.RLock()
+	r.mu.Lock()
+	size, mem := s.size, s.mem
+	r.mu.Unlock()
+	l, ok := mem.(Lender)
+	switch {
+	case off >= size:
+		s.io.RUnlock()
+		return nil, func() {}, io.EOF
+	case !ok:
+		s.io.RUnlock()
+		return nil, nil, ErrNoData
+	}
+	k := min(int64(n), size-off)
+	if b, err = l.Lend(off, k); err != nil {
+		s.io.RUnlock()
+		return nil, nil, fmt.Errorf("read %d bytes at %d of %q: %w", k, off, s.name, err)
+	}
+	if k < int64(n) {
+		err = io.EOF
+	}
+	return b, s.io.RUnlock, err
+}
+
 // WriteAt copies p into s at off. A write past the end grows s, zeroing any
 // gap, into new memory when it does not fit in the allocation; growing is
 // refused with ErrBusy while s is leased (another process may have it
@@ -139,6 +204,7 @@ func (r *Registry) WriteAt(s *Segment, p []byte, off int64) (int, error) {
 	if err := d.WriteAt(p, off); err != nil {
 		return 0, fmt.Errorf("write %d bytes at %d of %q: %w", len(p), off, s.name, err)
 	}
+	s.changes.Add(1)
 	return len(p), nil
 }
 
@@ -182,6 +248,7 @@ func (r *Registry) growingWrite(s *Segment, p []byte, off int64) (int, error) {
 	}
 	s.size = max(s.size, end)
 	s.modified = time.Now()
+	s.changes.Add(1)
 	r.noteLocked(s, -1)
 	return len(p), nil
 }
@@ -217,7 +284,7 @@ func (r *Registry) grow(s *Segment, mem Memory, keep, have, need int64) (Memory,
 		}
 	}
 	for i, t := range tries {
-		nm, err := r.replace(s, mem, keep, t, -1)
+		nm, err := r.replace(s, mem, keep, t, -1, false)
 		if err == nil || i == len(tries)-1 || !isNoMem(err) {
 			return nm, err
 		}
@@ -233,8 +300,15 @@ func isNoMem(err error) bool {
 // replace gives s new memory of at least capacity bytes (none for 0)
 // holding the first keep bytes of mem, and, when size >= 0, sets the size
 // in the same step, zeroing the new memory from keep up to it. s.io is held
-// exclusively. The old memory is freed.
-func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64) (Memory, error) {
+// exclusively. The old memory is freed. Memory that can resize in place
+// (Resizer) does so instead, and stays s's; commit asks it to make the
+// memory it grows by now.
+func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64, commit bool) (Memory, error) {
+	if capacity > 0 {
+		if nm, err := r.resizeInPlace(s, mem, keep, capacity, size, commit); nm != nil || err != nil {
+			return nm, err
+		}
+	}
 	var nm Memory
 	fd := -1
 	if grow := r.roundSize(s.device, capacity) - memSize(mem); grow > 0 {
@@ -290,6 +364,7 @@ func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64) (
 		return nil, err
 	}
 	r.dirtyLocked(s)
+	s.changes.Add(1)
 	s.mem = nm
 	if nm != nil {
 		r.byID[s.id] = s
@@ -303,6 +378,85 @@ func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64) (
 	r.noteLocked(s, fd)
 	r.mu.Unlock()
 	return nm, free(mem)
+}
+
+// resizeInPlace is replace for memory that can resize in place (Resizer):
+// it returns nil, nil when mem cannot, for replace to allocate instead.
+// Opens wait while the size changes (s.moving, which onDeviceLocked waits
+// for), so that no descriptor goes out with a size about to change.
+func (r *Registry) resizeInPlace(s *Segment, mem Memory, keep, capacity, size int64, commit bool) (Memory, error) {
+	rs, ok := mem.(Resizer)
+	if !ok {
+		return nil, nil
+	}
+	have := memSize(mem)
+	grow := max(r.roundSize(s.device, capacity)-have, 0)
+	r.mu.Lock()
+	if s.tier == OnHost {
+		// Evicted: it grows where it lives, in the spill's memory.
+		r.mu.Unlock()
+		return nil, nil
+	}
+	if grow > 0 {
+		// Only what it grows by is new: check and reserve that.
+		err := r.checkLimitsLocked(Cred{UID: s.uid, GID: s.gid}, s.device, grow, 0, false)
+		if err == nil {
+			r.tiers.reserved[s.device] += grow
+			if err = r.roomLocked(s.device, s, grow, fmt.Sprintf("growing %q to %s", s.name, fmtBytes(capacity))); err != nil {
+				r.tiers.reserved[s.device] -= grow
+			}
+		}
+		if err != nil {
+			r.mu.Unlock()
+			return nil, err
+		}
+	}
+	if _, _, err := r.resizableLocked(s); err != nil || s.moving != nil {
+		// Opened since its caller looked (ErrBusy), or an eviction
+		// waits for s.io (replace, as before it).
+		r.tiers.reserved[s.device] -= grow
+		r.mu.Unlock()
+		return nil, err
+	}
+	done := make(chan struct{})
+	s.moving = done
+	r.mu.Unlock()
+
+	err := rs.Resize(capacity, commit)
+	// What it grew by reads as zeros; what it had past keep may not.
+	if end := min(size, have, memSize(mem)); err == nil && end > keep {
+		d, derr := dataOf(mem)
+		if derr == nil {
+			derr = d.Zero(keep, end-keep)
+		}
+		if derr != nil {
+			err = fmt.Errorf("zero %d bytes at %d: %w", end-keep, keep, derr)
+		}
+	}
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s.moving = nil
+	close(done)
+	r.tiers.reserved[s.device] -= grow
+	if errors.Is(err, ErrFixed) {
+		return nil, nil
+	}
+	// Even if it failed half way, the memory may have changed.
+	r.dirtyLocked(s)
+	s.changes.Add(1)
+	if err == nil {
+		_, _, err = r.resizableLocked(s)
+	}
+	if err == nil && size >= 0 && size != s.size {
+		s.size = size
+		s.modified = time.Now()
+	}
+	r.noteLocked(s, -1)
+	if err != nil {
+		return nil, fmt.Errorf("resize %q to %d bytes: %w", s.name, capacity, err)
+	}
+	return mem, nil
 }
 
 // Resize sets s's size, as truncate(2) does: bytes past the new size are
@@ -334,7 +488,7 @@ func (r *Registry) Resize(s *Segment, size int64) error {
 		return err
 	}
 	if want != memSize(mem) {
-		_, err := r.replace(s, mem, min(cur, size), size, size)
+		_, err := r.replace(s, mem, min(cur, size), size, size, true)
 		return err
 	}
 	if size > cur {
@@ -354,6 +508,7 @@ func (r *Registry) Resize(s *Segment, size int64) error {
 	r.dirtyLocked(s)
 	s.size = size
 	s.modified = time.Now()
+	s.changes.Add(1)
 	r.noteLocked(s, -1)
 	return nil
 }
@@ -372,7 +527,7 @@ func (r *Registry) Reserve(s *Segment, capacity int64) error {
 	if err != nil || memSize(mem) >= capacity {
 		return err
 	}
-	_, err = r.replace(s, mem, size, capacity, -1)
+	_, err = r.replace(s, mem, size, capacity, -1, true)
 	return err
 }
 
@@ -389,7 +544,7 @@ func (r *Registry) Trim(s *Segment) error {
 	if err != nil || r.roundSize(s.device, size) >= memSize(mem) {
 		return nil
 	}
-	_, err = r.replace(s, mem, size, size, size)
+	_, err = r.replace(s, mem, size, size, size, false)
 	return err
 }
 

@@ -22,7 +22,15 @@
 // is unlinked and has neither leases nor pins. ReadAt, WriteAt, Resize,
 // Reserve and Trim copy through the Memory's Data methods; replacing a
 // segment's memory (grow, shrink, trim) is refused with ErrBusy while it has
-// a lease. Each segment has an io RWMutex: copies hold it shared, replacing
-// or freeing the memory holds it exclusively, and it is always taken before
-// the registry mutex, never while holding it.
+// a lease. Memory that can change size in place (Resizer: host memory whose
+// descriptor no client has had yet) is resized instead of replaced, and
+// opens wait while it is (the segment is "moving"). Lend hands out the
+// memory's own bytes instead of a copy, for a reply made of them; the
+// borrower gives them back (done) once the reply is written. Stamp tells a
+// reader that read ahead whether its bytes are still the segment's: every
+// change the daemon makes, and every lease taken, moves it. Each segment
+// has an io RWMutex: copies hold it shared (a loan until it is given
+// back), replacing, resizing or freeing the memory holds it exclusively,
+// and it is always taken before the registry mutex, never while holding
+// it.
 package segment

@@ -83,6 +83,22 @@ func (r *Registry) Pin(c Cred, s *Segment, want uint32) error {
 	return nil
 }
 
+// Stamp tells whether bytes the daemon read from s earlier may be served
+// as s's bytes now, for a reader that reads ahead (the FUSE view): they
+// may if the stamp is the one taken before reading them, and quiet. The
+// stamp changes with every change the daemon makes or lets a process make
+// (its own writes and resizes, once done; every lease taken, before the
+// descriptor goes out). quiet is false while a process may write the
+// memory unseen: a socket client holds it open (a lease holder writes
+// through its own mapping, and on a GPU even a read-only one can), its
+// publisher kept the memfd it published, or a restart left its leases in
+// doubt.
+func (r *Registry) Stamp(s *Segment) (stamp uint64, quiet bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return s.changes.Load(), s.opens == 0 && s.restoredAnon == 0 && !s.doubt && !s.published && !s.gone
+}
+
 // Unpin ends one pin on s; the memory is freed when s is unlinked and this
 // was its last reference.
 func (r *Registry) Unpin(s *Segment) error { return r.drop(s, &s.pins, "unpin", "pin") }

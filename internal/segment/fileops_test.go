@@ -20,6 +20,11 @@ type dataAlloc struct {
 	allocs   int
 	capacity int64
 	failOver int64 // allocations larger than this fail with ENOMEM; 0: never
+	// resizable makes memory that resizes in place until its FD is
+	// taken, as host memory does; onResize, if set, runs in each Resize.
+	resizable bool
+	resizes   int
+	onResize  func()
 }
 
 func newDataAlloc() *dataAlloc { return &dataAlloc{capacity: 1 << 30} }
@@ -49,7 +54,7 @@ func (f *dataAlloc) Allocate(device int, size int64) (Memory, error) {
 	for i := range b {
 		b[i] = 0xee // memory is not promised to be zero
 	}
-	return &dataMem{f: f, b: b}, nil
+	return &dataMem{f: f, b: b, growable: f.resizable}, nil
 }
 
 func (f *dataAlloc) stats() (live int, bytes int64) {
@@ -59,16 +64,62 @@ func (f *dataAlloc) stats() (live int, bytes int64) {
 }
 
 type dataMem struct {
-	f     *dataAlloc
-	mu    sync.Mutex // the fake's bytes are Go memory: the race detector watches them
-	b     []byte
-	freed bool
+	f        *dataAlloc
+	mu       sync.Mutex // the fake's bytes are Go memory: the race detector watches them
+	b        []byte
+	freed    bool
+	growable bool // Resize works until FD
 }
 
-var _ Data = (*dataMem)(nil)
+var (
+	_ Data    = (*dataMem)(nil)
+	_ Resizer = (*dataMem)(nil)
+	_ Lender  = (*dataMem)(nil)
+)
 
-func (m *dataMem) FD() (int, error) { return 3, nil }
-func (m *dataMem) Size() int64      { return int64(len(m.b)) }
+// FD fixes the size, as a descriptor handed out does a memfd's.
+func (m *dataMem) FD() (int, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.growable = false
+	return 3, nil
+}
+
+func (m *dataMem) Size() int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return int64(len(m.b))
+}
+
+// Resize keeps the bytes that stay; those it adds are zeros, and those a
+// shrink loses come back as zeros.
+func (m *dataMem) Resize(size int64, commit bool) error {
+	if hook := m.f.onResize; hook != nil {
+		hook()
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.check(0, 0)
+	if !m.growable {
+		return ErrFixed
+	}
+	size = m.f.RoundSize(0, size)
+	b := make([]byte, size)
+	copy(b, m.b)
+	m.f.mu.Lock()
+	m.f.bytes += size - int64(len(m.b))
+	m.f.resizes++
+	m.f.mu.Unlock()
+	m.b = b
+	return nil
+}
+
+func (m *dataMem) Lend(off, n int64) ([]byte, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.check(off, n)
+	return m.b[off : off+n], nil
+}
 func (m *dataMem) Free() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -526,4 +577,177 @@ func TestConcurrentIO(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	close(stop)
 	wg.Wait()
+}
+
+// TestGrowInPlace: memory that resizes in place grows a file written
+// sequentially without a new allocation, and shrinks to fit at Trim; once
+// its descriptor went to a client, it is replaced as other memory is.
+func TestGrowInPlace(t *testing.T) {
+	f := newDataAlloc()
+	f.resizable = true
+	r := New(f, nil)
+	s, _, _ := r.Create(alice, CreateOptions{Name: "g", AllowEmpty: true, Pin: true})
+	chunk := bytes.Repeat([]byte("abcdefgh"), 1024) // 8 KiB
+	const n = 100
+	for i := range n {
+		if _, err := r.WriteAt(s, chunk, int64(i*len(chunk))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if f.allocs != 1 || f.resizes == 0 || f.resizes > 10 {
+		t.Fatalf("%d allocations and %d resizes for 100 sequential writes; want 1, and a few", f.allocs, f.resizes)
+	}
+	if err := r.Trim(s); err != nil {
+		t.Fatal(err)
+	}
+	if inf := r.Info(s); inf.AllocSize != n*8192 || f.allocs != 1 {
+		t.Fatalf("after Trim: alloc %d, %d allocations", inf.AllocSize, f.allocs)
+	}
+	want := bytes.Repeat(chunk, n)
+	if got := readAll(t, r, s); !bytes.Equal(got, want) {
+		t.Fatal("contents changed by growing")
+	}
+	// Bytes past a shrunk size read as zeros when it grows again, in
+	// the allocation (the fake keeps them) and past it.
+	if err := r.Resize(s, 100); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Resize(s, 3*8192); err != nil {
+		t.Fatal(err)
+	}
+	if got := readAll(t, r, s); !bytes.Equal(got[:100], want[:100]) || !bytes.Equal(got[100:], make([]byte, 3*8192-100)) {
+		t.Fatal("bytes past a shrunk size came back")
+	}
+	if _, err := r.WriteAt(s, []byte("z"), 5*8192); err != nil {
+		t.Fatal(err)
+	}
+	if got := readAll(t, r, s); !bytes.Equal(got[3*8192:5*8192], make([]byte, 2*8192)) || got[5*8192] != 'z' {
+		t.Fatal("the gap of a write past the end is not zeros")
+	}
+	if f.allocs != 1 {
+		t.Fatalf("%d allocations; resizes should have kept one", f.allocs)
+	}
+	// A client's descriptor fixes the size: growing replaces the memory.
+	if _, err := r.Acquire(alice, "g", false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.FD(); err != nil {
+		t.Fatal(err)
+	}
+	r.Release(s)
+	if _, err := r.WriteAt(s, chunk, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if got := readAll(t, r, s); f.allocs != 2 || got[5*8192] != 'z' || !bytes.Equal(got[1<<20:], chunk) {
+		t.Fatalf("growing fixed memory: %d allocations, or its bytes were lost", f.allocs)
+	}
+	r.Unpin(s)
+	r.Unlink(alice, "g")
+	if live, b := f.stats(); live != 0 || b != 0 {
+		t.Fatalf("after unlink: %d allocations of %d bytes live", live, b)
+	}
+}
+
+// TestResizeInPlaceHoldsOpens: an open waits while the size changes in
+// place, so that the descriptor it hands out is never of a size about to
+// change, and sees the new size.
+func TestResizeInPlaceHoldsOpens(t *testing.T) {
+	f := newDataAlloc()
+	f.resizable = true
+	r := New(f, nil)
+	s, _, _ := r.Create(alice, CreateOptions{Name: "h", Size: 1 << 20, Pin: true})
+	entered, release := make(chan struct{}), make(chan struct{})
+	f.onResize = func() {
+		close(entered)
+		<-release
+	}
+	resized := make(chan error)
+	go func() { resized <- r.Resize(s, 8192) }()
+	<-entered
+	opened := make(chan error)
+	go func() {
+		_, err := r.Acquire(alice, "h", false)
+		opened <- err
+	}()
+	select {
+	case err := <-opened:
+		t.Fatalf("an open during a resize in place returned (%v) before it ended", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	if err := <-resized; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-opened; err != nil {
+		t.Fatal(err)
+	}
+	if inf := r.Info(s); inf.Size != 8192 || inf.AllocSize != 8192 {
+		t.Fatalf("after: size %d, alloc %d", inf.Size, inf.AllocSize)
+	}
+}
+
+// TestStamp: the stamp moves with every change the daemon makes and every
+// lease taken, and nothing is quiet while a lease is held.
+func TestStamp(t *testing.T) {
+	r := New(newDataAlloc(), nil)
+	s, _, _ := r.Create(alice, CreateOptions{Name: "st", Size: 8192, Pin: true})
+	st, quiet := r.Stamp(s)
+	if !quiet {
+		t.Fatal("a segment nobody holds open is not quiet")
+	}
+	step := func(what string, wantQuiet bool, op func()) {
+		t.Helper()
+		op()
+		now, q := r.Stamp(s)
+		if now == st || q != wantQuiet {
+			t.Fatalf("after %s: stamp %d (was %d), quiet %v; want a new stamp, quiet %v", what, now, st, q, wantQuiet)
+		}
+		st = now
+	}
+	step("a write", true, func() { r.WriteAt(s, []byte("x"), 0) })
+	step("a growing write", true, func() { r.WriteAt(s, []byte("x"), 8192) })
+	step("a resize", true, func() { r.Resize(s, 100) })
+	step("an open", false, func() { r.Acquire(alice, "st", true) })
+	if now, q := r.Stamp(s); now != st || q {
+		t.Fatal("the stamp moved by itself")
+	}
+	r.Release(s)
+	if _, q := r.Stamp(s); !q {
+		t.Fatal("not quiet once the lease ended")
+	}
+	if now, _ := r.Stamp(s); now == 0 {
+		t.Fatal("zero stamp")
+	}
+}
+
+// TestLend: lent bytes are the segment's own, up to its size, and keep it
+// from changing size until given back.
+func TestLend(t *testing.T) {
+	f := newDataAlloc()
+	r := New(f, nil)
+	s, _, _ := r.Create(alice, CreateOptions{Name: "l", AllowEmpty: true, Pin: true})
+	if b, done, err := r.Lend(s, 0, 10); err != io.EOF || len(b) != 0 {
+		t.Fatalf("Lend of an empty segment = %q, %v; want io.EOF", b, err)
+	} else {
+		done()
+	}
+	r.WriteAt(s, []byte("0123456789"), 0)
+	b, done, err := r.Lend(s, 4, 100)
+	if err != io.EOF || string(b) != "456789" {
+		t.Fatalf("Lend past the end = %q, %v; want the rest and io.EOF", b, err)
+	}
+	resized := make(chan error)
+	go func() { resized <- r.Resize(s, 3) }()
+	select {
+	case err := <-resized:
+		t.Fatalf("resized (%v) while its bytes were lent", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	done()
+	if err := <-resized; err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := r.Lend(s, -1, 1); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("Lend at -1 = %v", err)
+	}
 }

@@ -158,7 +158,7 @@ func (r *Registry) Replay() uint64 {
 		if s.mem != nil {
 			// Journaled memory was exported before its first Put: FD does
 			// not wait here.
-			if f, err := s.mem.FD(); err == nil {
+			if f, err := journalFD(s.mem); err == nil {
 				fd, ctl = f, controlFD(s.mem)
 			}
 		}
@@ -261,6 +261,15 @@ func (r *Registry) durableFD(mem Memory) (int, error) {
 	r.mu.Unlock()
 	if j == nil || mem == nil {
 		return -1, nil
+	}
+	return journalFD(mem)
+}
+
+// journalFD is mem's descriptor for the journal: one that stays
+// resizable, where mem has one (Journaled).
+func journalFD(mem Memory) (int, error) {
+	if j, ok := mem.(Journaled); ok {
+		return j.JournalFD()
 	}
 	return mem.FD()
 }

@@ -193,6 +193,7 @@ func (s *Segment) reclaimLocked(c Cred, n int) {
 		}
 	}
 	s.opens += n - back
+	s.changes.Add(1)
 	s.addLease(c, n)
 }
 

@@ -7,6 +7,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -200,6 +201,11 @@ type Segment struct {
 	// ReadAt and WriteAt hold it shared, Resize and freeing exclusively. It
 	// is taken before Registry.mu, never while holding it.
 	io sync.RWMutex
+	// changes counts what may have changed the bytes since the daemon
+	// last read them: its own writes and resizes, each counted once done,
+	// and every lease taken, counted before the descriptor goes out
+	// (Stamp, files.go).
+	changes atomic.Uint64
 
 	// Guarded by Registry.mu. mem changes only while io is held
 	// exclusively and opens is 0, so a lease holder may read it unlocked.
@@ -705,6 +711,7 @@ func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
 		r.dirtyLocked(s)
 	}
 	s.opens++
+	s.changes.Add(1)
 	s.addLease(c, 1)
 	s.lastOpen = time.Now()
 	r.noteLocked(s, -1)
