@@ -37,18 +37,7 @@ func TestMain(m *testing.M) {
 	}
 	// The examples find their daemon as programs do, at $GPUSHM_SOCKET:
 	// one on the host backend, in this process. Tests start their own.
-	d, stop, err := testdaemon.Run("host")
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "the examples' daemon: %v\n", err)
-		os.Exit(1)
-	}
-	os.Setenv("GPUSHM_SOCKET", d.Socket)
-	code := m.Run()
-	if err := stop(); err != nil {
-		fmt.Fprintf(os.Stderr, "the examples' daemon: %v\n", err)
-		code = 1
-	}
-	os.Exit(code)
+	testdaemon.RunExamples(m)
 }
 
 func pattern(seed uint64, n int64) []byte {

@@ -84,16 +84,5 @@ func tinyModel() string {
 // TestMain starts the daemon the examples find at $GPUSHM_SOCKET, one on
 // the host backend in this process; the tests start their own.
 func TestMain(m *testing.M) {
-	d, stop, err := testdaemon.Run("host")
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "the examples' daemon: %v\n", err)
-		os.Exit(1)
-	}
-	os.Setenv("GPUSHM_SOCKET", d.Socket)
-	code := m.Run()
-	if err := stop(); err != nil {
-		fmt.Fprintf(os.Stderr, "the examples' daemon: %v\n", err)
-		code = 1
-	}
-	os.Exit(code)
+	testdaemon.RunExamples(m)
 }

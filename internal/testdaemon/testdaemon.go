@@ -150,6 +150,24 @@ func Run(backendName string) (d *Daemon, stop func() error, err error) {
 	return d, func() error { d.stop(); return serveErr }, nil
 }
 
+// RunExamples runs m's tests and examples with a daemon of the host
+// backend at $GPUSHM_SOCKET, where the examples find it as programs do,
+// and exits with their status: a TestMain's whole body.
+func RunExamples(m interface{ Run() int }) {
+	d, stop, err := Run("host")
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "the examples' daemon: %v\n", err)
+		os.Exit(1)
+	}
+	os.Setenv("GPUSHM_SOCKET", d.Socket)
+	code := m.Run()
+	if err := stop(); err != nil {
+		fmt.Fprintf(os.Stderr, "the examples' daemon: %v\n", err)
+		code = 1
+	}
+	os.Exit(code)
+}
+
 // launch serves backend on a socket at path, as the daemon does on the
 // host backend with a host budget (segments move when asked to); wait
 // stops it and says what Serve returned.
