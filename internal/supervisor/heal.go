@@ -105,13 +105,7 @@ func (l *Link) journalBytesLocked(t string, id uint64, b []byte, fd int) {
 	if l.conn == nil {
 		return
 	}
-	var err error
-	if len(b) > maxControl {
-		err = fmt.Errorf("control message of %d bytes exceeds %d", len(b), maxControl)
-	} else {
-		err = l.conn.Send(b, fd)
-	}
-	if err != nil {
+	if err := sendBytes(l.conn, t, b, fd); err != nil {
 		l.lostLocked(l.conn, fmt.Errorf("journal %s of segment %d: %w", t, id, err))
 	}
 }

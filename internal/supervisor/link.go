@@ -101,8 +101,13 @@ func send(c *wire.Conn, m msg, fd int) error {
 	if err != nil {
 		return err
 	}
+	return sendBytes(c, m.T, b, fd)
+}
+
+// sendBytes sends b, an encoded control message of type t.
+func sendBytes(c *wire.Conn, t string, b []byte, fd int) error {
 	if len(b) > maxControl {
-		return fmt.Errorf("control message %q of %d bytes exceeds %d", m.T, len(b), maxControl)
+		return fmt.Errorf("control message %q of %d bytes exceeds %d", t, len(b), maxControl)
 	}
 	return c.Send(b, fd)
 }
