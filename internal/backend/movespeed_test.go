@@ -14,21 +14,31 @@ import (
 	"github.com/gpushm/gpushm/internal/xfer"
 )
 
-// TestMoveSpeed times the pieces of an eviction and a restore on the
-// machine's first backend (cuda where there is a GPU): a diagnostic, run
-// only when GPUSHM_MOVE_SPEED is set to a size in MiB.
-func TestMoveSpeed(t *testing.T) {
-	mib, _ := strconv.Atoi(os.Getenv("GPUSHM_MOVE_SPEED"))
+// speedSetup is what the speed diagnostics share: the size asked for in
+// GPUSHM_MOVE_SPEED (MiB, and bytes), the machine's first backend (closed
+// at the test's end) and a host backend; it skips the test without it.
+func speedSetup(t *testing.T) (mib int, n int64, b Backend, host *Host) {
+	t.Helper()
+	mib, _ = strconv.Atoi(os.Getenv("GPUSHM_MOVE_SPEED"))
 	if mib <= 0 {
 		t.Skip("a diagnostic: set GPUSHM_MOVE_SPEED to a size in MiB")
 	}
-	n := int64(mib) << 20
 	b, err := Open("auto", "all", slog.Default())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer b.Close()
-	host, _ := NewHost()
+	t.Cleanup(func() { b.Close() })
+	if host, err = NewHost(); err != nil {
+		t.Fatal(err)
+	}
+	return mib, int64(mib) << 20, b, host
+}
+
+// TestMoveSpeed times the pieces of an eviction and a restore on the
+// machine's first backend (cuda where there is a GPU): a diagnostic, run
+// only when GPUSHM_MOVE_SPEED is set to a size in MiB.
+func TestMoveSpeed(t *testing.T) {
+	mib, n, b, host := speedSetup(t)
 	dev := b.DefaultDevice()
 	free := func() uint64 {
 		ds, _ := b.Devices()
@@ -122,20 +132,7 @@ func TestMoveSpeed(t *testing.T) {
 // only when GPUSHM_MOVE_SPEED is set to a size in MiB. The reserve is
 // twice the size, so that its largest piece holds the segment.
 func TestEvictSpeed(t *testing.T) {
-	mib, _ := strconv.Atoi(os.Getenv("GPUSHM_MOVE_SPEED"))
-	if mib <= 0 {
-		t.Skip("a diagnostic: set GPUSHM_MOVE_SPEED to a size in MiB")
-	}
-	n := int64(mib) << 20
-	b, err := Open("auto", "all", slog.Default())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer b.Close()
-	host, err := NewHost()
-	if err != nil {
-		t.Fatal(err)
-	}
+	mib, n, b, host := speedSetup(t)
 	mover := b.(segment.Mover)
 	dev := b.DefaultDevice()
 	row := func(what string, d time.Duration, bytes int64) {
