@@ -825,3 +825,43 @@ func TestCUDAByUUID(t *testing.T) {
 		}
 	}
 }
+
+// TestCloseWaitsForWrites: a write from pageable memory returns once the
+// driver has staged the bytes, before its DMA lands; a close that unmapped
+// at once left that DMA to fault, and the fault poisoned the process's
+// context for every later call (cuCtxSynchronize: LAUNCH_FAILED).
+func TestCloseWaitsForWrites(t *testing.T) {
+	d := testdaemon.Start(t, "cuda") // skips without a GPU
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	dev, err := cuda.GetDevice(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, size := range []int64{4096, 3<<20 + 17, 64 << 20} {
+		data := pattern(7, size)
+		for i := range 16 {
+			name := fmt.Sprintf("w%d", i)
+			seg, err := c.Create(ctx, name, size, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			m, err := seg.Map()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := m.WriteAt(data, 0); err != nil {
+				t.Fatal(err)
+			}
+			if err := seg.Close(); err != nil {
+				t.Fatalf("close after a write of %d bytes: %v", size, err)
+			}
+			if err := c.Unlink(ctx, name); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := dev.Synchronize(); err != nil {
+		t.Fatalf("the context after writes and closes: %v", err)
+	}
+}

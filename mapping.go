@@ -211,8 +211,15 @@ func (m *Mapping) unmap() error {
 	if m.dev != nil {
 		var err error
 		if !m.released {
-			err = m.dev.UnmapAt(m.ptr, m.alloc)
-			err = errors.Join(err, m.dev.Release(m.handle))
+			// As in releaseMemory: cuMemUnmap does not wait for work
+			// queued on the range, and a write from pageable memory
+			// returns before its DMA lands. Unmapping under either
+			// faults, and the fault poisons the process's context.
+			err = m.dev.Synchronize()
+			if err == nil {
+				err = m.dev.UnmapAt(m.ptr, m.alloc)
+				err = errors.Join(err, m.dev.Release(m.handle))
+			}
 		}
 		if err == nil {
 			unreserve(m.dev, m.ptr, m.reserved)
