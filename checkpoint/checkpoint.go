@@ -1,8 +1,11 @@
-// Package checkpoint puts a model's checkpoint directory (safetensors
-// shards, the index, config.json and the tokenizer's files) into gpushm as
-// one bundle segment, and writes a bundle back out as the directory it came
-// from, byte for byte: what 'gpushm put NAME DIR' and 'gpushm get NAME DIR'
-// do. It is built on the client (package gpushm) and its copy engine; the
+// Package checkpoint copies files into segments and back: what 'gpushm
+// put' and 'gpushm get' do. A model's checkpoint directory (safetensors
+// shards, the index, config.json and the tokenizer's files) goes into
+// gpushm as one bundle segment (Open, Put), and a bundle back out as the
+// directory it came from, byte for byte (Get); a single file goes into a
+// segment of its size (OpenFile, PutFile), a safetensors file as a bundle
+// that records where it came from, and a segment into a file (GetFile).
+// It is built on the client (package gpushm) and its copy engine; the
 // bundle's layout is docs/protocol.md's ("A checkpoint directory's
 // bundle").
 package checkpoint

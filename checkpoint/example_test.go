@@ -59,6 +59,49 @@ func Example() {
 	// got back: model.safetensors
 }
 
+// One file goes into a segment of its size with PutFile, and back out
+// with GetFile. (A safetensors file would become a tensor bundle that
+// records where it came from.)
+func ExamplePutFile() {
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, "")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
+	dir, err := os.MkdirTemp("", "gpushm-example-")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	path := filepath.Join(dir, "notes.txt")
+	if err := os.WriteFile(path, []byte("hello, segment\n"), 0o644); err != nil {
+		log.Fatal(err)
+	}
+
+	// OpenFile learns the size (spooling standard input, for "-").
+	f, err := checkpoint.OpenFile(ctx, path)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer f.Close()
+	// PutFile makes the segment "notes", committed once full.
+	if _, err := checkpoint.PutFile(ctx, c, "notes", f, nil); err != nil {
+		log.Fatal(err)
+	}
+	defer c.Unlink(ctx, "notes")
+
+	// GetFile writes it into a directory, as cp would.
+	got, err := checkpoint.GetFile(ctx, c, "notes", dir+"/", nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	b, _ := os.ReadFile(got.File)
+	fmt.Printf("%s, %d bytes: %s", filepath.Base(got.File), got.Bytes, b)
+	// Output:
+	// notes, 15 bytes: hello, segment
+}
+
 // tinyModel writes DIR/model: one safetensors shard of one tensor, and a
 // config.json. It returns DIR.
 func tinyModel() string {
