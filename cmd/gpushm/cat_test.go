@@ -3,13 +3,13 @@ package main
 import (
 	"bytes"
 	"context"
-	"errors"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/exitcode"
 )
 
 // TestCat: cat writes segments' bytes to standard output, one after
@@ -29,7 +29,7 @@ func TestCat(t *testing.T) {
 	if out := mustRun(t, nil, "cat", "text", "bin", "text"); out != "hello\nworld\n"+string(binary)+"hello\nworld\n" {
 		t.Errorf("cat text bin text said %q", out)
 	}
-	if r := cli(t, nil, "cat", "nope", "text"); r.code != exitNotFound || r.stdout != "hello\nworld\n" || r.stderr != "gpushm: cat nope: no such segment\n" {
+	if r := cli(t, nil, "cat", "nope", "text"); r.code != exitcode.NotFound || r.stdout != "hello\nworld\n" || r.stderr != "gpushm: cat nope: no such segment\n" {
 		t.Errorf("cat nope text: exit %d, stdout %q, stderr %q; want the second written and the first said missing", r.code, r.stdout, r.stderr)
 	}
 
@@ -45,8 +45,8 @@ func TestCat(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer half.Close()
-	if r := cli(t, nil, "cat", "half"); r.code != exitBusy || !strings.HasPrefix(r.stderr, "gpushm: cat half: ") {
-		t.Errorf("cat of a segment being written: exit %d, %q; want %d", r.code, r.stderr, exitBusy)
+	if r := cli(t, nil, "cat", "half"); r.code != exitcode.Busy || !strings.HasPrefix(r.stderr, "gpushm: cat half: ") {
+		t.Errorf("cat of a segment being written: exit %d, %q; want %d", r.code, r.stderr, exitcode.Busy)
 	}
 
 	out, code := onTerminal(t, "cat", "text")
@@ -54,7 +54,7 @@ func TestCat(t *testing.T) {
 		t.Errorf("cat text on a terminal: exit %d, %q", code, out)
 	}
 	out, code = onTerminal(t, "cat", "bin")
-	if code != exitFailure || !strings.Contains(out, "gpushm: cat bin: binary output can mess up your terminal: 'gpushm cat --force bin' writes it here anyway") || strings.Contains(out, "\x00") {
+	if code != exitcode.Failure || !strings.Contains(out, "gpushm: cat bin: binary output can mess up your terminal: 'gpushm cat --force bin' writes it here anyway") || strings.Contains(out, "\x00") {
 		t.Errorf("cat of binary on a terminal: exit %d, %q; want it refused, and no NUL written", code, out)
 	}
 	// No NUL, but not text either: random bytes often hold no NUL.
@@ -62,7 +62,7 @@ func TestCat(t *testing.T) {
 	os.WriteFile(latin, []byte{0xe9, 0x74, 0xe9, 0x0a, 0xff, 0xfe, 0x01}, 0o644)
 	mustRun(t, nil, "put", "latin", latin)
 	out, code = onTerminal(t, "cat", "latin")
-	if code != exitFailure || !strings.Contains(out, "gpushm: cat latin: binary output can mess up your terminal") || strings.Contains(out, "\xff") {
+	if code != exitcode.Failure || !strings.Contains(out, "gpushm: cat latin: binary output can mess up your terminal") || strings.Contains(out, "\xff") {
 		t.Errorf("cat of bytes that are not UTF-8 on a terminal: exit %d, %q; want it refused", code, out)
 	}
 	out, code = onTerminal(t, "cat", "--force", "bin")
@@ -89,34 +89,4 @@ type recordWriter struct{ sizes []int }
 func (w *recordWriter) Write(b []byte) (int, error) {
 	w.sizes = append(w.sizes, len(b))
 	return len(b), nil
-}
-
-// TestCatText: what is text on a terminal: UTF-8 without NUL, a character
-// split between two writes included.
-func TestCatText(t *testing.T) {
-	text := []byte("h\u00e9llo \u4e16\u754c \U0001F600\n")
-	for i := range len(text) + 1 {
-		var out bytes.Buffer
-		w := &textOnly{w: &out}
-		_, err1 := w.Write(text[:i])
-		_, err2 := w.Write(text[i:])
-		if err1 != nil || err2 != nil || !bytes.Equal(out.Bytes(), text) {
-			t.Errorf("text written as %q and %q: %v, %v, %q", text[:i], text[i:], err1, err2, out.Bytes())
-		}
-	}
-	for _, b := range [][]byte{{'a', 0, 'b'}, {0xe9, 't', 0xe9}, {0xff, 0xfe}, []byte("\xe4\xb8 broken")} {
-		var out bytes.Buffer
-		if _, err := (&textOnly{w: &out}).Write(b); !errors.Is(err, errBinary) || out.Len() != 0 {
-			t.Errorf("Write(%q) = %v, wrote %q; want errBinary and nothing written", b, err, out.Bytes())
-		}
-	}
-	// A character begun at one write's end and not finished by the next.
-	var out bytes.Buffer
-	w := &textOnly{w: &out}
-	if _, err := w.Write([]byte("ok \xe4")); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := w.Write([]byte("x")); !errors.Is(err, errBinary) {
-		t.Errorf("a character cut short by the next write: %v, want errBinary", err)
-	}
 }

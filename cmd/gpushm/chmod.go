@@ -7,6 +7,9 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/complete"
+	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/report"
 )
 
 func chmodCmd() *cobra.Command {
@@ -20,17 +23,12 @@ segment read-only, rw read-write. Only the owner or root may chmod. It
 prints nothing, unless -o asks: each segment as it is now.`,
 		Example: `  gpushm chmod 0640 weights
   gpushm chmod 0644 $(gpushm ls -o name 'shared-*')`,
-		Args: cobra.MinimumNArgs(2),
-		ValidArgsFunction: func(cmd *cobra.Command, args []string, toComplete string) ([]cobra.Completion, cobra.ShellCompDirective) {
-			if len(args) == 0 {
-				return cobra.FixedCompletions(flagValues["mode"], cobra.ShellCompDirectiveNoFileComp)(cmd, args, toComplete)
-			}
-			return segmentNames()(cmd, args[1:], toComplete)
-		},
+		Args:              cobra.MinimumNArgs(2),
+		ValidArgsFunction: complete.NamesAfter(dial, cobra.FixedCompletions(complete.Modes, cobra.ShellCompDirectiveNoFileComp)),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			m, err := strconv.ParseUint(args[0], 8, 32)
 			if err != nil || m > 0o777 {
-				return usagef(cmd, "chmod: mode %q: want octal permission bits such as 0640", args[0])
+				return exitcode.Usagef(cmd, "chmod: mode %q: want octal permission bits such as 0640", args[0])
 			}
 			return eachChanged(cmd.Context(), "chmod", args[1:], func(c *gpushm.Client, name string) error {
 				return c.Chmod(cmd.Context(), name, uint32(m))
@@ -59,12 +57,12 @@ func eachChanged(ctx context.Context, verb string, names []string, fn func(c *gp
 		changed = append(changed, *s)
 		return nil
 	})
-	if isUnreachable(err) {
+	if exitcode.IsNoDaemon(err) {
 		return err // nothing was asked of a daemon
 	}
 	switch output {
 	case "json", "yaml":
-		if perr := printValue(viewsOf(changed)); err == nil {
+		if perr := printValue(report.Segments(changed)); err == nil {
 			err = perr
 		}
 	case "name":

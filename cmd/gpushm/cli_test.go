@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/exitcode"
 )
 
 // TestExitStatus: each class of failure a script tells apart has its own
@@ -54,30 +55,30 @@ func TestExitStatus(t *testing.T) {
 		// must match.
 		stderr string
 	}{
-		{[]string{"mv", "a"}, exitUsage, `^gpushm: mv: want OLD NEW, got 1 argument\nUsage: gpushm mv OLD NEW \[flags\]\n\(see 'gpushm mv --help'\)\n$`},
-		{[]string{"create"}, exitUsage, `^gpushm: create: want NAME SIZE\nUsage: gpushm create NAME SIZE \[flags\]\n`},
-		{[]string{"info", "x"}, exitUsage, `^gpushm: info takes no arguments, got "x"\nUsage: gpushm info \[flags\]\n`},
-		{[]string{"ls", "--bogus"}, exitUsage, `^gpushm: ls: unknown flag: --bogus\nUsage: gpushm ls `},
-		{[]string{"bogus"}, exitUsage, `^gpushm: unknown command "bogus" for "gpushm"\nUsage: gpushm COMMAND \[flags\]\n`},
-		{[]string{"create", "x", "-5"}, exitUsage, `^gpushm: create: -5 is not a flag, and a size is positive, such as 4096, 64MiB or 1G \(an argument that starts with '-' goes after '--'\)\nUsage: gpushm create NAME SIZE`},
-		{[]string{"create", "x", "12XB"}, exitUsage, `^gpushm: create x: invalid size "12XB": unknown unit "XB"`},
-		{[]string{"put", "--copier", "bogus", "x", "f"}, exitUsage, `^gpushm: --copier "bogus": want auto, daemon or client\nUsage: gpushm put`},
-		{[]string{"ls", "-o", "bogus"}, exitUsage, `^gpushm: ls: -o bogus: want json, yaml, wide, name\n`},
-		{[]string{"rm", "nope"}, exitNotFound, `^gpushm: rm nope: no such segment\n$`},
-		{[]string{"stat", "nope"}, exitNotFound, `^gpushm: stat nope: no such segment\n$`},
-		{[]string{"evict", "nope"}, exitNotFound, `^gpushm: evict nope: no such segment\n$`},
-		{[]string{"mv", "nope", "b"}, exitNotFound, `^gpushm: mv nope: no such segment\n$`},
-		{[]string{"ls", "a", "nope"}, exitNotFound, `^gpushm: ls nope: no such segment\n$`},
-		{[]string{"put", "x", filepath.Join(dir, "missing")}, exitNotFound, `^gpushm: put x: open .*/missing: no such file or directory\n$`},
-		{[]string{"create", "a", "1M"}, exitExists, `^gpushm: create a: segment exists\n$`},
-		{[]string{"put", "a", "/etc/hostname"}, exitExists, `^gpushm: put a: segment exists \('gpushm put --force a \.\.\.' replaces it\)\n$`},
-		{[]string{"evict", "a"}, exitBusy, `^gpushm: evict a: .*\n$`},
-		{[]string{"get", "half", filepath.Join(dir, "out")}, exitBusy, `^gpushm: get half: .*still being written.*'gpushm get --wait 1m half `},
+		{[]string{"mv", "a"}, exitcode.Usage, `^gpushm: mv: want OLD NEW, got 1 argument\nUsage: gpushm mv OLD NEW \[flags\]\n\(see 'gpushm mv --help'\)\n$`},
+		{[]string{"create"}, exitcode.Usage, `^gpushm: create: want NAME SIZE\nUsage: gpushm create NAME SIZE \[flags\]\n`},
+		{[]string{"info", "x"}, exitcode.Usage, `^gpushm: info takes no arguments, got "x"\nUsage: gpushm info \[flags\]\n`},
+		{[]string{"ls", "--bogus"}, exitcode.Usage, `^gpushm: ls: unknown flag: --bogus\nUsage: gpushm ls `},
+		{[]string{"bogus"}, exitcode.Usage, `^gpushm: unknown command "bogus" for "gpushm"\nUsage: gpushm COMMAND \[flags\]\n`},
+		{[]string{"create", "x", "-5"}, exitcode.Usage, `^gpushm: create: -5 is not a flag, and a size is positive, such as 4096, 64MiB or 1G \(an argument that starts with '-' goes after '--'\)\nUsage: gpushm create NAME SIZE`},
+		{[]string{"create", "x", "12XB"}, exitcode.Usage, `^gpushm: create x: invalid size "12XB": unknown unit "XB"`},
+		{[]string{"put", "--copier", "bogus", "x", "f"}, exitcode.Usage, `^gpushm: --copier "bogus": want auto, daemon or client\nUsage: gpushm put`},
+		{[]string{"ls", "-o", "bogus"}, exitcode.Usage, `^gpushm: ls: -o bogus: want json, yaml, wide, name\n`},
+		{[]string{"rm", "nope"}, exitcode.NotFound, `^gpushm: rm nope: no such segment\n$`},
+		{[]string{"stat", "nope"}, exitcode.NotFound, `^gpushm: stat nope: no such segment\n$`},
+		{[]string{"evict", "nope"}, exitcode.NotFound, `^gpushm: evict nope: no such segment\n$`},
+		{[]string{"mv", "nope", "b"}, exitcode.NotFound, `^gpushm: mv nope: no such segment\n$`},
+		{[]string{"ls", "a", "nope"}, exitcode.NotFound, `^gpushm: ls nope: no such segment\n$`},
+		{[]string{"put", "x", filepath.Join(dir, "missing")}, exitcode.NotFound, `^gpushm: put x: open .*/missing: no such file or directory\n$`},
+		{[]string{"create", "a", "1M"}, exitcode.Exists, `^gpushm: create a: segment exists\n$`},
+		{[]string{"put", "a", "/etc/hostname"}, exitcode.Exists, `^gpushm: put a: segment exists \('gpushm put --force a \.\.\.' replaces it\)\n$`},
+		{[]string{"evict", "a"}, exitcode.Busy, `^gpushm: evict a: .*\n$`},
+		{[]string{"get", "half", filepath.Join(dir, "out")}, exitcode.Busy, `^gpushm: get half: .*still being written.*'gpushm get --wait 1m half `},
 		// Sizes in binary units beside bytes.
-		{[]string{"create", "big", "100M"}, exitNoSpace, `^gpushm: create big: .*104857600 bytes \(100 MiB\)`},
-		{[]string{"--socket", filepath.Join(dir, "none.sock"), "ls"}, exitUnreachable, `^gpushm: cannot reach daemon at .*none.sock`},
+		{[]string{"create", "big", "100M"}, exitcode.NoSpace, `^gpushm: create big: .*104857600 bytes \(100 MiB\)`},
+		{[]string{"--socket", filepath.Join(dir, "none.sock"), "ls"}, exitcode.Unreachable, `^gpushm: cannot reach daemon at .*none.sock`},
 		// Several names: each failure on its line, the first one's status.
-		{[]string{"rm", "nope1", "nope2"}, exitNotFound, `^gpushm: rm nope1: no such segment\ngpushm: rm nope2: no such segment\n$`},
+		{[]string{"rm", "nope1", "nope2"}, exitcode.NotFound, `^gpushm: rm nope1: no such segment\ngpushm: rm nope2: no such segment\n$`},
 	}
 	for _, tc := range tests {
 		r := cli(t, nil, tc.args...)
@@ -96,8 +97,8 @@ func TestExitStatus(t *testing.T) {
 	// Permission: another user may not remove root's segment.
 	rm := exec.Command(binaryForOthers(t), "--socket", sock, "rm", "a")
 	rm.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
-	if r := runCmd(t, rm); r.code != exitPermission || !strings.HasPrefix(r.stderr, "gpushm: rm a: ") {
-		t.Errorf("rm as nobody: exit %d, stderr %q; want %d", r.code, r.stderr, exitPermission)
+	if r := runCmd(t, rm); r.code != exitcode.Permission || !strings.HasPrefix(r.stderr, "gpushm: rm a: ") {
+		t.Errorf("rm as nobody: exit %d, stderr %q; want %d", r.code, r.stderr, exitcode.Permission)
 	}
 }
 
@@ -113,8 +114,8 @@ func TestErrorObject(t *testing.T) {
 	if err := json.Unmarshal([]byte(r.stderr), &o); err != nil || strings.Count(r.stderr, "\n") != 1 {
 		t.Fatalf("stat -o json of a missing segment: stderr %q is not one JSON object: %v", r.stderr, err)
 	}
-	if want := map[string]any{"error": "stat nope: no such segment", "code": "ENOENT", "exit": float64(exitNotFound)}; !equalJSON(o, want) || r.code != exitNotFound || r.stdout != "" {
-		t.Errorf("stat -o json: exit %d, stdout %q, stderr %v; want exit %d and %v", r.code, r.stdout, o, exitNotFound, want)
+	if want := map[string]any{"error": "stat nope: no such segment", "code": "ENOENT", "exit": float64(exitcode.NotFound)}; !equalJSON(o, want) || r.code != exitcode.NotFound || r.stdout != "" {
+		t.Errorf("stat -o json: exit %d, stdout %q, stderr %v; want exit %d and %v", r.code, r.stdout, o, exitcode.NotFound, want)
 	}
 
 	r = cli(t, nil, "rm", "x", "y", "-o", "json")
@@ -127,13 +128,13 @@ func TestErrorObject(t *testing.T) {
 	// flags is in the format asked for too.
 	r = cli(t, nil, "ls", "-o", "json", "--bogus")
 	o = nil
-	if err := json.Unmarshal([]byte(r.stderr), &o); err != nil || o["code"] != "EINVAL" || o["exit"] != float64(exitUsage) || !strings.HasPrefix(o["usage"].(string), "gpushm ls ") {
+	if err := json.Unmarshal([]byte(r.stderr), &o); err != nil || o["code"] != "EINVAL" || o["exit"] != float64(exitcode.Usage) || !strings.HasPrefix(o["usage"].(string), "gpushm ls ") {
 		t.Errorf("ls -o json --bogus: exit %d, stderr %q (%v)", r.code, r.stderr, err)
 	}
 
 	r = cli(t, nil, "--socket", sock+".none", "info", "-o", "yaml")
 	o = nil
-	if err := yaml.Unmarshal([]byte(r.stderr), &o); err != nil || o["code"] != "ECONNREFUSED" || r.code != exitUnreachable {
+	if err := yaml.Unmarshal([]byte(r.stderr), &o); err != nil || o["code"] != "ECONNREFUSED" || r.code != exitcode.Unreachable {
 		t.Errorf("info -o yaml, no daemon: exit %d, stderr %q (%v)", r.code, r.stderr, err)
 	}
 }
@@ -233,8 +234,8 @@ func TestOutputFormats(t *testing.T) {
 		t.Errorf("rm said %q, want nothing", out)
 	}
 	r := cli(t, nil, "info", "-o", "name")
-	if r.code != exitUsage {
-		t.Errorf("info -o name: exit %d, want %d (info has no names)", r.code, exitUsage)
+	if r.code != exitcode.Usage {
+		t.Errorf("info -o name: exit %d, want %d (info has no names)", r.code, exitcode.Usage)
 	}
 	var inf map[string]any
 	decode(t, mustRun(t, nil, "info", "--json"), &inf)

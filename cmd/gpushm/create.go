@@ -11,6 +11,8 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/bytesize"
+	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/report"
 )
 
 func createCmd() *cobra.Command {
@@ -35,7 +37,7 @@ granularity.`,
 		Args:              cobra.ExactArgs(2),
 		ValidArgsFunction: cobra.NoFileCompletions,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return failed("create", args[0], create(cmd, args[0], args[1], device, mode, meta, existOK, pin, ttl))
+			return exitcode.Failed("create", args[0], create(cmd, args[0], args[1], device, mode, meta, existOK, pin, ttl))
 		},
 	}
 	f := cmd.Flags()
@@ -53,12 +55,12 @@ granularity.`,
 func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existOK, pin bool, ttl time.Duration) error {
 	size, err := bytesize.Parse(sizeArg)
 	if err != nil {
-		return usagef(cmd, "create %s: %v", name, err)
+		return exitcode.Usagef(cmd, "create %s: %v", name, err)
 	}
 	if size == 0 {
 		// The protocol makes an empty segment only when asked to: one
 		// holds nothing to map, and a size of 0 typed here is a mistake.
-		return errnof(syscall.EINVAL, "invalid size: 0 (must be positive; an empty file puts as an empty segment, which holds nothing to map)")
+		return exitcode.Errnof(syscall.EINVAL, "invalid size: 0 (must be positive; an empty file puts as an empty segment, which holds nothing to map)")
 	}
 	o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl, Pin: pin}
 	if o.Mode, err = parseMode(cmd, mode); err != nil {
@@ -66,7 +68,7 @@ func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existO
 	}
 	if meta != "" {
 		if !json.Valid([]byte(meta)) {
-			return usagef(cmd, "--meta: not valid JSON")
+			return exitcode.Usagef(cmd, "--meta: not valid JSON")
 		}
 		o.Meta = json.RawMessage(meta)
 	}
@@ -84,7 +86,7 @@ func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existO
 	}
 	switch {
 	case structured():
-		return printValue(viewOf(inf))
+		return printValue(report.SegmentOf(inf))
 	case output == "name":
 		printNames(inf.Name)
 		return nil
@@ -104,7 +106,7 @@ func parseMode(cmd *cobra.Command, mode string) (*uint32, error) {
 	}
 	m, err := strconv.ParseUint(mode, 8, 32)
 	if err != nil {
-		return nil, usagef(cmd, "--mode %q: want octal permission bits such as 0640", mode)
+		return nil, exitcode.Usagef(cmd, "--mode %q: want octal permission bits such as 0640", mode)
 	}
 	m32 := uint32(m)
 	return &m32, nil

@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm/internal/daemon"
+	"github.com/gpushm/gpushm/internal/exitcode"
 )
 
 func daemonCmd() *cobra.Command {
@@ -95,7 +96,7 @@ socket, and replaces a stale socket file.`,
 			var code daemon.ExitCode
 			if errors.As(err, &code) {
 				// The serving process said why on standard error.
-				return exitCode(code)
+				return exitcode.Code(code)
 			}
 			return err
 		},

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/gpushm/gpushm/internal/exitcode"
 )
 
 // TestDF: df says, per device and tier and per user, what is used of
@@ -83,8 +85,8 @@ func TestDF(t *testing.T) {
 	if out := mustRun(t, nil, "df", "-o", "yaml"); !strings.Contains(out, "limit: budget") {
 		t.Errorf("df -o yaml:\n%s", out)
 	}
-	if r := cli(t, nil, "df", "-o", "name"); r.code != exitUsage {
-		t.Errorf("df -o name: exit %d, want %d (df has no names)", r.code, exitUsage)
+	if r := cli(t, nil, "df", "-o", "name"); r.code != exitcode.Usage {
+		t.Errorf("df -o name: exit %d, want %d (df has no names)", r.code, exitcode.Usage)
 	}
 
 	// Another user sees its own quota, holding nothing yet, and then what
@@ -160,7 +162,7 @@ func TestFiguresThatDoNotConfuse(t *testing.T) {
 	startDaemonProc(t, sock2, "--gpu-budget", "4M")
 	r := cli(t, nil, "--socket", sock2, "create", "big", "5M")
 	want := "gpushm: create big: no room under the budget: 5242880 bytes (5 MiB) exceeds device 0's budget of 4194304 bytes (4 MiB)\n"
-	if r.code != exitNoSpace || r.stderr != want {
-		t.Errorf("create past the whole budget: exit %d, %q; want exit %d, %q", r.code, r.stderr, exitNoSpace, want)
+	if r.code != exitcode.NoSpace || r.stderr != want {
+		t.Errorf("create past the whole budget: exit %d, %q; want exit %d, %q", r.code, r.stderr, exitcode.NoSpace, want)
 	}
 }

@@ -9,6 +9,9 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/bytesize"
+	"github.com/gpushm/gpushm/internal/complete"
+	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/report"
 )
 
 const tiersHelp = `A segment lives on its device (tier gpu) or, evicted, in host memory (tier
@@ -42,7 +45,7 @@ func tierCmd(use, short, long, example string, op func(context.Context, *gpushm.
 		Long:              long,
 		Example:           example,
 		Args:              cobra.MinimumNArgs(1),
-		ValidArgsFunction: segmentNames(),
+		ValidArgsFunction: complete.Names(dial),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var done []gpushm.SegmentInfo
 			err := eachName(cmd.Context(), verb, args, func(c *gpushm.Client, name string) error {
@@ -56,12 +59,12 @@ func tierCmd(use, short, long, example string, op func(context.Context, *gpushm.
 				case "name":
 					printNames(s.Name)
 				default:
-					fmt.Printf("%s: %s, %s\n", s.Name, bytesize.Format(s.AllocSize), tier(c.Backend(), s))
+					fmt.Printf("%s: %s, %s\n", s.Name, bytesize.Format(s.AllocSize), report.Tier(c.Backend(), s))
 				}
 				return nil
 			})
-			if structured() && !isUnreachable(err) {
-				if perr := printValue(viewsOf(done)); err == nil {
+			if structured() && !exitcode.IsNoDaemon(err) {
+				if perr := printValue(report.Segments(done)); err == nil {
 					err = perr
 				}
 			}

@@ -1,33 +1,27 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"io/fs"
-	"math/rand/v2"
 	"os"
-	"path/filepath"
-	"strings"
 	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/sys/unix"
 
-	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/checkpoint"
-	"github.com/gpushm/gpushm/internal/layout"
+	"github.com/gpushm/gpushm/internal/complete"
+	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/interrupt"
+	"github.com/gpushm/gpushm/internal/report"
 )
 
 func getCmd() *cobra.Command {
 	var (
-		raw      bool
 		copyOpts copyFlags
 		verbose  bool
-		wait     time.Duration
+		o        checkpoint.GetFileOptions
 	)
 	cmd := &cobra.Command{
 		Use:   "get NAME FILE|DIR",
@@ -61,24 +55,24 @@ print what was copied, -o name the segment's name.`,
   gpushm get weights - | sha256sum
   gpushm get --wait 5m weights model.bin   # while 'gpushm put' still writes it`,
 		Args:              cobra.ExactArgs(2),
-		ValidArgsFunction: namesThenFiles(func(*cobra.Command) bool { return true }),
+		ValidArgsFunction: complete.NamesThenFiles(dial, func(*cobra.Command) bool { return true }),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, path := args[0], args[1]
-			if wait < 0 {
-				return usagef(cmd, "--wait %s: want a positive duration", wait)
+			if o.Wait < 0 {
+				return exitcode.Usagef(cmd, "--wait %s: want a positive duration", o.Wait)
 			}
 			co, err := copyOpts.options()
 			if err != nil {
-				return usagef(cmd, "%v", err)
+				return exitcode.Usagef(cmd, "%v", err)
 			}
-			inDaemon, err := copyOpts.inDaemon()
-			if err != nil {
-				return usagef(cmd, "%v", err)
+			if o.InDaemon, err = copyOpts.inDaemon(); err != nil {
+				return exitcode.Usagef(cmd, "%v", err)
 			}
-			ctx, stop := interruptible(cmd.Context())
+			ctx, stop := interrupt.Context(cmd.Context())
 			defer stop()
-			res, err := get(ctx, name, path, getOptions{raw: raw, co: co, inDaemon: inDaemon, verbose: verbose, wait: wait})
-			err = failed("get", name, err)
+			o.Copy = *co
+			res, err := get(ctx, name, path, verbose, &o)
+			err = exitcode.Failed("get", name, err)
 			if errors.Is(err, syscall.EAGAIN) {
 				err = fmt.Errorf("%w ('gpushm get --wait 1m %s %s' waits for it)", err, name, path)
 			}
@@ -88,297 +82,32 @@ print what was copied, -o name the segment's name.`,
 			return printCopy(res)
 		},
 	}
-	cmd.Flags().BoolVar(&raw, "raw", false, "write a checkpoint bundle's bytes as one file, not as its directory")
+	cmd.Flags().BoolVar(&o.Raw, "raw", false, "write a checkpoint bundle's bytes as one file, not as its directory")
 	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "print how the copy went")
-	cmd.Flags().DurationVar(&wait, "wait", 0, "wait this long (e.g. 30s, 5m; at most 1h) for a segment being written, or not there yet")
+	cmd.Flags().DurationVar(&o.Wait, "wait", 0, "wait this long (e.g. 30s, 5m; at most 1h) for a segment being written, or not there yet")
 	copyOpts.register(cmd)
 	addOutput(cmd, false)
 	return cmd
 }
 
-type getOptions struct {
-	raw      bool
-	co       *gpushm.CopyOptions
-	inDaemon bool
-	verbose  bool
-	wait     time.Duration
-}
-
-func get(ctx context.Context, name, path string, o getOptions) (res copyResult, err error) {
+// get writes segment name into path (checkpoint.GetFile), and says how
+// fast on a terminal, or with verbose.
+func get(ctx context.Context, name, path string, verbose bool, o *checkpoint.GetFileOptions) (res report.Copy, err error) {
 	c, err := dial(ctx)
 	if err != nil {
 		return res, err
 	}
 	defer c.Close()
 	start := time.Now()
-	seg, err := openForRead(ctx, c, name, o.wait)
+	o.Progress, o.AtExit = progressFor("get "+name), interrupt.AtExit
+	cp, err := checkpoint.GetFile(ctx, c, name, path, o)
 	if err != nil {
 		return res, err
 	}
-	if seg == nil {
-		// Empty: an empty file, as cp makes of one.
-		if path, err = inDir(path, name); err != nil {
-			return res, err
-		}
-		res = copyResult{Name: name, File: path, Copier: "client"}
-		if path != "-" {
-			_, err = intoFile(ctx, path, 0, func(*os.File) (gpushm.CopyStats, error) { return gpushm.CopyStats{}, nil })
-		}
-		res.finish(start)
-		return res, err
+	res = report.Copy{Name: name, File: cp.File, Bytes: cp.Bytes, Copier: cp.Copier}
+	res.Finish(start)
+	if cp.Bytes > 0 { // an empty segment's file is made, not copied
+		report.Rate(os.Stderr, "get", name, cp.Bytes, time.Since(start), cp.Stats, verbose)
 	}
-	defer seg.Close()
-	info := seg.Info()
-	res = copyResult{Name: name, File: path, Bytes: info.Size, Copier: "client"}
-	if meta, ok, _ := layout.ParseMeta(info.Meta, info.Size); ok && meta.Source == "dir" && !o.raw && path != "-" {
-		st, err := getDir(ctx, c, name, path, info.Size, o.co)
-		if err != nil {
-			return res, err
-		}
-		res.Bytes = st.Bytes
-		res.finish(start)
-		report("get", name, st.Bytes, time.Since(start), st, o.verbose)
-		return res, nil
-	}
-	if path, err = inDir(path, name); err != nil {
-		return res, err
-	}
-	res.File = path
-	stream := path == "-" || !daemonWrites(path)
-	bar := newProgress("get "+name, info.Size)
-	var st gpushm.CopyStats
-	if !stream && o.inDaemon {
-		st, err = intoFile(ctx, path, info.Size, func(f *os.File) (gpushm.CopyStats, error) {
-			return dumpSteps(ctx, seg, f, info.Size, bar)
-		})
-		if err == nil {
-			bar.finish(nil)
-			res.Copier = "daemon"
-			res.finish(start)
-			report("get", name, info.Size, time.Since(start), st, o.verbose)
-			return res, nil
-		}
-		if !errors.Is(err, syscall.ENOSYS) {
-			bar.finish(err)
-			return res, err
-		}
-		// A daemon from before dump: copy here.
-	}
-	m, err := seg.Map()
-	if err != nil {
-		bar.finish(err)
-		return res, err
-	}
-	if stream {
-		err = streamTo(path, func(out *os.File) error {
-			w := bufio.NewWriterSize(ctxWriter{ctx, out}, 1<<20)
-			_, err := m.WriteTo(bar.writer(w))
-			if err == nil {
-				err = w.Flush()
-			}
-			return err
-		})
-	} else {
-		o.co.Progress = bar.fn()
-		st, err = getFile(ctx, m, path, o.co)
-	}
-	bar.finish(err)
-	if err != nil {
-		return res, err
-	}
-	res.finish(start)
-	report("get", name, m.Size(), time.Since(start), st, o.verbose)
 	return res, nil
-}
-
-// inDir is where get writes segment name given path: path/name when path
-// is a directory (or says it must be one, ending in '/'), as cp writes a
-// file into a directory; else path itself. A checkpoint bundle, which is
-// a directory, is written as path instead (getDir).
-func inDir(path, name string) (string, error) {
-	if path == "-" {
-		return path, nil
-	}
-	st, err := os.Stat(path)
-	switch {
-	case err == nil && st.IsDir():
-		return filepath.Join(path, name), nil
-	case strings.HasSuffix(path, "/"):
-		// Not there, or not a directory (stat of "file/" fails so).
-		var pe *fs.PathError
-		if errors.As(err, &pe) {
-			err = pe.Err
-		}
-		return "", &fs.PathError{Op: "open directory", Path: path, Err: err}
-	}
-	return path, nil
-}
-
-// getDir writes a checkpoint bundle back as its directory. Interrupted,
-// it removes what it wrote as a failure does: checkpoint.Get copies in
-// this process, which a context does not stop, so the copy runs to its
-// end first, unless a second signal ends the process at once.
-func getDir(ctx context.Context, c *gpushm.Client, name, dir string, size int64, co *gpushm.CopyOptions) (gpushm.CopyStats, error) {
-	_, err := os.Lstat(dir)
-	existed := err == nil
-	undo := func() { removeWritten(dir, existed) }
-	defer atForcedExit(undo)()
-	bar := newProgress("get "+name, size)
-	co.Progress = bar.fn()
-	st, err := checkpoint.Get(ctx, c, name, dir, co)
-	if err == nil && ctx.Err() != nil {
-		undo()
-		err = ctx.Err()
-	}
-	bar.finish(err)
-	return st, err
-}
-
-// removeWritten removes what a get wrote into dir: dir itself if it did
-// not exist before, else everything in it, which was empty before (get
-// refuses any other).
-func removeWritten(dir string, existed bool) {
-	if !existed {
-		os.RemoveAll(dir)
-		return
-	}
-	ents, _ := os.ReadDir(dir)
-	for _, e := range ents {
-		os.RemoveAll(filepath.Join(dir, e.Name()))
-	}
-}
-
-// ctxWriter fails its writes once ctx is done: a stream written in this
-// process stops at an interrupt.
-type ctxWriter struct {
-	ctx context.Context
-	w   io.Writer
-}
-
-func (w ctxWriter) Write(b []byte) (int, error) {
-	if err := w.ctx.Err(); err != nil {
-		return 0, err
-	}
-	return w.w.Write(b)
-}
-
-// streamTo has write write to standard output ("-") or to path, a FIFO or
-// a device, in order.
-func streamTo(path string, write func(*os.File) error) error {
-	if path == "-" {
-		return write(os.Stdout)
-	}
-	f, err := os.OpenFile(path, os.O_WRONLY, 0)
-	if err != nil {
-		return err
-	}
-	err = write(f)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
-}
-
-// daemonWrites says whether path is a file to write with offsets, by the
-// daemon (docs/protocol.md, "fill and dump") or this process's parallel
-// writes: a regular file (or none yet), /dev/null, /dev/zero or
-// /dev/full. Other devices and FIFOs are written in order, by this process.
-func daemonWrites(path string) bool {
-	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		return true
-	}
-	switch st.Mode & unix.S_IFMT {
-	case unix.S_IFREG:
-		return true
-	case unix.S_IFCHR:
-		min := unix.Minor(st.Rdev)
-		return unix.Major(st.Rdev) == 1 && (min == 3 || min == 5 || min == 7)
-	}
-	return false
-}
-
-// getFile writes m into path with this process's parallel writes
-// (intoFile).
-func getFile(ctx context.Context, m *gpushm.Mapping, path string, co *gpushm.CopyOptions) (gpushm.CopyStats, error) {
-	return intoFile(ctx, path, m.Size(), func(f *os.File) (gpushm.CopyStats, error) {
-		return m.StoreFiles([]gpushm.FileRange{{File: f, Len: m.Size()}}, co)
-	})
-}
-
-// intoFile has write put n bytes into path. A regular file (or none yet)
-// is written as a new file beside it, sized first so that parallel writes
-// never extend it, and renamed over path once complete and not
-// interrupted: a get that fails, is interrupted or is killed leaves path
-// as it was (a killed one leaves the temporary file, whose name says what
-// it is). Through a symbolic link, the file it names is replaced. A device
-// such as /dev/null is written in place.
-func intoFile(ctx context.Context, path string, n int64, write func(*os.File) (gpushm.CopyStats, error)) (st gpushm.CopyStats, err error) {
-	target := path
-	if t, err := filepath.EvalSymlinks(path); err == nil {
-		target = t
-	}
-	old, err := os.Stat(target)
-	switch {
-	case err == nil && !old.Mode().IsRegular():
-		f, err := os.OpenFile(target, os.O_WRONLY, 0)
-		if err != nil {
-			return st, err
-		}
-		st, err = write(f)
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		return st, err
-	case err != nil && !errors.Is(err, fs.ErrNotExist):
-		return st, err
-	}
-	f, err := createBeside(target)
-	if err != nil {
-		var pe *fs.PathError
-		if errors.As(err, &pe) {
-			err = &fs.PathError{Op: "create", Path: path, Err: pe.Err}
-		}
-		return st, err
-	}
-	defer atForcedExit(func() { os.Remove(f.Name()) })()
-	defer func() {
-		if err != nil {
-			f.Close()
-			os.Remove(f.Name())
-		}
-	}()
-	if old != nil {
-		// Replaced, the file keeps its permission bits, as cp's does.
-		if err := f.Chmod(old.Mode().Perm()); err != nil {
-			return st, err
-		}
-	}
-	if err := f.Truncate(n); err != nil {
-		return st, err
-	}
-	if st, err = write(f); err != nil {
-		return st, err
-	}
-	if err := f.Close(); err != nil {
-		return st, err
-	}
-	if err := ctx.Err(); err != nil {
-		return st, err
-	}
-	return st, os.Rename(f.Name(), target)
-}
-
-// createBeside creates a new file in path's directory, named after path
-// and hidden, with the permission bits a new file gets (0666 less the
-// umask).
-func createBeside(path string) (*os.File, error) {
-	dir, base := filepath.Split(path)
-	for {
-		name := filepath.Join(dir, fmt.Sprintf(".%s.gpushm-get-%08x", base, rand.Uint32()))
-		f, err := os.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o666)
-		if !errors.Is(err, fs.ErrExist) {
-			return f, err
-		}
-	}
 }

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/exitcode"
 )
 
 // started is a CLI process running in the background.
@@ -98,8 +99,8 @@ func TestInterruptGet(t *testing.T) {
 				if !interrupted {
 					t.Fatalf("get ended before it could be interrupted, %d times", attempt)
 				}
-				if p.code != exitInterrupted || p.stderr.String() != "gpushm: get big: interrupted\n" {
-					t.Errorf("get interrupted: exit %d, stderr %q; want %d and %q", p.code, p.stderr.String(), exitInterrupted, "gpushm: get big: interrupted\n")
+				if p.code != exitcode.Interrupted || p.stderr.String() != "gpushm: get big: interrupted\n" {
+					t.Errorf("get interrupted: exit %d, stderr %q; want %d and %q", p.code, p.stderr.String(), exitcode.Interrupted, "gpushm: get big: interrupted\n")
 				}
 				break
 			}
@@ -173,8 +174,8 @@ func TestInterruptPut(t *testing.T) {
 		}
 		cmd.Process.Signal(syscall.SIGINT)
 		cmd.Wait()
-		if code := cmd.ProcessState.ExitCode(); code != exitInterrupted || stderr.String() != "gpushm: put piped: interrupted\n" {
-			t.Errorf("put - interrupted: exit %d, stderr %q; want %d", code, stderr.String(), exitInterrupted)
+		if code := cmd.ProcessState.ExitCode(); code != exitcode.Interrupted || stderr.String() != "gpushm: put piped: interrupted\n" {
+			t.Errorf("put - interrupted: exit %d, stderr %q; want %d", code, stderr.String(), exitcode.Interrupted)
 		}
 		if !gone("piped") {
 			t.Error("an interrupted put - left its segment")
@@ -195,8 +196,8 @@ func TestInterruptPut(t *testing.T) {
 					time.Sleep(time.Millisecond)
 				}
 				if p.interrupt(t, uncommitted) {
-					if p.code != exitInterrupted || p.stderr.String() != "gpushm: put "+name+": interrupted\n" {
-						t.Errorf("put interrupted: exit %d, stderr %q; want %d", p.code, p.stderr.String(), exitInterrupted)
+					if p.code != exitcode.Interrupted || p.stderr.String() != "gpushm: put "+name+": interrupted\n" {
+						t.Errorf("put interrupted: exit %d, stderr %q; want %d", p.code, p.stderr.String(), exitcode.Interrupted)
 					}
 					break
 				}

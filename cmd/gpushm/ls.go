@@ -6,17 +6,18 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path"
-	"strconv"
 	"strings"
-	"text/tabwriter"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
-	"github.com/gpushm/gpushm/internal/bytesize"
-	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/complete"
+	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/interrupt"
+	"github.com/gpushm/gpushm/internal/report"
+	"github.com/gpushm/gpushm/internal/terminal"
 )
 
 func lsCmd() *cobra.Command {
@@ -63,21 +64,21 @@ in place of the listing, and the next interval tries again.`,
   gpushm ls -o json | jq -r '.[] | select(.tier == "host") | .name'
   gpushm ls -o name | xargs gpushm load
   gpushm ls --watch --interval 1s`,
-		ValidArgsFunction: segmentNames(),
+		ValidArgsFunction: complete.Names(dial),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if wide && output == "" {
 				output = "wide"
 			}
 			if cmd.Flags().Changed("interval") && !watch {
-				return usagef(cmd, "ls: --interval is for --watch")
+				return exitcode.Usagef(cmd, "ls: --interval is for --watch")
 			}
 			if watch {
 				if interval <= 0 {
-					return usagef(cmd, "ls: --interval %s: want a positive duration, such as 2s or 500ms", interval)
+					return exitcode.Usagef(cmd, "ls: --interval %s: want a positive duration, such as 2s or 500ms", interval)
 				}
-				return failed("ls", "", watchList(cmd.Context(), args, bytes, interval))
+				return exitcode.Failed("ls", "", watchList(cmd.Context(), args, bytes, interval))
 			}
-			return failed("ls", "", list(cmd.Context(), os.Stdout, args, bytes))
+			return exitcode.Failed("ls", "", list(cmd.Context(), os.Stdout, args, bytes))
 		},
 	}
 	cmd.Flags().BoolVar(&bytes, "bytes", false, "print sizes in bytes")
@@ -88,21 +89,8 @@ in place of the listing, and the next interval tries again.`,
 	return cmd
 }
 
-// isPattern says whether an argument of ls is a glob rather than a name.
-func isPattern(arg string) bool { return strings.ContainsAny(arg, "*?[\\") }
-
-// checkPatterns refuses a pattern path.Match cannot read.
-func checkPatterns(args []string) error {
-	for _, a := range args {
-		if _, err := path.Match(a, ""); err != nil {
-			return fmt.Errorf("pattern %q: %w", a, err)
-		}
-	}
-	return nil
-}
-
 func list(ctx context.Context, w io.Writer, args []string, bytes bool) error {
-	if err := checkPatterns(args); err != nil {
+	if err := report.CheckPatterns(args); err != nil {
 		return err
 	}
 	c, err := dial(ctx)
@@ -120,24 +108,10 @@ func listWith(ctx context.Context, c *gpushm.Client, w io.Writer, args []string,
 	if err != nil {
 		return err
 	}
-	var segs []gpushm.SegmentInfo
-	matched := make([]bool, len(args))
-	for _, s := range all {
-		keep := len(args) == 0
-		for i, a := range args {
-			if ok, _ := path.Match(a, s.Name); ok {
-				matched[i], keep = true, true
-			}
-		}
-		if keep {
-			segs = append(segs, s)
-		}
-	}
+	segs, missing := report.Select(all, args)
 	var errs []error
-	for i, a := range args {
-		if !matched[i] && !isPattern(a) {
-			errs = append(errs, failed("ls", a, segment.ErrNotFound))
-		}
+	for _, a := range missing {
+		errs = append(errs, exitcode.Failed("ls", a, exitcode.Errnof(syscall.ENOENT, "no such segment")))
 	}
 	if len(segs) > 0 || len(args) == 0 || structured() {
 		if err := printList(ctx, c, w, segs, bytes); err != nil {
@@ -157,7 +131,7 @@ func printList(ctx context.Context, c *gpushm.Client, out io.Writer, segs []gpus
 				segs[i].Meta = s.Meta
 			}
 		}
-		return writeValue(out, viewsOf(segs))
+		return report.WriteValue(out, output, report.Segments(segs))
 	case "name":
 		for _, s := range segs {
 			fmt.Fprintln(out, s.Name)
@@ -165,103 +139,55 @@ func printList(ctx context.Context, c *gpushm.Client, out io.Writer, segs []gpus
 		return nil
 	}
 	wide := output == "wide"
-	devName := map[int]string{}
+	var devices []gpushm.Device
 	if wide {
 		inf, err := c.Info(ctx)
 		if err != nil {
 			return err
 		}
-		for _, d := range inf.Devices {
-			id := d.UUID
-			if id == "" {
-				id = "-"
+		devices = inf.Devices
+	}
+	return report.List(out, segs, c.Backend(), devices, bytes, wide)
+}
+
+// watchList lists as ls does every interval, as watch(1) runs a command,
+// until SIGINT (Ctrl-C), which ends it with status 0, as watch(1) users
+// expect: it is how one stops watching, not a failure. SIGTERM ends it with
+// 143. On a terminal each listing is drawn over the last, cut to the
+// screen's height; elsewhere listings follow one another.
+func watchList(ctx context.Context, args []string, sizes bool, every time.Duration) error {
+	if err := report.CheckPatterns(args); err != nil {
+		return err
+	}
+	ctx, stop := interrupt.Context(ctx)
+	defer stop()
+	c, err := dial(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	sep := "\n" // between listings in text
+	switch output {
+	case "json":
+		sep = ""
+	case "yaml":
+		sep = "---\n"
+	}
+	terminal.Repeat(ctx, os.Stdout, every, sep, func(w io.Writer) bool {
+		if output == "" || output == "wide" {
+			what := strings.TrimSpace("gpushm ls " + strings.Join(args, " "))
+			fmt.Fprintf(w, "Every %s: %s    %s\n\n", every, what, time.Now().Format(time.DateTime))
+		}
+		if err := listWith(ctx, c, w, args, sizes); err != nil {
+			if ctx.Err() != nil {
+				return false // interrupted while listing: no frame to show
 			}
-			devName[d.Index] = d.Name + "\t" + id
+			exitcode.WriteText(w, exitcode.Failed("ls", "", err))
 		}
+		return true
+	})
+	if interrupt.Signal() == syscall.SIGINT {
+		return nil
 	}
-	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-	header := "NAME\tSIZE\tDEVICE\tOWNER\tMODE\tOPENS\tTIER\tOPENED\tAGE\tLIFETIME"
-	if wide {
-		header += "\tGPU\tUUID"
-	}
-	fmt.Fprintln(w, header)
-	for _, s := range segs {
-		size := bytesize.Format(s.Size)
-		if bytes {
-			size = strconv.FormatInt(s.Size, 10)
-		}
-		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%04o\t%d\t%s\t%s\t%s\t%s", s.Name, size, s.Device,
-			owner(s.UID, s.GID), s.Mode, s.Opens, tier(c.Backend(), &s), opened(&s),
-			age(time.Since(time.Unix(0, s.Created))), lifetime(&s))
-		if wide {
-			fmt.Fprintf(w, "\t%s", devName[s.Device])
-		}
-		fmt.Fprintln(w)
-	}
-	return w.Flush()
-}
-
-// lifetime says how a segment ends: "-" (when removed), "creator" (with
-// its creator's connection), or "ttl 10m (4m left)".
-func lifetime(s *gpushm.SegmentInfo) string {
-	switch {
-	case s.Orphan != "":
-		return "orphaned"
-	case s.Uncommitted:
-		return "incomplete"
-	case s.Channel != nil && s.Lifetime != "connection" && s.TTL == 0:
-		return fmt.Sprintf("channel of %d", s.Channel.Slots)
-	case s.Lifetime == "connection":
-		return "creator"
-	case s.TTL > 0:
-		ttl := time.Duration(s.TTL * float64(time.Second))
-		if s.Opens > 0 {
-			return fmt.Sprintf("ttl %s (open)", ttl)
-		}
-		left := max(ttl-time.Since(time.Unix(0, s.Idle)), 0)
-		return fmt.Sprintf("ttl %s (%s left)", ttl, left.Round(time.Second))
-	}
-	return "-"
-}
-
-// tier says where a segment's bytes are: "gpu", "gpu, pinned" or "host".
-// The protocol's "gpu" is the device's own memory, which a daemon of the
-// host backend serves from host memory: it says so, and "evicted" for a
-// segment moved out of it, lest a user without a GPU read "gpu".
-func tier(backend string, s *gpushm.SegmentInfo) string {
-	t := s.Tier
-	switch {
-	case t == "":
-		return "-" // a daemon without tiers
-	case backend == "host" && t == "gpu":
-		t = "host memory"
-	case backend == "host" && t == "host":
-		t = "evicted"
-	}
-	if s.Pinned {
-		return t + ", pinned"
-	}
-	return t
-}
-
-// opened is how long ago a segment was last opened ("-" if unknown).
-func opened(s *gpushm.SegmentInfo) string {
-	if s.LastOpen == 0 {
-		return "-"
-	}
-	return age(time.Since(time.Unix(0, s.LastOpen)))
-}
-
-func owner(uid, gid uint32) string { return userName(uid) + ":" + groupName(gid) }
-
-func age(d time.Duration) string {
-	switch {
-	case d < time.Minute:
-		return fmt.Sprintf("%ds", int(d.Seconds()))
-	case d < time.Hour:
-		return fmt.Sprintf("%dm", int(d.Minutes()))
-	case d < 48*time.Hour:
-		return fmt.Sprintf("%dh", int(d.Hours()))
-	}
-	return fmt.Sprintf("%dd", int(d.Hours()/24))
+	return ctx.Err()
 }

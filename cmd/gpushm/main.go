@@ -3,9 +3,11 @@ package main
 
 import (
 	"os"
+
+	"github.com/gpushm/gpushm/internal/exitcode"
 )
 
 func main() {
 	err := run(os.Args[1:])
-	os.Exit(exit(os.Stderr, err))
+	os.Exit(exitcode.Write(os.Stderr, err, output))
 }

@@ -425,29 +425,6 @@ func TestSocketGroupAndWideList(t *testing.T) {
 	mustFail(t, "socket group", "daemon", "--socket", sock+"2", "--backend", "host", "--socket-group", "no-such-group-here")
 }
 
-func TestParseOwner(t *testing.T) {
-	tests := []struct {
-		in       string
-		uid, gid int64
-		ok       bool
-	}{
-		{"0", 0, -1, true},
-		{"root:root", 0, 0, true},
-		{":65534", -1, 65534, true},
-		{"nobody:nogroup", 65534, 65534, true},
-		{"65534:", 65534, -1, true},
-		{":", 0, 0, false},
-		{"no-such-user-here", 0, 0, false},
-		{"0:no-such-group-here", 0, 0, false},
-	}
-	for _, tc := range tests {
-		uid, gid, err := parseOwner(tc.in)
-		if (err == nil) != tc.ok || tc.ok && (uid != tc.uid || gid != tc.gid) {
-			t.Errorf("parseOwner(%q) = %d, %d, %v; want %d, %d, ok=%v", tc.in, uid, gid, err, tc.uid, tc.gid, tc.ok)
-		}
-	}
-}
-
 // dumpDaemonLog writes a failed test's daemon log to stderr, its last lines
 // only, at cleanup: that is before the test's own output, so the failure
 // itself is what a log read from its end shows first.

@@ -7,6 +7,10 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm/internal/complete"
+	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/report"
 )
 
 func mvCmd() *cobra.Command {
@@ -28,9 +32,9 @@ nothing moved, so this one says so, as mv --update=none-fail does.)`,
   gpushm mv -n staging weights   # only if weights is not there
   gpushm mv a b -o json`,
 		Args:              cobra.ExactArgs(2),
-		ValidArgsFunction: segmentNames(0),
+		ValidArgsFunction: complete.Names(dial, 0),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return failed("mv", args[0], rename(cmd.Context(), args[0], args[1], noClobber))
+			return exitcode.Failed("mv", args[0], rename(cmd.Context(), args[0], args[1], noClobber))
 		},
 	}
 	cmd.Flags().BoolVarP(&noClobber, "no-clobber", "n", false, "fail, changing nothing, if NEW exists (status 5)")
@@ -48,7 +52,7 @@ func rename(ctx context.Context, from, to string, noClobber bool) error {
 		err = c.RenameNoReplace(ctx, from, to)
 		switch {
 		case errors.Is(err, syscall.EEXIST):
-			return errnof(syscall.EEXIST, "%s exists (-n leaves it)", quoteName(to))
+			return exitcode.Errnof(syscall.EEXIST, "%s exists (-n leaves it)", exitcode.QuoteName(to))
 		case errors.Is(err, syscall.EPROTO):
 			return fmt.Errorf("the daemon predates mv -n (upgrade it); nothing renamed: %w", err)
 		}
@@ -62,9 +66,9 @@ func rename(ctx context.Context, from, to string, noClobber bool) error {
 	case "json", "yaml":
 		s, err := c.Stat(ctx, to)
 		if err != nil {
-			return fmt.Errorf("renamed to %s, then: %w", quoteName(to), err)
+			return fmt.Errorf("renamed to %s, then: %w", exitcode.QuoteName(to), err)
 		}
-		return printValue(viewOf(s))
+		return printValue(report.SegmentOf(s))
 	case "name":
 		printNames(to)
 	}

@@ -3,6 +3,8 @@ package main
 import (
 	"path/filepath"
 	"testing"
+
+	"github.com/gpushm/gpushm/internal/exitcode"
 )
 
 // TestMvNoClobber: mv -n renames only onto a name that is not there, and
@@ -15,7 +17,7 @@ func TestMvNoClobber(t *testing.T) {
 	mustRun(t, nil, "create", "b", "8192")
 
 	r := cli(t, nil, "mv", "-n", "a", "b")
-	if r.code != exitExists || r.stderr != "gpushm: mv a: b exists (-n leaves it)\n" {
+	if r.code != exitcode.Exists || r.stderr != "gpushm: mv a: b exists (-n leaves it)\n" {
 		t.Errorf("mv -n a b: exit %d, %q", r.code, r.stderr)
 	}
 	r = cli(t, nil, "mv", "--no-clobber", "a", "b", "-o", "json")

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm/internal/crc32c"
+	"github.com/gpushm/gpushm/internal/progress"
 	"github.com/gpushm/gpushm/internal/xfer"
 )
 
@@ -84,7 +85,7 @@ func bar(verb, name, total string) *regexp.Regexp {
 // nothing, or with -v its summary lines alone.
 func TestProgressOnTerminal(t *testing.T) {
 	dir, _ := cliDaemon(t)
-	size := int64(minProgress + 44<<20) // two of the daemon's steps
+	size := int64(progress.Min + 44<<20) // two of the daemon's steps
 	src := filepath.Join(dir, "big.bin")
 	sparseFile(t, src, nil, size)
 	ckpt := filepath.Join(dir, "ckpt")

@@ -17,6 +17,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/progress"
 	"github.com/gpushm/gpushm/internal/safetensors"
 	"github.com/gpushm/gpushm/internal/testutil"
 )
@@ -234,7 +236,7 @@ func TestProgressNeverWaits(t *testing.T) {
 	t.Setenv("GPUSHM_SOCKET", sock)
 
 	// A sparse file past the bar's threshold, with marks to compare.
-	size := int64(minProgress + 4<<20)
+	size := int64(progress.Min + 4<<20)
 	file := filepath.Join(root, "big.bin")
 	f, err := os.Create(file)
 	if err != nil {
@@ -395,8 +397,8 @@ func TestPutTakesCreateFlags(t *testing.T) {
 	ck := filepath.Join(dir, "ck")
 	os.Mkdir(ck, 0o755)
 	mustFail(t, "--meta: "+ck+" is a checkpoint directory", "put", "d", ck, "--meta", `{"k":1}`)
-	if r := cli(t, nil, "put", "x", src, "--meta", "{"); r.code != exitUsage {
-		t.Errorf("put --meta {: exit %d, want %d", r.code, exitUsage)
+	if r := cli(t, nil, "put", "x", src, "--meta", "{"); r.code != exitcode.Usage {
+		t.Errorf("put --meta {: exit %d, want %d", r.code, exitcode.Usage)
 	}
 	if out := mustRun(t, nil, "ls", "-o", "name"); out != "p\n" {
 		t.Errorf("after the refused puts, ls says %q", out)
@@ -422,7 +424,7 @@ func TestPutForce(t *testing.T) {
 	mustRun(t, nil, "put", "--force", "w", v(1)) // no w yet
 	check("put --force of a new name", 1, 1)
 	r := cli(t, nil, "put", "w", v(2))
-	if r.code != exitExists || r.stderr != "gpushm: put w: segment exists ('gpushm put --force w ...' replaces it)\n" {
+	if r.code != exitcode.Exists || r.stderr != "gpushm: put w: segment exists ('gpushm put --force w ...' replaces it)\n" {
 		t.Errorf("put of a name there: exit %d, %q", r.code, r.stderr)
 	}
 	mustRun(t, nil, "put", "-f", "w", v(2))
@@ -497,7 +499,7 @@ func TestGetIntoDirectory(t *testing.T) {
 			t.Errorf("get w %s: wrote %q, said %v; want %s/w", to, b, res, d)
 		}
 	}
-	if r := cli(t, nil, "get", "w", filepath.Join(dir, "none")+"/"); r.code != exitNotFound || !strings.Contains(r.stderr, "none/: no such file or directory") {
+	if r := cli(t, nil, "get", "w", filepath.Join(dir, "none")+"/"); r.code != exitcode.NotFound || !strings.Contains(r.stderr, "none/: no such file or directory") {
 		t.Errorf("get into a directory that is not there: exit %d, %q", r.code, r.stderr)
 	}
 	if r := cli(t, nil, "get", "w", src+"/"); r.code == 0 || !strings.Contains(r.stderr, "src/: not a directory") {

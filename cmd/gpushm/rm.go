@@ -7,14 +7,10 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/complete"
+	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/report"
 )
-
-// removed is what rm says of a name with -o json or yaml.
-type removed struct {
-	Name string `json:"name"`
-	// Removed is false for a name that did not exist, with --force.
-	Removed bool `json:"removed"`
-}
 
 func rmCmd() *cobra.Command {
 	var force bool
@@ -30,27 +26,27 @@ it. Only the owner or root may remove a segment. It prints nothing, unless
   gpushm rm -f scratch-1 scratch-2
   gpushm ls -o name 'tmp-*' | xargs -r gpushm rm`,
 		Args:              cobra.MinimumNArgs(1),
-		ValidArgsFunction: segmentNames(),
+		ValidArgsFunction: complete.Names(dial),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			var done []removed
+			var done []report.Removed
 			err := eachName(cmd.Context(), "rm", args, func(c *gpushm.Client, name string) error {
 				err := c.Unlink(cmd.Context(), name)
 				if force && errors.Is(err, fs.ErrNotExist) {
-					done = append(done, removed{name, false})
+					done = append(done, report.Removed{Name: name})
 					return nil
 				}
 				if err == nil {
-					done = append(done, removed{name, true})
+					done = append(done, report.Removed{Name: name, Removed: true})
 				}
 				return err
 			})
-			if isUnreachable(err) {
+			if exitcode.IsNoDaemon(err) {
 				return err // nothing was asked of a daemon
 			}
 			switch output {
 			case "json", "yaml":
 				if done == nil {
-					done = []removed{}
+					done = []report.Removed{}
 				}
 				if perr := printValue(done); err == nil {
 					err = perr

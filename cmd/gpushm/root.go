@@ -9,10 +9,11 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/term"
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/bench"
+	"github.com/gpushm/gpushm/internal/complete"
+	"github.com/gpushm/gpushm/internal/exitcode"
 )
 
 // socketFlag is the global --socket; empty means gpushm.SocketCandidates
@@ -21,7 +22,7 @@ var socketFlag string
 
 func run(args []string) error {
 	root, plain := newRoot()
-	output = scanOutput(args)
+	output = exitcode.ScanFormat(args)
 	root.SetArgs(args)
 	cmd, err := root.ExecuteContextC(context.Background())
 	if err == nil {
@@ -29,18 +30,18 @@ func run(args []string) error {
 	}
 	if strings.HasPrefix(err.Error(), "unknown command ") {
 		// cobra's own, for the root's first argument.
-		return &usageError{cmd, err}
+		return exitcode.Usagef(cmd, "%w", err)
 	}
 	for c := cmd; c != nil; c = c.Parent() {
 		if plain[c] {
-			return &daemonError{err}
+			return exitcode.NotClient(err)
 		}
 	}
 	return err
 }
 
 // newRoot makes the command tree, and says which commands are not clients
-// of the daemon (daemonError).
+// of the daemon (exitcode.NotClient).
 func newRoot() (*cobra.Command, map[*cobra.Command]bool) {
 	root := &cobra.Command{
 		Use:   "gpushm",
@@ -60,7 +61,7 @@ socket, then /run/gpushm/gpushm.sock. 'gpushm info' says which one answered.
 Commands that print take -o json, yaml, wide or name; with -o json or yaml
 an error is one object on standard error too. docs/cli.md says more.
 
-` + exitHelp,
+` + exitcode.Help,
 		Example: `  gpushm daemon &                  # serve host memory, or the GPUs
   gpushm put weights model.bin     # a file into a new segment
   gpushm ls -o wide
@@ -76,7 +77,7 @@ an error is one object on standard error too. docs/cli.md says more.
 	// --verbose.
 	root.Flags().Bool("version", false, "print this client's version ('gpushm version' asks the daemon too)")
 	root.PersistentFlags().StringVar(&socketFlag, "socket", "", "daemon socket path (default "+defaultSockets()+")")
-	// Not a client of the daemon: their failures exit 1 (daemonError).
+	// Not a client of the daemon: their failures exit 1 (exitcode.NotClient).
 	daemon, bench, demo, child, systemd := daemonCmd(), bench.Command(), bench.DemoCommand(), bench.ChildCommand(), installSystemdCmd()
 	root.AddCommand(
 		daemon, infoCmd(), versionCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(), dfCmd(),
@@ -90,11 +91,15 @@ an error is one object on standard error too. docs/cli.md says more.
 	bench.Example = `  gpushm bench open --backend host
   gpushm bench files --sizes 1GiB,4GiB`
 	root.SetFlagErrorFunc(func(cmd *cobra.Command, err error) error {
-		return flagError(cmd, err)
+		number := "a number here is positive"
+		if cmd.Name() == "create" {
+			number = "a size is positive, such as 4096, 64MiB or 1G"
+		}
+		return exitcode.FlagError(cmd, err, number)
 	})
 	walk(root, func(c *cobra.Command) {
-		strictArgs(c)
-		completeFlags(c)
+		exitcode.StrictArgs(c)
+		complete.Flags(dial, c)
 	})
 	return root, map[*cobra.Command]bool{daemon: true, bench: true, demo: true, child: true, systemd: true}
 }
@@ -105,53 +110,6 @@ func walk(cmd *cobra.Command, fn func(*cobra.Command)) {
 	for _, c := range cmd.Commands() {
 		walk(c, fn)
 	}
-}
-
-// strictArgs makes a wrong number of arguments a usageError that says
-// what the command takes.
-func strictArgs(cmd *cobra.Command) {
-	check := cmd.Args
-	if check == nil {
-		return
-	}
-	cmd.Args = func(cmd *cobra.Command, args []string) error {
-		if err := check(cmd, args); err != nil {
-			want := strings.TrimSpace(strings.TrimPrefix(cmd.Use, cmd.Name()))
-			switch {
-			case want == "":
-				return usagef(cmd, "%s takes no arguments, got %s", cmd.Name(), strconv.Quote(args[0]))
-			case len(args) == 0:
-				return usagef(cmd, "%s: want %s", cmd.Name(), want)
-			}
-			return usagef(cmd, "%s: want %s, got %s", cmd.Name(), want, plural(len(args), "argument"))
-		}
-		return nil
-	}
-}
-
-// plural is "1 argument", "2 arguments".
-func plural(n int, what string) string {
-	if n == 1 {
-		return "1 " + what
-	}
-	return strconv.Itoa(n) + " " + what + "s"
-}
-
-// flagError is a usageError for a flag cobra could not parse; a negative
-// number read as a flag says what to do, since it is never meant as one.
-func flagError(cmd *cobra.Command, err error) error {
-	msg := err.Error()
-	if i := strings.Index(msg, "' in -"); strings.HasPrefix(msg, "unknown shorthand flag: '") && i > 0 {
-		arg := msg[i+len("' in "):]
-		if _, nerr := strconv.ParseFloat(arg, 64); nerr == nil {
-			what := "a number here is positive"
-			if cmd.Name() == "create" {
-				what = "a size is positive, such as 4096, 64MiB or 1G"
-			}
-			return usagef(cmd, "%s: %s is not a flag, and %s (an argument that starts with '-' goes after '--')", cmd.Name(), arg, what)
-		}
-	}
-	return usagef(cmd, "%s: %s", cmd.Name(), msg)
 }
 
 // socketPath is where the daemon listens.
@@ -183,7 +141,7 @@ func dial(ctx context.Context) (*gpushm.Client, error) {
 	if err != nil && !errors.As(err, &we) {
 		// No daemon answered; one that did and refused (too many
 		// connections) said why, with an errno.
-		return nil, &unreachableError{err}
+		return nil, exitcode.NoDaemon(err)
 	}
 	return c, err
 }
@@ -198,15 +156,9 @@ func eachName(ctx context.Context, verb string, names []string, fn func(c *gpush
 	defer c.Close()
 	var errs []error
 	for _, name := range names {
-		errs = append(errs, failed(verb, name, fn(c, name)))
+		errs = append(errs, exitcode.Failed(verb, name, fn(c, name)))
 	}
 	return errors.Join(errs...)
-}
-
-// isTerminal says whether f is a terminal. A character device is not enough:
-// /dev/null is one, and a progress bar drawn there would only slow the copy.
-func isTerminal(f *os.File) bool {
-	return term.IsTerminal(int(f.Fd()))
 }
 
 // resolveDevice reads a --device value: "" for the daemon's default, an

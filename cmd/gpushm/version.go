@@ -2,14 +2,14 @@ package main
 
 import (
 	"context"
-	"fmt"
-	"runtime"
-	"runtime/debug"
+	"os"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/report"
 )
 
 // version is this binary's version: the VERSION file at the module's root
@@ -19,32 +19,6 @@ var version = gpushm.Version()
 
 // cliVersion is what --version prints after "gpushm ".
 func cliVersion() string { return version }
-
-// versionInfo is what 'gpushm version' says, as -o json prints it.
-type versionInfo struct {
-	Client clientVersion `json:"client"`
-	// Daemon is nil when none answered; DaemonError says why.
-	Daemon      *daemonVersion `json:"daemon"`
-	DaemonError string         `json:"daemon_error,omitempty"`
-}
-
-type clientVersion struct {
-	Version  string `json:"version"`
-	Go       string `json:"go"`
-	Platform string `json:"platform"`
-	// Commit is the revision built, when the build recorded it (go build
-	// in a git checkout, without -buildvcs=false); Modified, that the
-	// tree had changes.
-	Commit   string `json:"commit,omitempty"`
-	Modified bool   `json:"modified,omitempty"`
-}
-
-type daemonVersion struct {
-	Version string `json:"version"`
-	Backend string `json:"backend"`
-	Socket  string `json:"socket"`
-	PID     int    `json:"pid"`
-}
 
 func versionCmd() *cobra.Command {
 	cmd := &cobra.Command{
@@ -62,46 +36,24 @@ check.`,
   gpushm version -o json | jq -r .daemon.version`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			v := versionInfo{Client: clientVersion{Version: version, Go: runtime.Version(), Platform: runtime.GOOS + "/" + runtime.GOARCH}}
-			if bi, ok := debug.ReadBuildInfo(); ok {
-				for _, s := range bi.Settings {
-					switch s.Key {
-					case "vcs.revision":
-						v.Client.Commit = s.Value
-					case "vcs.modified":
-						v.Client.Modified = s.Value == "true"
-					}
-				}
-			}
+			v := report.Version{Client: report.Client(version)}
 			// A daemon that does not answer soon is reported, not waited for.
 			ctx, cancel := context.WithTimeout(cmd.Context(), 5*time.Second)
 			defer cancel()
 			if c, err := dial(ctx); err != nil {
-				v.DaemonError = message(err)
+				v.DaemonError = exitcode.Message(err)
 			} else {
 				defer c.Close()
 				if inf, err := c.Info(ctx); err != nil {
-					v.DaemonError = message(err)
+					v.DaemonError = exitcode.Message(err)
 				} else {
-					v.Daemon = &daemonVersion{Version: inf.Server, Backend: inf.Backend, Socket: c.Socket(), PID: inf.PID}
+					v.Daemon = &report.DaemonVersion{Version: inf.Server, Backend: inf.Backend, Socket: c.Socket(), PID: inf.PID}
 				}
 			}
 			if structured() {
 				return printValue(v)
 			}
-			commit := ""
-			if v.Client.Commit != "" {
-				commit = ", commit " + v.Client.Commit
-				if v.Client.Modified {
-					commit += " (modified)"
-				}
-			}
-			fmt.Printf("client:  gpushm %s (%s, %s%s)\n", v.Client.Version, v.Client.Go, v.Client.Platform, commit)
-			if d := v.Daemon; d != nil {
-				fmt.Printf("daemon:  gpushm %s, backend %s, pid %d, at %s\n", d.Version, d.Backend, d.PID, d.Socket)
-			} else {
-				fmt.Printf("daemon:  none answered: %s\n", v.DaemonError)
-			}
+			v.Write(os.Stdout)
 			return nil
 		},
 	}

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/gpushm/gpushm/internal/exitcode"
 )
 
 // TestLsWatch: ls --watch lists again every interval until Ctrl-C, which
@@ -76,13 +78,21 @@ func TestLsWatch(t *testing.T) {
 		t.Errorf("ls --watch -o json, Ctrl-C: %v", err)
 	}
 
-	if r := cli(t, nil, "ls", "--interval", "1s"); r.code != exitUsage || !strings.Contains(r.stderr, "--interval is for --watch") {
+	if r := cli(t, nil, "ls", "--interval", "1s"); r.code != exitcode.Usage || !strings.Contains(r.stderr, "--interval is for --watch") {
 		t.Errorf("ls --interval without --watch: exit %d, %q", r.code, r.stderr)
 	}
-	if r := cli(t, nil, "ls", "--watch", "--interval", "0s"); r.code != exitUsage {
+	if r := cli(t, nil, "ls", "--watch", "--interval", "0s"); r.code != exitcode.Usage {
 		t.Errorf("ls --watch --interval 0s: exit %d, %q", r.code, r.stderr)
 	}
 }
+
+// The escape sequences a listing is drawn with (ECMA-48): the cursor to
+// the top left, erase to the end of the line, erase the screen.
+const (
+	cursorHome  = "\x1b[H"
+	eraseLine   = "\x1b[K"
+	eraseScreen = "\x1b[2J"
+)
 
 // TestLsWatchOnTerminal: on a terminal each listing is drawn over the
 // last, and Ctrl-C typed there ends it with status 0.
