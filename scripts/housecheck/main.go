@@ -45,8 +45,27 @@ var daemonPkgs = []string{
 // daemonOnly are the packages only daemonPkgs may import.
 var daemonOnly = []string{"internal/server", "internal/supervisor", "internal/backend"}
 
-// serverCode is what the root package (the client) may not import.
+// serverCode is what the client may not import.
 var serverCode = []string{"internal/server", "internal/supervisor", "internal/backend", "internal/segment"}
+
+// clientSide are the client (the root package) and the packages built on
+// it or for the command line: none imports server code, nor the daemon's
+// composition.
+var clientSide = []string{
+	".", "checkpoint", "internal/bench",
+	// The command line's helpers.
+	"internal/complete", "internal/exitcode", "internal/interrupt", "internal/owner",
+	"internal/progress", "internal/report", "internal/terminal",
+}
+
+// notForCommands are what the commands may not import: they reach the
+// daemon through the client (the root package and checkpoint/), and run
+// it through internal/daemon, not through the protocol, the copy engine,
+// the bundle's layout or the daemon's parts.
+var notForCommands = []string{
+	"internal/segment", "internal/xfer", "internal/layout", "internal/wire", "internal/crc32c",
+	"internal/server", "internal/backend", "internal/supervisor",
+}
 
 // testOnly are the packages that only tests import.
 var testOnly = []string{"internal/testutil", "internal/testdaemon"}
@@ -137,7 +156,9 @@ func checkImports() ([]string, error) {
 // holds for their imports. The rules, as docs/architecture.md ("The map")
 // says them: nothing imports a command; only the daemon's package imports
 // the server, the supervisor and the backends; the client (the root
-// package) imports no server code; only tests import the test helpers.
+// package), and what is built on it, imports no server code; the commands
+// import neither the protocol nor the daemon's parts; only tests import
+// the test helpers.
 func forbidden(from, to string, test bool) string {
 	if to == "" || from == to {
 		return ""
@@ -157,6 +178,10 @@ func forbidden(from, to string, test bool) string {
 		return arrow + ": only the daemon's package imports " + to
 	case from == "." && underAny(to, serverCode):
 		return arrow + ": the client imports no server code"
+	case slices.Contains(clientSide, from) && (underAny(to, serverCode) || under(to, "internal/daemon")):
+		return arrow + ": built on the client, " + from + " imports no server code"
+	case under(from, "cmd") && underAny(to, notForCommands):
+		return arrow + ": a command reaches the daemon through the client, not " + to
 	}
 	return ""
 }

@@ -28,6 +28,17 @@ func TestForbidden(t *testing.T) {
 		{"internal/bench", "cmd/gpushm", false, true},
 		{"internal/bench", "cmd/gpushm", true, true},
 		{"checkpoint", ".", false, false},
+		{"checkpoint", "internal/layout", false, false},
+		{"checkpoint", "internal/segment", false, true},
+		{"internal/report", "internal/wire", false, false},
+		{"internal/report", "internal/segment", false, true},
+		{"internal/complete", "internal/daemon", false, true},
+		{"cmd/gpushm", "internal/wire", false, true},
+		{"cmd/gpushm", "internal/segment", false, true},
+		{"cmd/gpushm", "internal/xfer", false, true},
+		{"cmd/gpushm", "internal/layout", true, false},
+		{"cmd/gpushm", "internal/exitcode", false, false},
+		{"cmd/gpushm", "checkpoint", false, false},
 	} {
 		if got := forbidden(tc.from, tc.to, tc.test) != ""; got != tc.bad {
 			t.Errorf("forbidden(%q, %q, test %v) = %q, want forbidden %v", tc.from, tc.to, tc.test, forbidden(tc.from, tc.to, tc.test), tc.bad)
