@@ -24,8 +24,7 @@ func (h *Host) RoundSize(_ int, size int64) int64 {
 // hostView is the daemon's own mapping of a memfd, made on the first copy
 // and kept until the memory is freed. It may be longer than the memory's
 // size: a memfd of hugetlbfs is mapped in whole huge pages (munmap refuses
-// a length that is not one), and a piece of the spill reserve keeps the
-// mapping it was populated through, tail and all (reserve_linux.go).
+// a length that is not one).
 type hostView struct {
 	mu sync.Mutex
 	b  []byte // the whole mapping

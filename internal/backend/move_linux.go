@@ -36,6 +36,10 @@ type Spill struct {
 	res     atomic.Pointer[reserve]
 	meminfo func() (meminfo, error)
 	every   time.Duration
+	// keeper, if set, holds the reserve's pieces (SetKeeper); pieceIDs
+	// names them to it.
+	keeper   Keeper
+	pieceIDs atomic.Uint64
 	// recycled holds spill memory let go of, by size, for the next
 	// eviction of that size: a restore that was written to after leaves
 	// its host memory, and an eviction that reuses it copies at the copy
@@ -204,6 +208,13 @@ var errStopped = errors.New("stopped")
 // threads; each calls start (if set) first, and asks more (if set) before
 // each chunk, stopping all with errStopped at its first no.
 func populateIn(b []byte, chunk, workers int, start func(), more func() bool) error {
+	return populateWith(unix.MADV_POPULATE_WRITE, b, chunk, workers, start, more)
+}
+
+// populateWith is populateIn with advice MADV_POPULATE_WRITE (make every
+// page) or MADV_POPULATE_READ (map pages that exist: faults map 16 at a
+// time, and a shared mapping of shmem maps them writable).
+func populateWith(advice int, b []byte, chunk, workers int, start func(), more func() bool) error {
 	n := (len(b) + chunk - 1) / chunk
 	workers = min(n, workers, runtime.NumCPU())
 	var (
@@ -233,7 +244,7 @@ func populateIn(b []byte, chunk, workers int, start func(), more func() bool) er
 					return
 				}
 				p := b[i*chunk : min((i+1)*chunk, len(b))]
-				if err := unix.Madvise(p, unix.MADV_POPULATE_WRITE); err != nil {
+				if err := unix.Madvise(p, advice); err != nil {
 					mu.Lock()
 					errs = append(errs, noMem(err))
 					mu.Unlock()

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -194,6 +195,10 @@ func TestReserve(t *testing.T) {
 	if r := f.s.Reserved(); r.Target != 64*mib || r.Memfds != 6 || r.Takes != 0 {
 		t.Fatalf("full reserve: %+v, want 64 MiB in 6 memfds", r)
 	}
+	// Its pages are made, and not mapped while they wait (piece).
+	if n := reserveMapped(t, f.s); n > 0 {
+		t.Fatalf("%d of the reserve's pieces are mapped while they wait", n)
+	}
 
 	// 5 MiB and a page: the 8 MiB piece.
 	const size = 5*mib + 4096
@@ -350,7 +355,7 @@ func TestReserveRelief(t *testing.T) {
 			r := &reserve{sizes: reserveLayout(64*mib, 2*mib), low: tc.low}
 			r.pieces = make([]*piece, len(r.sizes))
 			for i, size := range r.sizes {
-				p, err := makePiece(size, 0, false, func() bool { return true })
+				p, err := makePiece(size, 0, false, func() bool { return true }, nil, 0)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -499,4 +504,113 @@ func TestReserveStoppedWhileFilling(t *testing.T) {
 	if n := spillMemfds(t); n != before {
 		t.Fatalf("%d spill memfds left open by stopped reserves", n-before)
 	}
+}
+
+// keeper records what a Spill asks its Keeper to hold.
+type keeper struct {
+	mu   sync.Mutex
+	held map[uint64]int // id -> a dup of the descriptor, as the supervisor's
+	ever int
+}
+
+func (k *keeper) Hold(id uint64, fd int) {
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		panic(err)
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if _, ok := k.held[id]; ok {
+		panic(fmt.Sprintf("piece %d held twice", id))
+	}
+	k.held[id] = dup
+	k.ever++
+}
+
+func (k *keeper) Unhold(id uint64) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	fd, ok := k.held[id]
+	if !ok {
+		panic(fmt.Sprintf("piece %d let go of but not held", id))
+	}
+	unix.Close(fd)
+	delete(k.held, id)
+}
+
+func (k *keeper) count() (held, ever int) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return len(k.held), k.ever
+}
+
+// TestReserveKeeper: every piece of the reserve is held by the keeper
+// while it is the reserve's, let go of once an eviction takes it (the
+// segment's record brings it to the supervisor then) and once the reserve
+// is freed; the piece made again is held again.
+func TestReserveKeeper(t *testing.T) {
+	const mib = 1 << 20
+	k := &keeper{held: map[uint64]int{}}
+	host, err := NewHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &reserveFixture{s: NewSpill(host, 0), done: make(chan struct{})}
+	f.s.SetKeeper(k)
+	f.avail.Store(1 << 50)
+	f.s.every = 5 * time.Millisecond
+	f.s.meminfo = func() (meminfo, error) { return meminfo{available: f.avail.Load(), hugePage: 2 << 20}, nil }
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		defer close(f.done)
+		f.s.Reserve(ctx, 64*mib, slog.New(slog.DiscardHandler))
+	}()
+	defer func() { cancel(); <-f.done }()
+	f.waitFull(t)
+	if held, ever := k.count(); held != 6 || ever != 6 {
+		t.Fatalf("full reserve of 6 pieces: %d held, %d ever; want 6, 6", held, ever)
+	}
+	m, err := f.s.AllocateScratch(0, 5*mib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Free()
+	if held, _ := k.count(); held != 5 {
+		t.Fatalf("after an eviction took a piece: %d held, want 5", held)
+	}
+	f.waitFull(t)
+	if held, ever := k.count(); held != 6 || ever != 7 {
+		t.Fatalf("after the piece was made again: %d held, %d ever; want 6, 7", held, ever)
+	}
+	cancel()
+	<-f.done
+	if held, _ := k.count(); held != 0 {
+		t.Fatalf("after the reserve was freed: %d still held", held)
+	}
+}
+
+// reserveMapped counts the pieces of s's reserve that this process maps.
+func reserveMapped(t *testing.T, s *Spill) int {
+	t.Helper()
+	maps, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mapped := map[string]bool{}
+	for _, l := range strings.Split(string(maps), "\n") {
+		if f := strings.Fields(l); len(f) >= 6 && strings.HasPrefix(f[5], "/memfd:gpushm-spill") {
+			mapped[f[4]] = true
+		}
+	}
+	r := s.res.Load()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, p := range r.pieces {
+		var st unix.Stat_t
+		if p != nil && unix.Fstat(p.fd, &st) == nil && mapped[strconv.FormatUint(st.Ino, 10)] {
+			n++
+		}
+	}
+	return n
 }

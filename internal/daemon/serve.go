@@ -245,6 +245,9 @@ func (s *serving) serve(ctx context.Context, ln *net.UnixListener, link *supervi
 		reserving.Wait()
 	}()
 	if s.reserve > 0 {
+		if link != nil {
+			s.spill.SetKeeper(link)
+		}
 		reserving.Go(func() { s.spill.Reserve(serveCtx, s.reserve, log) })
 	}
 	if err := srv.Serve(serveCtx, ln, s.supervised); err != nil {

@@ -87,6 +87,8 @@ const (
 	tReady    = "ready"    // serving
 	tQuiesced = "quiesced" // every connection has been sent
 	tSync     = "sync"     // answer "synced" once everything before this is applied
+	tHold     = "hold"     // keep a reference to memory made ahead (id, descriptor) until "unhold" of its id
+	tUnhold   = "unhold"   // the memory held under id is the serving process's alone again
 	tSynced   = "synced"   // supervisor -> server: the sync of this id
 	// A serving process whose supervisor died and the one it started in
 	// its place (heal.go, handover.go): the new supervisor says "init" when it
@@ -475,6 +477,22 @@ func (l *Link) SendConn(fd int, state json.RawMessage) error {
 // Quiesced says every connection has been sent and nothing more will be
 // journaled.
 func (l *Link) Quiesced() error { return l.send(msg{T: tQuiesced}, -1) }
+
+// Hold has the supervisor keep a reference to memory made ahead (the host
+// reserve's pieces, fd) under id, until Unhold(id) or until a serving
+// process has replaced this one. A process killed with much memory of its
+// own frees it on its way out, and the supervisor reaps it, and starts its
+// successor, only once it has: 16 GiB of host reserve made SIGKILL to
+// serving again 2.2 to 3.3 s on an H200 machine instead of 0.35 s. Held
+// here, the dying process only drops its references, and the supervisor
+// frees the memory once the successor serves. Nothing depends on it: with
+// no supervisor, or one too old to know "hold" (it closes what it does not
+// know), the memory is freed as before.
+func (l *Link) Hold(id uint64, fd int) { l.send(msg{T: tHold, ID: id}, fd) }
+
+// Unhold ends Hold(id): the memory has become a segment's (and comes to
+// the supervisor with its record), or is being freed.
+func (l *Link) Unhold(id uint64) { l.send(msg{T: tUnhold, ID: id}, -1) }
 
 // Put implements segment.Journal. A channel's control block goes first,
 // in a message of its own (one descriptor a message), then at once the

@@ -8,6 +8,8 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -439,5 +441,45 @@ func TestJournalOfAKilledServingProcess(t *testing.T) {
 	}
 	if fmt.Sprint(names) != "[a c]" || st.FDs() != 1 {
 		t.Fatalf("the supervisor holds %v (%d descriptors), want [a c] (1)", names, st.FDs())
+	}
+}
+
+// TestHoldUntilDropped: memory a serving process asks the supervisor to
+// hold (Link.Hold) stays held, through its own descriptor, after the
+// serving process closes its own; Unhold lets it go; what is still held
+// when the serving process ends (drain) is let go of then.
+func TestHoldUntilDropped(t *testing.T) {
+	s, c, l := controlPair(t, newState())
+	a, b := memfd(t, 4096), memfd(t, 8192)
+	l.Hold(1, a)
+	l.Hold(2, b)
+	l.Unhold(2)
+	l.Unhold(3) // never held: nothing to do
+	if got := applyQueued(t, s, c, l); !slices.Equal(got, []string{tHold, tHold, tUnhold, tUnhold}) {
+		t.Fatalf("messages %v", got)
+	}
+	inoA := ino(t, a)
+	unix.Close(a)
+	unix.Close(b)
+	c.heldMu.Lock()
+	fd, ok := c.held[1]
+	n := len(c.held)
+	c.heldMu.Unlock()
+	if !ok || n != 1 {
+		t.Fatalf("held %v, want memory 1 alone", c.held)
+	}
+	if ino(t, fd) != inoA {
+		t.Fatal("the held descriptor is not the memory sent")
+	}
+	c.msgs = make(chan ctl)
+	close(c.msgs)
+	s.drain(c)
+	if c.held != nil {
+		t.Fatalf("after drain: %v still held", c.held)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err == nil {
+		if l, _ := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", fd)); strings.HasPrefix(l, "/memfd:t") {
+			t.Fatal("the held descriptor is still open after drain")
+		}
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 
@@ -75,6 +76,43 @@ type child struct {
 	// An adopted serving process is not our child (cmd is nil): it is
 	// watched and killed through its pidfd (handover.go).
 	pidfd *pidfd
+	// held is the memory made ahead that it asked us to hold (Link.Hold),
+	// by id: freed once its successor serves, or it ends otherwise.
+	heldMu sync.Mutex
+	held   map[uint64]int
+}
+
+func (c *child) hold(id uint64, fd int) {
+	c.heldMu.Lock()
+	defer c.heldMu.Unlock()
+	if c.held == nil {
+		c.held = make(map[uint64]int)
+	}
+	if old, ok := c.held[id]; ok {
+		closeFD(old)
+	}
+	c.held[id] = fd
+}
+
+func (c *child) unhold(id uint64) {
+	c.heldMu.Lock()
+	defer c.heldMu.Unlock()
+	if fd, ok := c.held[id]; ok {
+		closeFD(fd)
+		delete(c.held, id)
+	}
+}
+
+// dropHeld frees what c had us hold: for a reserve of many GiB, a second
+// or more of this process's time, never on the way to serving again.
+func (c *child) dropHeld() {
+	c.heldMu.Lock()
+	held := c.held
+	c.held = nil
+	c.heldMu.Unlock()
+	for _, fd := range held {
+		closeFD(fd)
+	}
 }
 
 type ctl struct {
@@ -245,6 +283,9 @@ func (s *Supervisor) restart(ctx context.Context) error {
 			if err == nil {
 				s.cur = c
 				s.serving(c)
+				// Its memory made ahead, held so that its death did not
+				// free it (Link.Hold), is freed now, off the way back.
+				go old.dropHeld()
 				return nil
 			}
 			c.kill()
@@ -438,6 +479,14 @@ func (s *Supervisor) apply(c *child, m ctl) {
 		// Everything this process sent before is applied.
 		closeFD(m.fd)
 		send(c.conn, msg{T: tSynced, ID: m.m.ID}, -1)
+	case tHold:
+		if m.fd < 0 {
+			return
+		}
+		c.hold(m.m.ID, m.fd)
+	case tUnhold:
+		closeFD(m.fd)
+		c.unhold(m.m.ID)
 	default:
 		closeFD(m.fd)
 	}
@@ -449,6 +498,7 @@ func (s *Supervisor) drain(c *child) {
 		s.apply(c, m)
 	}
 	c.ctl.drop()
+	c.dropHeld()
 }
 
 // handState sends c the state, the parked connections and "go".
