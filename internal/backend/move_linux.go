@@ -216,6 +216,20 @@ func populateIn(b []byte, chunk, workers int, start func(), more func() bool) er
 // time, and a shared mapping of shmem maps them writable).
 func populateWith(advice int, b []byte, chunk, workers int, start func(), more func() bool) error {
 	n := (len(b) + chunk - 1) / chunk
+	err := inChunks(n, workers, start, more, func(i int) error {
+		return noMem(unix.Madvise(b[i*chunk:min((i+1)*chunk, len(b))], advice))
+	})
+	if err != nil {
+		return fmt.Errorf("populate %d bytes of host memory: %w", len(b), err)
+	}
+	return nil
+}
+
+// inChunks runs do for chunks 0 to n-1 on up to workers threads; each
+// calls start (if set) first, and asks more (if set) before each chunk.
+// The first error, or more's first no (errStopped), stops them all, and
+// is what it returns.
+func inChunks(n, workers int, start func(), more func() bool, do func(i int) error) error {
 	workers = min(n, workers, runtime.NumCPU())
 	var (
 		mu   sync.Mutex
@@ -223,6 +237,11 @@ func populateWith(advice int, b []byte, chunk, workers int, start func(), more f
 		errs []error
 		wg   sync.WaitGroup
 	)
+	failed := func(err error) {
+		mu.Lock()
+		errs = append(errs, err)
+		mu.Unlock()
+	}
 	for range workers {
 		wg.Go(func() {
 			if start != nil {
@@ -238,16 +257,11 @@ func populateWith(advice int, b []byte, chunk, workers int, start func(), more f
 					return
 				}
 				if more != nil && !more() {
-					mu.Lock()
-					errs = append(errs, errStopped)
-					mu.Unlock()
+					failed(errStopped)
 					return
 				}
-				p := b[i*chunk : min((i+1)*chunk, len(b))]
-				if err := unix.Madvise(p, advice); err != nil {
-					mu.Lock()
-					errs = append(errs, noMem(err))
-					mu.Unlock()
+				if err := do(i); err != nil {
+					failed(err)
 					return
 				}
 			}
@@ -255,7 +269,7 @@ func populateWith(advice int, b []byte, chunk, workers int, start func(), more f
 	}
 	wg.Wait()
 	if len(errs) > 0 {
-		return fmt.Errorf("populate %d bytes of host memory: %w", len(b), errs[0])
+		return errs[0]
 	}
 	return nil
 }

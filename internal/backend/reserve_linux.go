@@ -13,7 +13,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -537,54 +536,23 @@ func makePiece(size, hugePage int64, thp bool, more func() bool, keeper Keeper, 
 // errStopped.
 func populateFD(fd int, size, chunk int64, workers int, thp bool, more func() bool) error {
 	n := (size + chunk - 1) / chunk
-	var (
-		next atomic.Int64
-		mu   sync.Mutex
-		errs []error
-		wg   sync.WaitGroup
-	)
-	failed := func(err error) {
-		mu.Lock()
-		errs = append(errs, err)
-		mu.Unlock()
-	}
-	for range min(int64(workers), n) {
-		wg.Go(func() {
-			lowPriority()
-			for {
-				i := next.Add(1) - 1
-				mu.Lock()
-				stop := i >= n || len(errs) > 0
-				mu.Unlock()
-				if stop {
-					return
-				}
-				if !more() {
-					failed(errStopped)
-					return
-				}
-				off, l := i*chunk, min(chunk, size-i*chunk)
-				ptr, err := unix.MmapPtr(fd, off, nil, uintptr(l), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-				if err != nil {
-					failed(fmt.Errorf("mmap: %w", err))
-					return
-				}
-				b := unsafe.Slice((*byte)(ptr), int(l))
-				if thp {
-					unix.Madvise(b, unix.MADV_HUGEPAGE) // a hint: none is no error
-				}
-				err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
-				unix.MunmapPtr(ptr, uintptr(l))
-				if err != nil {
-					failed(noMem(err))
-					return
-				}
-			}
-		})
-	}
-	wg.Wait()
-	if len(errs) > 0 {
-		return fmt.Errorf("populate %d bytes of host memory: %w", size, errs[0])
+	err := inChunks(int(n), workers, lowPriority, more, func(i int) error {
+		off := int64(i) * chunk
+		l := min(chunk, size-off)
+		ptr, err := unix.MmapPtr(fd, off, nil, uintptr(l), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+		if err != nil {
+			return fmt.Errorf("mmap: %w", err)
+		}
+		b := unsafe.Slice((*byte)(ptr), int(l))
+		if thp {
+			unix.Madvise(b, unix.MADV_HUGEPAGE) // a hint: none is no error
+		}
+		err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
+		unix.MunmapPtr(ptr, uintptr(l))
+		return noMem(err)
+	})
+	if err != nil {
+		return fmt.Errorf("populate %d bytes of host memory: %w", size, err)
 	}
 	return nil
 }
