@@ -63,3 +63,12 @@ func Open(name string, devices string, log *slog.Logger) (Backend, error) {
 
 // ErrNoGPU means the cuda backend cannot run on this machine at all.
 var ErrNoGPU = errors.New("no usable GPU")
+
+// within says why n bytes at off do not lie within memory of size bytes,
+// or nil when they do.
+func within(off, n, size int64) error {
+	if off < 0 || n < 0 || off+n > size {
+		return fmt.Errorf("%d bytes at %d outside %d bytes of memory", n, off, size)
+	}
+	return nil
+}

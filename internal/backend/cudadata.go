@@ -44,8 +44,8 @@ func (v *cudaView) unmap(d *cuda.Device, size int64) error {
 }
 
 func (m *cudaMemory) mapped(off, n int64) (uint64, error) {
-	if off < 0 || n < 0 || off+n > m.size {
-		return 0, fmt.Errorf("%d bytes at %d outside %d bytes of memory", n, off, m.size)
+	if err := within(off, n, m.size); err != nil {
+		return 0, err
 	}
 	m.view.mu.Lock()
 	defer m.view.mu.Unlock()

@@ -76,8 +76,8 @@ func (m *hostMemory) span(off, n int64) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	if off < 0 || n < 0 || off+n > m.size {
-		return nil, fmt.Errorf("%d bytes at %d outside %d bytes of memory", n, off, m.size)
+	if err := within(off, n, m.size); err != nil {
+		return nil, err
 	}
 	return b[off : off+n], nil
 }

@@ -122,16 +122,9 @@ func (m *hostMemory) growing() bool {
 	return m.growable
 }
 
-func (m *hostMemory) inside(off, n int64) error {
-	if off < 0 || n < 0 || off+n > m.size {
-		return fmt.Errorf("%d bytes at %d outside %d bytes of memory", n, off, m.size)
-	}
-	return nil
-}
-
 // pread fills p from off.
 func (m *hostMemory) pread(p []byte, off int64) error {
-	if err := m.inside(off, int64(len(p))); err != nil {
+	if err := within(off, int64(len(p)), m.size); err != nil {
 		return err
 	}
 	for len(p) > 0 {
@@ -153,7 +146,7 @@ func (m *hostMemory) pread(p []byte, off int64) error {
 // pwrite copies p to off; a page it meets that has no memory gets it
 // (ENOMEM without).
 func (m *hostMemory) pwrite(p []byte, off int64) error {
-	if err := m.inside(off, int64(len(p))); err != nil {
+	if err := within(off, int64(len(p)), m.size); err != nil {
 		return err
 	}
 	for len(p) > 0 {
@@ -189,7 +182,7 @@ var zeros = make([]byte, 64<<10)
 // writes zeros throughout where a hole could be mapped (the daemon maps
 // the memfd, or its descriptor was handed out meanwhile).
 func (m *hostMemory) pzero(off, n int64) error {
-	if err := m.inside(off, n); err != nil {
+	if err := within(off, n, m.size); err != nil {
 		return err
 	}
 	g := int64(os.Getpagesize())
