@@ -209,18 +209,9 @@ func (m *Mapping) unmap() error {
 		return err
 	}
 	if m.dev != nil {
-		var err error
-		if !m.released {
-			// As in releaseMemory: cuMemUnmap does not wait for work
-			// queued on the range, and a write from pageable memory
-			// returns before its DMA lands. Unmapping under either
-			// faults, and the fault poisons the process's context.
-			err = m.dev.Synchronize()
-			if err == nil {
-				err = m.dev.UnmapAt(m.ptr, m.alloc)
-				err = errors.Join(err, m.dev.Release(m.handle))
-			}
-		}
+		// The memory goes as in a release, which waits for the GPU's
+		// work on it first; then the range.
+		err := m.releaseMemory()
 		if err == nil {
 			unreserve(m.dev, m.ptr, m.reserved)
 		}
@@ -233,7 +224,10 @@ func (m *Mapping) unmap() error {
 // releaseMemory unmaps the memory and keeps the address range: a host
 // range becomes inaccessible anonymous memory (MAP_FIXED over it, so that
 // nothing else is mapped there), a cuda range stays reserved. Work the
-// GPU still has queued on it is waited for first: cuMemUnmap does not.
+// GPU still has queued on it is waited for first: cuMemUnmap does not,
+// and a write from pageable memory returns before its DMA lands.
+// Unmapping under either faults, and the fault poisons the process's
+// context for every later call.
 func (m *Mapping) releaseMemory() error {
 	if m.released {
 		return nil
