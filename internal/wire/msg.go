@@ -444,6 +444,9 @@ func DecodeRequest(b []byte) (*Request, error) {
 	if err := checkSize(b); err != nil {
 		return nil, err
 	}
+	if r, ok := decodeHotRequest(b); ok {
+		return checkRequest(r)
+	}
 	var r Request
 	if err := jsonv2.Unmarshal(b, &r, jsonv2.RejectUnknownMembers(true)); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrProto, err)
@@ -459,13 +462,17 @@ func DecodeRequest(b []byte) (*Request, error) {
 			r.Meta = nil
 		}
 	}
+	return checkRequest(&r)
+}
+
+func checkRequest(r *Request) (*Request, error) {
 	if r.Op == "" {
-		return &r, fmt.Errorf("%w: missing op", ErrProto)
+		return r, fmt.Errorf("%w: missing op", ErrProto)
 	}
-	if err := checkUnused(&r); err != nil {
-		return &r, err
+	if err := checkUnused(r); err != nil {
+		return r, err
 	}
-	return &r, nil
+	return r, nil
 }
 
 // RequestID reads the id of a packet that DecodeRequest may refuse: the
@@ -650,6 +657,9 @@ func DecodeReply(b []byte) (*Reply, error) {
 	if err := checkSize(b); err != nil {
 		return nil, err
 	}
+	if r, ok := decodeHotReply(b); ok {
+		return r, nil
+	}
 	r := Reply{CtlFD: -1}
 	if err := jsonv2.Unmarshal(b, &r); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrProto, err)
@@ -671,9 +681,21 @@ func checkSize(b []byte) error {
 
 // Encode marshals a message and checks that it fits in one packet.
 func Encode(v any) ([]byte, error) {
-	b, err := json.Marshal(v)
-	if err != nil {
-		return nil, err
+	var (
+		b   []byte
+		ok  bool
+		err error
+	)
+	switch m := v.(type) {
+	case *Request:
+		b, ok = appendRequest(make([]byte, 0, 128), m)
+	case *Reply:
+		b, ok = appendReply(make([]byte, 0, 512), m)
+	}
+	if !ok {
+		if b, err = json.Marshal(v); err != nil {
+			return nil, err
+		}
 	}
 	if len(b) > MaxMessage {
 		return nil, fmt.Errorf("%w: message is %d bytes, limit %d", ErrProto, len(b), MaxMessage)
