@@ -525,3 +525,56 @@ func TestConnWakeAndWouldBlock(t *testing.T) {
 		t.Fatalf("last packet: %q, %v", msg, err)
 	}
 }
+
+// TestConnBatch: a reader that batches reads a burst in order, with its
+// descriptors, waiting before it reads on after a read that slept; its
+// timeout and the peer's hang-up end a wait as without batching.
+func TestConnBatch(t *testing.T) {
+	a, b := socketPair(t)
+	b.SetBatch(20 * time.Millisecond)
+	if err := b.SetTimeout(2 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		time.Sleep(10 * time.Millisecond)
+		a.Send([]byte("first"), -1)
+	}()
+	if msg, _, err := b.Recv(); err != nil || string(msg) != "first" {
+		t.Fatalf("first: %q, %v", msg, err)
+	}
+	f, err := os.Open("/dev/null")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for i := range 5 {
+		if err := a.Send([]byte{byte('0' + i)}, int(f.Fd())); err != nil {
+			t.Fatal(err)
+		}
+	}
+	start := time.Now()
+	for i := range 5 {
+		msg, fd, err := b.Recv()
+		if err != nil || string(msg) != string(rune('0'+i)) || fd < 0 {
+			t.Fatalf("message %d: %q, fd %d, %v", i, msg, fd, err)
+		}
+		unix.Close(fd)
+		if i == 0 && time.Since(start) < 15*time.Millisecond {
+			t.Fatalf("the read after one that slept came after %v, before the batch's 20ms", time.Since(start))
+		}
+	}
+	if err := b.SetTimeout(50 * time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := b.Recv(); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("Recv with nothing sent = %v, want a deadline error", err)
+	}
+	a.Send([]byte("last"), -1)
+	a.Close()
+	if msg, _, err := b.Recv(); err != nil || string(msg) != "last" {
+		t.Fatalf("last: %q, %v", msg, err)
+	}
+	if _, _, err := b.Recv(); !errors.Is(err, io.EOF) {
+		t.Fatalf("Recv after the peer closed = %v, want EOF", err)
+	}
+}
