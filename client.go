@@ -276,6 +276,7 @@ type Client struct {
 
 	mu         sync.Mutex // serializes round trips
 	conn       *wire.Conn
+	enc        []byte // requests are encoded here, under mu
 	nextID     uint64
 	broken     error
 	reconnect  time.Duration
@@ -722,7 +723,7 @@ func (c *Client) reclaimLocked(ctx context.Context) error {
 // exchangeLocked sends req as it is (its ID set) and waits for the reply.
 // A lost connection is reported wrapping errLost.
 func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD int) (*wire.Reply, int, error) {
-	b, err := wire.Encode(req)
+	b, err := c.encodeLocked(req)
 	if err != nil {
 		return nil, -1, err
 	}
@@ -850,10 +851,19 @@ func (c *Client) fail(ctx context.Context, err error) error {
 	return err
 }
 
+// encodeLocked encodes req in c's buffer, valid until the next call.
+func (c *Client) encodeLocked(req *wire.Request) ([]byte, error) {
+	b, err := wire.AppendEncode(c.enc[:0], req)
+	if err == nil && cap(b) <= 4<<10 {
+		c.enc = b // a 64 KiB create's meta is not kept
+	}
+	return b, err
+}
+
 // sendCloseLocked ends a lease without waiting for the answer's content.
 func (c *Client) sendCloseLocked(id uint64) {
 	c.nextID++
-	b, _ := wire.Encode(&wire.Request{ID: c.nextID, Op: wire.OpClose, Segment: id})
+	b, _ := c.encodeLocked(&wire.Request{ID: c.nextID, Op: wire.OpClose, Segment: id})
 	if c.conn.Send(b, -1) == nil {
 		_, fd, _ := c.conn.Recv()
 		closeFD(fd)

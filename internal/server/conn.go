@@ -1,6 +1,7 @@
 package server
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -343,10 +344,19 @@ func opLabel(op string) string {
 // send sends a reply, or queues it (c.out) when the client's receive queue
 // is full: a worker never waits for a client to read.
 func (c *conn) send(rep *wire.Reply, fd int) error {
-	b, err := wire.Encode(rep)
+	// The worker's buffer, when a worker serves c: every reply would
+	// otherwise be garbage, and the collector's cycles showed in the
+	// round trip's tail.
+	var buf []byte
+	if c.w != nil {
+		buf = c.w.enc[:0]
+	}
+	b, err := wire.AppendEncode(buf, rep)
 	if err != nil {
 		b, _ = wire.Encode(&wire.Reply{ID: rep.ID, Error: errReply(err)})
 		fd = -1
+	} else if c.w != nil && cap(b) <= maxKeptReply {
+		c.w.enc = b
 	}
 	if len(c.out) == 0 {
 		err := c.wc.TrySend(b, fd)
@@ -354,9 +364,13 @@ func (c *conn) send(rep *wire.Reply, fd int) error {
 			return err
 		}
 	}
-	c.out = append(c.out, packet{b, fd})
+	c.out = append(c.out, packet{bytes.Clone(b), fd})
 	return nil
 }
+
+// maxKeptReply bounds the reply buffer a worker keeps: a list's reply of
+// 64 KiB is not kept for every worker.
+const maxKeptReply = 4 << 10
 
 // flush sends what c.out holds, as far as the client takes it.
 func (c *conn) flush() error {

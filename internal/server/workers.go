@@ -132,6 +132,8 @@ func (s *Server) busy() bool { return s.waiters.Load() == 0 && s.workers.Load() 
 
 // worker is what a serving goroutine needs besides its thread.
 type worker struct {
+	// enc is the buffer its connections' replies are encoded in.
+	enc []byte
 	// nudge is an eventfd in the wait for the next request: readable
 	// when the worker should look whether its connection went idle, or
 	// whether others wait for a worker.

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -304,12 +305,12 @@ func (c *Conn) Recv() (b []byte, fd int, err error) {
 			if woken {
 				return nil, -1, ErrWoken
 			}
-			n, oobn, flags, _, err = unix.Recvmsg(c.fd, buf, c.oob, unix.MSG_CMSG_CLOEXEC|unix.MSG_DONTWAIT)
+			n, oobn, flags, err = recvmsg(c.fd, buf, c.oob, unix.MSG_CMSG_CLOEXEC|unix.MSG_DONTWAIT)
 			if err == unix.EAGAIN {
 				continue
 			}
 		} else {
-			n, oobn, flags, _, err = unix.Recvmsg(c.fd, buf, c.oob, unix.MSG_CMSG_CLOEXEC|block)
+			n, oobn, flags, err = recvmsg(c.fd, buf, c.oob, unix.MSG_CMSG_CLOEXEC|block)
 			if err == unix.EAGAIN && block != 0 {
 				if time.Now().After(deadline) {
 					block = 0
@@ -416,6 +417,25 @@ func (c *Conn) waitReadable() (woken bool, err error) {
 		}
 		return false, nil
 	}
+}
+
+// recvmsg is unix.Recvmsg without the sender's address, which that makes
+// anew on every call (the peer of a connected socket is known): every
+// request would otherwise leave garbage behind.
+func recvmsg(fd int, p, oob []byte, flags int) (n, oobn, recvflags int, err error) {
+	iov := unix.Iovec{Base: &p[0]}
+	iov.SetLen(len(p))
+	msg := unix.Msghdr{Iov: &iov}
+	msg.SetIovlen(1)
+	if len(oob) > 0 {
+		msg.Control = &oob[0]
+		msg.SetControllen(len(oob))
+	}
+	r, _, e := unix.Syscall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), uintptr(flags))
+	if e != 0 {
+		return 0, 0, 0, e
+	}
+	return int(r), int(msg.Controllen), int(msg.Flags), nil
 }
 
 func parseRights(oob []byte) ([]int, error) {

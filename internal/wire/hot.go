@@ -227,38 +227,41 @@ func (s *hotScan) next(c byte) bool {
 	return false
 }
 
-// members calls member for each member of the object that comes next,
-// with its name; member reads the value. seen catches a name given twice,
-// which the general decoder refuses.
-func (s *hotScan) members(member func(name []byte) uint64) {
+// key reads the name of the object's next member and the colon after
+// it, or returns nil at the object's end (or on anything amiss); first
+// says whether the object's brace was just read. mark then catches a
+// name given twice, which the general decoder refuses.
+func (s *hotScan) key(first bool) []byte {
+	if s.next('}') {
+		return nil
+	}
+	if !first && !s.next(',') {
+		s.fail()
+		return nil
+	}
+	name := s.rawString()
+	if !s.next(':') {
+		s.fail()
+		return nil
+	}
+	return name
+}
+
+// mark records member bit (0: a name it does not know) as seen.
+func (s *hotScan) mark(seen *uint64, bit uint64) {
+	if bit == 0 || *seen&bit != 0 {
+		s.fail()
+	}
+	*seen |= bit
+}
+
+// object reads '{' and reports whether it came.
+func (s *hotScan) object() bool {
 	if !s.next('{') {
 		s.fail()
-		return
+		return false
 	}
-	if s.next('}') {
-		return
-	}
-	var seen uint64
-	for s.ok {
-		name := s.rawString()
-		if !s.next(':') {
-			s.fail()
-			return
-		}
-		bit := member(name)
-		if bit == 0 || seen&bit != 0 {
-			s.fail()
-			return
-		}
-		seen |= bit
-		if s.next('}') {
-			return
-		}
-		if !s.next(',') {
-			s.fail()
-			return
-		}
-	}
+	return true
 }
 
 // rawString reads a string without escapes, of printable ASCII.
@@ -283,6 +286,22 @@ func (s *hotScan) rawString() []byte {
 }
 
 func (s *hotScan) str() string { return string(s.rawString()) }
+
+// op reads an operation's name, without allocating for a known one.
+func (s *hotScan) op() string {
+	b := s.rawString()
+	switch string(b) {
+	case OpOpen:
+		return OpOpen
+	case OpClose:
+		return OpClose
+	case OpCreate:
+		return OpCreate
+	case OpStat:
+		return OpStat
+	}
+	return string(b)
+}
 
 // digits reads an unsigned integer of at most 19 digits (no overflow
 // of int64), without leading zeros.
@@ -381,32 +400,28 @@ func (s *hotScan) end() bool { return s.ok && s.i == len(s.b) }
 func decodeHotRequest(b []byte) (r *Request, ok bool) {
 	r = &Request{}
 	s := hotScan{b: b, ok: true}
-	s.members(func(name []byte) uint64 {
-		switch string(name) {
+	var seen uint64
+	s.object()
+	for k := s.key(true); k != nil; k = s.key(false) {
+		var bit uint64
+		switch string(k) {
 		case "id":
-			r.ID = s.uint64()
-			return 1 << 0
+			r.ID, bit = s.uint64(), 1<<0
 		case "op":
-			r.Op = s.str()
-			return 1 << 1
+			r.Op, bit = s.op(), 1<<1
 		case "name":
-			r.Name = s.str()
-			return 1 << 2
+			r.Name, bit = s.str(), 1<<2
 		case "readonly":
-			r.ReadOnly = s.bool()
-			return 1 << 3
+			r.ReadOnly, bit = s.bool(), 1<<3
 		case "segment":
-			r.Segment = s.uint64()
-			return 1 << 4
+			r.Segment, bit = s.uint64(), 1<<4
 		case "role":
-			r.Role = s.str()
-			return 1 << 5
+			r.Role, bit = s.str(), 1<<5
 		case "trace":
-			r.Trace = s.bool()
-			return 1 << 6
+			r.Trace, bit = s.bool(), 1<<6
 		}
-		return 0
-	})
+		s.mark(&seen, bit)
+	}
 	return r, s.end()
 }
 
@@ -415,186 +430,201 @@ func decodeHotRequest(b []byte) (r *Request, ok bool) {
 func decodeHotReply(b []byte) (r *Reply, ok bool) {
 	r = &Reply{CtlFD: -1}
 	s := hotScan{b: b, ok: true}
-	s.members(func(name []byte) uint64 {
-		switch string(name) {
+	var seen uint64
+	s.object()
+	for k := s.key(true); k != nil; k = s.key(false) {
+		var bit uint64
+		switch string(k) {
 		case "id":
-			r.ID = s.uint64()
-			return 1 << 0
+			r.ID, bit = s.uint64(), 1<<0
 		case "error":
-			r.Error = &Error{}
-			s.members(func(name []byte) uint64 {
-				switch string(name) {
-				case "code":
-					r.Error.Code = s.str()
-					return 1 << 0
-				case "message":
-					r.Error.Message = s.str()
-					return 1 << 1
-				}
-				return 0
-			})
-			return 1 << 1
+			r.Error, bit = s.error(), 1<<1
 		case "trace":
-			r.Trace = s.trace()
-			return 1 << 2
+			r.Trace, bit = s.trace(), 1<<2
 		case "segment":
-			r.Segment = s.segment()
-			return 1 << 3
+			r.Segment, bit = s.segment(), 1<<3
 		case "created":
 			v := s.bool()
-			r.Created = &v
-			return 1 << 4
+			r.Created, bit = &v, 1<<4
 		case "fd":
-			r.FD = s.bool()
-			return 1 << 5
+			r.FD, bit = s.bool(), 1<<5
 		case "control":
-			r.Control = s.bool()
-			return 1 << 6
+			r.Control, bit = s.bool(), 1<<6
 		case "control_fd":
-			r.ControlFD = s.bool()
-			return 1 << 7
+			r.ControlFD, bit = s.bool(), 1<<7
 		}
-		return 0
-	})
+		s.mark(&seen, bit)
+	}
 	return r, s.end()
+}
+
+func (s *hotScan) error() *Error {
+	e := &Error{}
+	var seen uint64
+	s.object()
+	for k := s.key(true); k != nil; k = s.key(false) {
+		var bit uint64
+		switch string(k) {
+		case "code":
+			e.Code, bit = s.str(), 1<<0
+		case "message":
+			e.Message, bit = s.str(), 1<<1
+		}
+		s.mark(&seen, bit)
+	}
+	return e
 }
 
 func (s *hotScan) trace() *Trace {
 	t := &Trace{}
-	s.members(func(name []byte) uint64 {
-		switch string(name) {
+	var seen uint64
+	s.object()
+	for k := s.key(true); k != nil; k = s.key(false) {
+		var bit uint64
+		switch string(k) {
 		case "total_ns":
-			t.TotalNS = s.int64()
-			return 1 << 0
+			t.TotalNS, bit = s.int64(), 1<<0
 		case "steps":
-			if !s.next('[') {
-				return 0
-			}
-			t.Steps = []TraceStep{}
-			if s.next(']') {
-				return 1 << 1
-			}
-			for s.ok {
-				var st TraceStep
-				s.members(func(name []byte) uint64 {
-					switch string(name) {
-					case "step":
-						st.Step = s.str()
-						return 1 << 0
-					case "ns":
-						st.NS = s.int64()
-						return 1 << 1
-					}
-					return 0
-				})
-				t.Steps = append(t.Steps, st)
-				if s.next(']') {
-					break
-				}
-				if !s.next(',') {
-					s.fail()
-				}
-			}
-			return 1 << 1
+			t.Steps, bit = s.steps(), 1<<1
 		}
-		return 0
-	})
+		s.mark(&seen, bit)
+	}
 	return t
+}
+
+func (s *hotScan) steps() []TraceStep {
+	if !s.next('[') {
+		s.fail()
+		return nil
+	}
+	steps := []TraceStep{}
+	if s.next(']') {
+		return steps
+	}
+	for s.ok {
+		var st TraceStep
+		var seen uint64
+		s.object()
+		for k := s.key(true); k != nil; k = s.key(false) {
+			var bit uint64
+			switch string(k) {
+			case "step":
+				st.Step, bit = s.str(), 1<<0
+			case "ns":
+				st.NS, bit = s.int64(), 1<<1
+			}
+			s.mark(&seen, bit)
+		}
+		steps = append(steps, st)
+		if s.next(']') {
+			break
+		}
+		if !s.next(',') {
+			s.fail()
+		}
+	}
+	return steps
+}
+
+func (s *hotScan) channel() *Channel {
+	c := &Channel{}
+	var seen uint64
+	s.object()
+	for k := s.key(true); k != nil; k = s.key(false) {
+		var bit uint64
+		switch string(k) {
+		case "slots":
+			c.Slots, bit = s.int(), 1<<0
+		case "slot_bytes":
+			c.SlotBytes, bit = s.int64(), 1<<1
+		case "slot_stride":
+			c.SlotStride, bit = s.int64(), 1<<2
+		case "control_bytes":
+			c.ControlBytes, bit = s.int64(), 1<<3
+		}
+		s.mark(&seen, bit)
+	}
+	return c
 }
 
 func (s *hotScan) segment() *Segment {
 	g := &Segment{}
-	s.members(func(name []byte) uint64 {
-		switch string(name) {
+	var seen uint64
+	s.object()
+	for k := s.key(true); k != nil; k = s.key(false) {
+		var bit uint64
+		switch string(k) {
 		case "id":
-			g.ID = s.uint64()
-			return 1 << 0
+			g.ID, bit = s.uint64(), 1<<0
 		case "name":
-			g.Name = s.str()
-			return 1 << 1
+			g.Name, bit = s.str(), 1<<1
 		case "size":
-			g.Size = s.int64()
-			return 1 << 2
+			g.Size, bit = s.int64(), 1<<2
 		case "alloc_size":
-			g.AllocSize = s.int64()
-			return 1 << 3
+			g.AllocSize, bit = s.int64(), 1<<3
 		case "device":
-			g.Device = s.int()
-			return 1 << 4
+			g.Device, bit = s.int(), 1<<4
 		case "uuid":
-			g.UUID = s.str()
-			return 1 << 5
+			g.UUID, bit = s.str(), 1<<5
 		case "handle_type":
-			g.HandleType = s.str()
-			return 1 << 6
+			g.HandleType, bit = s.handleType(), 1<<6
 		case "uid":
-			g.UID = s.uint32()
-			return 1 << 7
+			g.UID, bit = s.uint32(), 1<<7
 		case "gid":
-			g.GID = s.uint32()
-			return 1 << 8
+			g.GID, bit = s.uint32(), 1<<8
 		case "mode":
-			g.Mode = s.uint32()
-			return 1 << 9
+			g.Mode, bit = s.uint32(), 1<<9
 		case "opens":
-			g.Opens = s.int()
-			return 1 << 10
+			g.Opens, bit = s.int(), 1<<10
 		case "created":
-			g.Created = s.int64()
-			return 1 << 11
+			g.Created, bit = s.int64(), 1<<11
 		case "meta":
-			g.Meta = s.rawValue()
-			return 1 << 12
+			g.Meta, bit = s.rawValue(), 1<<12
 		case "lifetime":
-			g.Lifetime = s.str()
-			return 1 << 13
+			g.Lifetime, bit = s.str(), 1<<13
 		case "idle_since":
-			g.Idle = s.int64()
-			return 1 << 14
+			g.Idle, bit = s.int64(), 1<<14
 		case "orphan":
-			g.Orphan = s.str()
-			return 1 << 15
+			g.Orphan, bit = s.str(), 1<<15
 		case "channel":
-			c := &Channel{}
-			s.members(func(name []byte) uint64 {
-				switch string(name) {
-				case "slots":
-					c.Slots = s.int()
-					return 1 << 0
-				case "slot_bytes":
-					c.SlotBytes = s.int64()
-					return 1 << 1
-				case "slot_stride":
-					c.SlotStride = s.int64()
-					return 1 << 2
-				case "control_bytes":
-					c.ControlBytes = s.int64()
-					return 1 << 3
-				}
-				return 0
-			})
-			g.Channel = c
-			return 1 << 16
+			g.Channel, bit = s.channel(), 1<<16
 		case "uncommitted":
-			g.Uncommitted = s.bool()
-			return 1 << 17
+			g.Uncommitted, bit = s.bool(), 1<<17
 		case "tier":
-			g.Tier = s.str()
-			return 1 << 18
+			g.Tier, bit = s.tier(), 1<<18
 		case "last_open":
-			g.LastOpen = s.int64()
-			return 1 << 19
+			g.LastOpen, bit = s.int64(), 1<<19
 		case "pinned":
-			g.Pinned = s.bool()
-			return 1 << 20
+			g.Pinned, bit = s.bool(), 1<<20
 		case "version":
-			g.Version = s.uint64()
-			return 1 << 21
+			g.Version, bit = s.uint64(), 1<<21
 		case "rdma":
-			g.RDMA = s.bool()
-			return 1 << 22
+			g.RDMA, bit = s.bool(), 1<<22
 		}
-		return 0
-	})
+		s.mark(&seen, bit)
+	}
 	return g
+}
+
+// handleType and tier read the few values these take without allocating.
+func (s *hotScan) handleType() string {
+	b := s.rawString()
+	switch string(b) {
+	case HandleCUDA:
+		return HandleCUDA
+	case HandleMemfd:
+		return HandleMemfd
+	}
+	return string(b)
+}
+
+func (s *hotScan) tier() string {
+	b := s.rawString()
+	switch string(b) {
+	case "gpu":
+		return "gpu"
+	case "host":
+		return "host"
+	}
+	return string(b)
 }

@@ -680,25 +680,34 @@ func checkSize(b []byte) error {
 // protocol document describes.
 
 // Encode marshals a message and checks that it fits in one packet.
-func Encode(v any) ([]byte, error) {
+func Encode(v any) ([]byte, error) { return AppendEncode(nil, v) }
+
+// AppendEncode is Encode appending to dst, for a caller that keeps a
+// buffer across messages.
+func AppendEncode(dst []byte, v any) ([]byte, error) {
+	start := len(dst)
+	if dst == nil {
+		dst = make([]byte, 0, 512)
+	}
 	var (
-		b   []byte
-		ok  bool
-		err error
+		b  []byte
+		ok bool
 	)
 	switch m := v.(type) {
 	case *Request:
-		b, ok = appendRequest(make([]byte, 0, 128), m)
+		b, ok = appendRequest(dst, m)
 	case *Reply:
-		b, ok = appendReply(make([]byte, 0, 512), m)
+		b, ok = appendReply(dst, m)
 	}
 	if !ok {
-		if b, err = json.Marshal(v); err != nil {
-			return nil, err
+		j, err := json.Marshal(v)
+		if err != nil {
+			return dst, err
 		}
+		b = append(dst, j...)
 	}
-	if len(b) > MaxMessage {
-		return nil, fmt.Errorf("%w: message is %d bytes, limit %d", ErrProto, len(b), MaxMessage)
+	if n := len(b) - start; n > MaxMessage {
+		return dst[:start], fmt.Errorf("%w: message is %d bytes, limit %d", ErrProto, n, MaxMessage)
 	}
 	return b, nil
 }
