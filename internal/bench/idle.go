@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/exec"
 	"strconv"
@@ -89,6 +90,14 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 			return err
 		}
 		pid := inf.PID
+		room, why, err := daemonRoom(pid)
+		if err != nil {
+			return err
+		}
+		if room < 1 {
+			return fmt.Errorf("no room for idle connections: %s", why)
+		}
+		counts = fitTo(counts, room, why)
 		const probe = "bench-idle"
 		if _, _, err := c.CreateOnly(ctx, probe, 4096, nil); err != nil {
 			return err
@@ -400,8 +409,16 @@ func openIdle(socket string, n int) ([]*wire.Conn, error) {
 	return conns, nil
 }
 
-// idleSpare is what the daemon needs besides its connections' descriptors.
-const idleSpare = 128
+// idleSpare is what the daemon needs besides its connections' descriptors,
+// before it serves; daemonSpare what it may open while it serves (an
+// eventfd for each of up to 64 workers, and some slack), beyond what it
+// holds once it serves (on cuda, the driver's own descriptors: more than
+// idleSpare on an H200 machine, whose daemon ran out at 19,871
+// connections of a crowd fitted to 19,872).
+const (
+	idleSpare   = 128
+	daemonSpare = 128
+)
 
 // fitCounts scales the crowd to the descriptor limit this machine allows:
 // counts above it become the most it can hold, said on stderr, rather than
@@ -417,16 +434,45 @@ func fitCounts(counts []int) ([]int, error) {
 	if most < 1 {
 		return nil, fmt.Errorf("a descriptor limit of %d leaves no room for idle connections (%v): raise the hard limit ('ulimit -Hn') or run as root", got, err)
 	}
+	return fitTo(counts, most, fmt.Sprintf("this machine allows %d descriptors", got)), nil
+}
+
+// fitTo caps counts at most, saying why on stderr for each it lowers.
+func fitTo(counts []int, most int, why string) []int {
 	var out []int
 	for _, n := range counts {
 		if n > most {
-			fmt.Fprintf(os.Stderr, "bench idle: %d idle connections need a descriptor limit of %d, and this machine allows %d: measuring %d instead\n",
-				n, uint64(n)+idleSpare, got, most)
+			fmt.Fprintf(os.Stderr, "bench idle: %d idle connections do not fit (%s): measuring %d instead\n", n, why, most)
 			n = most
 		}
 		if len(out) == 0 || n > out[len(out)-1] {
 			out = append(out, n)
 		}
 	}
-	return out, nil
+	return out
+}
+
+// daemonRoom is how many more connections the serving process pid can
+// hold: its descriptor limit, less what it holds now and daemonSpare.
+func daemonRoom(pid int) (room int, why string, err error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/limits", pid))
+	if err != nil {
+		return 0, "", err
+	}
+	limit := -1
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "Max open files"); ok {
+			if f := strings.Fields(rest); len(f) > 0 {
+				limit, _ = strconv.Atoi(f[0]) // "unlimited" stays -1
+			}
+		}
+	}
+	st, err := ReadProcFigures(pid)
+	if err != nil {
+		return 0, "", err
+	}
+	if limit < 0 {
+		return math.MaxInt, "", nil
+	}
+	return limit - st.FDs - daemonSpare, fmt.Sprintf("the serving process may hold %d descriptors and holds %d", limit, st.FDs), nil
 }

@@ -4,8 +4,10 @@ import (
 	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestFitCounts: under a hard descriptor limit of 1,000 (set for a child
@@ -38,7 +40,41 @@ func TestFitCounts(t *testing.T) {
 	if err != nil {
 		t.Fatalf("child: %v\n%s", err, out)
 	}
-	if !strings.Contains(string(out), "20000 idle connections need a descriptor limit of 20128, and this machine allows 1000: measuring 872 instead") {
+	if !strings.Contains(string(out), "20000 idle connections do not fit (this machine allows 1000 descriptors): measuring 872 instead") {
 		t.Fatalf("the child did not say what it measured instead:\n%s", out)
+	}
+}
+
+// TestDaemonRoom: the room a serving process has for connections is its
+// own descriptor limit, less what it holds and what it may open while it
+// serves.
+func TestDaemonRoom(t *testing.T) {
+	cmd := exec.Command("sh", "-c", "ulimit -Sn 500 && exec sleep 30")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	var room int
+	var why string
+	for range 100 { // until sh has exec'd sleep with its limit
+		b, _ := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/cmdline")
+		if strings.HasPrefix(string(b), "sleep") {
+			var err error
+			if room, why, err = daemonRoom(cmd.Process.Pid); err != nil {
+				t.Fatal(err)
+			}
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	ents, err := os.ReadDir("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := 500 - len(ents) - daemonSpare; room != want {
+		t.Fatalf("daemonRoom = %d (%s), want %d", room, why, want)
+	}
+	if got := fitTo([]int{0, 100, 1000}, room, why); !slices.Equal(got, []int{0, 100, room}) {
+		t.Fatalf("fitTo = %v", got)
 	}
 }
