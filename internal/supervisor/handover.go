@@ -81,7 +81,7 @@ func (h *Handover) close() {
 // meanwhile is restarted by Run with what it handed.
 func (s *Supervisor) adopt(ctx context.Context) error {
 	h := s.cfg.Handover
-	c := &child{conn: h.conn, msgs: make(chan ctl, 64), exited: make(chan struct{}),
+	c := &child{conn: h.conn, msgs: make(chan ctl, 64), exited: make(chan struct{}), table: -1,
 		started: time.Now(), pid: h.pid, pidfd: &pidfd{fd: h.pidfd}}
 	go s.readChild(c)
 	go func() {

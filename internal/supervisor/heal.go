@@ -225,6 +225,13 @@ func (l *Link) replace(h *healing) error {
 	unix.SetsockoptTimeval(fds[0], unix.SOL_SOCKET, unix.SO_RCVTIMEO, &none)
 	l.mu.Lock()
 	l.conn = ours
+	// The dead supervisor's record table goes with it: the replay puts
+	// every record by message, and the new supervisor (this binary, with
+	// the same flags) gets a table of its own once it has them.
+	if l.table != nil {
+		l.table.close()
+		l.table = nil
+	}
 	l.mu.Unlock()
 	l.startReading(ours)
 	next := h.Replay()
@@ -232,6 +239,9 @@ func (l *Link) replace(h *healing) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.conn == ours {
+		if l.tables {
+			l.startTableLocked()
+		}
 		err := send(ours, msg{T: tHanded, NextID: next, Restarts: h.Restarts, PID: os.Getpid()}, -1)
 		if err == nil {
 			unix.SetsockoptTimeval(fds[0], unix.SOL_SOCKET, unix.SO_SNDTIMEO, &none)

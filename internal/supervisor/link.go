@@ -61,6 +61,11 @@ type msg struct {
 	// Heal, in "go", lets the serving process start a new supervisor if
 	// this one dies (heal.go).
 	Heal bool `json:"heal,omitempty"`
+	// Tables, in "go", says the supervisor reads a record table (table.go)
+	// that the serving process sends it with "table"; Seq orders a put's
+	// or a batch's records against the table's.
+	Tables bool   `json:"tables,omitempty"`
+	Seq    uint64 `json:"seq,omitempty"`
 }
 
 // maxControl bounds a control message: a batch holds two records of up to
@@ -90,6 +95,7 @@ const (
 	tHold     = "hold"     // keep a reference to memory made ahead (id, descriptor) until "unhold" of its id
 	tUnhold   = "unhold"   // the memory held under id is the serving process's alone again
 	tSynced   = "synced"   // supervisor -> server: the sync of this id
+	tTable    = "table"    // the record table (table.go), its memfd
 	// A serving process whose supervisor died and the one it started in
 	// its place (heal.go, handover.go): the new supervisor says "init" when it
 	// reads, the server sends every record (put, ctl) and then "handed",
@@ -161,7 +167,14 @@ type Link struct {
 	// batches: the supervisor applies batches (it said so in "go").
 	batches bool
 	// syncs: it answers "sync"; syncing holds the waiting Syncs by id.
-	syncs   bool
+	syncs bool
+	// table takes the records that come without a descriptor, when the
+	// supervisor reads one (it said so in "go"); seq numbers every record
+	// journaled, message or slot; recBuf is where one is encoded.
+	table   *leaseTable
+	tables  bool // the supervisor said it reads one; so will one it is replaced by
+	seq     uint64
+	recBuf  []byte
 	syncID  uint64
 	syncing map[uint64]chan struct{}
 	// parked is set from "quiesce" to "resume", ending from "exit" or
@@ -301,6 +314,12 @@ func (l *Link) Receive() (*Start, error) {
 		case tGo:
 			st.NextID, st.Reason, st.Restarts, st.SupervisorPID = m.NextID, m.Reason, m.Restarts, m.PID
 			l.batches, l.syncs = m.Batches, m.Syncs
+			if m.Tables {
+				l.mu.Lock()
+				l.tables = true
+				l.startTableLocked()
+				l.mu.Unlock()
+			}
 			st.Heal = m.Heal && l.lock != nil && l.epoch != nil
 			if st.Heal {
 				// From now on a lost supervisor is replaced once Heal is
@@ -494,30 +513,58 @@ func (l *Link) Hold(id uint64, fd int) { l.send(msg{T: tHold, ID: id}, fd) }
 // the supervisor with its record), or is being freed.
 func (l *Link) Unhold(id uint64) { l.send(msg{T: tUnhold, ID: id}, -1) }
 
-// Put implements segment.Journal. A channel's control block goes first,
-// in a message of its own (one descriptor a message), then at once the
-// record with the data's descriptor: the supervisor gives a control block
-// to the put that follows it only, and closes it if anything else comes.
+// Put implements segment.Journal. A record that comes without a
+// descriptor (an open's, a close's) goes into the record table when there
+// is one (table.go). Otherwise a channel's control block goes first, in a
+// message of its own (one descriptor a message), then at once the record
+// with the data's descriptor: the supervisor gives a control block to the
+// put that follows it only, and closes it if anything else comes.
 func (l *Link) Put(rec segment.Record, fd, ctlFD int) {
-	// Every open and close puts a record: spelled out by hand, as
-	// json.Marshal(msg{T: tPut, ID: rec.ID, Rec: ...}) would.
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.seq++
+	if fd < 0 && ctlFD < 0 && l.table != nil {
+		l.recBuf = rec.AppendJSON(l.recBuf[:0])
+		if l.table.put(rec.ID, l.seq, l.recBuf) {
+			return
+		}
+	}
+	// Spelled out by hand, as json.Marshal(msg{T: tPut, ID: rec.ID, Rec:
+	// ..., Seq: ...}) would.
 	b := append(make([]byte, 0, 512), `{"t":"put"`...)
 	if rec.ID != 0 {
 		b = strconv.AppendUint(append(b, `,"id":`...), rec.ID, 10)
 	}
-	b = append(rec.AppendJSON(append(b, `,"rec":`...)), '}')
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	b = append(rec.AppendJSON(append(b, `,"rec":`...)), `,"seq":`...)
+	b = append(strconv.AppendUint(b, l.seq, 10), '}')
 	if ctlFD >= 0 {
 		l.journalLocked(msg{T: tCtl, ID: rec.ID}, ctlFD)
 	}
 	l.journalBytesLocked(tPut, rec.ID, b, fd)
 }
 
+// startTableLocked makes a record table and sends it to the supervisor;
+// without one, records go as messages, as before. l.mu is held.
+func (l *Link) startTableLocked() {
+	t, err := newLeaseTable()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "gpushm: no record table, journaling by message: %v\n", err)
+		return
+	}
+	if l.conn == nil || send(l.conn, msg{T: tTable}, t.fd) != nil {
+		t.close()
+		return
+	}
+	l.table = t
+}
+
 // Delete implements segment.Journal.
 func (l *Link) Delete(id uint64) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.table != nil {
+		l.table.drop(id)
+	}
 	l.journalLocked(msg{T: tDel, ID: id}, -1)
 }
 
@@ -525,28 +572,31 @@ func (l *Link) Delete(id uint64) {
 // applies whole. A supervisor too old to know batches gets the changes one
 // by one, as it always did.
 func (l *Link) Batch(changes []segment.Change) {
-	m := msg{T: tBatch}
-	for _, c := range changes {
-		id := c.Record.ID
-		if !l.batches {
+	if !l.batches {
+		for _, c := range changes {
 			if c.Gone {
-				l.Delete(id)
+				l.Delete(c.Record.ID)
 			} else {
 				l.Put(c.Record, -1, -1)
 			}
-			continue
 		}
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.seq++
+	m := msg{T: tBatch, Seq: l.seq}
+	for _, c := range changes {
+		id := c.Record.ID
 		if c.Gone {
+			if l.table != nil {
+				l.table.drop(id)
+			}
 			m.Batch = append(m.Batch, msg{T: tDel, ID: id})
 			continue
 		}
 		m.Batch = append(m.Batch, msg{T: tPut, ID: id, Rec: c.Record.AppendJSON(nil)})
 	}
-	if !l.batches {
-		return
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
 	l.journalLocked(m, -1)
 }
 

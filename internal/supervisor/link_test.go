@@ -51,7 +51,7 @@ func controlPair(t *testing.T, st *State) (*Supervisor, *child, *Link) {
 		ours.Close()
 	})
 	s := New(Config{Log: slog.New(slog.NewTextHandler(io.Discard, nil))}, st)
-	return s, &child{conn: ours, pid: 1}, l
+	return s, &child{conn: ours, pid: 1, table: -1}, l
 }
 
 // applyQueued applies what the serving process sent so far and returns

@@ -25,6 +25,9 @@ type entry struct {
 	rec json.RawMessage // nil: a descriptor handed back without a record
 	fd  int             // -1: none (no memory, or the descriptor is missing)
 	ctl int             // a channel's control block, or -1
+	// seq is the sequence number of rec among the serving process's
+	// records (table.go); 0 when it came from another one.
+	seq uint64
 }
 
 // mirror is told every change, to keep a copy outside this process.
@@ -85,6 +88,39 @@ func (st *State) set(id uint64, rec json.RawMessage, fd, ctl int) (e *entry, cha
 		e.fd, e.ctl, changed = -1, -1, true
 	}
 	return e, changed
+}
+
+// seen notes that id's record came with sequence number seq.
+func (st *State) seen(id, seq uint64) {
+	if e := st.entries[id]; e != nil {
+		e.seq = seq
+	}
+}
+
+// merge takes the records of a record table that are newer than what is
+// held, and reports how many. One with no entry is a segment without
+// memory, whose records all went to the table: a segment with memory has
+// an entry from the message that brought its descriptor, and a deleted
+// one's slot was cleared before its deletion was sent.
+func (st *State) merge(recs map[uint64]tableRec) int {
+	n := 0
+	for id, r := range recs {
+		if e := st.entries[id]; e != nil && r.seq <= e.seq {
+			continue
+		}
+		st.put(id, r.rec, -1, -1)
+		st.seen(id, r.seq)
+		n++
+	}
+	return n
+}
+
+// resetSeqs makes every record older than any a new serving process
+// writes: it numbers its records from 1.
+func (st *State) resetSeqs() {
+	for _, e := range st.entries {
+		e.seq = 0
+	}
 }
 
 // del forgets id and closes its descriptor: this process's share of the

@@ -80,6 +80,8 @@ type child struct {
 	// by id: freed once its successor serves, or it ends otherwise.
 	heldMu sync.Mutex
 	held   map[uint64]int
+	// table is its record table's memfd (table.go), -1 until it sends one.
+	table int
 }
 
 func (c *child) hold(id uint64, fd int) {
@@ -249,6 +251,9 @@ func (s *Supervisor) restart(ctx context.Context) error {
 	old := s.cur
 	<-old.exited
 	old.ctl.drop()
+	// Every message it sent is applied (Run read them all); what it wrote
+	// into its record table comes next, before its successor gets the state.
+	s.endTable(old)
 	ran := time.Since(old.started)
 	s.log.Error("serving process died; restarting it", "pid", old.pid, "status", errString(old.err), "ran", ran.Round(time.Millisecond))
 	s.restarts++
@@ -372,7 +377,9 @@ func (s *Supervisor) upgrade(ctx context.Context) {
 			return
 		}
 	}
-	// 3. The new one gets everything, and serves.
+	// 3. The new one gets everything, and serves. The old one journals
+	// no more (or is dead): its record table has its last records.
+	s.mergeTable(old)
 	err = s.handState(n, conns, "upgrade")
 	for _, p := range conns {
 		closeFD(p.FD) // the kernel gave the new process its own
@@ -386,6 +393,10 @@ func (s *Supervisor) upgrade(ctx context.Context) {
 		return
 	}
 	send(old.conn, msg{T: tExit}, -1)
+	// Its table was merged before the handover; the new one's records are
+	// newer, whatever the old table's numbers say.
+	closeFD(old.table)
+	old.table = -1
 	s.cur = n
 	go func() {
 		// The old process exits by itself; make sure of it.
@@ -461,6 +472,7 @@ func (s *Supervisor) apply(c *child, m ctl) {
 			return
 		}
 		s.st.put(m.m.ID, m.m.Rec, m.fd, ctl)
+		s.st.seen(m.m.ID, m.m.Seq)
 	case tDel:
 		closeFD(m.fd)
 		s.st.del(m.m.ID)
@@ -472,6 +484,9 @@ func (s *Supervisor) apply(c *child, m ctl) {
 			return
 		}
 		s.st.batch(ops)
+		for _, op := range ops {
+			s.st.seen(op.ID, m.m.Seq)
+		}
 	case tConn:
 		// Only during an upgrade; a stray one is closed.
 		closeFD(m.fd)
@@ -487,6 +502,11 @@ func (s *Supervisor) apply(c *child, m ctl) {
 	case tUnhold:
 		closeFD(m.fd)
 		c.unhold(m.m.ID)
+	case tTable:
+		if m.fd >= 0 {
+			closeFD(c.table)
+			c.table = m.fd
+		}
 	default:
 		closeFD(m.fd)
 	}
@@ -498,11 +518,39 @@ func (s *Supervisor) drain(c *child) {
 		s.apply(c, m)
 	}
 	c.ctl.drop()
+	s.endTable(c)
 	c.dropHeld()
+}
+
+// endTable merges c's record table and lets it go: c is gone.
+func (s *Supervisor) endTable(c *child) {
+	s.mergeTable(c)
+	closeFD(c.table)
+	c.table = -1
+}
+
+// mergeTable takes into the state the records c wrote into its record
+// table that are newer than what its messages said (table.go). c writes
+// no more: it is gone, or parked for an upgrade.
+func (s *Supervisor) mergeTable(c *child) {
+	if c.table < 0 {
+		return
+	}
+	recs, err := readTable(c.table)
+	if err != nil {
+		s.log.Error("cannot read the serving process's record table; its last leases may be missing", "pid", c.pid, "err", err)
+		return
+	}
+	if n := s.st.merge(recs); n > 0 {
+		s.log.Debug("records from the table", "pid", c.pid, "records", n)
+	}
 }
 
 // handState sends c the state, the parked connections and "go".
 func (s *Supervisor) handState(c *child, conns []Parked, reason string) error {
+	// c numbers its records from 1: whatever it writes is newer than
+	// what the state holds.
+	s.st.resetSeqs()
 	for _, id := range s.st.ids() {
 		e := s.st.entries[id]
 		if e.ctl >= 0 {
@@ -520,7 +568,11 @@ func (s *Supervisor) handState(c *child, conns []Parked, reason string) error {
 		}
 	}
 	g := msg{T: tGo, NextID: s.st.nextID, Reason: reason, Restarts: s.restarts, PID: os.Getpid(), Batches: true, Syncs: true,
-		Heal: s.cfg.Heal && s.cfg.Lock != nil}
+		Heal: s.cfg.Heal && s.cfg.Lock != nil,
+		// Under systemd's fd store every record goes by message: the store
+		// keeps a copy of each as it comes, for when both processes die,
+		// and a record table dies with them.
+		Tables: s.store == nil}
 	if time.Now().Before(s.grace) {
 		g.GraceUntil = s.grace.UnixNano()
 	}
@@ -597,7 +649,7 @@ func (s *Supervisor) spawn() (*child, error) {
 		ours.Close()
 		return nil, fmt.Errorf("start serving process %s: %w", s.cfg.Exe, err)
 	}
-	c := &child{cmd: cmd, conn: ours, msgs: make(chan ctl, 64), exited: make(chan struct{}),
+	c := &child{cmd: cmd, conn: ours, msgs: make(chan ctl, 64), exited: make(chan struct{}), table: -1,
 		started: time.Now(), pid: cmd.Process.Pid}
 	go s.readChild(c)
 	go func() {
