@@ -113,11 +113,14 @@ func TestPoolTrimsIdleSizes(t *testing.T) {
 	p.idle = 20 * time.Millisecond
 	p.armTrimLocked(4096, p.sizes[4096])
 	p.mu.Unlock()
-	waitFor(t, "the idle size to be given back", func() bool {
+	// The trim takes the size out under the pool's lock and frees its
+	// allocations after, outside it: wait for both.
+	waitFor(t, "the idle size to be given back and its 2 allocations freed", func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		return len(p.sizes) == 0 && p.bytes == 0
+		return len(p.sizes) == 0 && p.bytes == 0 && freed.Load() == 2
 	})
+	time.Sleep(20 * time.Millisecond)
 	if freed.Load() != 2 {
 		t.Fatalf("freed %d allocations, want the 2 made", freed.Load())
 	}
