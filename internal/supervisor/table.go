@@ -160,7 +160,9 @@ func readTable(fd int) (map[uint64]tableRec, error) {
 			continue
 		}
 		rec := json.RawMessage(append([]byte(nil), mem[off+halfHeader:off+halfHeader+int(n)]...))
-		if !isObject(rec) || !json.Valid(rec) {
+		// An object, checked without decoding it (a restart reads every
+		// slot): valid JSON that starts with a brace.
+		if n == 0 || rec[0] != '{' || !json.Valid(rec) {
 			continue
 		}
 		if cur, ok := out[id]; !ok || seq > cur.seq {

@@ -136,3 +136,19 @@ func TestTableMerge(t *testing.T) {
 		}
 	}
 }
+
+func BenchmarkReadTable(b *testing.B) {
+	tb, err := newLeaseTable()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer tb.close()
+	for id := uint64(1); id <= 10000; id++ {
+		tb.put(id, id, tableRecord(id, int(id)))
+	}
+	for b.Loop() {
+		if recs, err := readTable(tb.fd); err != nil || len(recs) != 10000 {
+			b.Fatal(len(recs), err)
+		}
+	}
+}
