@@ -854,8 +854,8 @@ func (c *Client) fail(ctx context.Context, err error) error {
 // encodeLocked encodes req in c's buffer, valid until the next call.
 func (c *Client) encodeLocked(req *wire.Request) ([]byte, error) {
 	b, err := wire.AppendEncode(c.enc[:0], req)
-	if err == nil && cap(b) <= 4<<10 {
-		c.enc = b // a 64 KiB create's meta is not kept
+	if err == nil && cap(b) <= wire.KeepBuffer {
+		c.enc = b
 	}
 	return b, err
 }

@@ -355,7 +355,7 @@ func (c *conn) send(rep *wire.Reply, fd int) error {
 	if err != nil {
 		b, _ = wire.Encode(&wire.Reply{ID: rep.ID, Error: errReply(err)})
 		fd = -1
-	} else if c.w != nil && cap(b) <= maxKeptReply {
+	} else if c.w != nil && cap(b) <= wire.KeepBuffer {
 		c.w.enc = b
 	}
 	if len(c.out) == 0 {
@@ -367,10 +367,6 @@ func (c *conn) send(rep *wire.Reply, fd int) error {
 	c.out = append(c.out, packet{bytes.Clone(b), fd})
 	return nil
 }
-
-// maxKeptReply bounds the reply buffer a worker keeps: a list's reply of
-// 64 KiB is not kept for every worker.
-const maxKeptReply = 4 << 10
 
 // flush sends what c.out holds, as far as the client takes it.
 func (c *conn) flush() error {

@@ -679,11 +679,16 @@ func checkSize(b []byte) error {
 // encoding/json, faster for the replies and with the omitempty rules the
 // protocol document describes.
 
+// KeepBuffer bounds the encoding buffer a caller of AppendEncode keeps
+// for its next message: a list's reply or a create's meta of 64 KiB is
+// not kept for every worker and client.
+const KeepBuffer = 4 << 10
+
 // Encode marshals a message and checks that it fits in one packet.
 func Encode(v any) ([]byte, error) { return AppendEncode(nil, v) }
 
 // AppendEncode is Encode appending to dst, for a caller that keeps a
-// buffer across messages.
+// buffer across messages (up to KeepBuffer bytes of it).
 func AppendEncode(dst []byte, v any) ([]byte, error) {
 	start := len(dst)
 	if dst == nil {
