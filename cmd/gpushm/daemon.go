@@ -122,7 +122,7 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&o.RDMA, "rdma", "auto", "make GPU memory that RDMA engines (NIXL, UCX, Mooncake) can register: auto (on devices that allow it with VMM allocations) or off")
 	f.StringVar(&o.NVML, "nvml", "auto", "GPU figures for info and metrics from NVML: auto (when libnvidia-ml.so.1 loads and works), require (refuse to start without it) or off")
 	f.StringVar(&o.NVMLLibrary, "nvml-library", daemon.NVMLLibrary, "the NVML library to load (a name for the loader, or a path)")
-	f.DurationVar(&spin, "spin", 50*time.Microsecond, "how long each connection polls for its next request before sleeping (0 disables; off below 4 cores): a little CPU for latency")
+	f.DurationVar(&spin, "spin", 200*time.Microsecond, "how long a connection whose client asks again within it polls for the next request before sleeping (0 disables; off below 4 cores): a little CPU for latency")
 	f.BoolVar(&o.Supervise, "supervise", true, "run a supervisor that keeps every segment across crashes and upgrades of the serving process (false: one process; its death frees everything)")
 	f.DurationVar(&o.Grace, "grace", 10*time.Second, "after a restart, how long clients have to reclaim their leases and temporary segments")
 	f.BoolVar(&o.FDStore, "fd-store", false, "also keep everything in systemd's file descriptor store, so that a restart of the whole service loses nothing (on by itself when systemd sets $FDSTORE)")

@@ -24,12 +24,16 @@ import (
 // reply of an open's size carrying a descriptor, as an open's does. What
 // the daemon adds to that is its own: decoding, the registry, its threads.
 //
-// Two servers, the two ways Go code serves a socket:
+// Three servers: the two ways Go code serves a socket, and the daemon's
+// wait alone:
 //
 //	blocking  a goroutine per connection in a blocking recvmsg: the kernel
-//	          wakes that thread itself (the daemon's way for a busy
-//	          connection, without its wake descriptors and idle set)
+//	          wakes that thread itself
 //	net       net.UnixConn, through Go's network poller
+//	poll      the daemon's wait for a busy connection's next request,
+//	          without its spin: ppoll on the socket and a wake eventfd,
+//	          then recvmsg (what the daemon adds to blocking for being
+//	          able to stop a connection between requests)
 const (
 	// echoRequest and echoReply are the sizes of an open's request and
 	// reply as the client and daemon encode them (a name of a few bytes,
@@ -39,7 +43,7 @@ const (
 )
 
 // echoModes are the echo servers bench open runs, in its table's order.
-var echoModes = []string{"blocking", "net"}
+var echoModes = []string{"blocking", "net", "poll"}
 
 func echoChildCmd() *cobra.Command {
 	var listen, mode string
@@ -50,7 +54,7 @@ func echoChildCmd() *cobra.Command {
 		},
 	}
 	cmd.Flags().StringVar(&listen, "listen", "", "socket path")
-	cmd.Flags().StringVar(&mode, "mode", "blocking", "blocking or net")
+	cmd.Flags().StringVar(&mode, "mode", "blocking", "blocking, net or poll")
 	return cmd
 }
 
@@ -70,6 +74,12 @@ func serveEcho(path, mode string) error {
 		io.Copy(io.Discard, os.Stdin)
 		ln.Close()
 	}()
+	// The poll server's wake descriptor, never written, as a worker's
+	// nudge is not between requests.
+	wake, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		return os.NewSyscallError("eventfd", err)
+	}
 	reply := make([]byte, echoReply)
 	fmt.Println("ready")
 	for {
@@ -87,6 +97,9 @@ func serveEcho(path, mode string) error {
 			c, err := wire.FromUnixConn(uc)
 			if err != nil {
 				return err
+			}
+			if mode == "poll" {
+				c.SetWake(wake)
 			}
 			go echoBlocking(c, reply, fd)
 		}

@@ -353,7 +353,8 @@ func openSplitTable(_ string, rows []openRow) error {
 func echoTable(_ string, rows []openRow) error {
 	fmt.Printf("\nround trip against a bare echo server: the same second process, in turn with its opens, sends\n"+
 		"%d bytes to an echo server in a process of its own and waits for %d bytes and a descriptor, as an open's\n"+
-		"reply brings (blocking: a goroutine per connection in recvmsg; net: Go's network poller)\n\n", echoRequest, echoReply)
+		"reply brings (blocking: a goroutine per connection in recvmsg; net: Go's network poller; poll: the\n"+
+		"daemon's wait for a request without its spin, ppoll on the socket and an eventfd, then recvmsg)\n\n", echoRequest, echoReply)
 	w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprint(w, "size\tround trip p50\tp99\t")
 	for _, mode := range echoModes {

@@ -68,6 +68,11 @@ type conn struct {
 	// adopted: the connection was served by a predecessor, which admitted
 	// it (connlimits.go).
 	adopted bool
+	// replied is when its last reply went out; quick says its last
+	// request came within the server's spin of the reply before, so the
+	// worker polls for the next one before it sleeps.
+	replied time.Time
+	quick   bool
 }
 
 // leaseCred is c's credential, naming its process and session, under
@@ -148,7 +153,7 @@ func (c *conn) serve(w *worker) outcome {
 		}
 	}
 	c.wc.SetWake(c.s.wake, w.nudge)
-	c.wc.SetSpin(c.s.spin)
+	c.wc.SetSpin(c.spin())
 	for {
 		if c.s.isParking() {
 			return endParked
@@ -176,7 +181,6 @@ func (c *conn) serve(w *worker) outcome {
 			c.wc.SetSpin(0) // spin right after a request only
 			continue
 		}
-		c.wc.SetSpin(c.s.spin)
 		if err != nil {
 			if errors.Is(err, wire.ErrProto) || errors.Is(err, wire.ErrFDDropped) {
 				if o, stop := c.answerBadPacket(b, err); stop {
@@ -195,12 +199,25 @@ func (c *conn) serve(w *worker) outcome {
 	}
 }
 
+// spin is how long c's worker polls for its next request before it
+// sleeps: the server's spin for a client that asks again within it (a
+// loader opening and mapping segment after segment), none for one that
+// does not, whose next request would find the worker asleep anyway.
+func (c *conn) spin() time.Duration {
+	if c.quick {
+		return c.s.spin
+	}
+	return 0
+}
+
 // answer decodes the request in b (inFD is the descriptor that came with
 // it, or -1), answers it and sends the reply. stop says that serve lets go
 // of c, as o says.
 func (c *conn) answer(w *worker, b []byte, inFD int) (o outcome, stop bool) {
 	start := time.Now()
 	w.deadline.Store(start.Add(idleAfter).UnixNano())
+	c.quick = c.s.spin > 0 && start.Sub(c.replied) <= c.s.spin
+	defer func() { c.replied = time.Now(); c.wc.SetSpin(c.spin()) }()
 	req, err := decodeRequest(b, inFD)
 	if err != nil {
 		return c.answerInvalid(req, b, err, start)
