@@ -154,13 +154,17 @@ func (c *conn) serve(w *worker) outcome {
 	}
 	c.wc.SetWake(c.s.wake, w.nudge)
 	c.wc.SetSpin(c.spin())
+	served := false
 	for {
 		if c.s.isParking() {
 			return endParked
 		}
-		if c.s.busy() && c.pending == nil {
+		if served && c.s.busy() && c.pending == nil {
 			// Every worker serves someone and connections may be waiting:
 			// take a turn. A request already here makes c ready at once.
+			// Not before c was served once: a worker that gave back every
+			// connection it took would serve nobody, and did, stopping a
+			// daemon with 20,000 connections, each ready with its hang-up.
 			return endIdle
 		}
 		var (
@@ -186,6 +190,7 @@ func (c *conn) serve(w *worker) outcome {
 				if o, stop := c.answerBadPacket(b, err); stop {
 					return o
 				}
+				served = true
 				continue
 			}
 			if !errors.Is(err, io.EOF) {
@@ -196,6 +201,7 @@ func (c *conn) serve(w *worker) outcome {
 		if o, stop := c.answer(w, b, inFD); stop {
 			return o
 		}
+		served = true
 	}
 }
 
