@@ -153,8 +153,7 @@ func (c *conn) serve(w *worker) outcome {
 		}
 	}
 	c.wc.SetWake(c.s.wake, w.nudge)
-	c.wc.SetSpin(c.spin())
-	served := false
+	served, woken := false, false
 	for {
 		if c.s.isParking() {
 			return endParked
@@ -175,14 +174,15 @@ func (c *conn) serve(w *worker) outcome {
 		if c.pending != nil {
 			b, c.pending = c.pending, nil
 		} else {
-			b, inFD, err = c.wc.Recv()
+			// Spin right after a request only.
+			b, inFD, err = c.recv(!woken)
 		}
-		if errors.Is(err, wire.ErrWoken) {
+		woken = errors.Is(err, wire.ErrWoken)
+		if woken {
 			w.settle()
 			if time.Now().UnixNano() >= w.deadline.Load() {
 				return endIdle
 			}
-			c.wc.SetSpin(0) // spin right after a request only
 			continue
 		}
 		if err != nil {
@@ -205,15 +205,20 @@ func (c *conn) serve(w *worker) outcome {
 	}
 }
 
-// spin is how long c's worker polls for its next request before it
-// sleeps: the server's spin for a client that asks again within it (a
-// loader opening and mapping segment after segment), none for one that
-// does not, whose next request would find the worker asleep anyway.
-func (c *conn) spin() time.Duration {
-	if c.quick {
-		return c.s.spin
+// recv reads c's next request. With spin, c's worker first polls for it
+// for the server's spin if c's client asked again within that of its
+// last reply (a loader opening and mapping segment after segment), and if
+// fewer than maxSpinners workers do: a client that asks now and then
+// would find the worker asleep anyway, and more pollers than that would
+// take the cores their clients need.
+func (c *conn) recv(spin bool) ([]byte, int, error) {
+	if !spin || !c.quick || !c.s.takeSpinner() {
+		c.wc.SetSpin(0)
+		return c.wc.Recv()
 	}
-	return 0
+	defer c.s.spinning.Add(-1)
+	c.wc.SetSpin(c.s.spin)
+	return c.wc.Recv()
 }
 
 // answer decodes the request in b (inFD is the descriptor that came with
@@ -223,7 +228,7 @@ func (c *conn) answer(w *worker, b []byte, inFD int) (o outcome, stop bool) {
 	start := time.Now()
 	w.deadline.Store(start.Add(idleAfter).UnixNano())
 	c.quick = c.s.spin > 0 && start.Sub(c.replied) <= c.s.spin
-	defer func() { c.replied = time.Now(); c.wc.SetSpin(c.spin()) }()
+	defer func() { c.replied = time.Now() }()
 	req, err := decodeRequest(b, inFD)
 	if err != nil {
 		return c.answerInvalid(req, b, err, start)

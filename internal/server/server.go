@@ -48,8 +48,12 @@ type Server struct {
 	log     *slog.Logger
 	version string
 	spin    time.Duration
-	obs     Observer
-	gpus    func(uid uint32) *wire.GPUReport
+	// spinning counts the workers polling for a request (or sleeping
+	// after their poll, until the request comes); at most maxSpinners.
+	spinning    atomic.Int32
+	maxSpinners int32
+	obs         Observer
+	gpus        func(uid uint32) *wire.GPUReport
 	// uuids names each device by its GPU's UUID, which clients map by:
 	// a client in a container may number the same GPU differently.
 	uuids map[int]string
@@ -153,23 +157,24 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{
-		backend:    b,
-		epoch:      ep,
-		log:        log,
-		version:    version,
-		obs:        nopObserver{},
-		conns:      make(map[*conn]struct{}),
-		wake:       wake,
-		acceptWake: acceptWake,
-		waitStop:   make(chan struct{}),
-		userConns:  make(map[uint32]int),
-		spare:      -1,
-		epochRO:    -1,
-		epfd:       epfd,
-		pollStop:   pollStop,
-		byFD:       make(map[int32]*conn),
-		workerSet:  make(map[*worker]struct{}),
-		maxWorkers: defaultWorkers(),
+		backend:     b,
+		epoch:       ep,
+		log:         log,
+		version:     version,
+		obs:         nopObserver{},
+		conns:       make(map[*conn]struct{}),
+		wake:        wake,
+		acceptWake:  acceptWake,
+		waitStop:    make(chan struct{}),
+		userConns:   make(map[uint32]int),
+		spare:       -1,
+		epochRO:     -1,
+		epfd:        epfd,
+		pollStop:    pollStop,
+		byFD:        make(map[int32]*conn),
+		workerSet:   make(map[*worker]struct{}),
+		maxWorkers:  defaultWorkers(),
+		maxSpinners: defaultSpinners(),
 	}
 	if devs, err := b.Devices(); err == nil {
 		s.uuids = make(map[int]string, len(devs))

@@ -64,3 +64,41 @@ func TestSpinOnlyForQuickClients(t *testing.T) {
 		t.Errorf("a request back to back cost only %s of CPU after its reply: its worker did not spin for %s", quick, spin)
 	}
 }
+
+// Workers poll for at most maxSpinners connections at once, however many
+// clients ask back to back: two such clients here, room for one poller.
+func TestSpinnersAreBounded(t *testing.T) {
+	const spin = 100 * time.Millisecond
+	d := testdaemon.StartWith(t, "host", func(s *server.Server, _ backend.Backend) {
+		s.SetSpin(spin)
+		s.SetMaxSpinners(1)
+	})
+	ctx := context.Background()
+	var clients []*gpushm.Client
+	for range 2 {
+		c, err := gpushm.Dial(ctx, d.Socket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		clients = append(clients, c)
+	}
+	time.Sleep(spin * 3 / 2) // the hellos' spins, if any, are over
+	before := cpuTime(t)
+	for _, c := range clients {
+		for range 2 { // back to back: its worker would poll for the next
+			if _, err := c.Info(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	time.Sleep(spin * 3 / 2)
+	used := cpuTime(t) - before
+	t.Logf("CPU time after two clients' requests back to back, one poller allowed: %s (spin %s)", used, spin)
+	if used > spin*3/2 {
+		t.Errorf("two clients' workers spent %s of CPU after their replies: both polled (want one, %s at most)", used, spin*3/2)
+	}
+	if used < spin/4 {
+		t.Errorf("two clients' workers spent only %s of CPU after their replies: neither polled for %s", used, spin)
+	}
+}

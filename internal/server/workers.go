@@ -126,6 +126,19 @@ func (s *Server) stopWorkers() {
 	unix.Write(s.pollStop, one[:])
 }
 
+// defaultSpinners bounds the workers that poll for a request at once:
+// half the cores.
+func defaultSpinners() int32 { return int32(max(1, runtime.GOMAXPROCS(0)/2)) }
+
+// takeSpinner counts a worker in among those that poll, if there is room.
+func (s *Server) takeSpinner() bool {
+	if s.spinning.Add(1) > s.maxSpinners {
+		s.spinning.Add(-1)
+		return false
+	}
+	return true
+}
+
 // busy reports whether every worker there may be is serving a connection:
 // the idle set's ready connections wait for one to let its connection go.
 func (s *Server) busy() bool { return s.waiters.Load() == 0 && s.workers.Load() >= s.maxWorkers }
