@@ -51,14 +51,29 @@ _CPU_TENSORS = ("copy", "gpu")
 
 
 class SafetensorError(Exception):
-    """What safetensors raises for a missing tensor or a closed file, when
-    the safetensors library is not loaded (its own class is raised when it
-    is, so that a program's except clauses still catch it)."""
+    """What safetensors raises for a missing tensor or a closed file. When
+    the safetensors library is loaded, the error raised is also an instance
+    of its own class, so that a program's except clauses catch it either
+    way."""
+
+
+_both = {}  # the library's SafetensorError -> a class deriving from it and ours
 
 
 def _error_class():
-    st = sys.modules.get("safetensors")
-    return getattr(st, "SafetensorError", None) or SafetensorError
+    real = getattr(sys.modules.get("safetensors"), "SafetensorError", None)
+    if not isinstance(real, type) or issubclass(SafetensorError, real):
+        return SafetensorError
+    if issubclass(real, SafetensorError):
+        return real
+    cls = _both.get(real)
+    if cls is None:
+        try:
+            cls = type("SafetensorError", (real, SafetensorError), {"__module__": real.__module__})
+        except TypeError:  # a class that cannot be derived from: the library's, as it raises
+            cls = real
+        _both[real] = cls
+    return cls
 
 
 # ---- connections -------------------------------------------------------

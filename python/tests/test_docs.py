@@ -102,7 +102,11 @@ def _setup(work: Path, text: str):
     os.symlink(_binary(), bin_dir / "gpushm")
     os.symlink(_binary(), work / "gpushm")
     for exe in ("python", "python3"):
-        os.symlink(sys.executable, bin_dir / exe)
+        # A script, not a link: a virtual environment's interpreter run
+        # through a link elsewhere finds no pyvenv.cfg beside it and
+        # loses the environment's packages (numpy, on the GPU machine).
+        (bin_dir / exe).write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+        (bin_dir / exe).chmod(0o755)
     (work / "model.bin").write_bytes(np.random.default_rng(2).bytes(1 << 20))
     # "your program": one that reads every shard of the checkpoint it is
     # given with safetensors (here a stand-in of the library, numpy only).

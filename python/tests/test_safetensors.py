@@ -7,6 +7,8 @@ bundle; and files that changed since they were put, read from disk."""
 import json
 import os
 import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -211,3 +213,22 @@ def test_tensors_models_write_are_private(client, name, tmp_path):
         m = f.get_tensor("bn.running_mean")
         m += 1  # a private copy: the segment keeps the checkpoint's values
         assert np.array_equal(f.get_tensor("bn.running_mean"), tensors["bn.running_mean"])
+
+
+def test_errors_are_the_library_s_too(client, name, tmp_path, monkeypatch):
+    # Where the safetensors library is loaded, a missing tensor raises an
+    # error that both its except clauses and ours catch.
+    lib = types.ModuleType("safetensors")
+
+    class LibraryError(Exception):
+        pass
+
+    lib.SafetensorError = LibraryError
+    monkeypatch.setitem(sys.modules, "safetensors", lib)
+    p = tmp_path / "model.safetensors"
+    write(p, {"w": np.arange(4, dtype=np.float32)}, None)
+    put_dir(client, name, [p])
+    with gst.safe_open(p, "numpy") as f:
+        for cls in (LibraryError, gst.SafetensorError):
+            with pytest.raises(cls, match="does not contain tensor nope"):
+                f.get_tensor("nope")
