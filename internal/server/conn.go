@@ -208,16 +208,18 @@ func (c *conn) serve(w *worker) outcome {
 // recv reads c's next request. With spin, c's worker first polls for it
 // for the server's spin if c's client asked again within that of its
 // last reply (a loader opening and mapping segment after segment), and if
-// fewer than maxSpinners workers do: a client that asks now and then
+// fewer than maxSpinners workers poll: a client that asks now and then
 // would find the worker asleep anyway, and more pollers than that would
 // take the cores their clients need.
 func (c *conn) recv(spin bool) ([]byte, int, error) {
-	if !spin || !c.quick || !c.s.takeSpinner() {
-		c.wc.SetSpin(0)
-		return c.wc.Recv()
+	if spin && c.quick && c.s.takeSpinner() {
+		b, fd, err := c.wc.Poll(c.s.spin)
+		c.s.spinning.Add(-1)
+		if !errors.Is(err, wire.ErrNothing) {
+			return b, fd, err
+		}
 	}
-	defer c.s.spinning.Add(-1)
-	c.wc.SetSpin(c.s.spin)
+	c.wc.SetSpin(0)
 	return c.wc.Recv()
 }
 

@@ -48,8 +48,8 @@ type Server struct {
 	log     *slog.Logger
 	version string
 	spin    time.Duration
-	// spinning counts the workers polling for a request (or sleeping
-	// after their poll, until the request comes); at most maxSpinners.
+	// spinning counts the workers polling for a request; at most
+	// maxSpinners.
 	spinning    atomic.Int32
 	maxSpinners int32
 	obs         Observer

@@ -34,6 +34,7 @@ type Conn struct {
 	spin      time.Duration
 	timeout   time.Duration
 	drain     bool // SetDrain
+	pollOnly  bool // Poll: return ErrNothing when the spin ends
 	batch     time.Duration
 	waited    bool // the last Recv slept in the kernel (SetBatch)
 	// pfds are what Recv polls: the socket, then the wake descriptors.
@@ -98,6 +99,20 @@ func (c *Conn) SetDrain(on bool) { c.drain = on }
 // microseconds (an inter-processor interrupt and a VM exit); the price is a
 // busy core for at most d per Recv.
 func (c *Conn) SetSpin(d time.Duration) { c.spin = d }
+
+// Poll is Recv that polls without blocking for up to d and then, instead
+// of sleeping, returns ErrNothing: a caller that counts its pollers knows
+// when one stops.
+func (c *Conn) Poll(d time.Duration) (b []byte, fd int, err error) {
+	spin := c.spin
+	c.spin, c.pollOnly = max(d, 1), true // one look at least
+	defer func() { c.spin, c.pollOnly = spin, false }()
+	return c.Recv()
+}
+
+// ErrNothing is Poll's answer when no message came within its time: none
+// was consumed.
+var ErrNothing = errors.New("no message")
 
 // SetBatch makes a Recv that follows one that slept in the kernel wait d
 // first, and then read what came meanwhile without sleeping: a burst of
@@ -313,6 +328,9 @@ func (c *Conn) Recv() (b []byte, fd int, err error) {
 			n, oobn, flags, err = recvmsg(c.fd, buf, c.oob, unix.MSG_CMSG_CLOEXEC|block)
 			if err == unix.EAGAIN && block != 0 {
 				if time.Now().After(deadline) {
+					if c.pollOnly {
+						return nil, -1, ErrNothing
+					}
 					block = 0
 					c.waited = c.batch > 0
 				}

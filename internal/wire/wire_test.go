@@ -578,3 +578,31 @@ func TestConnBatch(t *testing.T) {
 		t.Fatalf("Recv after the peer closed = %v, want EOF", err)
 	}
 }
+
+// Poll reads a message that comes within its time, and otherwise says so
+// after that time without consuming anything; Recv then waits as before.
+func TestConnPoll(t *testing.T) {
+	a, b := socketPair(t)
+	const d = 20 * time.Millisecond
+	start := time.Now()
+	if msg, fd, err := b.Poll(d); !errors.Is(err, ErrNothing) || msg != nil || fd != -1 {
+		t.Fatalf("Poll with nothing sent = %q, %d, %v; want ErrNothing", msg, fd, err)
+	}
+	if el := time.Since(start); el < d {
+		t.Fatalf("Poll gave up after %s, before its %s", el, d)
+	}
+	if _, _, err := b.Poll(0); !errors.Is(err, ErrNothing) {
+		t.Fatalf("Poll(0) with nothing sent: %v; want ErrNothing", err)
+	}
+	a.Send([]byte("one"), -1)
+	if msg, _, err := b.Poll(d); err != nil || string(msg) != "one" {
+		t.Fatalf("Poll with a message sent = %q, %v", msg, err)
+	}
+	go func() {
+		time.Sleep(2 * d)
+		a.Send([]byte("two"), -1)
+	}()
+	if msg, _, err := b.Recv(); err != nil || string(msg) != "two" {
+		t.Fatalf("Recv after a Poll = %q, %v", msg, err)
+	}
+}
