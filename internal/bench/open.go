@@ -56,6 +56,12 @@ func benchOpenCmd() *cobra.Command {
            access); floor and open samples alternate, so both see the same
            machine
   reopen   the same, while that process already holds the segment mapped
+  echo     the same process, in turn with its opens, round trips to three
+           bare echo servers, each in a process of its own, that answer
+           with an open's reply and a descriptor: blocking (a thread in
+           recvmsg), net (Go's network poller) and poll (a daemon
+           worker's wait: ppoll on the socket and an eventfd, then
+           recvmsg); the open's round trip is given as a multiple of each
   create   create a segment through the daemon (allocate + export), back
            to back, then again one every few milliseconds (paced), when
            each finds its size made ahead (daemon --create-pool); beside
