@@ -132,11 +132,15 @@ func defaultSpinners() int32 { return int32(max(1, runtime.GOMAXPROCS(0)/2)) }
 
 // takeSpinner counts a worker in among those that poll, if there is room.
 func (s *Server) takeSpinner() bool {
-	if s.spinning.Add(1) > s.maxSpinners {
-		s.spinning.Add(-1)
-		return false
+	for {
+		n := s.spinning.Load()
+		if n >= s.maxSpinners {
+			return false
+		}
+		if s.spinning.CompareAndSwap(n, n+1) {
+			return true
+		}
 	}
-	return true
 }
 
 // busy reports whether every worker there may be is serving a connection:
