@@ -219,7 +219,7 @@ func (c *conn) recv(spin bool) ([]byte, int, error) {
 			return b, fd, err
 		}
 	}
-	c.wc.SetSpin(0)
+	// The connection's own spin is 0 (Poll restores it): this sleeps.
 	return c.wc.Recv()
 }
 

@@ -241,8 +241,9 @@ func (s *Server) SetObserver(o Observer) { s.obs = o }
 // to a client of the given uid; call before Serve.
 func (s *Server) SetGPUReport(f func(uid uint32) *wire.GPUReport) { s.gpus = f }
 
-// SetSpin sets how long a connection polls for its next request before it
-// sleeps (see wire.Conn.SetSpin); call before Serve.
+// SetSpin sets how long a worker polls for a connection's next request
+// before it sleeps, for a client that asks again within that time (see
+// conn.recv); call before Serve.
 func (s *Server) SetSpin(d time.Duration) { s.spin = d }
 
 // Registry is the server's registry, for in-process users (the FUSE view).
