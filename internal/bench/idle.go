@@ -43,8 +43,12 @@ print for the serving process at each step:
   fds, RSS    its descriptors and resident memory; RSS/conn: the growth
               over the step without idle connections, per connection
   round trip  p50 and p99 of --iters stat requests by one active client
-  after idle  p50 of stat requests sent 10 ms apart: the client's
-              connection is idle each time it asks
+  after idle  p50 and p99 of stat requests sent 10 ms apart: the
+              client's connection is idle each time it asks
+  echo        the same, to a bare echo server in a process of its own (a
+              thread in a blocking recvmsg, as 'bench open' runs it),
+              taking turns with the stat requests: what a round trip
+              after 10 ms of quiet costs on this machine with no daemon
 
 The daemon runs with its connection limits off (--user-connections 0
 --max-connections 0). It needs a descriptor limit above the largest count,
@@ -103,6 +107,16 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 			return err
 		}
 		defer c.Unlink(ctx, probe)
+		echo, err := startEcho(ctx, d.dir, "blocking")
+		if err != nil {
+			return err
+		}
+		defer echo.stop()
+		ec, err := dialEcho(echo.socket, gpushm.ClientSpin())
+		if err != nil {
+			return err
+		}
+		defer ec.c.Close()
 		stat := func() (time.Duration, error) {
 			t := time.Now()
 			_, err := c.Stat(ctx, probe)
@@ -113,6 +127,7 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 			peak         int
 			st           ProcFigures
 			rt, rtIdle   Dist
+			echoIdle     Dist
 			rssPerConnKB float64
 		}
 		var rows []row
@@ -143,7 +158,7 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 			have = n
 			// Let the workers that served the new connections go.
 			time.Sleep(settle)
-			var ns, idleNS []int64
+			var ns, idleNS, echoNS []int64
 			for i := range iters + 50 {
 				dt, err := stat()
 				if err != nil {
@@ -160,8 +175,13 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 					return err
 				}
 				idleNS = append(idleNS, dt.Nanoseconds())
+				time.Sleep(10 * time.Millisecond)
+				if dt, err = ec.roundTrip(); err != nil {
+					return fmt.Errorf("echo server: %w", err)
+				}
+				echoNS = append(echoNS, dt.Nanoseconds())
 			}
-			r.rt, r.rtIdle = Summarize(ns), Summarize(idleNS)
+			r.rt, r.rtIdle, r.echoIdle = Summarize(ns), Summarize(idleNS), Summarize(echoNS)
 			time.Sleep(settle)
 			if r.st, err = ReadProcFigures(pid); err != nil {
 				return err
@@ -174,14 +194,15 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 		fmt.Printf("gpushm bench idle: backend %s, serving process %d, %d round trips (stat) each, %d idle-client samples, %s\n\n",
 			c.Backend(), pid, iters, min(iters, 100), time.Now().UTC().Format("2006-01-02"))
 		w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(w, "idle conns\tthreads\tpeak\tfds\tRSS\tRSS/conn\tround trip p50\tp99\tafter idle p50\tp99\t")
+		fmt.Fprintln(w, "idle conns\tthreads\tpeak\tfds\tRSS\tRSS/conn\tround trip p50\tp99\tafter idle p50\tp99\techo after idle p50\tp99\t")
 		for _, r := range rows {
 			perConn := "-"
 			if r.count > 0 && len(rows) > 0 && rows[0].count == 0 {
 				perConn = fmt.Sprintf("%.1f KiB", r.rssPerConnKB)
 			}
-			fmt.Fprintf(w, "%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.count, r.st.Threads, r.peak, r.st.FDs,
-				bytesize.Format(r.st.RSS), perConn, fmtDur(r.rt.P50), fmtDur(r.rt.P99), fmtDur(r.rtIdle.P50), fmtDur(r.rtIdle.P99))
+			fmt.Fprintf(w, "%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.count, r.st.Threads, r.peak, r.st.FDs,
+				bytesize.Format(r.st.RSS), perConn, fmtDur(r.rt.P50), fmtDur(r.rt.P99), fmtDur(r.rtIdle.P50), fmtDur(r.rtIdle.P99),
+				fmtDur(r.echoIdle.P50), fmtDur(r.echoIdle.P99))
 		}
 		return w.Flush()
 		// The connection limits would turn most of the connections away.
