@@ -158,30 +158,9 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 			have = n
 			// Let the workers that served the new connections go.
 			time.Sleep(settle)
-			var ns, idleNS, echoNS []int64
-			for i := range iters + 50 {
-				dt, err := stat()
-				if err != nil {
-					return err
-				}
-				if i >= 50 { // warm-up
-					ns = append(ns, dt.Nanoseconds())
-				}
+			if r.rt, r.rtIdle, r.echoIdle, err = roundTrips(stat, ec, iters); err != nil {
+				return err
 			}
-			for range min(iters, 100) {
-				time.Sleep(10 * time.Millisecond)
-				dt, err := stat()
-				if err != nil {
-					return err
-				}
-				idleNS = append(idleNS, dt.Nanoseconds())
-				time.Sleep(10 * time.Millisecond)
-				if dt, err = ec.roundTrip(); err != nil {
-					return fmt.Errorf("echo server: %w", err)
-				}
-				echoNS = append(echoNS, dt.Nanoseconds())
-			}
-			r.rt, r.rtIdle, r.echoIdle = Summarize(ns), Summarize(idleNS), Summarize(echoNS)
 			time.Sleep(settle)
 			if r.st, err = ReadProcFigures(pid); err != nil {
 				return err
@@ -207,6 +186,36 @@ func runBenchIdle(ctx context.Context, backend string, counts []int, iters int, 
 		return w.Flush()
 		// The connection limits would turn most of the connections away.
 	}, "--user-connections", "0", "--max-connections", "0")
+}
+
+// roundTrips times iters stat requests back to back, then up to 100 of
+// them 10 ms apart, each followed 10 ms later by a round trip to the echo
+// server: busy, after idle, and the echo server after the same quiet.
+func roundTrips(stat func() (time.Duration, error), ec *echoClient, iters int) (busy, idle, echo Dist, err error) {
+	var ns, idleNS, echoNS []int64
+	for i := range iters + 50 {
+		dt, err := stat()
+		if err != nil {
+			return busy, idle, echo, err
+		}
+		if i >= 50 { // warm-up
+			ns = append(ns, dt.Nanoseconds())
+		}
+	}
+	for range min(iters, 100) {
+		time.Sleep(10 * time.Millisecond)
+		dt, err := stat()
+		if err != nil {
+			return busy, idle, echo, err
+		}
+		idleNS = append(idleNS, dt.Nanoseconds())
+		time.Sleep(10 * time.Millisecond)
+		if dt, err = ec.roundTrip(); err != nil {
+			return busy, idle, echo, fmt.Errorf("echo server: %w", err)
+		}
+		echoNS = append(echoNS, dt.Nanoseconds())
+	}
+	return Summarize(ns), Summarize(idleNS), Summarize(echoNS), nil
 }
 
 // ProcFigures are what a process holds, from /proc.
