@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -31,6 +32,9 @@ type conn struct {
 	// descriptors made for them (temp), closed once they are.
 	out     []packet
 	outTemp []int
+	// spins counts the workers polling for its user's connections
+	// (Server.userSpins); nil for a connection never admitted.
+	spins   *atomic.Int32
 	log     *slog.Logger // while a worker serves it
 	cred    wire.Cred
 	hello   bool
@@ -212,9 +216,10 @@ func (c *conn) serve(w *worker) outcome {
 // would find the worker asleep anyway, and more pollers than that would
 // take the cores their clients need.
 func (c *conn) recv(spin bool) ([]byte, int, error) {
-	if spin && c.quick && c.s.takeSpinner() {
+	if spin && c.quick && c.s.takeSpinner(c) {
 		b, fd, err := c.wc.Poll(c.s.spin)
 		c.s.spinning.Add(-1)
+		c.spins.Add(-1)
 		if !errors.Is(err, wire.ErrNothing) {
 			return b, fd, err
 		}

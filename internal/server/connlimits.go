@@ -8,6 +8,7 @@ import (
 	"runtime/debug"
 	"runtime/metrics"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -68,6 +69,10 @@ func (s *Server) admitLocked(c *conn) error {
 	}
 	s.nconns++
 	s.userConns[uid]++
+	if s.userSpins[uid] == nil {
+		s.userSpins[uid] = new(atomic.Int32)
+	}
+	c.spins = s.userSpins[uid]
 	return nil
 }
 
@@ -91,6 +96,7 @@ func (s *Server) leave(c *conn) {
 	s.nconns--
 	if s.userConns[c.cred.UID]--; s.userConns[c.cred.UID] <= 0 {
 		delete(s.userConns, c.cred.UID)
+		delete(s.userSpins, c.cred.UID)
 	}
 }
 

@@ -81,8 +81,12 @@ type Server struct {
 	connLimits ConnLimits
 	nconns     int
 	userConns  map[uint32]int
-	refuser    *refuser
-	spare      int
+	// userSpins counts, by uid, the workers polling for that user's
+	// connections (takeSpinner); an entry lives as long as the uid has a
+	// connection, and each of them holds it (conn.spins).
+	userSpins map[uint32]*atomic.Int32
+	refuser   *refuser
+	spare     int
 	// epochRO is a read-only descriptor of the epoch page, for clients
 	// (-1 until the first hello).
 	epochRO int
@@ -167,6 +171,7 @@ func New(b Backend, log *slog.Logger, version string) (*Server, error) {
 		acceptWake:  acceptWake,
 		waitStop:    make(chan struct{}),
 		userConns:   make(map[uint32]int),
+		userSpins:   make(map[uint32]*atomic.Int32),
 		spare:       -1,
 		epochRO:     -1,
 		epfd:        epfd,

@@ -111,3 +111,34 @@ func TestSpinnersAreBounded(t *testing.T) {
 		t.Errorf("two clients' workers spent %s of CPU after their replies: both polled (want one, %s at most)", used, spin*3/2)
 	}
 }
+
+// The workers that poll are shared among users: one user asking back to
+// back on more connections than there are pollers leaves the last one
+// free, and another user's worker takes it.
+func TestSpinnersAreShared(t *testing.T) {
+	const spin = 5 * time.Second // longer than the test: each poll ends when its client goes
+	const userA, userB = 4242, 4343
+	var srv *server.Server
+	d := testdaemon.StartWith(t, "host", func(s *server.Server, _ backend.Backend) {
+		s.SetSpin(spin)
+		s.SetMaxSpinners(2)
+		srv = s
+	})
+	quickClientAs(t, d.Socket, userA, 3)
+	var mostA int32
+	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); time.Sleep(time.Millisecond) {
+		mostA = max(mostA, srv.SpinningFor(userA))
+	}
+	quickClientAs(t, d.Socket, userB, 1)
+	var mostB int32
+	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); time.Sleep(time.Millisecond) {
+		mostA, mostB = max(mostA, srv.SpinningFor(userA)), max(mostB, srv.SpinningFor(userB))
+	}
+	t.Logf("two pollers allowed; user A asked back to back on 3 connections, then user B on 1: A's polled at most %d at once, B's %d", mostA, mostB)
+	if mostA != 1 {
+		t.Errorf("user A's workers polled %d at once, want 1 (the other poller is kept for a user polling for none)", mostA)
+	}
+	if mostB != 1 {
+		t.Errorf("user B's worker polled %d times at once, want 1", mostB)
+	}
+}

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/fairshare"
 )
 
 // Connections and threads.
@@ -130,17 +132,50 @@ func (s *Server) stopWorkers() {
 // half the cores.
 func defaultSpinners() int32 { return int32(max(1, runtime.GOMAXPROCS(0)/2)) }
 
-// takeSpinner counts a worker in among those that poll, if there is room.
-func (s *Server) takeSpinner() bool {
+// takeSpinner counts c's worker in among those that poll for a request,
+// if there is room: maxSpinners in all. For a user other than root the
+// slots are shared: the last free one goes only to a user polling for
+// none of its connections, and past half of them a user takes no more
+// than its fair share among the users polling (internal/fairshare), so
+// that a user asking back to back on many connections, or several
+// together, always leave another user's worker room to poll. Root, the
+// operator's or a single-user node's, takes any.
+func (s *Server) takeSpinner(c *conn) bool {
+	mine := c.spins
+	if mine == nil {
+		return false
+	}
+	held := int64(mine.Add(1) - 1)
+	shares := fairshare.Shares{Cap: int64(s.maxSpinners)}
 	for {
 		n := s.spinning.Load()
-		if n >= s.maxSpinners {
+		refuse := n >= s.maxSpinners
+		if !refuse && c.cred.UID != 0 {
+			refuse = (n+1 == s.maxSpinners && held > 0) ||
+				shares.Check(int64(n), held, 1, func() int { return s.spinUsers(c.cred.UID) }) != nil
+		}
+		if refuse {
+			mine.Add(-1)
 			return false
 		}
 		if s.spinning.CompareAndSwap(n, n+1) {
 			return true
 		}
 	}
+}
+
+// spinUsers counts the users other than root whose connections a worker
+// polls for, uid included.
+func (s *Server) spinUsers(uid uint32) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for u, spins := range s.userSpins {
+		if u != 0 && (u == uid || spins.Load() > 0) {
+			n++
+		}
+	}
+	return n
 }
 
 // busy reports whether every worker there may be is serving a connection:
