@@ -5,10 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -16,6 +14,7 @@ import (
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/testdaemon"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -34,27 +33,7 @@ func asUserFiles(t *testing.T, socket string, uid, gid uint32, files []*os.File,
 	if os.Geteuid() != 0 {
 		t.Skip("running clients as other users needs root")
 	}
-	// The test binary usually sits in a directory only we can read.
-	dir, err := os.MkdirTemp("", "gpushm-users-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	os.Chmod(dir, 0o755)
-	bin := filepath.Join(dir, "client")
-	src, err := os.Open(os.Args[0])
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer src.Close()
-	dst, err := os.OpenFile(bin, os.O_CREATE|os.O_WRONLY, 0o755)
-	if err != nil {
-		t.Fatal(err)
-	}
-	io.Copy(dst, src)
-	dst.Close()
-
-	cmd := exec.Command(bin, "-test.run=^$")
+	cmd := exec.Command(testutil.BinaryForOthers(t), "-test.run=^$")
 	cmd.Env = append(os.Environ(), "GPUSHM_TEST_CHILD=ops", "GPUSHM_SOCKET="+socket, "OPS="+strings.Join(ops, " "))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: gid}}
 	cmd.ExtraFiles = files

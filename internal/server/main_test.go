@@ -7,12 +7,12 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"syscall"
 	"testing"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // TestMain runs this binary as a test's client of another user when the
@@ -62,22 +62,7 @@ func quickClientAs(t *testing.T, socket string, uid uint32, conns int) {
 	if os.Geteuid() != 0 {
 		t.Skip("running clients as other users needs root")
 	}
-	// The test binary usually sits in a directory only we can read.
-	dir, err := os.MkdirTemp("", "gpushm-users-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	os.Chmod(dir, 0o755)
-	bin := filepath.Join(dir, "client")
-	self, err := os.ReadFile(os.Args[0])
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(bin, self, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(bin, "-test.run=^$")
+	cmd := exec.Command(testutil.BinaryForOthers(t), "-test.run=^$")
 	cmd.Env = append(os.Environ(), "GPUSHM_SERVER_TEST_CHILD=quick", "GPUSHM_SOCKET="+socket, "CONNS="+strconv.Itoa(conns))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: uid}}
 	cmd.Stderr = os.Stderr

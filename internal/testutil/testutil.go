@@ -1,12 +1,14 @@
 // Package testutil holds what the tests of several packages share, written
 // once: waiting for a condition (WaitFor), a client that speaks the
-// protocol by hand (Raw), the FUSE tests' requirement (RequireFUSE) and
+// protocol by hand (Raw), the FUSE tests' requirement (RequireFUSE), a
+// copy of the test binary that other users can run (BinaryForOthers) and
 // safetensors shards (WriteShard). Only tests import it; a daemon to test
 // against is internal/testdaemon's.
 package testutil
 
 import (
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 )
@@ -33,4 +35,29 @@ func RequireFUSE(t testing.TB) {
 	if _, err := os.Stat("/dev/fuse"); err != nil {
 		t.Skipf("FUSE tests need /dev/fuse: %v", err)
 	}
+}
+
+// BinaryForOthers copies this test binary to a directory every user may
+// read and returns the copy's path, for tests that run it as another user:
+// the binary usually sits in a directory only its owner can read. The copy
+// goes when the test ends.
+func BinaryForOthers(t testing.TB) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "gpushm-users-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	self, err := os.ReadFile(os.Args[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(dir, "client")
+	if err := os.WriteFile(bin, self, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return bin
 }
