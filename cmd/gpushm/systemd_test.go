@@ -21,6 +21,7 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/daemon"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // fakeManager plays systemd's part for a Type=notify service with a file
@@ -537,6 +538,15 @@ func TestSurviveRace(t *testing.T) {
 			t.Fatal("fewer than 3 daemons gave up within 30s")
 		}
 	}
+	// The losers give up once they find the winner's lock, which it takes
+	// before it makes its socket: wait for the socket to answer.
+	testutil.WaitFor(t, "the winner's socket", func() bool {
+		c, err := gpushm.Dial(context.Background(), sock)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	})
 	if inf := infoAt(t, sock); inf.SupervisorPID == 0 || inf.PID == inf.SupervisorPID {
 		t.Fatalf("the winner: %+v", inf)
 	}
