@@ -218,8 +218,7 @@ func (c *conn) serve(w *worker) outcome {
 func (c *conn) recv(spin bool) ([]byte, int, error) {
 	if spin && c.quick && c.s.takeSpinner(c) {
 		b, fd, err := c.wc.Poll(c.s.spin)
-		c.s.spinning.Add(-1)
-		c.spins.Add(-1)
+		c.s.dropSpinner(c)
 		if !errors.Is(err, wire.ErrNothing) {
 			return b, fd, err
 		}

@@ -164,6 +164,13 @@ func (s *Server) takeSpinner(c *conn) bool {
 	}
 }
 
+// dropSpinner counts c's worker out of those that poll, once its poll
+// ended (takeSpinner counted it in).
+func (s *Server) dropSpinner(c *conn) {
+	s.spinning.Add(-1)
+	c.spins.Add(-1)
+}
+
 // spinUsers counts the users other than root whose connections a worker
 // polls for, uid included.
 func (s *Server) spinUsers(uid uint32) int {
