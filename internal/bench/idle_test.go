@@ -54,20 +54,32 @@ func TestDaemonRoom(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { cmd.Process.Kill(); cmd.Wait() }()
-	var room int
-	var why string
-	for range 100 { // until sh has exec'd sleep with its limit
-		b, _ := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/cmdline")
-		if strings.HasPrefix(string(b), "sleep") {
+	var (
+		room  int
+		why   string
+		slept bool
+	)
+	proc := "/proc/" + strconv.Itoa(cmd.Process.Pid)
+	for range 500 {
+		// Until sh has exec'd sleep with its limit, and sleep sleeps: the
+		// loader opens files on its way there, which a count taken
+		// meanwhile would include and one taken later would not.
+		b, _ := os.ReadFile(proc + "/cmdline")
+		wchan, _ := os.ReadFile(proc + "/wchan")
+		if strings.HasPrefix(string(b), "sleep") && strings.Contains(string(wchan), "nanosleep") {
 			var err error
 			if room, why, err = daemonRoom(cmd.Process.Pid); err != nil {
 				t.Fatal(err)
 			}
+			slept = true
 			break
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	ents, err := os.ReadDir("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/fd")
+	if !slept {
+		t.Fatal("sleep(1) did not reach its nanosleep within 5 s")
+	}
+	ents, err := os.ReadDir(proc + "/fd")
 	if err != nil {
 		t.Fatal(err)
 	}
