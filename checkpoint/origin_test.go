@@ -127,8 +127,41 @@ func TestPutRecordsOrigin(t *testing.T) {
 							t.Errorf("shard %s: Put's CRC32C %08x, want %s", s.Name, st.CRC32C[i], want.CRC32C)
 						}
 					}
+					checkSources(t, c, name, realDir, tab.Shards[0].Name, tab.Shards[1].Name, inDaemon)
 				})
 			}
 		})
+	}
+}
+
+// checkSources: the daemon records each shard's data range it filled, by
+// the file's own identity (what loaders trust, docs/security.md, "Files
+// served from bundles"); a copy made by the client leaves no record.
+func checkSources(t *testing.T, c *gpushm.Client, name, dir, shard0, shard1 string, inDaemon bool) {
+	t.Helper()
+	inf, err := c.Stat(context.Background(), name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !inDaemon {
+		if len(inf.Sources) != 0 {
+			t.Errorf("a bundle copied by the client has sources %+v", inf.Sources)
+		}
+		return
+	}
+	for _, shard := range []string{shard0, shard1} {
+		f := testdaemon.StatFile(t, filepath.Join(dir, shard))
+		found := false
+		for _, src := range inf.Sources {
+			if src.Dev == f.Dev && src.Ino == f.Ino {
+				found = true
+				if src.Size != f.Size || src.MtimeNS != f.MtimeNS || src.CtimeNS != f.CtimeNS || src.Offset+src.Len != f.Size || src.Offset <= 8 {
+					t.Errorf("shard %s: source %+v, want the data range of %+v", shard, src, f)
+				}
+			}
+		}
+		if !found {
+			t.Errorf("shard %s: no source among %+v", shard, inf.Sources)
+		}
 	}
 }

@@ -186,6 +186,9 @@ func putFile(ctx context.Context, name, path, device string, verbose bool, o *ch
 		return res, err
 	}
 	res = report.Copy{Name: name, File: path, Bytes: cp.Bytes, Copier: cp.Copier, CRC32C: cp.CRC32C}
+	if src.Bundle() && cp.Copier != "daemon" {
+		fmt.Fprintln(os.Stderr, noSourcesNote(name))
+	}
 	res.Finish(start)
 	report.Rate(os.Stderr, "put", name, cp.Bytes, time.Since(start), cp.Stats, verbose)
 	return res, describe(ctx, c, &res)
@@ -315,8 +318,17 @@ func putDir(ctx context.Context, name, dir, device string, verbose bool, fo *che
 	res = report.Copy{Name: name, File: dir, Bytes: ck.Size(), Copier: "client"}
 	if o.InDaemon {
 		res.Copier = "daemon"
+	} else {
+		fmt.Fprintln(os.Stderr, noSourcesNote(name))
 	}
 	res.Finish(start)
 	report.Rate(os.Stderr, "put", name, ck.Size(), time.Since(start), st, verbose)
 	return res, describe(ctx, c, &res)
+}
+
+// noSourcesNote says what a put copied by this process means for loaders:
+// they trust only what the daemon itself read from a file
+// (docs/security.md, "Files served from bundles").
+func noSourcesNote(name string) string {
+	return fmt.Sprintf("put %s: copied by this process, not the daemon: programs under 'python -m gpushm.run' read the files themselves (they serve only files the daemon copied; --copier daemon)", name)
 }

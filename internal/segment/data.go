@@ -191,6 +191,7 @@ func (r *Registry) WriteAt(s *Segment, p []byte, off int64) (int, error) {
 		s.modified = time.Now()
 	}
 	r.dirtyLocked(s)
+	r.forgetSourcesLocked(s, off, end-off)
 	r.mu.Unlock()
 	if end > size {
 		s.io.RUnlock()
@@ -482,6 +483,8 @@ func (r *Registry) Resize(s *Segment, size int64) error {
 		r.mu.Unlock()
 		return nil
 	}
+	// Bytes past the new end go: so does any file's range there.
+	r.forgetSourcesLocked(s, min(cur, size), 1<<62)
 	_, _, err := r.resizableLocked(s)
 	r.mu.Unlock()
 	if err != nil {

@@ -78,6 +78,7 @@ func (r *Registry) Pin(c Cred, s *Segment, want uint32) error {
 	}
 	if want&Write != 0 {
 		r.dirtyLocked(s)
+		r.grantWriteLocked(c, s)
 	}
 	s.pins++
 	return nil
@@ -259,6 +260,9 @@ func (r *Registry) SetOwner(c Cred, s *Segment, uid, gid int64) error {
 		s.gid, changed = uint32(gid), true
 	}
 	if changed {
+		// Whoever held write access under the old owner may still write:
+		// the files' ranges were trusted for the old owner's sake.
+		s.foreign, s.sources = true, nil
 		r.changed()
 		r.noteLocked(s, -1)
 	}

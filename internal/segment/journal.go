@@ -72,6 +72,10 @@ type Record struct {
 	Leases  bool     `json:"leases,omitempty"`
 	Holders []Holder `json:"holders,omitempty"`
 	Anon    int      `json:"anon,omitempty"`
+	// Sources are the ranges the daemon filled from files; Foreign says
+	// someone but the owner and root could write it (sources.go).
+	Foreign bool     `json:"foreign,omitempty"`
+	Sources []Source `json:"sources,omitempty"`
 }
 
 // OnHost reports whether the record's memory is host memory it was
@@ -177,6 +181,7 @@ func (s *Segment) recordLocked() Record {
 		Uncommitted: s.uncommitted, CommitOrigin: s.commitOrigin,
 		Version: s.version, Next: s.next,
 		Pin: s.resident, Published: s.published, LastOpen: s.lastOpen.UnixNano(),
+		Sources: s.sources, Foreign: s.foreign,
 	}
 	if s.tier == OnHost {
 		rec.Tier = OnHost.String()
@@ -362,6 +367,7 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			uncommitted: rec.Uncommitted, commitOrigin: rec.CommitOrigin,
 			version: max(rec.Version, 1), next: rec.Next && rec.Uncommitted && !rec.Linked,
 			resident: rec.Pin, published: rec.Published, lastOpen: time.Unix(0, rec.LastOpen),
+			sources: slices.Clone(rec.Sources), foreign: rec.Foreign,
 		}
 		if rec.OnHost() {
 			s.tier = OnHost

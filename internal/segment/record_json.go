@@ -119,6 +119,17 @@ func (rec *Record) AppendJSON(b []byte) []byte {
 	if rec.Anon != 0 {
 		b = appendIntMember(b, "anon", int64(rec.Anon))
 	}
+	if rec.Foreign {
+		b = appendBoolMember(b, "foreign", true)
+	}
+	if len(rec.Sources) > 0 {
+		// Written once per fill, and with the record of a bundle's opens:
+		// a few files' worth, through encoding/json.
+		src, err := json.Marshal(rec.Sources)
+		if err == nil {
+			b = append(append(b, `,"sources":`...), src...)
+		}
+	}
 	return append(b, '}')
 }
 

@@ -38,6 +38,11 @@ func randomRecord(r *rand.Rand, strs []string) Record {
 	for range r.IntN(4) {
 		rec.Holders = append(rec.Holders, Holder{PID: int(num() % (1 << 22)), Start: uint64(num() & (1<<40 - 1)), Session: uint64(num() & (1<<50 - 1)), N: int(num() % 1000)})
 	}
+	rec.Foreign = num()%2 == 0
+	for range num() % 3 {
+		rec.Sources = append(rec.Sources, Source{Dev: uint64(num()), Ino: uint64(num()), Size: num(), MtimeNS: num(),
+			CtimeNS: num(), Off: num(), At: num(), Len: num(), CRC32C: uint32(num())})
+	}
 	return rec
 }
 

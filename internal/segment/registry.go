@@ -180,6 +180,8 @@ type Info struct {
 	Version  uint64
 	Next     bool
 	Versions []VersionInfo
+	// Sources (Stat only) are the ranges the daemon filled from files.
+	Sources []Source
 	// RDMA: an RDMA engine can register the memory (GPUDirect RDMA with
 	// VMM); cuda memory on a device that allows it, never host memory.
 	RDMA bool
@@ -276,6 +278,10 @@ type Segment struct {
 	// since was read-only, so that evicting it again is a swap rather
 	// than a copy (tier.go). Not journaled: a cache.
 	clean Memory
+	// sources are the ranges the daemon filled from files; foreign says
+	// that someone but its owner and root could write it (sources.go).
+	sources []Source
+	foreign bool
 }
 
 // ID is unique for the registry's lifetime; IDs are never reused.
@@ -709,6 +715,7 @@ func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
 	}
 	if !readOnly {
 		r.dirtyLocked(s)
+		r.grantWriteLocked(c, s)
 	}
 	s.opens++
 	s.changes.Add(1)
@@ -864,6 +871,7 @@ func (r *Registry) Stat(name string) (Info, error) {
 	}
 	inf := r.infoLocked(s)
 	inf.Versions = r.versionsLocked(s)
+	inf.Sources = sourcesOf(s)
 	return inf, nil
 }
 

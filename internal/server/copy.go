@@ -139,6 +139,8 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File, fd int) (*wire.Reply, 
 	o := &xfer.Options{Borrowed: true}
 	var cs xfer.Stats
 	if fill {
+		// What was there is overwritten, whatever comes of the copy.
+		c.s.reg.ForgetSources(seg, req.At, req.Size)
 		cs, err = xfer.Load(t, r, &xfer.Options{Borrowed: true, CRC32C: true})
 	} else {
 		cs, err = xfer.Store(t, r, o)
@@ -153,8 +155,27 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File, fd int) (*wire.Reply, 
 	rep := &wire.Reply{Bytes: cs.Bytes, CopySeconds: cs.Elapsed.Seconds(), Copiers: cs.Workers, Direct: cs.Direct}
 	if len(cs.CRC32C) == 1 {
 		rep.CRC32C = crc32c.Format(cs.CRC32C[0])
+		if fill {
+			c.recordSource(seg, fd, st, req, cs.CRC32C[0])
+		}
 	}
 	return rep, nil
+}
+
+// recordSource records that seg's range was filled from the file whose
+// descriptor is fd, if the file is as it was before the copy (st): the
+// daemon's own word on which bytes are the file's (segment/sources.go),
+// which loaders trust where they trust no client's.
+func (c *conn) recordSource(seg *segment.Segment, fd int, st *unix.Stat_t, req *wire.Request, crc uint32) {
+	var now unix.Stat_t
+	if unix.Fstat(fd, &now) != nil || now.Dev != st.Dev || now.Ino != st.Ino || now.Size != st.Size ||
+		now.Mtim != st.Mtim || now.Ctim != st.Ctim {
+		return // written meanwhile: these bytes may be no state the file was ever in
+	}
+	c.s.reg.AddSource(segment.Cred{UID: c.cred.UID, GID: c.cred.GID}, seg, segment.Source{
+		Dev: st.Dev, Ino: st.Ino, Size: st.Size, MtimeNS: st.Mtim.Nano(), CtimeNS: st.Ctim.Nano(),
+		Off: req.Offset, At: req.At, Len: req.Size, CRC32C: crc,
+	})
 }
 
 // statClientFile checks fd, a descriptor a client sent with fill or dump,

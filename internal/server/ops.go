@@ -98,7 +98,8 @@ func (c *conn) opHello(req *wire.Request) (*wire.Reply, int) {
 	if err != nil {
 		return fail(err)
 	}
-	return &wire.Reply{Version: wire.Version, Server: c.s.version, Backend: c.s.backend.Name(), Epoch: true}, fd
+	return &wire.Reply{Version: wire.Version, Server: c.s.version, Backend: c.s.backend.Name(), Epoch: true,
+		Peer: &wire.Peer{UID: c.cred.UID, GID: c.cred.GID}}, fd
 }
 
 // opInfo reports the backend, its devices, the registry's use, the

@@ -18,6 +18,7 @@ import (
 	"github.com/gpushm/gpushm/internal/channel"
 	"github.com/gpushm/gpushm/internal/epoch"
 	"github.com/gpushm/gpushm/internal/memfd"
+	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/wire"
 )
@@ -514,6 +515,10 @@ func (s *Server) toWire(inf segment.Info) *wire.Segment {
 	}
 	for _, v := range inf.Versions {
 		w.Versions = append(w.Versions, wire.HeldVersion{ID: v.ID, Version: v.Version, Opens: v.Opens, PIDs: v.PIDs})
+	}
+	for _, src := range inf.Sources {
+		w.Sources = append(w.Sources, wire.Source{Dev: src.Dev, Ino: src.Ino, Size: src.Size, MtimeNS: src.MtimeNS,
+			CtimeNS: src.CtimeNS, Offset: src.Off, At: src.At, Len: src.Len, CRC32C: crc32c.Format(src.CRC32C)})
 	}
 	if inf.HandleType == wire.HandleCUDA {
 		w.UUID = s.uuids[inf.Device]

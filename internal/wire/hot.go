@@ -56,7 +56,7 @@ func appendReply(b []byte, r *Reply) (_ []byte, ok bool) {
 	if r.Version != 0 || r.Server != "" || r.Epoch || r.Backend != "" || r.Devices != nil || r.Usage != nil ||
 		r.Pool != nil || r.Tiers != nil || r.PID != 0 || r.SupervisorPID != 0 || r.Restarts != nil ||
 		r.Grace != 0 || r.GPU != nil || r.Users != nil || r.Quotas != nil || r.Segments != nil || r.Next != "" ||
-		r.Bytes != 0 || r.CopySeconds != 0 || r.Copiers != 0 || r.Direct != 0 || r.CRC32C != "" {
+		r.Bytes != 0 || r.CopySeconds != 0 || r.Copiers != 0 || r.Direct != 0 || r.CRC32C != "" || r.Peer != nil {
 		return b, false
 	}
 	start := len(b)
@@ -111,7 +111,7 @@ func appendReply(b []byte, r *Reply) (_ []byte, ok bool) {
 }
 
 func appendSegment(b []byte, s *Segment) (_ []byte, ok bool) {
-	if s.TTL != 0 || s.Versions != nil || !plain(s.Name) || !plain(s.UUID) || !plain(s.HandleType) ||
+	if s.TTL != 0 || s.Versions != nil || s.Sources != nil || !plain(s.Name) || !plain(s.UUID) || !plain(s.HandleType) ||
 		!plain(s.Lifetime) || !plain(s.Orphan) || !plain(s.Tier) || !plainJSON(s.Meta) {
 		return b, false
 	}

@@ -141,6 +141,11 @@ type Reply struct {
 	Server  string `json:"server,omitempty"`
 	// Epoch says that the attached fd is the epoch page (hello only).
 	Epoch bool `json:"epoch,omitempty"`
+	// Peer (hello) is the client as the daemon knows it, from
+	// SO_PEERCRED: the uid and gid its segments get and its requests are
+	// checked as, which a client in a user namespace cannot learn from
+	// its own geteuid.
+	Peer *Peer `json:"peer,omitempty"`
 
 	// info
 	Backend string   `json:"backend,omitempty"`
@@ -341,6 +346,34 @@ type Segment struct {
 	// allows it. Absent for host memory, evicted segments included.
 	RDMA     bool          `json:"rdma,omitempty"`
 	Versions []HeldVersion `json:"versions,omitempty"`
+	// Sources (stat only) are the ranges the daemon itself filled from
+	// files, with each file's identity as the daemon saw it
+	// (docs/protocol.md, "Sources"): what a loader may trust about which
+	// bytes are which file's.
+	Sources []Source `json:"sources,omitempty"`
+}
+
+// Source is a range of a segment the daemon filled from a file: the
+// file's device, inode, size and times as fstat saw them through the
+// client's descriptor before and after the copy (equal, or no source is
+// recorded), where the range starts in the file (Offset) and in the
+// segment (At), its length, and its CRC-32C (8 lowercase hex digits).
+type Source struct {
+	Dev     uint64 `json:"dev"`
+	Ino     uint64 `json:"ino"`
+	Size    int64  `json:"size"`
+	MtimeNS int64  `json:"mtime_ns"`
+	CtimeNS int64  `json:"ctime_ns"`
+	Offset  int64  `json:"offset"`
+	At      int64  `json:"at"`
+	Len     int64  `json:"len"`
+	CRC32C  string `json:"crc32c"`
+}
+
+// Peer is a client's identity as the daemon sees it.
+type Peer struct {
+	UID uint32 `json:"uid"`
+	GID uint32 `json:"gid"`
 }
 
 // HeldVersion is an earlier version of a name that readers still hold.

@@ -250,6 +250,7 @@ class Client:
         self._session = os.urandom(16).hex()
         self._reconnects = 0
         self._devices = None  # the daemon's devices by UUID, for _daemon_device
+        self.peer_uid = None  # this process's uid as the daemon sees it (hello)
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -326,6 +327,10 @@ class Client:
         # An aligned 8-byte load is atomic on the 64-bit machines CUDA runs on.
         self._epoch = ctypes.c_uint64.from_address(ptr)
         self.server, self.backend = rep.get("server", ""), rep.get("backend", "")
+        # This process as the daemon knows it (SO_PEERCRED): in a user
+        # namespace, not what os.geteuid() says. None from older daemons.
+        peer = rep.get("peer")
+        self.peer_uid = peer.get("uid") if isinstance(peer, dict) and isinstance(peer.get("uid"), int) else None
         # Earlier pages stay mapped until the client goes: another thread
         # may be reading one.
         weakref.finalize(self, _mapping.munmap, ptr, 4096).atexit = False
@@ -1375,6 +1380,24 @@ class Segment(View):
     def write(self, data, offset: int = 0) -> int:
         """Copies a bytes-like object in (host to device on a GPU)."""
         return self._mapping().write(data, offset)
+
+    def fill(self, file, offset: int = 0, at: int = 0, n: int | None = None) -> int:
+        """Has the daemon copy n bytes of file (a file object or a
+        descriptor, open for reading) from offset into the segment at at,
+        with its own copy engine: this process maps nothing and needs no
+        CUDA context (docs/protocol.md, "fill"). n defaults to the rest of
+        the file. The daemon records the file it read (stat's sources),
+        which is what lets loaders serve the file from here
+        (docs/python.md, "Any loader"). Returns the bytes copied."""
+        fd = file if isinstance(file, int) else file.fileno()
+        if n is None:
+            n = os.fstat(fd).st_size - offset
+        m = self._mapping()
+        client = m.lease.client
+        if client is None:
+            raise ConnectionError(f"gpushm: fill {self.info.name!r}: this client no longer holds it (closed, or the daemon lost it)")
+        rep, _ = client._call("fill", fd, segment=m.info.id, offset=offset, at=at, size=n)
+        return rep.get("bytes", 0)
 
     def memoryview(self) -> memoryview:
         """All of a host segment's bytes."""

@@ -38,6 +38,9 @@ class SegmentInfo:
     # earlier versions that someone still holds, oldest first.
     version: int = 1
     versions: tuple = ()
+    # sources, in stat replies only: the ranges the daemon itself filled
+    # from files, as Source (docs/protocol.md, "Sources").
+    sources: tuple = ()
 
     @classmethod
     def from_wire(cls, d: dict) -> SegmentInfo:
@@ -45,7 +48,32 @@ class SegmentInfo:
         held = d.get("versions")
         if held is not None:
             object.__setattr__(info, "versions", tuple(HeldVersion.from_wire(v) for v in held))
+        srcs = d.get("sources")
+        object.__setattr__(info, "sources", tuple(Source.from_wire(s) for s in srcs if isinstance(s, dict))
+                           if isinstance(srcs, list) else ())
         return info
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A range of a segment the daemon filled from a file (stat's sources):
+    the file's device, inode, size, mtime and ctime as the daemon saw them
+    through the descriptor it read, where the range starts in the file
+    (offset) and in the segment (at), its length and its CRC-32C."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    offset: int
+    at: int
+    len: int
+    crc32c: str = ""
+
+    @classmethod
+    def from_wire(cls, d: dict) -> Source:
+        return cls(*[d.get(f.name, 0 if f.type != "str" else "") for f in dataclasses.fields(cls)])
 
 
 @dataclasses.dataclass(frozen=True)

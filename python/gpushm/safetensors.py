@@ -10,8 +10,11 @@ for torch and numpy, with tensors that are views of the segment.
 A bundle is named directly, or by the path of a file 'gpushm put' copied
 into it: the bundle then serves exactly that file's tensors and metadata
 (one shard of a checkpoint directory's bundle is that shard alone), and
-only while the file is the one that was put (same device, inode, size,
-mtime and ctime as put recorded; docs/python.md, "Any loader").
+only while the file is the one the daemon filled the bundle from (same
+device, inode, size, mtime and ctime as the daemon saw them), in a bundle
+of root's or the caller's that nobody else may write; the tensors are laid
+out by the file's own header (docs/python.md, "Any loader";
+docs/security.md, "Files served from bundles").
 
 Devices (the rule docs/python.md explains): a request for the bundle's own
 device gets views of the segment, read-only unless readonly=False (numpy
@@ -40,8 +43,7 @@ import time
 
 from ._client import connect, default_socket
 from ._errors import Error, NotFoundError, error
-from ._tensors import (MAX_HEADER, Layout, decode_shard_table, dtype_of, index_layout, is_bundle, json_header,
-                       shard_table_region)
+from ._tensors import MAX_HEADER, Layout, decode_bundle, index_layout, is_bundle
 from ._view import View
 
 __all__ = ["SafetensorError", "safe_open", "load_file", "load", "held", "shared", "written_after_load"]
@@ -107,41 +109,50 @@ def _client(c=None, quiet=False):
         return got
 
 
-# ---- what gpushm holds: the files put recorded -----------------------------
+# ---- what gpushm holds: the files the daemon filled bundles from -----------
 
 class _Held:
-    """A file a bundle holds: the segment (name and id), and the shard of a
-    checkpoint directory's bundle (None for a whole-file bundle)."""
+    """A file a bundle holds: the segment (name and id), and the ranges the
+    daemon filled from the file as it is now (Sources, by file offset)."""
 
-    __slots__ = ("name", "id", "shard")
+    __slots__ = ("name", "id", "sources")
 
-    def __init__(self, name, id, shard):
-        self.name, self.id, self.shard = name, id, shard
+    def __init__(self, name, id, sources):
+        self.name, self.id, self.sources = name, id, sources
 
 
 _UNSEEN = object()
 _FIELDS = (("size", "st_size", "size"), ("mtime_ns", "st_mtime_ns", "mtime"), ("ctime_ns", "st_ctime_ns", "ctime"))
 
 
-def _differs(rec, st) -> list:
-    """What differs between put's record of a file and its stat now."""
-    if rec.get("dev") != st.st_dev or rec.get("ino") != st.st_ino:
+def _differs(src, st) -> list:
+    """What differs between the daemon's record of a file and its stat now."""
+    if src.dev != st.st_dev or src.ino != st.st_ino:
         return ["another file"]
-    return [what for key, attr, what in _FIELDS if rec.get(key) != getattr(st, attr)]
+    return [what for key, attr, what in _FIELDS if getattr(src, key) != getattr(st, attr)]
+
+
+def _trusted(info, me) -> bool:
+    """Whether a bundle's bytes are trusted to be what the daemon filled:
+    owned by root or by this process's own user (as the daemon knows it),
+    and writable by nobody else. Whoever else may write it could change
+    the bytes after the daemon filled them, through a mapping the daemon
+    cannot see (docs/security.md, "Files served from bundles")."""
+    return (info.uid == 0 or info.uid == me) and not info.mode & 0o022
 
 
 class _Holdings:
-    """The bundles of one daemon by the directory their files came from:
-    one list of segments, a stat of each segment not seen before (meta
-    never changes for a segment id), and the shard table of a directory's
-    bundle read when a lookup first needs it. A lookup that finds nothing
-    lists again (a put may have come since); nothing else is asked."""
+    """The files one daemon's bundles hold, by (device, inode), from the
+    sources the daemon recorded as it filled them (stat's sources): never
+    from what a bundle's writer put in its meta. One list of segments, a
+    stat of each segment not seen before; a lookup that finds nothing lists
+    again (a put may have come since), and a find is confirmed with a
+    fresh stat of the segment it found."""
 
     def __init__(self, client):
         self.client = client
-        self.segs = {}  # id -> (name, uid, origin dir or None, [records] or None for a directory's bundle)
-        self.by_dir = {}  # origin dir -> [id], newest first
-        self.tables = {}  # id -> [shard]
+        self.segs = {}  # id -> (name, uid, mode, (Source, ...)), or None for a segment with none
+        self.by_file = {}  # (dev, ino) -> [id], newest first
         self.listed = False
 
     def refresh(self):
@@ -157,74 +168,41 @@ class _Holdings:
                     continue
                 if st.id != info.id:
                     continue  # renamed or replaced meanwhile: the next refresh sees it
-                known = _origin_of(st.meta)
+                known = (st.name, st.uid, st.mode, st.sources) if st.sources and is_bundle(st.meta) else None
             if known is not None:
-                segs[info.id] = (info.name, info.uid) + known[2:]
-            else:
-                segs[info.id] = None
+                # The owner and mode as listed now; the sources are
+                # confirmed by the stat of a find.
+                known = (info.name, info.uid, info.mode, known[3])
+            segs[info.id] = known
         self.segs = segs
-        by_dir = {}
+        by_file = {}
         for id in sorted(segs, reverse=True):
             if segs[id] is not None:
-                by_dir.setdefault(segs[id][2], []).append(id)
-        self.by_dir = by_dir
-        self.tables = {k: v for k, v in self.tables.items() if k in segs}
+                for f in {(src.dev, src.ino) for src in segs[id][3]}:
+                    by_file.setdefault(f, []).append(id)
+        self.by_file = by_file
         self.listed = True
 
-    def records(self, id):
-        """[(record, shard or None)] of segment id."""
-        name, _, _, files = self.segs[id]
-        if files is not None:
-            return [(r, None) for r in files]
-        table = self.tables.get(id)
-        if table is None:
-            try:
-                seg = self.client.open(name, True)
-            except Error:
-                return []
-            try:
-                if seg.id != id:
-                    return []
-                region = shard_table_region(seg.meta, seg.size)
-                table = decode_shard_table(seg.read(region[1], region[0]), seg.size) if region else []
-            except ValueError:
-                table = []
-            finally:
-                seg.close()
-            self.tables[id] = table
-        return [(s["origin"], s) for s in table if s["origin"] is not None]
-
-    def find(self, d, base, st, owner_ok):
+    def find(self, st, me):
         """(_Held or None, [(segment name, what differs)])."""
         changed = []
-        for id in self.by_dir.get(d, ()):
-            name, uid = self.segs[id][:2]
-            if not owner_ok(uid):
+        for id in self.by_file.get((st.st_dev, st.st_ino), ()):
+            name, uid, mode, sources = self.segs[id]
+            mine = [src for src in sources if src.dev == st.st_dev and src.ino == st.st_ino]
+            now = [src for src in mine if not _differs(src, st)]
+            if not now:
+                changed.append((name, _differs(mine[0], st)))
                 continue
-            for rec, shard in self.records(id):
-                if not isinstance(rec, dict) or rec.get("name", shard and shard["name"]) != base:
-                    continue
-                diff = _differs(rec, st)
-                if not diff:
-                    return _Held(name, id, shard), []
-                changed.append((name, diff))
+            try:
+                info = self.client.stat(name)
+            except Error:
+                continue
+            if info.id != id or not _trusted(info, me):
+                continue
+            now = [src for src in info.sources if not _differs(src, st)]
+            if now:
+                return _Held(name, id, tuple(sorted(now, key=lambda src: src.offset))), []
         return None, changed
-
-
-def _origin_of(meta):
-    """(None, None, dir, [records] or None) for a bundle whose meta says
-    where it came from; None for any other segment."""
-    if not is_bundle(meta):
-        return None
-    o = meta.get("origin")
-    if not isinstance(o, dict) or not isinstance(o.get("dir"), str):
-        return None
-    if meta.get("source") == "dir":
-        return None, None, o["dir"], None
-    files = o.get("files")
-    if not isinstance(files, list):
-        return None
-    return None, None, o["dir"], [f for f in files if isinstance(f, dict)]
 
 
 _holdings = {}  # socket -> _Holdings
@@ -239,12 +217,13 @@ def _notice(key, text):
 
 def held(path, client=None, quiet=False):
     """The bundle that holds the file at path, as _Held, or None. A file
-    is held when a bundle's origin names its directory (symbolic links
-    resolved) and its name, with the device, inode, size, mtime and ctime
-    it has now, and the caller may read it. Only bundles owned by the
-    caller, by root or by the file's owner count: anyone else could claim
-    any file. A file that changed since it was put is read from disk, and
-    a line on standard error says why (once per file and bundle)."""
+    is held when the daemon filled a bundle from it, itself, as the file is
+    now (the same device, inode, size, mtime and ctime, as the daemon saw
+    them through the descriptor it read), and the caller may read it. Only
+    bundles owned by root or by the caller, and writable by nobody else,
+    count: anyone else could change the bytes after the fill. A file that
+    changed since it was put is read from disk, and a line on standard
+    error says why (once per file and bundle)."""
     try:
         st = os.stat(path)
     except (OSError, ValueError):
@@ -254,12 +233,7 @@ def held(path, client=None, quiet=False):
     c = _client(client, quiet=quiet)
     if c is None:
         return None
-    path = os.path.abspath(path)
-    d, base = os.path.realpath(os.path.dirname(path)), os.path.basename(path)
-    me = os.geteuid()
-
-    def owner_ok(uid):
-        return uid in (0, me, st.st_uid)
+    me = c.peer_uid if c.peer_uid is not None else 0
 
     with _lock:
         h = _holdings.get(c.socket) if client is None else None
@@ -271,48 +245,65 @@ def held(path, client=None, quiet=False):
             fresh = not h.listed
             if fresh:
                 h.refresh()
-            found, changed = h.find(d, base, st, owner_ok)
+            found, changed = h.find(st, me)
             if found is None and not fresh:
                 h.refresh()
-                found, changed = h.find(d, base, st, owner_ok)
+                found, changed = h.find(st, me)
         except (Error, OSError):
             return None
     if found is None and changed:
         name, diff = changed[0]
-        _notice((path, name, tuple(diff)), f"reading {base} from disk: changed since it was put in {name!r} ({', '.join(diff)})")
+        base = os.path.basename(path)
+        _notice((os.path.abspath(path), name, tuple(diff)), f"reading {base} from disk: changed since it was put in {name!r} ({', '.join(diff)})")
     return found
 
 
 # ---- opening ----------------------------------------------------------------
 
-def _shard_header(seg, shard):
-    """The tensor names (in header order) and __metadata__ of a shard's own
-    header, kept in the segment as the file had it."""
-    off, n = shard["header"]
-    raw = seg.read(n, off)
-    if n < 8:
-        raise ValueError(f"gpushm: shard {shard['name']!r}: its header is {n} bytes")
-    (hn,) = struct.unpack_from("<Q", raw)
-    if hn > MAX_HEADER or 8 + hn > n:
-        raise ValueError(f"gpushm: shard {shard['name']!r}: a header of {hn} bytes does not fit its {n}")
-    header = json_header(raw[8:8 + hn], f"shard {shard['name']!r}: header")
-    metadata = header.pop("__metadata__", None)
-    return list(header), metadata
-
-
-def _open(name, client, readonly, shard=None, id=None):
-    """(Views by name in header order, __metadata__) of bundle name, or of
-    one shard of it."""
+def _open(name, client, readonly):
+    """(Views by name in header order, __metadata__) of bundle name."""
     b = client.tensors(name, readonly=readonly)
-    if id is not None and b.segment.id != id:
-        raise error("ENOENT", f"bundle {name!r} was replaced while it was being opened")
-    if shard is None:
-        return dict(b), b.metadata
-    names, metadata = _shard_header(b.segment, shard)
-    try:
-        return {k: b[k] for k in names}, metadata
-    except KeyError as e:
-        raise ValueError(f"gpushm: bundle {name!r}: shard {shard['name']!r} names tensor {e.args[0]!r}, which the bundle lacks") from None
+    return dict(b), b.metadata
+
+
+def _placed(sources, off, n):
+    """Where in the segment the daemon put the file's bytes [off, off+n),
+    or None where it filled no one range that holds them."""
+    for src in sources:
+        if src.offset <= off and off + n <= src.offset + src.len:
+            return src.at + off - src.offset
+    return None
+
+
+def _open_held(path, h, client, readonly):
+    """(Views by name in header order, __metadata__) of the file at path,
+    in bundle h: the tensors, dtypes, shapes and offsets are the file's own
+    header's, read from the file, and the daemon's sources say where its
+    bytes are in the segment. Nothing the bundle's writer said (its meta,
+    its header, its shard table) is taken: a bundle that holds other bytes
+    than the file's for a tensor cannot be made to serve them."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"gpushm: {path}: shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER:
+            raise ValueError(f"gpushm: {path}: a header of {n} bytes")
+        prefix = head + f.read(n)
+        st = os.fstat(f.fileno())
+    if any(_differs(src, st) for src in h.sources):
+        raise ValueError(f"gpushm: {path} changed while it was opened")
+    metadata, entries = decode_bundle(prefix, st.st_size)
+    seg = client.open(h.name, readonly)
+    if seg.id != h.id:
+        raise error("ENOENT", f"bundle {h.name!r} was replaced while it was being opened")
+    m, views = seg._mapping(), {}
+    for name, lay in entries:
+        at = _placed(h.sources, lay.offset, lay.nbytes)
+        if at is None:
+            raise ValueError(f"gpushm: bundle {h.name!r} holds no range the daemon filled with tensor {name!r} of {path}")
+        views[name] = View(m, Layout.c_order(lay.dtype, lay.shape, at))
+    return views, metadata
 
 
 def _framework(framework):
@@ -570,7 +561,7 @@ def safe_open(name_or_path, framework, device="cpu", *, client=None, readonly: b
     if h is None:
         raise error("ENOENT", f"{path} is not held by gpushm: no bundle records it as it is now "
                     "('gpushm put NAME FILE' copies it in)")
-    views, metadata = _open(h.name, c, readonly, h.shard, h.id)
+    views, metadata = _open_held(path, h, c, readonly)
     return _Open(f"{path!r} in bundle {h.name!r}", views, metadata, fw, dev, cpu_tensors, copy)
 
 
@@ -613,7 +604,7 @@ def _hook_open(filename, framework, device):
         return None
     cpu, copy = _env_options()
     try:
-        views, metadata = _open(h.name, _client(quiet=True), True, h.shard, h.id)
+        views, metadata = _open_held(path, h, _client(quiet=True), True)
     except (Error, OSError, ValueError, AttributeError) as e:
         if not isinstance(e, Error) or e.code not in ("EACCES", "EPERM", "ENOENT"):
             _notice((path, h.name, "open"), f"reading {os.path.basename(path)} from disk: bundle {h.name!r}: {e}")

@@ -89,22 +89,34 @@ def record(path, with_name=True):
     return r
 
 
-def _segment(client, name, data, meta, mode):
-    seg = client._create(name, len(data), meta, None, mode, False, uncommitted=True)
-    seg.write(data, 0)
+def _segment(client, name, data, meta, mode, fills=()):
+    """The bundle: data written by this process (bytes, or a size to leave
+    to the fills), then each (path, offset, at, n) of fills copied by the
+    daemon, as 'gpushm put' has it copy the files; the daemon records what
+    it copied (stat's sources), which is what loaders trust."""
+    size = data if isinstance(data, int) else len(data)
+    seg = client._create(name, size, meta, None, mode, False, uncommitted=True)
+    if not isinstance(data, int):
+        seg.write(data, 0)
+    for path, off, at, n in fills:
+        with open(path, "rb") as f:
+            assert seg.fill(f, off, at, n) == n
     seg.commit()
     return seg
 
 
 def put_file(client, name, path, mode=0o600, origin=True):
     """A bundle of one safetensors file, as 'gpushm put NAME FILE' makes
-    it: the segment is the file."""
+    it: the segment is the file, copied by the daemon. origin=False writes
+    it from this process instead, as a client that claims to hold the file
+    would: the daemon then records nothing of it."""
     data = Path(path).read_bytes()
     (n,) = struct.unpack_from("<Q", data)
     meta = bundle_meta(n, len(json.loads(data[8:8 + n])) - (b'"__metadata__"' in data[8:8 + n]))
-    if origin:
-        meta["origin"] = {"dir": os.path.realpath(os.path.dirname(os.path.abspath(path))), "files": [record(path)]}
-    return _segment(client, name, data, meta, mode)
+    if not origin:
+        return _segment(client, name, data, meta, mode)
+    meta["origin"] = {"dir": os.path.realpath(os.path.dirname(os.path.abspath(path))), "files": [record(path)]}
+    return _segment(client, name, len(data), meta, mode, [(path, 0, 0, len(data))])
 
 
 def _align(n):
@@ -149,4 +161,5 @@ def put_dir(client, name, paths, mode=0o600):
     meta = bundle_meta(len(js), sum(1 for k in combined if k != "__metadata__"))
     meta.update(source="dir", shards={"offset": at, "size": len(tab)},
                 origin={"dir": os.path.realpath(os.path.dirname(os.path.abspath(paths[0])))})
-    return _segment(client, name, bytes(body), meta, mode)
+    fills = [(p, len(head), start + base, len(data)) for p, head, data, base in shards]
+    return _segment(client, name, bytes(body), meta, mode, fills)

@@ -148,19 +148,19 @@ def test_changed_files_are_not_served(client, name, tmp_path, capfd):
     assert gst.held(str(tmp_path / "missing.safetensors")) is None
 
 
-def test_unreadable_and_foreign_bundles(client, name, tmp_path):
+def test_held_by_the_daemon_s_record(client, name, tmp_path):
     path = tmp_path / "model.safetensors"
     write(path, {"x": np.ones(4, np.float32)})
     put_file(client, name, path)
-    # A bundle another user made claims nothing for this one: the owner
-    # rule is read from list's uid.
+    # Found by the file's device and inode in the sources the daemon
+    # recorded as it filled the bundle; the owner rule reads stat's uid.
     h = gst._Holdings(client)
     h.refresh()
-    st, d = os.stat(path), os.path.realpath(tmp_path)
-    found, _ = h.find(d, "model.safetensors", st, lambda uid: False)
-    assert found is None
-    found, _ = h.find(d, "model.safetensors", st, lambda uid: True)
-    assert found is not None and found.name == name and found.shard is None
+    st = os.stat(path)
+    found, _ = h.find(st, client.peer_uid)
+    assert found is not None and found.name == name
+    assert [(s.offset, s.at, s.len) for s in found.sources] == [(0, 0, st.st_size)]
+    # Other users' bundles: test_hook_trust.py.
 
 
 def test_bundle_without_origin_by_name_only(client, name, tmp_path):

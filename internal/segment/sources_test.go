@@ -1,0 +1,138 @@
+package segment
+
+import (
+	"testing"
+	"time"
+
+	"github.com/gpushm/gpushm/internal/crc32c"
+)
+
+// TestSources: the daemon's record of which bytes came from which file
+// stands only while nobody it does not trust could have written them.
+func TestSources(t *testing.T) {
+	root := Cred{}
+	file := Source{Dev: 8, Ino: 42, Size: 300, MtimeNS: 1, CtimeNS: 2}
+	part := func(off, at, n int64, crc uint32) Source {
+		s := file
+		s.Off, s.At, s.Len, s.CRC32C = off, at, n, crc
+		return s
+	}
+	setup := func(t *testing.T, mode uint32) (*Registry, *fakeJournal, *fakeAlloc, *Segment) {
+		t.Helper()
+		f := newFake()
+		r := New(f, nil)
+		j := newJournal()
+		r.SetJournal(j)
+		s, _, err := r.Create(alice, CreateOptions{Name: "w", Size: 300, Mode: mode, UseMode: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r, j, f, s
+	}
+	sources := func(r *Registry) []Source {
+		inf, err := r.Stat("w")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return inf.Sources
+	}
+
+	t.Run("steps merge", func(t *testing.T) {
+		r, j, f, s := setup(t, 0o644)
+		a, b := crc32c.Checksum([]byte("ab")), crc32c.Checksum([]byte("c"))
+		r.AddSource(alice, s, part(0, 0, 2, a))
+		r.AddSource(alice, s, part(2, 2, 1, b))
+		got := sources(r)
+		if len(got) != 1 || got[0].Len != 3 || got[0].CRC32C != crc32c.Checksum([]byte("abc")) {
+			t.Fatalf("two steps of one file = %+v, want one range of 3 with the CRC of both", got)
+		}
+		// Another state of the file is another source.
+		other := part(3, 3, 5, 0)
+		other.MtimeNS++
+		r.AddSource(alice, s, other)
+		if got := sources(r); len(got) != 2 {
+			t.Fatalf("a changed file's range merged: %+v", got)
+		}
+		// They outlive a restart of the serving process.
+		r2, _, _ := restart(t, f, j, time.Minute)
+		if inf, _ := r2.Stat("w"); len(inf.Sources) != 2 {
+			t.Fatalf("after a restart: %+v", inf.Sources)
+		}
+	})
+
+	t.Run("writes the daemon sees", func(t *testing.T) {
+		r := New(newDataAlloc(), nil)
+		s, _, err := r.Create(alice, CreateOptions{Name: "w", Size: 300})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.AddSource(alice, s, part(0, 0, 100, 1))
+		r.AddSource(alice, s, part(100, 200, 100, 2))
+		if _, err := r.WriteAt(s, []byte("x"), 50); err != nil {
+			t.Fatal(err)
+		}
+		if got := sources(r); len(got) != 1 || got[0].At != 200 {
+			t.Fatalf("after a write at 50: %+v, want the range at 200 alone", got)
+		}
+		r.ForgetSources(s, 250, 1)
+		if got := sources(r); len(got) != 0 {
+			t.Fatalf("after a fill over it: %+v", got)
+		}
+		r.AddSource(alice, s, part(0, 0, 200, 1))
+		if err := r.Resize(s, 100); err != nil {
+			t.Fatal(err)
+		}
+		if got := sources(r); len(got) != 0 {
+			t.Fatalf("after a truncate into it: %+v", got)
+		}
+	})
+
+	t.Run("who may write", func(t *testing.T) {
+		for _, tc := range []struct {
+			name    string
+			mode    uint32
+			do      func(r *Registry, s *Segment) error
+			foreign bool
+		}{
+			{"the owner opens read-write", 0o666, func(r *Registry, s *Segment) error { _, err := r.Acquire(alice, "w", false); return err }, false},
+			{"root opens read-write", 0o600, func(r *Registry, s *Segment) error { _, err := r.Acquire(root, "w", false); return err }, false},
+			{"another user opens read-only", 0o644, func(r *Registry, s *Segment) error { _, err := r.Acquire(bob, "w", true); return err }, false},
+			{"another user opens read-write", 0o666, func(r *Registry, s *Segment) error { _, err := r.Acquire(bob, "w", false); return err }, true},
+			{"another user writes through the view", 0o666, func(r *Registry, s *Segment) error { return r.Pin(bob, s, Write) }, true},
+			{"root gives it away", 0o644, func(r *Registry, s *Segment) error { return r.SetOwner(root, s, int64(bob.UID), -1) }, true},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				r, j, f, s := setup(t, tc.mode)
+				r.AddSource(alice, s, part(0, 0, 300, 1))
+				if err := tc.do(r, s); err != nil {
+					t.Fatal(err)
+				}
+				if got := len(sources(r)) == 0; got != tc.foreign {
+					t.Fatalf("sources gone = %v, want %v", got, tc.foreign)
+				}
+				// A foreign segment records nothing again, even after a
+				// restart; the owner's fill is recorded otherwise.
+				r.AddSource(alice, s, part(0, 0, 300, 1))
+				if got := len(sources(r)) == 0; got != tc.foreign {
+					t.Fatalf("after the owner's fill, sources gone = %v, want %v", got, tc.foreign)
+				}
+				if tc.foreign {
+					r2, _, _ := restart(t, f, j, time.Minute)
+					s2 := r2.byID[s.ID()]
+					r2.AddSource(root, s2, part(0, 0, 300, 1))
+					if inf, _ := r2.Stat("w"); len(inf.Sources) != 0 {
+						t.Fatalf("a foreign segment took a source after a restart: %+v", inf.Sources)
+					}
+				}
+			})
+		}
+	})
+
+	t.Run("fills of others are not recorded", func(t *testing.T) {
+		r, _, _, s := setup(t, 0o666)
+		r.AddSource(bob, s, part(0, 0, 300, 1))
+		if got := sources(r); len(got) != 0 {
+			t.Fatalf("another user's fill recorded: %+v", got)
+		}
+	})
+}
