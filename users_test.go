@@ -75,6 +75,17 @@ func opsChild(ctx context.Context, c *gpushm.Client) error {
 			}
 		case "unlink":
 			err = c.Unlink(ctx, name)
+		case "rename": // rename:FROM>TO
+			from, to, _ := strings.Cut(name, ">")
+			err = c.Rename(ctx, from, to)
+		case "chmod": // to 0666: only the owner or root may
+			err = c.Chmod(ctx, name, 0o666)
+		case "evict":
+			_, err = c.Evict(ctx, name)
+		case "load":
+			_, err = c.Load(ctx, name)
+		case "pin":
+			_, err = c.Pin(ctx, name, true)
 		case "chown": // give the segment to root: only root may
 			err = c.Chown(ctx, name, 0, 0)
 		case "uid": // who this process is, where it runs
@@ -151,6 +162,51 @@ func TestOtherUsers(t *testing.T) {
 	// What nobody created was owned by nobody.
 	if _, err := c.Stat(ctx, "nobodys"); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("nobody's segment should be gone after nobody unlinked it: %v", err)
+	}
+}
+
+// TestOtherUsersEveryOperation: each operation that changes a segment or
+// its name, played by another user against root's segments of every
+// mode (docs/security.md, "The threat model, operation by operation").
+func TestOtherUsersEveryOperation(t *testing.T) {
+	d := testdaemon.Start(t, "host")
+	ctx := context.Background()
+	c := dial(t, d.Socket)
+	for name, m := range map[string]uint32{"private": 0o600, "shared-ro": 0o644, "shared-rw": 0o666} {
+		if _, _, err := c.CreateOnly(ctx, name, 4096, &gpushm.CreateOptions{Mode: &m}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const nobody = 65534
+	tests := []struct{ op, want string }{
+		{"rename:private>mine", "EPERM"},      // taking root's name away
+		{"rename:shared-rw>mine", "EPERM"},    // even one it may write
+		{"create:nobodys", "OK"},              //
+		{"rename:nobodys>private", "EPERM"},   // nor replacing it with its own
+		{"rename:nobodys>shared-rw", "EPERM"}, //
+		{"chmod:private", "EPERM"},            //
+		{"chmod:shared-rw", "EPERM"},          // writing is not owning
+		{"evict:shared-ro", "EPERM"},          // moving what others read
+		{"pin:shared-ro", "EPERM"},            //
+		{"unlink:shared-rw", "EPERM"},         //
+		{"load:private", "EACCES"},            // load needs read access
+	}
+	var ops, want []string
+	for _, tc := range tests {
+		ops, want = append(ops, tc.op), append(want, tc.want)
+	}
+	got := asUser(t, d.Socket, nobody, nobody, ops...)
+	for i, tc := range tests {
+		if i >= len(got) || got[i] != want[i] {
+			t.Errorf("nobody %s = %v, want %s", tc.op, got, tc.want)
+			break
+		}
+	}
+	for name, m := range map[string]uint32{"private": 0o600, "shared-ro": 0o644, "shared-rw": 0o666} {
+		inf, err := c.Stat(ctx, name)
+		if err != nil || inf.UID != 0 || inf.Mode != m {
+			t.Errorf("root's %s after nobody's tries: %+v, %v; want root's, mode %#o", name, inf, err, m)
+		}
 	}
 }
 
