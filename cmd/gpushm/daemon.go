@@ -60,11 +60,12 @@ descriptor limit (raised to the hard limit at start). The daemon's own
 limits (--max-segments, --max-connections, --max-memory) are shared
 fairly, so that no group of users at their limits can lock out another
 user, or root: once half of one is in use, a user above its fair share
-(what lies below the top eighth, in equal parts among the users holding
-some) waits; the top eighth is kept for users holding little, each up to
-an eighth of it, and the top thirty-second for root. A request over a
-limit is refused with an error naming the limit and its numbers
-(docs/security.md).
+(what lies below the top quarter, in equal parts among the users holding
+some) waits; the top quarter is kept for users holding little, each
+taking from it only while it holds at most a 128th of it (or 16
+segments, 4 connections, where that leaves 8 users theirs), and the top
+thirty-second for root. A request over a limit is refused with an error
+naming the limit and its numbers (docs/security.md).
 
 --backend auto (the default) uses CUDA when libcuda.so.1 loads and a device
 with VMM and POSIX file descriptor handles is present, and host memory
@@ -111,7 +112,7 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&o.UserQuota, "user-quota", "auto", "cap the bytes each non-root user's segments may hold: a share of each device (30%), a size for all devices together (64G), 0 (no cap), or auto: 50% of each GPU, 25% of host memory")
 	f.StringVar(&o.UserSegments, "user-segments", "auto", "cap how many segments each non-root user may hold: a number, 0 (no cap), or auto: 4096 (or a quarter of --max-segments, if less)")
 	f.StringVar(&o.UserConnections, "user-connections", "auto", "cap how many connections each non-root user may hold open: a number, 0 (no cap), or auto: 1024 (or a quarter of --max-connections, if less)")
-	f.StringVar(&o.MaxSegments, "max-segments", "auto", "cap the segments the daemon holds, for all users and root (a channel counts as 2), shared fairly: past half, users above their fair share wait, the top eighth is for users holding few and the top thirty-second for root: a number, 0 (no cap), or auto: half the descriptor limit (ulimit -n), and under systemd no more than its file descriptor store keeps (FileDescriptorStoreMax= less 4)")
+	f.StringVar(&o.MaxSegments, "max-segments", "auto", "cap the segments the daemon holds, for all users and root (a channel counts as 2), shared fairly: past half, users above their fair share wait, the top quarter is for users holding few and the top thirty-second for root: a number, 0 (no cap), or auto: half the descriptor limit (ulimit -n), and under systemd no more than its file descriptor store keeps (FileDescriptorStoreMax= less 4)")
 	f.StringVar(&o.MaxConnections, "max-connections", "auto", "cap the connections the daemon serves, for all users and root, shared fairly as --max-segments is: a number, 0 (no cap), or auto: the descriptor limit less --max-segments and a sixteenth kept for the daemon")
 	f.StringVar(&o.CreatePool, "create-pool", "auto", "make allocations ahead of creates of sizes asked for before, so a create need not wait for the driver (docs/architecture.md): bytes a device (256M), 0 (none), or auto: 2% of each GPU, 1% of host memory")
 	f.StringVar(&o.GPUBudget, "gpu-budget", "auto", "bound the bytes of segments on each GPU; past it, creates and restores first evict the least recently opened segments nobody holds to host memory (docs/architecture.md, \"Tiers\"): a size (24GiB), a share of each GPU (80%), 0 (no budget), or auto: each GPU's memory less a sixteenth, at least 2 GiB, for the CUDA contexts and own memory of the processes using it (no budget on the host backend)")

@@ -1,26 +1,34 @@
 // Package fairshare decides who may take more of a resource the daemon
-// holds for its users (connections, segments, bytes of a device) once it
-// nears its cap, so that no group of users can lock out another.
+// holds for its users (connections, segments, bytes of a device, pollers)
+// once it nears its cap, so that no group of users can lock out another.
 //
 // A resource of cap C is cut into four zones, by what would be in use after
 // a request:
 //
 //	up to C/2           anyone within its per-user limit
-//	up to C - C/8       a user other than root only up to its fair share,
-//	                    (C - C/8) / the users holding some (itself included)
+//	up to C - C/4       a user other than root only up to its fair share,
+//	                    (C - C/4) / the users holding some (itself included)
 //	up to C - C/32      a user other than root only while it holds at most
-//	                    Small, (C/8 - C/32) / 8: room kept for users
-//	                    holding little (a new user, say)
+//	                    Small: room kept for users holding little (a new
+//	                    user, say)
 //	up to C             root only
 //
+// Small cuts the users' part of the reserve, R = C/4 - C/32, among 128
+// users (R/128), or is the resource's Floor (16 segments, 4 connections:
+// what a user needs to do anything) where that is more, as long as the
+// Floor leaves 8 users Small each (R/8); it is at least 1.
+//
 // What follows, however many users are at their limits: users other than
-// root never take the last C/32, so root is served; they take the C/8
-// below the cap only in pieces of at most Small each, so at least 8 users
-// holding nothing can each get Small; and once half the cap is in use,
-// users above their fair share are refused before users below it, who
-// keep growing to theirs. The caller checks the cap itself (for root too)
-// and its per-user limits; the per-user limit bounds what one user takes
-// while the daemon is below half its cap.
+// root never take the last C/32, so root is served. A user takes from the
+// reserve only while it would hold at most Small, so at most Small of it
+// in all, and the first R/Small users to reach the reserve (8 at least,
+// where R is; 128 where R/128 is at least the Floor) each get up to Small
+// however many users hold the rest: 64 users at their limits leave a
+// 65th Small wherever R is at least 65 Floors. And once half the cap is
+// in use, users above their fair share are refused before users below
+// it, who keep growing to theirs. The caller checks the cap itself (for
+// root too) and its per-user limits; the per-user limit bounds what one
+// user takes while the daemon is below half its cap.
 package fairshare
 
 import "fmt"
@@ -28,6 +36,9 @@ import "fmt"
 // Shares is the policy for a resource of cap Cap (0: no cap, no policy).
 type Shares struct {
 	Cap int64
+	// Floor is the least Small may be, where the reserve allows (see
+	// Small): what a user needs of this resource to do anything; 0: none.
+	Floor int64
 }
 
 // Open is what may be in use before fair shares apply.
@@ -35,17 +46,30 @@ func (s Shares) Open() int64 { return s.Cap / 2 }
 
 // Reserve is the part of the cap above which users other than root take
 // only while holding at most Small; RootReserve, its top part, is root's.
-func (s Shares) Reserve() int64 { return s.Cap / 8 }
+func (s Shares) Reserve() int64 { return s.Cap / 4 }
 
 // RootReserve is the top part of the cap that only root takes.
 func (s Shares) RootReserve() int64 { return s.Cap / 32 }
 
-// Small is the most a user may hold and still take from the reserve.
-func (s Shares) Small() int64 { return max(1, (s.Reserve()-s.RootReserve())/smallUsers) }
+// Small is the most a user may hold and still take from the reserve: the
+// users' part of it among smallUsers users, or the Floor where that is
+// more while it leaves fewUsers users Small each, and at least 1. So it
+// never exceeds the users' part of the reserve where there is one, and a
+// Floor never leaves it to fewer than fewUsers users: under a small cap
+// they get less than the Floor.
+func (s Shares) Small() int64 {
+	users := s.Reserve() - s.RootReserve()
+	return max(1, users/smallUsers, min(s.Floor, users/fewUsers))
+}
 
-// smallUsers is how many users holding nothing the reserve serves at
-// least, each up to Small, however many others are at their limits.
-const smallUsers = 8
+const (
+	// smallUsers is how many users holding nothing the reserve serves,
+	// each up to Small, however many others are at their limits, where
+	// its share among them is at least the Floor.
+	smallUsers = 128
+	// fewUsers is how many it serves at least, the Floor notwithstanding.
+	fewUsers = 8
+)
 
 // Fair is one user's fair share among users holding some (itself
 // included): what lies below the reserve, in equal parts.

@@ -31,9 +31,15 @@ type Limits struct {
 
 // Segments and DeviceBytes are shared fairly (internal/fairshare): once
 // half is in use, a uid other than root above its fair share is refused
-// before the others; the top eighth is kept for uids holding little, and
+// before the others; the top quarter is kept for uids holding little, and
 // the top thirty-second for root. So no group of users at their limits
 // can lock out another user, or root.
+
+// SmallSegments is the fair shares' floor for segments (fairshare.Shares):
+// the least the reserve of Segments gives a uid holding little, where it
+// is large enough. A program needs a few segments to do anything (a
+// model's tensors, a channel, which counts as 2); 16 lets it start.
+const SmallSegments = 16
 
 // ErrQuota is a quota refusal.
 var ErrQuota = &Error{"quota exceeded", syscall.ENOSPC}
@@ -161,7 +167,7 @@ func (r *Registry) checkLimitsLocked(c Cred, device int, bytes int64, descs int,
 		holders := func() int {
 			return r.holdersLocked(c.UID, func(_ *Segment, _ int64, descs int) bool { return descs > 0 })
 		}
-		if no := (fairshare.Shares{Cap: int64(l.Segments)}).Check(int64(t.descs), int64(t.userDesc), int64(descs), holders); no != nil {
+		if no := (fairshare.Shares{Cap: int64(l.Segments), Floor: SmallSegments}).Check(int64(t.descs), int64(t.userDesc), int64(descs), holders); no != nil {
 			return fmt.Errorf("%w: %s", ErrQuota, no.Describe("segments (a channel counts as 2)", "free", c.UID))
 		}
 	}

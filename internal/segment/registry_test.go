@@ -364,7 +364,7 @@ func TestQuotas(t *testing.T) {
 	}
 	r.Release(s)
 	// Freed, but with root's 40 KiB the 8 KiB would reach into the top
-	// eighth of the device limit, kept for users holding little (768
+	// quarter of the device limit, kept for users holding little (112
 	// bytes each) and root (internal/fairshare).
 	_, _, err = r.Create(bob, CreateOptions{Name: "b1", Size: 8 << 10})
 	if !errors.Is(err, ErrQuota) || !strings.Contains(err.Error(), "fair share of bytes on device 0: uid 1001 holds 0 and asked for 8192 more, while the daemon holds 53248 of its limit of 65536") {

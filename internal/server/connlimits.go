@@ -29,9 +29,15 @@ import (
 // with the refusal, naming the limit and its numbers, and then it is
 // closed. Total is shared fairly (internal/fairshare): once half of it is
 // open, a uid above its fair share is refused before the others, the top
-// eighth is kept for uids holding few connections and the top
-// thirty-second for root, so that no group of users at their limits locks
-// out another user, or root.
+// quarter is kept for uids holding few connections (SmallConnections at
+// least, where Total allows) and the top thirty-second for root, so that
+// no group of users at their limits locks out another user, or root.
+
+// SmallConnections is the fair shares' floor for connections
+// (fairshare.Shares): the least the reserve of Total gives a uid holding
+// few, where it is large enough: a program's connection and a few
+// commands run beside it (gpushm ls, a put) at once.
+const SmallConnections = 4
 
 // ConnLimits bound the connections the server serves; a zero limit is no
 // limit.
@@ -61,7 +67,7 @@ func (s *Server) admitLocked(c *conn) error {
 			return fmt.Errorf("connections per user: uid %d has %d open, limit %d; close some and try again: %w", uid, s.userConns[uid], l.PerUser, syscall.EAGAIN)
 		}
 		if uid != 0 {
-			shares := fairshare.Shares{Cap: int64(l.Total)}
+			shares := fairshare.Shares{Cap: int64(l.Total), Floor: SmallConnections}
 			if no := shares.Check(int64(s.nconns), int64(s.userConns[uid]), 1, func() int { return s.connUsersLocked(uid) }); no != nil {
 				return fmt.Errorf("%s: %w", no.Describe("connections", "close", uid), syscall.EAGAIN)
 			}

@@ -136,7 +136,8 @@ func defaultSpinners() int32 { return int32(max(1, runtime.GOMAXPROCS(0)/2)) }
 // if there is room: maxSpinners in all. For a user other than root the
 // slots are shared: the last free one goes only to a user polling for
 // none of its connections, and past half of them a user takes no more
-// than its fair share among the users polling (internal/fairshare), so
+// than its fair share among the users polling, and none of the top
+// quarter while it polls for one (internal/fairshare, Small is 1), so
 // that a user asking back to back on many connections, or several
 // together, always leave another user's worker room to poll. Root, the
 // operator's or a single-user node's, takes any.
