@@ -258,9 +258,12 @@ type Segment struct {
 	commitOrigin string
 	// Versions (versions.go): version counts the segments the name has
 	// named (0 in records of older daemons: 1); next marks a next version
-	// not yet made current, which holds no name.
-	version uint64
-	next    bool
+	// not yet made current, which holds no name, and replaces is the ID of
+	// the segment the name named when it was made (0: none), the only one
+	// its commit may replace.
+	version  uint64
+	next     bool
+	replaces uint64
 	// Tiers (tier.go): where the bytes live, when it was last opened,
 	// whether it is pinned to its device, whether its memory came from a
 	// client; moving is closed when a move between tiers ends, nil while
@@ -391,12 +394,16 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		r.mu.Unlock()
 		return nil, false, err
 	}
+	var replaces uint64
 	if o.NextVersion {
 		var again *Segment
 		again, owner, mode, err = r.nextVersionLocked(c, o, existing, mode)
 		if err != nil || again != nil {
 			r.mu.Unlock()
 			return again, again != nil, err
+		}
+		if existing != nil {
+			replaces = existing.id
 		}
 		existing = nil // stays current until the commit
 	}
@@ -411,6 +418,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		return nil, false, err
 	}
 	s = r.addCreatingLocked(owner, o, mode)
+	s.replaces = replaces
 	err = nil // find's ErrNotFound
 	if need > 0 {
 		// Counted from here on (deviceUseLocked): room is made for it now,
