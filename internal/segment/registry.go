@@ -682,18 +682,28 @@ func (r *Registry) find(name string) (*Segment, error) {
 	}
 }
 
-func allowed(c Cred, s *Segment, want uint32) bool {
+func allowed(c Cred, s *Segment, want uint32) bool { return permits(c, s.uid, s.gid, s.mode, want) }
+
+// Allows reports whether c may have want access (Read, Write, or both) to
+// the segment inf describes, as an open checks it.
+func (inf *Info) Allows(c Cred, want uint32) bool {
+	return permits(c, inf.UID, inf.GID, inf.Mode, want)
+}
+
+// permits is the check of a file's mode: the owner's bits for its owner,
+// the group's for its group, the others' for everyone else; root may do
+// anything.
+func permits(c Cred, uid, gid, mode, want uint32) bool {
 	if c.UID == 0 {
 		return true
 	}
-	bits := s.mode
 	switch {
-	case c.UID == s.uid:
-		bits >>= 6
-	case c.GID == s.gid:
-		bits >>= 3
+	case c.UID == uid:
+		mode >>= 6
+	case c.GID == gid:
+		mode >>= 3
 	}
-	return bits&want == want
+	return mode&want == want
 }
 
 func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
