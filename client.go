@@ -1035,7 +1035,11 @@ type CreateOptions struct {
 	// it with Segment.Refresh. Until the commit the name keeps meaning
 	// the current version; a writer that goes without committing leaves
 	// it so. It needs the right to remove the current version (its owner,
-	// or root). See docs/protocol.md, "Versions".
+	// or root), at the create and again at the commit, which replaces only
+	// what the name named at the create: a name that names another
+	// segment by then fails the commit with EEXIST, one that names nothing
+	// any more with ENOENT, and the version stays uncommitted. See
+	// docs/protocol.md, "Versions".
 	NextVersion bool
 	// Trace, when set, asks the daemon to time the create's steps, and
 	// receives them.

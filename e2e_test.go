@@ -47,6 +47,9 @@ func pattern(seed uint64, n int64) []byte {
 }
 
 func childMain(mode string) error {
+	if mode == "raw" {
+		return rawChild()
+	}
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, os.Getenv("GPUSHM_SOCKET"))
 	if err != nil {

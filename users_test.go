@@ -1,10 +1,12 @@
 package gpushm_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"strings"
@@ -43,6 +45,95 @@ func asUserFiles(t *testing.T, socket string, uid, gid uint32, files []*os.File,
 		t.Fatalf("client as %d:%d: %v", uid, gid, err)
 	}
 	return strings.Fields(out.String())
+}
+
+// rawUser is a client process running as another user that speaks the
+// protocol by hand, one request at a time, on one connection it keeps:
+// an attacker that need not follow the client library.
+type rawUser struct {
+	uid uint32
+	in  io.WriteCloser
+	out *bufio.Reader
+	id  uint64
+}
+
+// startRawUser starts a rawUser as uid:gid on socket; it has said hello
+// when this returns, and ends with the test.
+func startRawUser(t *testing.T, socket string, uid, gid uint32) *rawUser {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("running clients as other users needs root")
+	}
+	cmd := exec.Command(testutil.BinaryForOthers(t), "-test.run=^$")
+	cmd.Env = append(os.Environ(), "GPUSHM_TEST_CHILD=raw", "GPUSHM_SOCKET="+socket)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: gid}}
+	cmd.Stderr = os.Stderr
+	in, _ := cmd.StdinPipe()
+	out, _ := cmd.StdoutPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { in.Close(); cmd.Process.Kill(); cmd.Wait() })
+	u := &rawUser{uid: uid, in: in, out: bufio.NewReader(out)}
+	if rep := u.do(t, `{"op":"hello","version":1}`); rep.Error != nil {
+		t.Fatalf("uid %d: hello = %v", uid, rep.Error)
+	}
+	return u
+}
+
+// do sends req (a JSON object without its id) under the next id and
+// returns the reply.
+func (u *rawUser) do(t *testing.T, req string) *wire.Reply {
+	t.Helper()
+	u.id++
+	fmt.Fprintf(u.in, "{\"id\":%d,%s\n", u.id, strings.TrimPrefix(req, "{"))
+	line, err := u.out.ReadString('\n')
+	if err != nil {
+		t.Fatalf("uid %d: %s: %v", u.uid, req, err)
+	}
+	rep, err := wire.DecodeReply([]byte(line))
+	if err != nil {
+		t.Fatalf("uid %d: %s: reply %q: %v", u.uid, req, line, err)
+	}
+	return rep
+}
+
+// rawChild is the other-user side of startRawUser: each line of its
+// input is a request, sent as it is; the reply with its id is written
+// out as one line (a channel's control block packet passed over, every
+// descriptor closed, leases kept: they are the connection's).
+func rawChild() error {
+	c, err := wire.Dial(os.Getenv("GPUSHM_SOCKET"))
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	sc := bufio.NewScanner(os.Stdin)
+	sc.Buffer(nil, wire.MaxMessage)
+	for sc.Scan() {
+		id, _ := wire.RequestID(sc.Bytes())
+		if err := c.Send(sc.Bytes(), -1); err != nil {
+			return err
+		}
+		for {
+			b, fd, err := c.Recv()
+			if err != nil {
+				return err
+			}
+			if fd >= 0 {
+				syscall.Close(fd)
+			}
+			rep, err := wire.DecodeReply(b)
+			if err != nil {
+				return err
+			}
+			if (rep.ID == id || rep.ID == 0 && rep.Error != nil) && !rep.ControlFD {
+				fmt.Printf("%s\n", b)
+				break
+			}
+		}
+	}
+	return sc.Err()
 }
 
 // opsChild is the other-user side of asUser.

@@ -328,6 +328,49 @@ func TestFUSECoreutils(t *testing.T) {
 	}
 }
 
+// TestFUSEXattrsOfOthers: another user reads the extended attributes of
+// a file of the view only where the file's mode lets it read the file, as
+// for the user.* attributes of a file on disk; stat still shows it what
+// ls -l shows (docs/security.md, "What others may see").
+func TestFUSEXattrsOfOthers(t *testing.T) {
+	d := startFUSEDaemon(t)
+	if _, err := exec.LookPath("getfattr"); err != nil {
+		t.Fatal("getfattr is missing: install the attr package (scripts/test does)")
+	}
+	ctx := context.Background()
+	c, err := gpushm.Dial(ctx, d.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	meta := `{"origin":{"dir":"/root/models/m"}}`
+	for name, mode := range map[string]uint32{"secret": 0o600, "shared": 0o644} {
+		if _, _, err := c.CreateOnly(ctx, name, 4096, &gpushm.CreateOptions{Mode: &mode, Meta: []byte(meta)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	nobody := func(name string, args ...string) *exec.Cmd {
+		cmd := exec.Command(name, args...)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+		return cmd
+	}
+	secret, shared := d.path("secret"), d.path("shared")
+	if out, err := nobody("stat", "-c", "%s %a %u", secret).CombinedOutput(); err != nil || string(out) != "4096 600 0\n" {
+		t.Fatalf("nobody's stat of a 0600 file: %q, %v", out, err)
+	}
+	shFails(t, nobody("getfattr", "-n", "user.gpushm.meta", "--only-values", secret), "Permission denied")
+	shFails(t, nobody("getfattr", "-d", "-m", "-", secret), "Permission denied")
+	if out, err := nobody("getfattr", "-n", "user.gpushm.meta", "--only-values", shared).Output(); err != nil || string(out) != meta {
+		t.Fatalf("nobody's getfattr of a 0644 file's meta: %q, %v", out, err)
+	}
+	if out, err := nobody("getfattr", "-d", "-m", "-", shared).Output(); err != nil || !strings.Contains(string(out), "user.gpushm.meta=") {
+		t.Fatalf("nobody's getfattr -d of a 0644 file:\n%s%v", out, err)
+	}
+	if out := sh(t, "getfattr", "-n", "user.gpushm.meta", "--only-values", secret); out != meta {
+		t.Fatalf("root's getfattr of its 0600 file's meta = %q", out)
+	}
+}
+
 // TestFUSEStaleMount kills a daemon (both processes) with SIGKILL, which
 // leaves its mount dead (ENOTCONN); the next daemon cleans it and mounts
 // again.

@@ -3,11 +3,13 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"unsafe"
 
@@ -122,6 +124,22 @@ func TestSurviveReleaseAndVersions(t *testing.T) {
 	}
 	if inf.Usage.Segments != 1 {
 		t.Fatalf("%d segments hold memory, want 1 (version 2)", inf.Usage.Segments)
+	}
+
+	// What a next version was made to replace outlives a kill too: one
+	// made while its name named nothing is refused over a segment made
+	// before the kill, as it would have been without one.
+	fresh, err := w.Create(ctx, "fresh", size, &gpushm.CreateOptions{NextVersion: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fresh.Close()
+	if _, _, err := r.CreateOnly(ctx, "fresh", size, nil); err != nil {
+		t.Fatal(err)
+	}
+	d.crash(t)
+	if err := fresh.Commit(ctx); !errors.Is(err, syscall.EEXIST) {
+		t.Fatalf("commit over a segment made after the next version, across a kill = %v, want EEXIST", err)
 	}
 }
 

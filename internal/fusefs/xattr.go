@@ -44,9 +44,28 @@ func xattrs(inf segment.Info) [][2]string {
 	return out
 }
 
+// readable is the segment's attributes for a caller who may read it:
+// anyone else gets EACCES, as for the user.* attributes of a file one
+// cannot read, so that the owner's meta (a bundle's origin paths, a
+// model's layout) is not shown to those the mode keeps out
+// (docs/security.md, "What others may see"). Listing is refused too,
+// which a disk file system allows: the list would tell whether there is
+// a meta.
+func (n *fileNode) readable(ctx context.Context) ([][2]string, syscall.Errno) {
+	inf := n.fs.reg.Info(n.seg)
+	if !inf.Allows(cred(ctx), segment.Read) {
+		return nil, syscall.EACCES
+	}
+	return xattrs(inf), 0
+}
+
 // Getxattr implements fs.NodeGetxattrer.
 func (n *fileNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
-	for _, kv := range xattrs(n.fs.reg.Info(n.seg)) {
+	attrs, errno := n.readable(ctx)
+	if errno != 0 {
+		return 0, errno
+	}
+	for _, kv := range attrs {
 		if kv[0] != attr {
 			continue
 		}
@@ -60,8 +79,12 @@ func (n *fileNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint
 
 // Listxattr implements fs.NodeListxattrer.
 func (n *fileNode) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
+	attrs, errno := n.readable(ctx)
+	if errno != 0 {
+		return 0, errno
+	}
 	var b []byte
-	for _, kv := range xattrs(n.fs.reg.Info(n.seg)) {
+	for _, kv := range attrs {
 		b = append(append(b, kv[0]...), 0)
 	}
 	if len(dest) < len(b) {

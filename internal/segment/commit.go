@@ -44,16 +44,17 @@ func (r *Registry) ByID(id uint64) (*Segment, error) {
 }
 
 // Commit makes the uncommitted segment s openable by its name. Whether the
-// caller is s's creator is the caller's business. origin names the
-// committing request (as CreateOptions.Origin does): a commit retried with
-// the same origin succeeds again, any other commit of a committed segment
-// is an error. A segment whose name was removed meanwhile stays
-// uncommitted: ErrExist when the name now names another segment, else
-// ErrNotFound. meta, when not empty, replaces s's meta in the same
-// journaled step (what the creator learned while filling it: put's
-// checksums); it must be valid JSON (ErrBadMeta), and its size is the
-// caller's to bound, as for a create's.
-func (r *Registry) Commit(s *Segment, origin string, meta json.RawMessage) error {
+// caller is s's creator is the caller's business; c is the committer, who
+// must be allowed to remove what a next version replaces (versions.go).
+// origin names the committing request (as CreateOptions.Origin does): a
+// commit retried with the same origin succeeds again, any other commit of
+// a committed segment is an error. A segment whose name was removed
+// meanwhile stays uncommitted: ErrExist when the name now names another
+// segment, else ErrNotFound. meta, when not empty, replaces s's meta in
+// the same journaled step (what the creator learned while filling it:
+// put's checksums); it must be valid JSON (ErrBadMeta), and its size is
+// the caller's to bound, as for a create's.
+func (r *Registry) Commit(c Cred, s *Segment, origin string, meta json.RawMessage) error {
 	if len(meta) > 0 && !json.Valid(meta) {
 		return fmt.Errorf("%w: not valid JSON", ErrBadMeta)
 	}
@@ -78,7 +79,7 @@ func (r *Registry) Commit(s *Segment, origin string, meta json.RawMessage) error
 	case s.orphan != "":
 		return fmt.Errorf("%w: %q: %s", ErrOrphan, s.name, s.orphan)
 	case s.next:
-		return r.makeCurrentLocked(s, origin, meta)
+		return r.makeCurrentLocked(c, s, origin, meta)
 	case !s.linked && r.byName[s.name] != nil:
 		return fmt.Errorf("%w: %q names another segment now (this one was removed before it was committed)", ErrExist, s.name)
 	case !s.linked:

@@ -44,7 +44,7 @@ func TestCommit(t *testing.T) {
 	if got != nil || changed == nil || err != nil || !w.Seen() {
 		t.Fatalf("TryAcquire = %v, %v, %v; want a wait", got, changed, err)
 	}
-	if err := r.Commit(s, "w/7", nil); err != nil {
+	if err := r.Commit(alice, s, "w/7", nil); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -58,10 +58,10 @@ func TestCommit(t *testing.T) {
 	if rec := j.recs[s.ID()]; rec.Uncommitted || rec.CommitOrigin != "w/7" {
 		t.Fatalf("journaled %+v after commit", rec)
 	}
-	if err := r.Commit(s, "w/7", nil); err != nil {
+	if err := r.Commit(alice, s, "w/7", nil); err != nil {
 		t.Fatalf("retried Commit = %v", err)
 	}
-	if err := r.Commit(s, "w/8", nil); !errors.Is(err, syscall.EINVAL) {
+	if err := r.Commit(alice, s, "w/8", nil); !errors.Is(err, syscall.EINVAL) {
 		t.Fatalf("second Commit = %v, want EINVAL", err)
 	}
 	if m := r.Bound(); len(m) != 0 {
@@ -100,14 +100,14 @@ func TestWatchEnds(t *testing.T) {
 		t.Fatalf("TryAcquire after the writer went = %v, want ErrNotFound", err)
 	}
 	// Commit after the name went, or was taken.
-	if err := r.Commit(s, "", nil); !errors.Is(err, ErrNotFound) {
+	if err := r.Commit(alice, s, "", nil); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("Commit of a removed segment = %v", err)
 	}
 	r.Release(s)
 	s2, _, _ := r.Create(alice, CreateOptions{Name: "y", Size: 10, Open: true, Uncommitted: true})
 	r.Unlink(alice, "y")
 	r.Create(alice, CreateOptions{Name: "y", Size: 10})
-	if err := r.Commit(s2, "", nil); !errors.Is(err, ErrExist) {
+	if err := r.Commit(alice, s2, "", nil); !errors.Is(err, ErrExist) {
 		t.Fatalf("Commit over a taken name = %v, want ErrExist", err)
 	}
 }
@@ -119,11 +119,11 @@ func TestRestoreUncommitted(t *testing.T) {
 	r.SetJournal(j)
 	r.Create(alice, CreateOptions{Name: "half", Size: 10, Open: true, Uncommitted: true, Session: "w"})
 	done, _, _ := r.Create(alice, CreateOptions{Name: "whole", Size: 10, Open: true, Uncommitted: true, Session: "w"})
-	if err := r.Commit(done, "w/2", json.RawMessage(`{"origin":`)); !errors.Is(err, ErrBadMeta) || !r.Info(done).Uncommitted {
+	if err := r.Commit(alice, done, "w/2", json.RawMessage(`{"origin":`)); !errors.Is(err, ErrBadMeta) || !r.Info(done).Uncommitted {
 		t.Fatalf("Commit with meta that is not JSON = %v, uncommitted %v; want ErrBadMeta, still uncommitted", err, r.Info(done).Uncommitted)
 	}
 	// The meta a commit carries is journaled with it.
-	if err := r.Commit(done, "w/2", json.RawMessage(`{"origin":{"dir":"/m"}}`)); err != nil {
+	if err := r.Commit(alice, done, "w/2", json.RawMessage(`{"origin":{"dir":"/m"}}`)); err != nil {
 		t.Fatal(err)
 	}
 	r2, _, _ := restart(t, f, j, time.Hour)
@@ -141,7 +141,7 @@ func TestRestoreUncommitted(t *testing.T) {
 		t.Fatalf("Bound() after restore = %v, want the uncommitted one", bound)
 	}
 	seg, _, _ := r2.Lookup("whole")
-	if err := r2.Commit(seg, "w/2", nil); err != nil {
+	if err := r2.Commit(alice, seg, "w/2", nil); err != nil {
 		t.Fatalf("a commit retried after the restart = %v", err)
 	}
 }

@@ -54,9 +54,14 @@ type Record struct {
 	Uncommitted  bool   `json:"uncommitted,omitempty"`
 	CommitOrigin string `json:"commit_origin,omitempty"`
 	// Version counts the segments the name has named (absent: 1); Next
-	// marks a next version its writer had not made current (versions.go).
-	Version uint64 `json:"version,omitempty"`
-	Next    bool   `json:"next,omitempty"`
+	// marks a next version its writer had not made current (versions.go),
+	// and Replaces, with it, is the ID of the segment it was made to
+	// replace (0: the name named nothing). A next version recorded without
+	// Replaces (by an older daemon) is bound at its restore to what its
+	// name names then.
+	Version  uint64  `json:"version,omitempty"`
+	Next     bool    `json:"next,omitempty"`
+	Replaces *uint64 `json:"replaces,omitempty"`
 	// Tier is "host" for a segment evicted to host memory: its descriptor
 	// is then a memfd, whatever the backend (tier.go). Pin keeps it on its
 	// device; Published says its memory came from a client. LastOpen
@@ -185,6 +190,10 @@ func (s *Segment) recordLocked() Record {
 	}
 	if s.tier == OnHost {
 		rec.Tier = OnHost.String()
+	}
+	if s.next {
+		replaces := s.replaces
+		rec.Replaces = &replaces
 	}
 	if s.bound || s.uncommitted {
 		rec.CreatorPID, rec.CreatorStart = s.creator.PID, s.creator.Start
@@ -323,6 +332,7 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 	defer r.mu.Unlock()
 	r.nextID = max(r.nextID, nextID)
 	r.graceUntil = time.Now().Add(grace)
+	var unbound []*Segment // next versions an older daemon recorded
 	for _, it := range items {
 		rec := it.Record
 		r.nextID = max(r.nextID, rec.ID)
@@ -372,6 +382,9 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 		if rec.OnHost() {
 			s.tier = OnHost
 		}
+		if rec.Replaces != nil {
+			s.replaces = *rec.Replaces
+		}
 		r.restoreLeases(s, &rec)
 		if rec.LastOpen == 0 {
 			s.lastOpen = s.created
@@ -402,6 +415,9 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 		if s.mem != nil {
 			r.byID[s.id] = s
 		}
+		if s.next && rec.Replaces == nil {
+			unbound = append(unbound, s)
+		}
 		if problem != "" || rec.Size != s.size {
 			r.noteLocked(s, -1)
 		}
@@ -409,7 +425,24 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			unheld = append(unheld, freed{s, mem})
 		}
 	}
+	r.bindRestoredLocked(unbound)
 	return orphans
+}
+
+// bindRestoredLocked binds the next versions an older daemon recorded,
+// which say nothing of what they replace, to what their names name now
+// (all that can be known), and journals them so: a commit replaces that,
+// or nothing, whatever comes later (versions.go). mu is held.
+func (r *Registry) bindRestoredLocked(unbound []*Segment) {
+	for _, s := range unbound {
+		if s.gone {
+			continue
+		}
+		if cur := r.byName[s.name]; cur != nil {
+			s.replaces = cur.id
+		}
+		r.noteLocked(s, -1)
+	}
 }
 
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()

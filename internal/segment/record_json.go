@@ -84,6 +84,9 @@ func (rec *Record) AppendJSON(b []byte) []byte {
 	if rec.Next {
 		b = appendBoolMember(b, "next", true)
 	}
+	if rec.Replaces != nil {
+		b = appendUintMember(b, "replaces", *rec.Replaces)
+	}
 	if rec.Tier != "" {
 		b = appendStringMember(b, "tier", rec.Tier)
 	}

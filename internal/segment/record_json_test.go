@@ -33,6 +33,10 @@ func randomRecord(r *rand.Rand, strs []string) Record {
 		Pin: flag(), Published: flag(), LastOpen: num(), Leases: flag(), Anon: int(num() % 100),
 	}
 	if flag() {
+		replaces := uint64(num() & (1<<40 - 1))
+		rec.Replaces = &replaces
+	}
+	if flag() {
 		rec.Meta = json.RawMessage(`{ "model": "llama", "shards" : [1, 2, 3], "x": {"y": null} }`)
 	}
 	for range r.IntN(4) {

@@ -260,9 +260,12 @@ type Segment struct {
 	commitOrigin string
 	// Versions (versions.go): version counts the segments the name has
 	// named (0 in records of older daemons: 1); next marks a next version
-	// not yet made current, which holds no name.
-	version uint64
-	next    bool
+	// not yet made current, which holds no name, and replaces is the ID of
+	// the segment the name named when it was made (0: none), the only one
+	// its commit may replace.
+	version  uint64
+	next     bool
+	replaces uint64
 	// Tiers (tier.go): where the bytes live, when it was last opened,
 	// whether it is pinned to its device, whether its memory came from a
 	// client; moving is closed when a move between tiers ends, nil while
@@ -397,12 +400,16 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		r.mu.Unlock()
 		return nil, false, err
 	}
+	var replaces uint64
 	if o.NextVersion {
 		var again *Segment
 		again, owner, mode, err = r.nextVersionLocked(c, o, existing, mode)
 		if err != nil || again != nil {
 			r.mu.Unlock()
 			return again, again != nil, err
+		}
+		if existing != nil {
+			replaces = existing.id
 		}
 		existing = nil // stays current until the commit
 	}
@@ -417,6 +424,7 @@ func (r *Registry) Create(c Cred, o CreateOptions) (s *Segment, created bool, er
 		return nil, false, err
 	}
 	s = r.addCreatingLocked(owner, o, mode)
+	s.replaces = replaces
 	err = nil // find's ErrNotFound
 	if need > 0 {
 		// Counted from here on (deviceUseLocked): room is made for it now,
@@ -680,18 +688,28 @@ func (r *Registry) find(name string) (*Segment, error) {
 	}
 }
 
-func allowed(c Cred, s *Segment, want uint32) bool {
+func allowed(c Cred, s *Segment, want uint32) bool { return permits(c, s.uid, s.gid, s.mode, want) }
+
+// Allows reports whether c may have want access (Read, Write, or both) to
+// the segment inf describes, as an open checks it.
+func (inf *Info) Allows(c Cred, want uint32) bool {
+	return permits(c, inf.UID, inf.GID, inf.Mode, want)
+}
+
+// permits is the check of a file's mode: the owner's bits for its owner,
+// the group's for its group, the others' for everyone else; root may do
+// anything.
+func permits(c Cred, uid, gid, mode, want uint32) bool {
 	if c.UID == 0 {
 		return true
 	}
-	bits := s.mode
 	switch {
-	case c.UID == s.uid:
-		bits >>= 6
-	case c.GID == s.gid:
-		bits >>= 3
+	case c.UID == uid:
+		mode >>= 6
+	case c.GID == gid:
+		mode >>= 3
 	}
-	return bits&want == want
+	return mode&want == want
 }
 
 func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {

@@ -17,6 +17,16 @@ import (
 // current version in place, and its own goes as any uncommitted segment
 // does. Readers learn of the change from the epoch page, which every
 // change of what a name names moves, or by waiting for it (WaitVersion).
+//
+// A next version is bound to the segment its name named when it was made
+// (replaces; none, for a name that named nothing): its commit replaces
+// that segment and no other, and only for a committer who may remove it
+// then. Without the binding a next version made of a name nobody had, or
+// of the writer's own name that it then unlinked or renamed away, would
+// take over whatever the name names at the commit, root's included; and a
+// segment given away since (chown) would still be replaced by its former
+// owner. Two writers of one version race as rename(2) with a check does:
+// the first commit wins, the second is refused.
 
 // VersionInfo is an earlier version of a name that someone still holds.
 type VersionInfo struct {
@@ -65,17 +75,26 @@ func (r *Registry) nextByOriginLocked(origin string) *Segment {
 	return nil
 }
 
-// makeCurrentLocked is Commit of a next version: s takes its name from the
-// segment that has it, if any, in one journaled step. mu is held; Commit
-// frees the replaced version's memory after letting go of it.
-func (r *Registry) makeCurrentLocked(s *Segment, origin string, meta json.RawMessage) error {
+// makeCurrentLocked is Commit of a next version by c: s takes its name
+// from the segment that has it, if any, in one journaled step. mu is held;
+// Commit frees the replaced version's memory after letting go of it.
+func (r *Registry) makeCurrentLocked(c Cred, s *Segment, origin string, meta json.RawMessage) error {
 	cur := r.byName[s.name]
 	if cur != nil && cur.creating {
 		// A plain create of the name is in progress: it got there first.
 		return fmt.Errorf("%w: %q is being created", ErrExist, s.name)
 	}
+	if err := stillReplaces(s, cur); err != nil {
+		return err
+	}
 	if cur != nil && (cur.uncommitted || cur.slots > 0 || cur.orphan != "") {
 		return fmt.Errorf("%w: %q is no longer a segment a version can replace: %w", ErrBadOption, s.name, mayReplace(Cred{}, cur))
+	}
+	if cur != nil {
+		// Checked at the create too; the owner may have changed since.
+		if err := mayRemove(c, cur); err != nil {
+			return fmt.Errorf("%w (its next version replaces it, so the committer must be allowed to remove it; this version stays uncommitted: close it)", err)
+		}
 	}
 	s.version = 1
 	r.beginBatchLocked()
@@ -99,6 +118,25 @@ func (r *Registry) makeCurrentLocked(s *Segment, origin string, meta json.RawMes
 	// and wakes WaitVersion.
 	r.changed()
 	return nil
+}
+
+// stillReplaces checks that the name of the next version s names what s
+// was made to replace (cur, nil for nothing): a version made against one
+// segment never replaces another, nor names a name whose segment went.
+func stillReplaces(s *Segment, cur *Segment) error {
+	const redo = "this version stays uncommitted: close it, and make a next version of the name as it is now"
+	switch {
+	case cur == nil && s.replaces == 0, cur != nil && cur.id == s.replaces:
+		return nil
+	case s.replaces == 0:
+		return fmt.Errorf("%w: %q names segment %d now, made after this next version, which was made when the name named nothing and replaces nothing else; %s",
+			ErrExist, s.name, cur.id, redo)
+	case cur == nil:
+		return fmt.Errorf("%w: %q no longer names segment %d, the version this one was made to replace (it was unlinked or renamed), and names nothing now; %s",
+			ErrNotFound, s.name, s.replaces, redo)
+	}
+	return fmt.Errorf("%w: %q names segment %d now, not segment %d, the version this one was made to replace (it was unlinked, renamed or replaced since); %s",
+		ErrExist, s.name, cur.id, s.replaces, redo)
 }
 
 // WaitVersion reports the segment name names when it is not the one with

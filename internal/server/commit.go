@@ -137,7 +137,7 @@ func (c *conn) commit(req *wire.Request) (*wire.Reply, int) {
 	if len(req.Meta) > wire.MaxMeta {
 		return fail(fmt.Errorf("commit %q: meta of %d bytes, limit %d: %w", inf.Name, len(req.Meta), wire.MaxMeta, syscall.EINVAL))
 	}
-	if err := c.s.reg.Commit(seg, c.origin(req), req.Meta); err != nil {
+	if err := c.s.reg.Commit(c.leaseCred(), seg, c.origin(req), req.Meta); err != nil {
 		return fail(fmt.Errorf("commit: %w", err))
 	}
 	if !inf.Bound {

@@ -269,7 +269,7 @@ func (c *conn) opStat(req *wire.Request) (*wire.Reply, int) {
 	if err != nil {
 		return fail(fmt.Errorf("stat: %w", err))
 	}
-	return &wire.Reply{Segment: c.s.toWire(inf)}, -1
+	return &wire.Reply{Segment: c.toWire(inf)}, -1
 }
 
 func (c *conn) opChmod(req *wire.Request) (*wire.Reply, int) {
@@ -314,7 +314,7 @@ func (c *conn) opWaitVersion(req *wire.Request) (*wire.Reply, int) {
 	if err != nil {
 		return fail(fmt.Errorf("wait_version: %w", err))
 	}
-	return &wire.Reply{Segment: c.s.toWire(inf)}, -1
+	return &wire.Reply{Segment: c.toWire(inf)}, -1
 }
 
 func (c *conn) opRename(req *wire.Request) (*wire.Reply, int) {
@@ -473,7 +473,7 @@ func (c *conn) list(req *wire.Request) *wire.Reply {
 	for {
 		rep := &wire.Reply{Segments: make([]wire.Segment, len(infos))}
 		for i, inf := range infos {
-			rep.Segments[i] = *c.s.toWire(inf)
+			rep.Segments[i] = *c.toWire(inf)
 		}
 		if more && len(infos) > 0 {
 			rep.Next = infos[len(infos)-1].Name
@@ -488,7 +488,24 @@ func (c *conn) list(req *wire.Request) *wire.Reply {
 }
 
 func (c *conn) segmentInfo(seg *segment.Segment) *wire.Segment {
-	return c.s.toWire(c.s.reg.Info(seg))
+	return c.toWire(c.s.reg.Info(seg))
+}
+
+// toWire is inf as this connection's user may see it (docs/security.md,
+// "What others may see"): whoever may read the segment sees all of it;
+// anyone else what ls -l shows of a file (name, size, owner, mode, times,
+// state), not what its owner wrote into it (meta: a bundle's origin
+// paths, a model's layout) nor who holds its old versions (pids).
+func (c *conn) toWire(inf segment.Info) *wire.Segment {
+	w := c.s.toWire(inf)
+	if inf.Allows(c.leaseCred(), segment.Read) {
+		return w
+	}
+	w.Meta, w.Sources = nil, nil
+	for i := range w.Versions {
+		w.Versions[i].PIDs = nil
+	}
+	return w
 }
 
 func deref(p *uint32) uint32 {

@@ -29,7 +29,7 @@ func (c *conn) tier(cred segment.Cred, req *wire.Request) (*wire.Reply, int) {
 	if err != nil {
 		return fail(fmt.Errorf("%s: %w", req.Op, err))
 	}
-	return &wire.Reply{Segment: c.s.toWire(inf)}, -1
+	return &wire.Reply{Segment: c.toWire(inf)}, -1
 }
 
 // wireTiers is info's account of budgets and moves.

@@ -296,7 +296,9 @@ const (
 	HandleCUDA  = "cuda_fd" // cuMemImportFromShareableHandle, POSIX fd
 )
 
-// Segment is the public state of one segment.
+// Segment is the public state of one segment. A caller who may not read
+// the segment gets it without Meta and without its Versions' PIDs
+// (docs/security.md, "What others may see").
 type Segment struct {
 	ID        uint64 `json:"id"`
 	Name      string `json:"name"`
@@ -382,7 +384,8 @@ type HeldVersion struct {
 	Version uint64 `json:"version"`
 	Opens   int    `json:"opens"`
 	// PIDs are the processes holding it, as the daemon sees them (those
-	// of a pid namespace it cannot see are counted in Opens only).
+	// of a pid namespace it cannot see are counted in Opens only); absent
+	// for a caller who may not read the segment.
 	PIDs []int `json:"pids,omitempty"`
 }
 

@@ -927,7 +927,10 @@ class Client:
         current version. It needs the right to remove the current version
         (its owner, or root), and takes its owner, and its mode unless mode
         is given; a name that does not exist yet is simply created at the
-        commit (docs/python.md, "Release, reacquire and
+        commit. The commit replaces only what the name named at this
+        create, and only while this client may still remove it: else it
+        raises (ExistsError, NotFoundError, PermissionDeniedError) and the
+        version stays uncommitted (docs/python.md, "Release, reacquire and
         versions")."""
         lay = None
         if shape is not None or dtype is not None:
