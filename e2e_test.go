@@ -47,6 +47,12 @@ func pattern(seed uint64, n int64) []byte {
 }
 
 func childMain(mode string) error {
+	switch mode {
+	case "attacker": // squat_test.go
+		return attackerChild()
+	case "dial":
+		return dialChild()
+	}
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, os.Getenv("GPUSHM_SOCKET"))
 	if err != nil {
