@@ -57,7 +57,14 @@ func TestDialFindsTheNodesDaemon(t *testing.T) {
 	dir := t.TempDir()
 	system := filepath.Join(dir, "run", "gpushm.sock")
 	own := filepath.Join(dir, "xdg", "gpushm", "gpushm.sock")
-	defer gpushm.FakeSockets(1234, system)()
+	// A user's, whose own directory (made by the daemon below, as root)
+	// is then given to it: a client uses the user's own socket only in a
+	// directory of the user's.
+	user := os.Geteuid()
+	if user == 0 {
+		user = 1234
+	}
+	defer gpushm.FakeSockets(user, system)()
 	t.Setenv("GPUSHM_SOCKET", "")
 	t.Setenv("XDG_RUNTIME_DIR", filepath.Join(dir, "xdg"))
 
@@ -97,6 +104,9 @@ func TestDialFindsTheNodesDaemon(t *testing.T) {
 
 	// The user's own daemon comes up, and the node's restarts.
 	mine := testdaemon.StartAt(t, "host", own)
+	if err := os.Chown(filepath.Dir(own), user, user); err != nil {
+		t.Fatal(err)
+	}
 	node.Stop()
 	restarted := testdaemon.StartAt(t, "host", system)
 	if _, _, err := c.CreateOnly(ctx, "after", 4096, nil); err != nil {

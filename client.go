@@ -8,12 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
-	"path/filepath"
 	"runtime"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -92,109 +89,6 @@ type Pool = wire.Pool
 // GPUReport is what the daemon knows of the node's GPUs, and from where.
 type GPUReport = wire.GPUReport
 
-// SystemSocket is where a daemon run as root listens by default ('gpushm
-// install-systemd', the Kubernetes DaemonSet): the node's daemon, which
-// every local user may reach.
-const SystemSocket = "/run/gpushm/gpushm.sock"
-
-// systemSocket is SystemSocket, and geteuid os.Geteuid; tests of the
-// candidates point them elsewhere.
-var (
-	systemSocket = SystemSocket
-	geteuid      = os.Geteuid
-)
-
-// DefaultSocket is where 'gpushm daemon' listens when given no socket:
-// $GPUSHM_SOCKET, else the user's own socket: SystemSocket for root, else
-// $XDG_RUNTIME_DIR/gpushm/gpushm.sock (or $TMPDIR/gpushm-UID/gpushm.sock,
-// /tmp by default). Clients look in SocketCandidates.
-func DefaultSocket() string {
-	if p := os.Getenv("GPUSHM_SOCKET"); p != "" {
-		return p
-	}
-	return userSocket()
-}
-
-// userSocket is the user's own socket, where a daemon the user runs
-// listens by default.
-func userSocket() string {
-	euid := geteuid()
-	if euid == 0 {
-		return systemSocket
-	}
-	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
-		return filepath.Join(d, "gpushm", "gpushm.sock")
-	}
-	return filepath.Join(os.TempDir(), fmt.Sprintf("gpushm-%d", euid), "gpushm.sock")
-}
-
-// SocketCandidates is where a client given no socket (Dial with "") looks
-// for the daemon, in order: $GPUSHM_SOCKET alone when it is set; else the
-// user's own socket (DefaultSocket: a daemon the user runs), then
-// SystemSocket (the node's daemon, run as root). For root the two are one,
-// tried once. Dial moves on to the next only when nothing listens at a
-// path (no such file, connection refused).
-func SocketCandidates() []string {
-	if p := os.Getenv("GPUSHM_SOCKET"); p != "" {
-		return []string{p}
-	}
-	own := userSocket()
-	if own == systemSocket {
-		return []string{own}
-	}
-	return []string{own, systemSocket}
-}
-
-// nothingListens says whether err, from a dial, means that no daemon
-// listens at the path (so the next candidate may be tried), rather than
-// that one is there but cannot be used (permission denied, a timeout).
-func nothingListens(err error) bool {
-	return errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)
-}
-
-// unreachableError is Dial's error when no candidate socket answered: each
-// path tried, with its dial error.
-type unreachableError struct {
-	paths   []string
-	errs    []error
-	fromEnv bool // the one path was $GPUSHM_SOCKET
-}
-
-func (e *unreachableError) Error() string {
-	var b strings.Builder
-	b.WriteString("gpushm: cannot reach a daemon: ")
-	for i, p := range e.paths {
-		if i > 0 {
-			b.WriteString("; ")
-		}
-		b.WriteString(p + ": " + dialReason(e.errs[i]))
-	}
-	if e.fromEnv {
-		b.WriteString(" (is 'gpushm daemon' running? the path is $GPUSHM_SOCKET)")
-	} else {
-		b.WriteString(" (is 'gpushm daemon' running? set $GPUSHM_SOCKET to choose a socket)")
-	}
-	return b.String()
-}
-
-func (e *unreachableError) Unwrap() []error { return e.errs }
-
-// dialReason is err, from a dial, without the path it repeats.
-func dialReason(err error) string {
-	var op *net.OpError
-	if errors.As(err, &op) {
-		err = op.Err
-	}
-	var sc *os.SyscallError
-	if errors.As(err, &sc) {
-		err = sc.Err
-	}
-	if errors.Is(err, syscall.ENOENT) {
-		return "no such file"
-	}
-	return err.Error()
-}
-
 // DefaultSpin is how long a client polls for a reply before it sleeps:
 // longer than a typical round trip (about 20 us), so that the reply is
 // usually seen without a thread wake-up. On machines of fewer than 4 cores
@@ -214,16 +108,6 @@ func ClientSpin() time.Duration {
 		return 0
 	}
 	return DefaultSpin
-}
-
-// dialConn connects to the daemon at socket, with the client's spin.
-func dialConn(socket string, timeout time.Duration) (*wire.Conn, error) {
-	conn, err := wire.DialTimeout(socket, timeout)
-	if err != nil {
-		return nil, err
-	}
-	conn.SetSpin(ClientSpin())
-	return conn, nil
 }
 
 // DefaultReconnect is how long a client keeps trying to reach a daemon
@@ -269,6 +153,8 @@ func clientTimeout() time.Duration {
 // WatchInterval and reclaims them then, inside the daemon's grace period.
 type Client struct {
 	socket  string
+	origin  origin // how socket was found
+	trust   trust  // who the client accepts there, at every connection
 	server  string
 	backend string
 	epoch   atomic.Pointer[epoch.Page]
@@ -339,23 +225,40 @@ func (c *Client) heldNow() []holder {
 // answered (Socket) for the rest of its life: after a restart it
 // reconnects there, never to another candidate. When none answers, the
 // error names every path tried, each with its reason.
+//
+// Before it sends anything, on every connection, reconnections included,
+// the client checks who it talks to (docs/security.md, "Finding the
+// daemon"): the daemon's SO_PEERCRED uid must be the caller's, root's, or
+// $GPUSHM_DAEMON_UID; and a candidate found by convention must be in a
+// directory no other user could have made or could write (the user's own,
+// for the user's socket; root's, for SystemSocket), else it is skipped
+// with the reason. A refused socket matches ErrUntrusted.
 func Dial(ctx context.Context, socket string) (*Client, error) {
 	timeout := clientTimeout()
+	t, err := loadTrust()
+	if err != nil {
+		return nil, err
+	}
 	if socket != "" {
-		conn, err := dialConn(socket, timeout)
+		cand := candidate{socket, given}
+		conn, err := dialConn(cand, t, timeout)
+		var r *refusal
+		if errors.As(err, &r) {
+			return nil, fmt.Errorf("gpushm: %w", err)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (is 'gpushm daemon' running?): %w", socket, err)
 		}
-		return greet(ctx, socket, conn, timeout)
+		return greet(ctx, cand, t, conn, timeout)
 	}
 	tried := unreachableError{fromEnv: os.Getenv("GPUSHM_SOCKET") != ""}
-	for _, path := range SocketCandidates() {
-		conn, err := dialConn(path, timeout)
+	for _, cand := range candidates() {
+		conn, err := dialConn(cand, t, timeout)
 		if err == nil {
-			return greet(ctx, path, conn, timeout)
+			return greet(ctx, cand, t, conn, timeout)
 		}
-		tried.paths, tried.errs = append(tried.paths, path), append(tried.errs, err)
-		if !nothingListens(err) {
+		tried.paths, tried.errs = append(tried.paths, cand.path), append(tried.errs, err)
+		if !nothingListens(err) && !errors.Is(err, ErrUntrusted) {
 			// A daemon may be there: say so rather than reach another.
 			break
 		}
@@ -363,13 +266,15 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 	return nil, &tried
 }
 
-// greet makes the client of conn, a new connection to socket, and says
+// greet makes the client of conn, a new connection to cand, and says
 // hello; conn is closed if that fails.
-func greet(ctx context.Context, socket string, conn *wire.Conn, timeout time.Duration) (*Client, error) {
+func greet(ctx context.Context, cand candidate, t trust, conn *wire.Conn, timeout time.Duration) (*Client, error) {
 	var sid [16]byte
 	rand.Read(sid[:])
 	c := &Client{
-		socket:    socket,
+		socket:    cand.path,
+		origin:    cand.origin,
+		trust:     t,
 		conn:      conn,
 		session:   hex.EncodeToString(sid[:]),
 		reconnect: clientReconnect(),
@@ -441,7 +346,7 @@ func (c *Client) freshConnLocked(ctx context.Context) bool {
 	if c.broken != nil || c.reconnect <= 0 || !c.conn.HungUp() {
 		return false
 	}
-	conn, err := dialConn(c.socket, c.timeout)
+	conn, err := dialConn(candidate{c.socket, c.origin}, c.trust, c.timeout)
 	if err != nil {
 		return false
 	}
@@ -637,7 +542,13 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 	deadline := time.Now().Add(c.reconnect)
 	wait := 2 * time.Millisecond
 	for {
-		conn, err := dialConn(c.socket, c.timeout)
+		conn, err := dialConn(candidate{c.socket, c.origin}, c.trust, c.timeout)
+		if errors.Is(err, ErrUntrusted) {
+			// Not the daemon this client reached before: nothing was
+			// sent, and waiting will not make it so.
+			c.broken = fmt.Errorf("gpushm: the daemon at %s went away, and what answers there now is not trusted: %w", c.socket, err)
+			return c.broken
+		}
 		if err == nil {
 			c.conn = conn
 			if err = c.helloLocked(ctx); err == nil {

@@ -47,8 +47,13 @@ func pattern(seed uint64, n int64) []byte {
 }
 
 func childMain(mode string) error {
-	if mode == "raw" {
+	switch mode {
+	case "raw":
 		return rawChild()
+	case "attacker": // squat_test.go
+		return attackerChild()
+	case "dial":
+		return dialChild()
 	}
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, os.Getenv("GPUSHM_SOCKET"))

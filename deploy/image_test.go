@@ -165,9 +165,19 @@ func TestImage(t *testing.T) {
 	}
 
 	// A client on the host (root) creates a segment through the hostPath.
+	// The daemon runs as uid 65532, neither the client's nor root: clients
+	// trust it when GPUSHM_DAEMON_UID names it, and only then.
+	hostCmd := func(args ...string) *exec.Cmd {
+		return exec.Command(bin, append([]string{"--socket", sock}, args...)...)
+	}
+	if out, err := hostCmd("info").CombinedOutput(); err == nil || !strings.Contains(string(out), "the daemon answering runs as uid 65532, neither you (uid 0) nor root: refused") {
+		t.Errorf("info on the host, with no GPUSHM_DAEMON_UID: %v\n%s", err, out)
+	}
 	host := func(args ...string) string {
 		t.Helper()
-		out, err := exec.Command(bin, append([]string{"--socket", sock}, args...)...).CombinedOutput()
+		cmd := hostCmd(args...)
+		cmd.Env = append(os.Environ(), "GPUSHM_DAEMON_UID=65532")
+		out, err := cmd.CombinedOutput()
 		if err != nil {
 			t.Fatalf("gpushm %v on the host: %v\n%s", args, err, out)
 		}
@@ -182,7 +192,7 @@ func TestImage(t *testing.T) {
 	// may not read root's 0600 memory.
 	client := func(args ...string) (string, error) {
 		return p.try(append([]string{"run", "--rm", "--network", "none", "--no-healthcheck", "--user", "4242:4242",
-			"--volume", dir + ":/run/gpushm", image}, args...)...)
+			"--env", "GPUSHM_DAEMON_UID=65532", "--volume", dir + ":/run/gpushm", image}, args...)...)
 	}
 	if out, err := client("ls"); err != nil || !strings.Contains(out, "from-the-host") {
 		t.Errorf("ls from a client container: %v\n%s", err, out)

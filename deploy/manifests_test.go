@@ -210,6 +210,12 @@ func TestManifests(t *testing.T) {
 		if got := env(c, "GPUSHM_SOCKET"); got != "" && got != socket || got == "" && socket != systemSocket {
 			t.Errorf("example-workload.yaml: container %s has GPUSHM_SOCKET=%q; the daemon serves %s, and a client finds only %s by itself", c.Name, got, socket, systemSocket)
 		}
+		// A client talks to a daemon of another uid than its own or
+		// root's only when GPUSHM_DAEMON_UID names it: the plain
+		// daemon's (above).
+		if daemon := fmt.Sprint(65532); env(c, "GPUSHM_DAEMON_UID") != daemon {
+			t.Errorf("example-workload.yaml: container %s has GPUSHM_DAEMON_UID=%q; the daemon runs as uid %s", c.Name, env(c, "GPUSHM_DAEMON_UID"), daemon)
+		}
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -102,7 +103,16 @@ func TestEveryUserFindsTheNodesDaemon(t *testing.T) {
 	if err := os.MkdirAll(filepath.Join(closed, "gpushm"), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	os.Chown(closed, 65534, 65534)
+	shut := filepath.Join(closed, "gpushm", "gpushm.sock")
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: shut, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	for _, p := range []string{closed, filepath.Dir(shut), shut} {
+		os.Chown(p, 65534, 65534)
+	}
+	os.Chmod(shut, 0) // nobody's own, which nobody may not connect to
 	r = ns.run(t, bin, nobody, []string{"XDG_RUNTIME_DIR=" + closed}, "info")
 	if want := "gpushm: cannot reach a daemon: " + closed + "/gpushm/gpushm.sock: permission denied" + hint; r.code == 0 || r.stderr != want {
 		t.Errorf("info as nobody whose own socket it may not reach: exit %d, stderr %q\nwant %q", r.code, r.stderr, want)
@@ -201,4 +211,123 @@ func (ns *mountNS) startDaemon(t *testing.T, bin string) int {
 		time.Sleep(10 * time.Millisecond)
 	}
 	return cmd.Process.Pid
+}
+
+// TestPutNeverReachesASquatter: a user with no $GPUSHM_SOCKET nor
+// $XDG_RUNTIME_DIR (cron, su, batch jobs) looks for its own socket in
+// $TMPDIR/gpushm-UID. Another user made that directory first and runs an
+// ordinary daemon there: the victim's put of a private file skips it,
+// saying why, and lands in the node's daemon; the squatter's daemon holds
+// nothing.
+func TestPutNeverReachesASquatter(t *testing.T) {
+	requireRoot(t)
+	for _, tool := range []string{"unshare", "nsenter", "setpriv"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("needs %s (util-linux): %v", tool, err)
+		}
+	}
+	ns := privateRun(t)
+	bin := binaryForOthers(t)
+	ns.startDaemon(t, bin)
+	const victim, squatter = 4242, 4243
+	asVictim := &syscall.Credential{Uid: victim, Gid: victim}
+	asSquatter := &syscall.Credential{Uid: squatter, Gid: squatter}
+
+	tmp := socketDir(t) // the victim's $TMPDIR, open to all as /tmp is
+	os.Chmod(tmp, 0o777|os.ModeSticky)
+	mkdir := func(dir string, mode os.FileMode, uid int) {
+		if err := os.Mkdir(dir, mode); err != nil {
+			t.Fatal(err)
+		}
+		os.Chown(dir, uid, uid)
+		os.Chmod(dir, mode)
+	}
+	own := filepath.Join(tmp, fmt.Sprint("gpushm-", victim))
+	mkdir(own, 0o755, squatter)
+	sock := filepath.Join(own, "gpushm.sock")
+	daemon := exec.Command(bin, "daemon", "--socket", sock, "--backend", "host", "--supervise=false", "--nvml", "off")
+	daemon.SysProcAttr = &syscall.SysProcAttr{Credential: asSquatter}
+	if err := daemon.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer killDaemon(sock, daemon)
+	squatterRun := func(args ...string) result {
+		cmd := exec.Command(bin, append([]string{"--socket", sock}, args...)...)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: asSquatter}
+		return runCmd(t, cmd)
+	}
+	for i := 0; squatterRun("info").code != 0; i++ {
+		if i > 500 {
+			t.Fatal("the squatter's daemon never answered")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+
+	home := filepath.Join(tmp, "home")
+	mkdir(home, 0o700, victim)
+	secret := filepath.Join(home, "secret.bin")
+	if err := os.WriteFile(secret, []byte("the victim's private bytes"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	os.Chown(secret, victim, victim)
+	r := ns.run(t, bin, asVictim, []string{"TMPDIR=" + tmp}, "put", "secret", secret)
+	if r.code != 0 {
+		t.Fatalf("put as the victim: exit %d: %s", r.code, r.stderr)
+	}
+	if r = ns.run(t, bin, nil, nil, "ls", "secret"); r.code != 0 || !strings.Contains(r.stdout, "secret") {
+		t.Errorf("the node's daemon lacks the victim's put: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+	// Nothing but the header.
+	if r = squatterRun("ls"); r.code != 0 || strings.Count(strings.TrimSpace(r.stdout), "\n") != 0 {
+		t.Errorf("the squatter's daemon holds something: exit %d\n%s%s", r.code, r.stdout, r.stderr)
+	}
+}
+
+// TestUsersOwnDaemon: a daemon a user runs with no --socket makes its
+// directory, $TMPDIR/gpushm-UID, the user's alone (0700), which the user's
+// clients then trust and find with no --socket either.
+func TestUsersOwnDaemon(t *testing.T) {
+	requireRoot(t)
+	bin := binaryForOthers(t)
+	const user = 4242
+	cred := &syscall.Credential{Uid: user, Gid: user}
+	tmp := socketDir(t)
+	os.Chmod(tmp, 0o777|os.ModeSticky)
+	env := []string{"TMPDIR=" + tmp}
+	for _, kv := range os.Environ() {
+		if k, _, _ := strings.Cut(kv, "="); k != "GPUSHM_SOCKET" && k != "XDG_RUNTIME_DIR" && k != "TMPDIR" {
+			env = append(env, kv)
+		}
+	}
+	own := filepath.Join(tmp, fmt.Sprint("gpushm-", user))
+	sock := filepath.Join(own, "gpushm.sock")
+	daemon := exec.Command(bin, "daemon", "--backend", "host", "--supervise=false", "--nvml", "off")
+	daemon.Env, daemon.SysProcAttr = env, &syscall.SysProcAttr{Credential: cred}
+	if err := daemon.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer killDaemon(sock, daemon)
+	info := func() result {
+		cmd := exec.Command(bin, "info")
+		cmd.Env, cmd.SysProcAttr = env, &syscall.SysProcAttr{Credential: cred}
+		return runCmd(t, cmd)
+	}
+	r := info()
+	for i := 0; r.code != 0; i++ {
+		if i > 500 {
+			t.Fatalf("the user's own daemon never answered on %s: %s", sock, r.stderr)
+		}
+		time.Sleep(10 * time.Millisecond)
+		r = info()
+	}
+	if !strings.Contains(r.stdout, " at "+sock+"\n") {
+		t.Errorf("info as the user found another daemon than its own:\n%s", r.stdout)
+	}
+	st, err := os.Stat(own)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Mode().Perm() != 0o700 || st.Sys().(*syscall.Stat_t).Uid != user {
+		t.Errorf("the user's daemon made %s %v, owned by uid %d; want 0700, the user's", own, st.Mode(), st.Sys().(*syscall.Stat_t).Uid)
+	}
 }

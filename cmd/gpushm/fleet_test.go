@@ -317,10 +317,19 @@ func TestBadStart(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer killDaemon(sock, cmd)
+	// Other users' clients, root's too, trust a daemon of a user not
+	// theirs only when GPUSHM_DAEMON_UID names it: a dedicated user's.
+	t.Setenv("GPUSHM_DAEMON_UID", "65534")
 	for i := 0; cli(t, nil, "--socket", sock, "info").code != 0; i++ {
 		if i > 500 {
 			t.Fatal("a non-root daemon in its own directory never answered")
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+	t.Setenv("GPUSHM_DAEMON_UID", "")
+	want := "gpushm: " + sock + ": the daemon answering runs as uid 65534, neither you (uid 0) nor root: refused, nothing sent" +
+		" (another user may run it; set GPUSHM_DAEMON_UID=65534 if that user runs the node's daemon)\n"
+	if r := cli(t, nil, "--socket", sock, "info"); r.code == 0 || r.stderr != want {
+		t.Errorf("info as root at nobody's daemon: exit %d, stderr %q\nwant %q", r.code, r.stderr, want)
 	}
 }

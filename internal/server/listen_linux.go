@@ -17,7 +17,7 @@ import (
 var ErrRunning = errors.New("a daemon is already running")
 
 // Listen binds a SOCK_SEQPACKET socket at path, creating its directory
-// (mode 0755). A socket file nobody answers on is stale and replaced; a live
+// (socketDirMode) if it is not there. A socket file nobody answers on is stale and replaced; a live
 // one is left alone and reported as ErrRunning. The socket is open to every
 // local user (0666), or, with group not empty, to that group only (0660):
 // either way each operation is authorized against the caller's credentials.
@@ -32,7 +32,7 @@ func Listen(path, group string) (*net.UnixListener, error) {
 			return nil, fmt.Errorf("socket group %q: gid %q", group, g.Gid)
 		}
 	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Dir(path), socketDirMode()); err != nil {
 		return nil, fmt.Errorf("create socket directory: %w (create it for the daemon's user, or pick another --socket)", err)
 	}
 	if err := checkSocketDir(filepath.Dir(path)); err != nil {
@@ -75,13 +75,27 @@ func Listen(path, group string) (*net.UnixListener, error) {
 	return ln, nil
 }
 
+// socketDirMode is the mode of a socket directory the daemon makes: 0755
+// for root, the node's daemon that every user reaches; else 0700, the
+// daemon's user's alone. Clients use a user's own socket only in a
+// directory of theirs that nobody else may write, and nobody else would
+// talk to that daemon. A dedicated user serving the node listens in a
+// directory made for it (0755, owned by that user), and its clients set
+// GPUSHM_DAEMON_UID (docs/security.md, "Finding the daemon").
+func socketDirMode() os.FileMode {
+	if os.Geteuid() == 0 {
+		return 0o755
+	}
+	return 0o700
+}
+
 // Lock takes the daemon lock for the socket at path: a file beside it
 // (path + ".lock") held with flock(2) for as long as the returned file is
 // open, and by the processes that inherit it. Two daemons started at once
 // on one socket race here, not on the socket: the loser gets ErrRunning,
 // with the winner's pid.
 func Lock(path string) (*os.File, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Dir(path), socketDirMode()); err != nil {
 		return nil, fmt.Errorf("create socket directory: %w (create it for the daemon's user, or pick another --socket)", err)
 	}
 	if err := checkSocketDir(filepath.Dir(path)); err != nil {

@@ -150,6 +150,13 @@ func Run(backendName string) (d *Daemon, stop func() error, err error) {
 	return d, func() error { d.stop(); return serveErr }, nil
 }
 
+// RunAt serves backend on a socket at path until stop, for a test's child
+// process that plays a daemon of its own (another user's, say); setup, if
+// not nil, sees the server before it serves.
+func RunAt(backendName, path string, setup func(*server.Server, backend.Backend)) (d *Daemon, stop func() error, err error) {
+	return launch(backendName, path, setup)
+}
+
 // RunExamples runs m's tests and examples with a daemon of the host
 // backend at $GPUSHM_SOCKET, where the examples find it as programs do,
 // and exits with their status: a TestMain's whole body.

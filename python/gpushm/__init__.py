@@ -10,8 +10,8 @@ describes it and docs/protocol.md the protocol it speaks.
 
 from ._client import (Bundle, BusyError, Client, Error, ExistsError, HeldVersion, InvalidError, NoSpaceError,
                       NotCommittedError, NotFoundError,
-                      OutOfMemoryError, PermissionDeniedError, Segment, SegmentInfo, StaleError, WaitTimeoutError,
-                      connect, default_socket, socket_candidates, SYSTEM_SOCKET)
+                      OutOfMemoryError, PermissionDeniedError, Segment, SegmentInfo, StaleError, UntrustedSocketError,
+                      WaitTimeoutError, connect, default_socket, socket_candidates, SYSTEM_SOCKET)
 from ._binary import binary
 from ._channel import BrokenMessageError, Channel, ChannelRemovedError, Message, NoConsumerError
 from ._cuda import CUDAError
@@ -20,8 +20,8 @@ from ._view import View
 __all__ = ["BrokenMessageError", "Bundle", "BusyError", "CUDAError", "Channel", "ChannelRemovedError", "Client",
            "Error", "ExistsError", "HeldVersion", "InvalidError", "Message", "NoConsumerError", "NoSpaceError",
            "NotCommittedError", "NotFoundError",
-           "OutOfMemoryError", "PermissionDeniedError", "Segment", "SegmentInfo", "StaleError", "View",
-           "WaitTimeoutError", "connect", "binary", "default_socket", "socket_candidates", "SYSTEM_SOCKET"]
+           "OutOfMemoryError", "PermissionDeniedError", "Segment", "SegmentInfo", "StaleError", "UntrustedSocketError",
+           "View", "WaitTimeoutError", "connect", "binary", "default_socket", "socket_candidates", "SYSTEM_SOCKET"]
 __version__ = "0.1.0"
 
 

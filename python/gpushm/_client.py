@@ -24,10 +24,11 @@ import threading
 import time
 import weakref
 
-from . import _alloc, _channel, _cuda, _dlpack, _mapping
+from . import _alloc, _channel, _cuda, _dlpack, _mapping, _trust
 from ._errors import (BusyError, Error, ExistsError, InvalidError, NoSpaceError, NotCommittedError, NotFoundError,  # noqa: F401
                       OutOfMemoryError, PermissionDeniedError, StaleError, WaitTimeoutError, error)
 from ._tensors import _DTYPES
+from ._trust import UntrustedSocketError
 from ._tensors import (Layout, bundle_files, bundle_meta, decode_bundle, encode_bundle, is_bundle,
                        layout_from_meta, layout_of)
 from ._types import HeldVersion, SegmentInfo  # noqa: F401
@@ -72,12 +73,22 @@ def socket_candidates() -> list[str]:
     $GPUSHM_SOCKET alone when it is set; else the user's own socket
     (default_socket(): a daemon the user runs), then SYSTEM_SOCKET (the
     node's daemon, run as root); for root the two are one, tried once. The
-    next is tried only when nothing listens at a path (no such file,
-    connection refused). The Go client's SocketCandidates."""
+    next is tried when nothing listens at a path (no such file, connection
+    refused), or when a path found this way fails the checks of who owns it
+    (docs/security.md, "Finding the daemon"). The Go client's
+    SocketCandidates."""
+    return [p for p, _ in _candidates()]
+
+
+def _candidates() -> list[tuple[str, str]]:
+    """socket_candidates(), each with how it was found (_trust.GIVEN, OWN,
+    NODE)."""
     if os.environ.get("GPUSHM_SOCKET"):
-        return [os.environ["GPUSHM_SOCKET"]]
+        return [(os.environ["GPUSHM_SOCKET"], _trust.GIVEN)]
     own = _user_socket()
-    return [own] if own == SYSTEM_SOCKET else [own, SYSTEM_SOCKET]
+    if own == SYSTEM_SOCKET:
+        return [(own, _trust.NODE)]
+    return [(own, _trust.OWN), (SYSTEM_SOCKET, _trust.NODE)]
 
 
 # Dial errors that mean nothing listens at a path, so that the next
@@ -155,6 +166,14 @@ def connect(socket: str | None = None, *, timeout: float | None = None, spin_us:
     one it reached, and it reconnects there, never to another candidate.
     When none answers, the error (FileNotFoundError, ConnectionRefusedError,
     PermissionError, ... as the last path's) names every path tried.
+
+    Before it sends anything, on every connection, reconnections included,
+    the client checks who it talks to (docs/security.md, "Finding the
+    daemon"): the daemon's SO_PEERCRED uid must be the caller's, root's, or
+    $GPUSHM_DAEMON_UID; a candidate found by convention must be in a
+    directory no other user could have made or could write, else it is
+    skipped with the reason. A refused socket raises UntrustedSocketError
+    (a PermissionError) when it is the last or the only one.
 
     timeout bounds each wait for a reply (and for the daemon to take a
     request), in seconds (default $GPUSHM_TIMEOUT or 60; 0 waits for ever),
@@ -240,8 +259,11 @@ class Client:
 
     def __init__(self, path: str | None = None, *, timeout: float | None = None, spin_us: int = 0,
                  reconnect: float | None = None):
-        # The daemon's socket: path, or the candidate that answered.
+        # The daemon's socket: path, or the candidate that answered; how it
+        # was found, and who is trusted there, at every connection.
         self.socket = path
+        self._origin = _trust.GIVEN
+        self._trust = _trust.Trust()
         self._spin_ns = int(spin_us * 1000)
         self._timeout = _timeout_default() if timeout is None else float(timeout)
         self._reconnect = _reconnect_default() if reconnect is None else float(reconnect)
@@ -264,6 +286,8 @@ class Client:
         if path:
             try:
                 self._sock = self._dial()
+            except UntrustedSocketError as e:
+                raise UntrustedSocketError("gpushm: " + e.text) from None
             except OSError as e:
                 raise type(e)(e.errno, f"gpushm: cannot reach daemon at {self.socket} (is 'gpushm daemon' running?): {e.strerror}") from None
         else:
@@ -280,21 +304,30 @@ class Client:
         """Dials the first of socket_candidates() that answers, and makes it
         self.socket."""
         tried = []
-        for cand in socket_candidates():
-            self.socket = cand
+        for cand, origin in _candidates():
+            self.socket, self._origin = cand, origin
             try:
                 return self._dial()
+            except UntrustedSocketError as e:
+                tried.append((cand, e))
             except OSError as e:
                 tried.append((cand, e))
                 if e.errno not in _NOTHING_LISTENS:
                     break  # a daemon may be there: say so rather than reach another
         last = tried[-1][1]
-        paths = "; ".join(f"{p}: {_dial_reason(e)}" for p, e in tried)
+        paths = "; ".join(e.text if isinstance(e, UntrustedSocketError) else f"{p}: {_dial_reason(e)}" for p, e in tried)
         hint = ("the path is $GPUSHM_SOCKET" if os.environ.get("GPUSHM_SOCKET")
                 else "set $GPUSHM_SOCKET to choose a socket")
-        raise type(last)(last.errno, f"gpushm: cannot reach a daemon: {paths} (is 'gpushm daemon' running? {hint})") from None
+        msg = f"gpushm: cannot reach a daemon: {paths} (is 'gpushm daemon' running? {hint})"
+        if isinstance(last, UntrustedSocketError):
+            raise UntrustedSocketError(msg) from None
+        raise type(last)(last.errno, msg) from None
 
     def _dial(self):
+        """Connects to self.socket, sending nothing, and checks who it
+        reached (_trust): every connection, the first and every
+        reconnection, comes here."""
+        self._trust.check_path(self.socket, self._origin)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             _set_timeouts(s, self._timeout)
@@ -302,6 +335,7 @@ class Client:
                 s.connect(self.socket)
             except BlockingIOError:
                 raise TimeoutError(errno.ETIMEDOUT, f"the daemon accepted no connection within {self._timeout:g}s") from None
+            self._trust.check_peer(s, self.socket, self._origin)
         except OSError:
             s.close()
             raise
