@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -139,9 +140,9 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File, fd int) (*wire.Reply, 
 	o := &xfer.Options{Borrowed: true}
 	var cs xfer.Stats
 	if fill {
-		cs, err = xfer.Load(t, r, &xfer.Options{Borrowed: true, CRC32C: true})
+		cs, err = xfer.Load(context.Background(), t, r, &xfer.Options{Borrowed: true, CRC32C: true})
 	} else {
-		cs, err = xfer.Store(t, r, o)
+		cs, err = xfer.Store(context.Background(), t, r, o)
 	}
 	if err != nil {
 		var errno syscall.Errno
