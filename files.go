@@ -49,14 +49,14 @@ func (m *Mapping) LoadFiles(ranges []FileRange, o *CopyOptions) (CopyStats, erro
 	if m.readOnly {
 		return CopyStats{}, errors.New("gpushm: write to a read-only mapping")
 	}
-	return xfer.Load(m.target(), ranges, o)
+	return xfer.Load(context.Background(), m.target(), ranges, o)
 }
 
 // StoreFiles copies the segment's bytes at each range's At into its file,
 // with several copiers in parallel (on cuda, each through its own pinned
 // buffer and stream).
 func (m *Mapping) StoreFiles(ranges []FileRange, o *CopyOptions) (CopyStats, error) {
-	return xfer.Store(m.target(), ranges, o)
+	return xfer.Store(context.Background(), m.target(), ranges, o)
 }
 
 func (m *Mapping) target() xfer.Target {

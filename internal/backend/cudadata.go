@@ -232,9 +232,11 @@ var copyKits struct {
 	m  map[*cuda.Device]*xfer.Pool
 }
 
-// maxCopyKits bounds the daemon's pinned memory for copies: 16 kits of
-// two 8 MiB buffers.
-const maxCopyKits = 16
+// maxCopyKits bounds the daemon's pinned memory for copies: 32 kits of
+// two 8 MiB buffers, 512 MiB, made as copies first ask. A copy takes at
+// most half (xfer.Pool), as many as its copiers (16 at most): one alone
+// runs at full width, and so does one beside a copy stuck in its reads.
+const maxCopyKits = 32
 
 // XferTarget implements server.XferTarget: the daemon's own mapping.
 func (m *cudaMemory) XferTarget() (xfer.Target, error) {

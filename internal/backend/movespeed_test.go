@@ -83,7 +83,7 @@ func TestMoveSpeed(t *testing.T) {
 			for _, chunk := range []int64{2 << 20, 8 << 20} {
 				o := &xfer.Options{Workers: w, Chunk: chunk, Direct: xfer.DirectNever}
 				start = time.Now()
-				if _, err := xfer.Load(tg, []xfer.Range{{File: f, Off: 0, Len: n, At: 0}}, o); err != nil {
+				if _, err := xfer.Load(context.Background(), tg, []xfer.Range{{File: f, Off: 0, Len: n, At: 0}}, o); err != nil {
 					t.Fatal(err)
 				}
 				line(fmt.Sprintf("load (pread) w%d c%dM", w, chunk>>20), time.Since(start))

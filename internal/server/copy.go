@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"slices"
-	"sync"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -29,55 +28,15 @@ import (
 // and paths from clients"), and the copy then reads and writes only through
 // that descriptor: it is never opened again (xfer.Options.Borrowed). Only
 // regular files of file systems that hold data (and, for dump, /dev/null,
-// /dev/zero and /dev/full) are taken, so a copy ends and no kernel
-// interface acts on the daemon's privileges; a copy holds no worker (it is
-// set aside, as a waiting open is), and at most maxCopies run at once,
-// maxUserCopies for one user.
-
-const (
-	maxCopies     = 8
-	maxUserCopies = 2
-)
+// /dev/zero and /dev/full) are taken, so a copy ends (unless a file
+// system's reads stall: see copyLimits) and no kernel interface acts on
+// the daemon's privileges; a copy holds no worker (it is set aside, as a
+// waiting open is), and copylimits.go says how many run.
 
 // XferTarget is implemented by the backends' memories: the memory mapped
 // in the daemon, for the copy engine.
 type XferTarget interface {
 	XferTarget() (xfer.Target, error)
-}
-
-type copyLimits struct {
-	mu     sync.Mutex
-	all    int
-	byUser map[uint32]int
-	free   *sync.Cond
-}
-
-func (l *copyLimits) enter(uid uint32) error {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.byUser == nil {
-		l.byUser = make(map[uint32]int)
-		l.free = sync.NewCond(&l.mu)
-	}
-	if uid != 0 && l.byUser[uid] >= maxUserCopies {
-		return fmt.Errorf("%d copies of user %d already run (limit %d a user): %w", l.byUser[uid], uid, maxUserCopies, syscall.EAGAIN)
-	}
-	l.byUser[uid]++
-	for l.all >= maxCopies {
-		l.free.Wait()
-	}
-	l.all++
-	return nil
-}
-
-func (l *copyLimits) leave(uid uint32) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.all--
-	if l.byUser[uid]--; l.byUser[uid] == 0 {
-		delete(l.byUser, uid)
-	}
-	l.free.Signal()
 }
 
 func (c *conn) copyFile(req *wire.Request, fd int) (*wire.Reply, int) {
@@ -125,12 +84,16 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File, fd int) (*wire.Reply, 
 	if !ok || mem == nil {
 		return nil, fmt.Errorf("segment %d's memory cannot be copied by the daemon: %w", req.Segment, syscall.ENOSYS)
 	}
-	if err := c.s.copies.enter(c.cred.UID); err != nil {
+	slot, err := c.s.copies.enter(c.cred.UID, copyWaiter{
+		aside: func() { c.s.setAside(c.w) }, gone: c.hungUp, stop: c.s.waitStopped()})
+	if err != nil {
 		return nil, err
 	}
-	defer c.s.copies.leave(c.cred.UID)
+	defer slot.leave()
 	// A copy of gigabytes must not hold one of the workers.
 	c.s.setAside(c.w)
+	ctx, unwatch := c.watchClient(slot)
+	defer unwatch()
 	t, err := xt.XferTarget()
 	if err != nil {
 		return nil, err
@@ -141,9 +104,9 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File, fd int) (*wire.Reply, 
 	if fill {
 		// What was there is overwritten, whatever comes of the copy.
 		c.s.reg.ForgetSources(seg, req.At, req.Size)
-		cs, err = xfer.Load(t, r, &xfer.Options{Borrowed: true, CRC32C: true})
+		cs, err = xfer.Load(ctx, t, r, &xfer.Options{Borrowed: true, CRC32C: true})
 	} else {
-		cs, err = xfer.Store(t, r, o)
+		cs, err = xfer.Store(ctx, t, r, o)
 	}
 	if err != nil {
 		var errno syscall.Errno

@@ -15,6 +15,7 @@
 // one-line calls, and a method per operation (opOpen, opCreate, ...), with
 // the larger ones in files of their own (commit.go, copy.go, tier.go,
 // waitversion.go, roles.go for a channel's roles); workers.go the
-// workers and the idle set; connlimits.go the limits on connections;
-// park.go the handover to a successor.
+// workers and the idle set; connlimits.go the limits on connections,
+// copylimits.go those on the copies of fill and dump; park.go the
+// handover to a successor.
 package server

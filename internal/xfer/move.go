@@ -1,6 +1,9 @@
 package xfer
 
-import "fmt"
+import (
+	"context"
+	"fmt"
+)
 
 // Move copies t.Size bytes between t and host memory: from host into t
 // when in is true, from t into host otherwise. It is the copy engine's
@@ -24,5 +27,5 @@ func Move(t Target, host []byte, in bool, o *Options) (st Stats, err error) {
 		steps = append(steps, step{mem: host[at : at+n], len: n, at: at})
 	}
 	st.Bytes, st.Chunk = t.Size, chunk
-	return run(t, steps, st, o, in)
+	return run(context.Background(), t, steps, st, o, in)
 }

@@ -11,74 +11,142 @@ import (
 // A Pool lends copiers on one GPU what they would otherwise make for every
 // copy: two pinned buffers of Chunk bytes, a stream and two events. Pinning
 // costs milliseconds a buffer; a process that copies often (the daemon)
-// pins once. At most max kits exist; a copier waits for one, so that
-// concurrent copies share a bounded amount of pinned memory.
+// pins once. At most max kits are kept, so that concurrent copies share a
+// bounded amount of pinned memory.
+//
+// A copier holds its kit from its copy's start to its end, and a copy can
+// last as long as its file's reads do: a read from a FUSE file whose
+// server never answers does not return, and nothing the daemon can do
+// interrupts it (docs/security.md, "Resources"). So no copy waits for a
+// kit another holds: a copy's first copier takes a free kit, or makes one
+// while fewer than max exist, or else pins one of its own for the copy's
+// length, beyond the pool (its first chunk then pays the pinning); the
+// copy's other copiers take free kits, up to the copy's share (half the
+// pool), and otherwise wait for one to come back only while their copy
+// has chunks left. A copy stuck in its reads holds at most half the pool,
+// and the copies after it always run, with fewer copiers while the kits
+// are taken.
 type Pool struct {
 	dev   *cuda.Device
 	chunk int64
 	max   int
+	// make makes a kit: newKit on dev (a test's fake otherwise).
+	make func() (*kit, error)
 
 	mu    sync.Mutex
-	cond  *sync.Cond
 	free  []*kit
-	count int
+	count int // kits of the pool, free or lent
+	// back is closed, and made anew, when a kit comes back (or one may be
+	// made again): copiers waiting for one look again.
+	back chan struct{}
 }
 
 type kit struct {
 	pinned []byte
 	stream *cuda.Stream
 	ev     [2]*cuda.Event
+	// own: made for one copy beyond the pool, and closed at its end.
+	own bool
 }
+
+// A loan counts the kits one copy holds of the pool, under its mu.
+type loan struct{ held int }
 
 // NewPool returns a pool of at most max kits of the default chunk size on
 // dev, made as copiers first ask.
 func NewPool(dev *cuda.Device, max int) *Pool {
-	p := &Pool{dev: dev, chunk: defaultChunk, max: max}
-	p.cond = sync.NewCond(&p.mu)
-	return p
+	return &Pool{dev: dev, chunk: defaultChunk, max: max, back: make(chan struct{}),
+		make: func() (*kit, error) { return newKit(dev, defaultChunk) }}
 }
 
-func (p *Pool) get() (*kit, error) {
+// share is the most kits of the pool one copy holds.
+func (p *Pool) share() int { return max(1, p.max/2) }
+
+// get lends a kit to a copier of the copy l, as the Pool's comment says:
+// the copy's first copier always gets one, at once; another gets one of
+// the pool, or waits for one until over or stop is closed, and then gets
+// nil (it does not copy).
+func (p *Pool) get(l *loan, first bool, over, stop <-chan struct{}) (*kit, error) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	for {
-		if n := len(p.free); n > 0 {
-			k := p.free[n-1]
-			p.free = p.free[:n-1]
-			return k, nil
-		}
-		if p.count < p.max {
-			p.count++
-			p.mu.Unlock()
-			k, err := newKit(p.dev, p.chunk)
-			p.mu.Lock()
-			if err == nil {
+		if l.held < p.share() {
+			if n := len(p.free); n > 0 {
+				k := p.free[n-1]
+				p.free = p.free[:n-1]
+				l.held++
+				p.mu.Unlock()
 				return k, nil
 			}
-			p.count--
-			if p.count == 0 {
+			if p.count < p.max {
+				p.count++
+				l.held++
+				p.mu.Unlock()
+				k, err := p.make()
+				if err == nil {
+					return k, nil
+				}
+				p.mu.Lock()
+				p.count--
+				l.held--
+				if first || p.count == 0 {
+					p.mu.Unlock()
+					return nil, err
+				}
+				// Out of pinned memory, say: wait for a kit in use.
+			}
+		}
+		if first {
+			p.mu.Unlock()
+			k, err := p.make()
+			if err != nil {
 				return nil, err
 			}
-			// Out of pinned memory, say: wait for a kit in use.
+			k.own = true
+			return k, nil
 		}
-		p.cond.Wait()
+		back := p.back
+		p.mu.Unlock()
+		select {
+		case <-back:
+		case <-over:
+			return nil, nil
+		case <-stop:
+			return nil, nil
+		}
+		p.mu.Lock()
 	}
 }
 
-// discard forgets a kit that is not lent again.
-func (p *Pool) discard(k *kit) {
-	k.close(p.dev)
-	p.mu.Lock()
-	p.count--
-	p.mu.Unlock()
-	p.cond.Signal()
+// returned tells waiting copiers that a kit came back; mu is held.
+func (p *Pool) returned() {
+	close(p.back)
+	p.back = make(chan struct{})
 }
 
-func (p *Pool) put(k *kit) {
+// discard forgets a kit of l's that is not lent again.
+func (p *Pool) discard(l *loan, k *kit) {
+	k.close(p.dev)
+	if k.own {
+		return
+	}
 	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.count--
+	l.held--
+	p.returned()
+}
+
+// put takes back a kit l borrowed; one made beyond the pool is closed.
+func (p *Pool) put(l *loan, k *kit) {
+	if k.own {
+		k.close(p.dev)
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	p.free = append(p.free, k)
-	p.mu.Unlock()
-	p.cond.Signal()
+	l.held--
+	p.returned()
 }
 
 func newKit(dev *cuda.Device, chunk int64) (*kit, error) {

@@ -19,8 +19,8 @@ func ReadStream(t Target, r io.Reader) (int64, error) {
 		}
 		return int64(n), err
 	}
-	c := &copier{t: t, chunk: streamChunk(t.Size)}
-	if err := c.open(); err != nil {
+	c := &copier{t: t, chunk: streamChunk(t.Size), loan: &loan{}}
+	if _, err := c.open(true, nil, nil); err != nil {
 		return 0, err
 	}
 	var off int64
@@ -59,8 +59,8 @@ func WriteStream(t Target, w io.Writer) (int64, error) {
 		n, err := w.Write(t.Host[:t.Size])
 		return int64(n), err
 	}
-	c := &copier{t: t, chunk: streamChunk(t.Size)}
-	if err := c.open(); err != nil {
+	c := &copier{t: t, chunk: streamChunk(t.Size), loan: &loan{}}
+	if _, err := c.open(true, nil, nil); err != nil {
 		return 0, err
 	}
 	issue := func(i int) error {

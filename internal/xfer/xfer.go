@@ -7,6 +7,7 @@
 package xfer
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -124,15 +125,21 @@ const dioAlign = 4096
 // page cache does not hold are read with O_DIRECT (disk to pinned memory,
 // no copy through the cache); a file system that refuses O_DIRECT is read
 // through the page cache instead.
-func Load(t Target, ranges []Range, o *Options) (Stats, error) {
-	return copyFiles(t, ranges, o, true)
+//
+// ctx done stops the copy at its copiers' next chunk: Load returns once
+// the reads and writes under way have ended (a read the kernel does not
+// interrupt, such as one from a FUSE file whose server never answers,
+// holds it until it returns), with an error wrapping ctx's cause, and
+// leaves what was copied before.
+func Load(ctx context.Context, t Target, ranges []Range, o *Options) (Stats, error) {
+	return copyFiles(ctx, t, ranges, o, true)
 }
 
 // Store copies t's bytes at each range's At into its file, with several
 // copiers in parallel (on cuda, each through its own pinned buffer and
-// stream).
-func Store(t Target, ranges []Range, o *Options) (Stats, error) {
-	return copyFiles(t, ranges, o, false)
+// stream). ctx stops it as it stops Load.
+func Store(ctx context.Context, t Target, ranges []Range, o *Options) (Stats, error) {
+	return copyFiles(ctx, t, ranges, o, false)
 }
 
 // check returns o (the defaults for nil) and the bytes a copier moves per
@@ -160,7 +167,7 @@ type step struct {
 	sum      *uint32 // if set, where the chunk's CRC-32C goes (Load)
 }
 
-func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err error) {
+func copyFiles(ctx context.Context, t Target, ranges []Range, o *Options, load bool) (st Stats, err error) {
 	o, chunk, err := o.check()
 	if err != nil {
 		return st, err
@@ -237,7 +244,7 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 			steps[k].sum = &sums[k]
 		}
 	}
-	st, err = run(t, steps, st, o, load)
+	st, err = run(ctx, t, steps, st, o, load)
 	if err != nil || !hash {
 		return st, err
 	}
@@ -257,8 +264,8 @@ func copyFiles(t Target, ranges []Range, o *Options, load bool) (st Stats, err e
 }
 
 // run has workers copy steps, of st.Chunk bytes at most, between t and
-// their files or memory.
-func run(t Target, steps []step, st Stats, o *Options, load bool) (Stats, error) {
+// their files or memory, until they are done, one fails, or ctx is done.
+func run(ctx context.Context, t Target, steps []step, st Stats, o *Options, load bool) (Stats, error) {
 	start := time.Now()
 	chunk := st.Chunk
 	workers := o.Workers
@@ -272,25 +279,47 @@ func run(t Target, steps []step, st Stats, o *Options, load bool) (Stats, error)
 		return st, nil
 	}
 	var (
-		next   atomic.Int64
-		failed atomic.Bool
-		direct atomic.Int64
-		wg     sync.WaitGroup
+		next    atomic.Int64
+		failed  atomic.Bool
+		stopped atomic.Bool
+		direct  atomic.Int64
+		copied  atomic.Int64
+		copiers atomic.Int32
+		wg      sync.WaitGroup
+		once    sync.Once
 	)
+	// over is closed once no chunk is left for a copier that has not
+	// started: copiers that wait for a pinned buffer then give up.
+	over := make(chan struct{})
+	end := func() { once.Do(func() { close(over) }) }
+	l := &loan{}
 	errs := make([]error, workers)
 	for i := range workers {
 		wg.Go(func() {
-			c := &copier{t: t, chunk: chunk}
+			c := &copier{t: t, chunk: chunk, loan: l}
 			defer func() {
 				errs[i] = errors.Join(errs[i], c.close())
 				direct.Add(c.direct)
 			}()
-			if err := c.open(); err != nil {
+			// The first copier never waits for a buffer (Pool.get):
+			// the copy goes on whatever other copies hold.
+			joined, err := c.open(i == 0, over, ctx.Done())
+			if err != nil {
 				errs[i] = err
 				failed.Store(true)
+				end()
 				return
 			}
+			if !joined {
+				return
+			}
+			copiers.Add(1)
 			for !failed.Load() {
+				if ctx.Err() != nil {
+					stopped.Store(true)
+					failed.Store(true)
+					break
+				}
 				k := next.Add(1) - 1
 				if k >= int64(len(steps)) {
 					break
@@ -305,19 +334,28 @@ func run(t Target, steps []step, st Stats, o *Options, load bool) (Stats, error)
 				if err != nil {
 					errs[i] = err
 					failed.Store(true)
+					end()
 					return
 				}
+				copied.Add(s.len)
 				if o.Progress != nil {
 					o.Progress(s.len)
 				}
 			}
+			end()
 			errs[i] = c.finish()
 		})
 	}
 	wg.Wait()
 	st.Direct = direct.Load()
 	st.Elapsed = time.Since(start)
-	return st, errors.Join(errs...)
+	// Those that copied: a copier that found no pinned buffer did not.
+	st.Workers = max(int(copiers.Load()), 1)
+	err := errors.Join(errs...)
+	if stopped.Load() {
+		err = errors.Join(fmt.Errorf("xfer: stopped after %d of %d bytes: %w", copied.Load(), st.Bytes, context.Cause(ctx)), err)
+	}
+	return st, err
 }
 
 // copier is one worker: on cuda two pinned buffers, a stream, and an event
@@ -334,22 +372,32 @@ type copier struct {
 	turn    int
 	bounce  []byte // host segments: the O_DIRECT landing buffer
 	kit     *kit   // borrowed from Target.Buffers
+	loan    *loan  // the kits its copy borrowed
 	direct  int64
 }
 
-func (c *copier) open() error {
+// open readies the copier's buffers and stream, and says whether it
+// copies: a copier other than the copy's first that finds no pinned
+// buffer of Target.Buffers to borrow waits for one until over or stop is
+// closed, and then does not copy (Pool.get).
+func (c *copier) open(first bool, over, stop <-chan struct{}) (bool, error) {
 	if c.t.Dev == nil {
-		return nil
+		return true, nil
 	}
 	if p := c.t.Buffers; p != nil && p.chunk == c.chunk {
 		var err error
-		if c.kit, err = p.get(); err != nil {
-			return err
+		if c.kit, err = p.get(c.loan, first, over, stop); err != nil || c.kit == nil {
+			return false, err
 		}
 		c.pinned, c.stream, c.ev = c.kit.pinned, c.kit.stream, c.kit.ev
 		c.buf = [2][]byte{c.pinned[:c.chunk], c.pinned[c.chunk:]}
-		return nil
+		return true, nil
 	}
+	return true, c.pin()
+}
+
+// pin makes the copier's own buffers, stream and events.
+func (c *copier) pin() error {
 	var err error
 	if c.pinned, err = c.t.Dev.AllocHost(2 * c.chunk); err != nil {
 		return fmt.Errorf("xfer: staging buffers: %w", err)
@@ -395,9 +443,9 @@ func (c *copier) close() error {
 		err := c.stream.Synchronize()
 		if err != nil {
 			// A stream in error is not lent again.
-			c.t.Buffers.discard(c.kit)
+			c.t.Buffers.discard(c.loan, c.kit)
 		} else {
-			c.t.Buffers.put(c.kit)
+			c.t.Buffers.put(c.loan, c.kit)
 		}
 		c.kit, c.stream, c.pinned, c.ev = nil, nil, nil, [2]*cuda.Event{}
 		if c.bounce != nil {

@@ -2,6 +2,7 @@ package xfer
 
 import (
 	"bytes"
+	"context"
 	"os"
 	"path/filepath"
 	"testing"
@@ -100,7 +101,7 @@ func TestStoreIntoTmpfs(t *testing.T) {
 			}
 			copy(want[c.off:], src[c.at:c.at+c.n])
 			r := []Range{{File: f, Off: c.off, Len: c.n, At: c.at}}
-			if _, err := Store(Target{Host: src, Size: size}, r, &Options{Chunk: 1 << 20}); err != nil {
+			if _, err := Store(context.Background(), Target{Host: src, Size: size}, r, &Options{Chunk: 1 << 20}); err != nil {
 				t.Fatal(err)
 			}
 			got, err := os.ReadFile(f.Name())
