@@ -22,7 +22,8 @@ import (
 // user): once write access went to anyone else, or the owner changed
 // (the old owner may still hold a mapping), the segment is foreign: its
 // sources go, and it records none again. Only fills by the owner or root
-// are recorded.
+// are recorded, and a fill by anyone else makes the segment foreign too:
+// its copy may run beside the owner's, interleaving their bytes.
 
 // Source is a range of a segment the daemon filled from a file.
 type Source struct {
@@ -109,6 +110,17 @@ func (r *Registry) AddSource(c Cred, s *Segment, src Source) {
 
 // trustedWriter says whether c's writes to s are taken on trust.
 func trustedWriter(c Cred, s *Segment) bool { return c.UID == 0 || c.UID == s.uid }
+
+// Filling is told that c has the daemon copy into s (fill). The daemon
+// sees that write, but not the order of its bytes against those of a fill
+// running beside it, whose source would then stand over c's bytes: unless
+// c's writes are trusted, s is foreign from now on, as when c is given
+// write access to the memory itself.
+func (r *Registry) Filling(c Cred, s *Segment) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.grantWriteLocked(c, s)
+}
 
 // grantWriteLocked is told that c gets write access to s's memory, which
 // the daemon will not see used: unless c is s's owner or root, s is

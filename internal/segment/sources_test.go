@@ -100,6 +100,10 @@ func TestSources(t *testing.T) {
 			{"another user opens read-write", 0o666, func(r *Registry, s *Segment) error { _, err := r.Acquire(bob, "w", false); return err }, true},
 			{"another user writes through the view", 0o666, func(r *Registry, s *Segment) error { return r.Pin(bob, s, Write) }, true},
 			{"root gives it away", 0o644, func(r *Registry, s *Segment) error { return r.SetOwner(root, s, int64(bob.UID), -1) }, true},
+			{"the owner fills it", 0o644, func(r *Registry, s *Segment) error { r.Filling(alice, s); return nil }, false},
+			{"root fills it", 0o644, func(r *Registry, s *Segment) error { r.Filling(root, s); return nil }, false},
+			// Its copy runs beside the owner's, and their bytes interleave.
+			{"another user fills it", 0o666, func(r *Registry, s *Segment) error { r.Filling(bob, s); return nil }, true},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				r, j, f, s := setup(t, tc.mode)
