@@ -51,7 +51,14 @@ func (a Source) sameFile(b Source) bool {
 // MaxSources bounds the sources a segment keeps: a checkpoint directory's
 // bundle takes one a file, and a file filled in steps one in all. Past it
 // no further source is recorded (a loader then reads those files itself).
-const MaxSources = 1024
+// A segment's journal record and its stat reply each go in one message of
+// 64 KiB, half of which its meta may take: 128 sources of the largest
+// numbers leave room for the rest. With 1024, any user's own segment made
+// a record the serving process could not journal, which broke its link to
+// the supervisor for as long as that segment lived: every other change was
+// dropped, and a crash then lost them (another user's write access to
+// root's bundle among them, which brought its sources back).
+const MaxSources = 128
 
 // ForgetSources removes the sources overlapping [at, at+n) of s: the
 // daemon is about to write there.
