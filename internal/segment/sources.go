@@ -22,7 +22,8 @@ import (
 // user): once write access went to anyone else, or the owner changed
 // (the old owner may still hold a mapping), the segment is foreign: its
 // sources go, and it records none again. Only fills by the owner or root
-// are recorded.
+// are recorded, and a fill by anyone else makes the segment foreign too:
+// its copy may run beside the owner's, interleaving their bytes.
 
 // Source is a range of a segment the daemon filled from a file.
 type Source struct {
@@ -50,7 +51,14 @@ func (a Source) sameFile(b Source) bool {
 // MaxSources bounds the sources a segment keeps: a checkpoint directory's
 // bundle takes one a file, and a file filled in steps one in all. Past it
 // no further source is recorded (a loader then reads those files itself).
-const MaxSources = 1024
+// A segment's journal record and its stat reply each go in one message of
+// 64 KiB, half of which its meta may take: 128 sources of the largest
+// numbers leave room for the rest. With 1024, any user's own segment made
+// a record the serving process could not journal, which broke its link to
+// the supervisor for as long as that segment lived: every other change was
+// dropped, and a crash then lost them (another user's write access to
+// root's bundle among them, which brought its sources back).
+const MaxSources = 128
 
 // ForgetSources removes the sources overlapping [at, at+n) of s: the
 // daemon is about to write there.
@@ -109,6 +117,17 @@ func (r *Registry) AddSource(c Cred, s *Segment, src Source) {
 
 // trustedWriter says whether c's writes to s are taken on trust.
 func trustedWriter(c Cred, s *Segment) bool { return c.UID == 0 || c.UID == s.uid }
+
+// Filling is told that c has the daemon copy into s (fill). The daemon
+// sees that write, but not the order of its bytes against those of a fill
+// running beside it, whose source would then stand over c's bytes: unless
+// c's writes are trusted, s is foreign from now on, as when c is given
+// write access to the memory itself.
+func (r *Registry) Filling(c Cred, s *Segment) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.grantWriteLocked(c, s)
+}
 
 // grantWriteLocked is told that c gets write access to s's memory, which
 // the daemon will not see used: unless c is s's owner or root, s is

@@ -1,10 +1,14 @@
 package segment
 
 import (
+	"encoding/json"
+	"math"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/gpushm/gpushm/internal/crc32c"
+	"github.com/gpushm/gpushm/internal/wire"
 )
 
 // TestSources: the daemon's record of which bytes came from which file
@@ -100,6 +104,10 @@ func TestSources(t *testing.T) {
 			{"another user opens read-write", 0o666, func(r *Registry, s *Segment) error { _, err := r.Acquire(bob, "w", false); return err }, true},
 			{"another user writes through the view", 0o666, func(r *Registry, s *Segment) error { return r.Pin(bob, s, Write) }, true},
 			{"root gives it away", 0o644, func(r *Registry, s *Segment) error { return r.SetOwner(root, s, int64(bob.UID), -1) }, true},
+			{"the owner fills it", 0o644, func(r *Registry, s *Segment) error { r.Filling(alice, s); return nil }, false},
+			{"root fills it", 0o644, func(r *Registry, s *Segment) error { r.Filling(root, s); return nil }, false},
+			// Its copy runs beside the owner's, and their bytes interleave.
+			{"another user fills it", 0o666, func(r *Registry, s *Segment) error { r.Filling(bob, s); return nil }, true},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				r, j, f, s := setup(t, tc.mode)
@@ -135,4 +143,33 @@ func TestSources(t *testing.T) {
 			t.Fatalf("another user's fill recorded: %+v", got)
 		}
 	})
+}
+
+// TestSourcesFitAMessage: a segment with the most sources, each of the
+// largest numbers, and the most meta still journals in one record of at
+// most a protocol message, which the supervisor's link takes (two of them
+// in a batch); any user could make one.
+func TestSourcesFitAMessage(t *testing.T) {
+	r := New(newFake(), nil)
+	j := newJournal()
+	r.SetJournal(j)
+	meta, _ := json.Marshal(map[string]string{"x": strings.Repeat("y", wire.MaxMeta-8)})
+	if len(meta) != wire.MaxMeta {
+		t.Fatalf("meta of %d bytes, want %d", len(meta), wire.MaxMeta)
+	}
+	s, _, err := r.Create(alice, CreateOptions{Name: strings.Repeat("n", MaxName), Size: 1 << 20, Meta: meta})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range int64(MaxSources + 1) {
+		r.AddSource(alice, s, Source{Dev: math.MaxUint64, Ino: math.MaxUint64, Size: math.MaxInt64,
+			MtimeNS: math.MinInt64, CtimeNS: math.MinInt64, Off: math.MaxInt64 - 2*i - 1, At: math.MaxInt64 - 2*i - 1, Len: 1, CRC32C: math.MaxUint32})
+	}
+	rec := j.recs[s.ID()]
+	if len(rec.Sources) != MaxSources {
+		t.Fatalf("%d sources recorded, want %d", len(rec.Sources), MaxSources)
+	}
+	if n := len(rec.AppendJSON(nil)); n > wire.MaxMessage {
+		t.Fatalf("the record is %d bytes, over the %d of a message", n, wire.MaxMessage)
+	}
 }

@@ -103,6 +103,7 @@ func (c *conn) copyFileErr(req *wire.Request, f *os.File, fd int) (*wire.Reply, 
 	var cs xfer.Stats
 	if fill {
 		// What was there is overwritten, whatever comes of the copy.
+		c.s.reg.Filling(cred, seg)
 		c.s.reg.ForgetSources(seg, req.At, req.Size)
 		cs, err = xfer.Load(ctx, t, r, &xfer.Options{Borrowed: true, CRC32C: true})
 	} else {
