@@ -122,6 +122,11 @@ func (rec *Record) AppendJSON(b []byte) []byte {
 	if rec.Anon != 0 {
 		b = appendIntMember(b, "anon", int64(rec.Anon))
 	}
+	return append(rec.appendSources(b), '}')
+}
+
+// appendSources appends Foreign and Sources (sources.go).
+func (rec *Record) appendSources(b []byte) []byte {
 	if rec.Foreign {
 		b = appendBoolMember(b, "foreign", true)
 	}
@@ -133,7 +138,7 @@ func (rec *Record) AppendJSON(b []byte) []byte {
 			b = append(append(b, `,"sources":`...), src...)
 		}
 	}
-	return append(b, '}')
+	return b
 }
 
 func appendKey(b []byte, key string) []byte {
