@@ -19,6 +19,7 @@ import pytest
 
 import gpushm
 from gpushm import safetensors as gst
+from gpushm._types import SegmentInfo
 from conftest import Daemon, child, env_for
 from stfiles import bundle_meta, put_file, write
 from test_hook_trust import NOBODY, _as_nobody, _model, _served, shared_dir  # noqa: F401 (a fixture)
@@ -384,3 +385,18 @@ def test_foreign_outlives_a_crash_whatever_others_journal(cdaemon, name, shared_
     assert _fresh(path) is None
     c.close()
     assert "the supervisor died" not in cdaemon.logs(), cdaemon.logs()
+
+
+def test_on_a_gpu_a_bundle_others_may_read_is_not_served(client, name, shared_dir, monkeypatch):
+    # The hook's half of test_gpu_hook_trust.py, on any machine: the
+    # bundle is told to be GPU memory, where a reader can write.
+    path = _model(shared_dir)
+    put_file(client, name, path, mode=0o644)
+    assert gst.held(path) is not None  # host memory: a reader cannot write
+    orig = SegmentInfo.from_wire
+    monkeypatch.setattr(SegmentInfo, "from_wire", classmethod(lambda cls, d: orig(dict(d, handle_type="cuda_fd"))))
+    gst._holdings.clear()
+    assert gst.held(path) is None, "a GPU bundle others may read is served"
+    client._call("chmod", name=name, mode=0o600)
+    gst._holdings.clear()
+    assert gst.held(path) is not None
