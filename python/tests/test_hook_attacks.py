@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -400,3 +401,55 @@ def test_on_a_gpu_a_bundle_others_may_read_is_not_served(client, name, shared_di
     client._call("chmod", name=name, mode=0o600)
     gst._holdings.clear()
     assert gst.held(path) is not None
+
+
+
+@pytest.fixture
+def fdaemon(tmp_path_factory):
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse to mount the view on")
+    mnt = tempfile.mkdtemp(prefix="gpushm-view-")
+    os.chmod(mnt, 0o755)
+    d = Daemon("host", "--mount", mnt)
+    d.mnt = mnt
+    yield d
+    d.stop()
+    subprocess.run(["umount", "-l", mnt], capture_output=True)
+    os.rmdir(mnt)
+
+
+def test_a_write_through_the_view_is_never_trusted(fdaemon, name, shared_dir, monkeypatch):
+    # Root's bundle lets its group (nobody's) write; nobody writes it
+    # through the FUSE view. The daemon makes each write itself, but an
+    # open for writing counts as write access all the same: its writes may
+    # run beside a fill of root's, as another user's fill may.
+    monkeypatch.setenv("GPUSHM_SOCKET", fdaemon.socket)
+    path = _model(shared_dir)
+    c = gpushm.connect(fdaemon.socket)
+    data = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    child(fdaemon.socket, """
+        import json, sys, gpushm
+        gpushm.connect()._create(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), None, 0o660, False)
+    """, name, len(data), json.dumps(bundle_meta(n, 2)), group=NOBODY)
+    seg = c.open(name)
+    with open(path, "rb") as f:
+        seg.fill(f)
+    seg.close()
+    assert len(c.stat(name).sources) == 1
+    _as_nobody(fdaemon, shared_dir, """
+        import os, struct, sys
+        with open(os.path.join(sys.argv[1], sys.argv[2]), "r+b") as f:
+            f.seek(int(sys.argv[3]) - 24)
+            f.write(struct.pack("<f", 666.0) * 6)
+    """, fdaemon.mnt, name, len(data))
+    assert c.stat(name).sources == ()
+    c._call("chmod", name=name, mode=0o640)
+    assert _fresh(path) is None
+    # For good: root's next fill is not recorded either.
+    seg = c.open(name)
+    with open(path, "rb") as f:
+        seg.fill(f)
+    seg.close()
+    assert c.stat(name).sources == ()
+    c.close()
