@@ -119,14 +119,17 @@ func (r *Registry) AddSource(c Cred, s *Segment, src Source) {
 // trustedWriter says whether c's writes to s are taken on trust.
 func trustedWriter(c Cred, s *Segment) bool { return c.UID == 0 || c.UID == s.uid }
 
-// Filling is told that c has the daemon copy into s (fill). The daemon
-// sees that write, but not the order of its bytes against those of a fill
-// running beside it, whose source would then stand over c's bytes: unless
-// c's writes are trusted, s is foreign from now on, as when c is given
-// write access to the memory itself.
+// Filling is told that c has the daemon copy into s (fill), whatever
+// lease c holds. A host copy kept clean (tier.go) goes: the next eviction
+// would bring back the bytes from before the fill, under its source. And
+// the daemon sees the write, but not the order of its bytes against those
+// of a fill running beside it, whose source would then stand over c's
+// bytes: unless c's writes are trusted, s is foreign from now on, as when
+// c is given write access to the memory itself.
 func (r *Registry) Filling(c Cred, s *Segment) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.dirtyLocked(s)
 	r.grantWriteLocked(c, s)
 }
 
