@@ -419,7 +419,7 @@ def test_on_a_gpu_a_bundle_others_may_read_is_not_served(client, name, shared_di
 
 
 @pytest.fixture
-def fdaemon(tmp_path_factory):
+def fdaemon():
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse to mount the view on")
     mnt = tempfile.mkdtemp(prefix="gpushm-view-")
