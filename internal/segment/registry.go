@@ -733,6 +733,8 @@ func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
 	}
 	if !readOnly {
 		r.dirtyLocked(s)
+	}
+	if !readOnly || r.readersWrite() {
 		r.grantWriteLocked(c, s)
 	}
 	s.opens++

@@ -19,7 +19,8 @@ import (
 // view, another fill) removes it. Writes through a mapping the daemon
 // cannot see, so only the writes of the segment's owner and of root are
 // taken on trust (a loader trusts only bundles of root and of its own
-// user): once write access went to anyone else, or the owner changed
+// user): once write access went to anyone else (on cuda, any access: a
+// read-only open's export can be mapped read-write), or the owner changed
 // (the old owner may still hold a mapping), the segment is foreign: its
 // sources go, and it records none again. Only fills by the owner or root
 // are recorded, and a fill by anyone else makes the segment foreign too:
@@ -118,14 +119,17 @@ func (r *Registry) AddSource(c Cred, s *Segment, src Source) {
 // trustedWriter says whether c's writes to s are taken on trust.
 func trustedWriter(c Cred, s *Segment) bool { return c.UID == 0 || c.UID == s.uid }
 
-// Filling is told that c has the daemon copy into s (fill). The daemon
-// sees that write, but not the order of its bytes against those of a fill
-// running beside it, whose source would then stand over c's bytes: unless
-// c's writes are trusted, s is foreign from now on, as when c is given
-// write access to the memory itself.
+// Filling is told that c has the daemon copy into s (fill), whatever
+// lease c holds. A host copy kept clean (tier.go) goes: the next eviction
+// would bring back the bytes from before the fill, under its source. And
+// the daemon sees the write, but not the order of its bytes against those
+// of a fill running beside it, whose source would then stand over c's
+// bytes: unless c's writes are trusted, s is foreign from now on, as when
+// c is given write access to the memory itself.
 func (r *Registry) Filling(c Cred, s *Segment) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.dirtyLocked(s)
 	r.grantWriteLocked(c, s)
 }
 
@@ -137,6 +141,17 @@ func (r *Registry) grantWriteLocked(c Cred, s *Segment) {
 		r.makeForeignLocked(s)
 	}
 }
+
+// handleCUDA is the cuda backend's HandleType (wire.HandleCUDA).
+const handleCUDA = "cuda_fd"
+
+// readersWrite says whether a read-only open hands out a descriptor that
+// its holder can write through all the same: a CUDA export carries no
+// access mode, and whoever imports it may map it read-write
+// (docs/security.md, "What read-only can and cannot promise"). There a
+// read-only open by anyone but the owner and root makes the segment
+// foreign: a reader of root's bundle wrote it, and the hook served that.
+func (r *Registry) readersWrite() bool { return r.alloc.HandleType() == handleCUDA }
 
 // makeForeignLocked marks s as written by someone the sources' readers do
 // not trust, for good: its sources go, and no more are recorded.

@@ -173,3 +173,43 @@ func TestSourcesFitAMessage(t *testing.T) {
 		t.Fatalf("the record is %d bytes, over the %d of a message", n, wire.MaxMessage)
 	}
 }
+
+// cudaAlloc is the fake allocator with the cuda backend's handle type,
+// whose descriptors carry no access mode.
+type cudaAlloc struct{ *fakeAlloc }
+
+func (cudaAlloc) HandleType() string { return handleCUDA }
+
+// TestSourcesOnCUDA: on cuda a read-only open is write access, since its
+// holder may map the export read-write.
+func TestSourcesOnCUDA(t *testing.T) {
+	if handleCUDA != wire.HandleCUDA {
+		t.Fatalf("handleCUDA = %q, want %q", handleCUDA, wire.HandleCUDA)
+	}
+	file := Source{Dev: 8, Ino: 42, Size: 300, MtimeNS: 1, CtimeNS: 2, Len: 300}
+	for _, tc := range []struct {
+		name    string
+		who     Cred
+		foreign bool
+	}{
+		{"the owner", alice, false},
+		{"root", Cred{}, false},
+		{"another user", bob, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := New(cudaAlloc{newFake()}, nil)
+			s, _, err := r.Create(alice, CreateOptions{Name: "w", Size: 300, Mode: 0o644, UseMode: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r.AddSource(alice, s, file)
+			if _, err := r.Acquire(tc.who, "w", true); err != nil {
+				t.Fatal(err)
+			}
+			inf, _ := r.Stat("w")
+			if got := len(inf.Sources) == 0; got != tc.foreign {
+				t.Fatalf("after a read-only open by %s, sources gone = %v, want %v", tc.name, got, tc.foreign)
+			}
+		})
+	}
+}

@@ -482,6 +482,31 @@ func TestTierCleanCopy(t *testing.T) {
 	}
 }
 
+// A fill writes through the daemon's own mapping, whatever lease its
+// client holds (a read-only one, here): the clean copy goes, or the next
+// eviction would bring back the bytes from before the fill, under the
+// fill's source.
+func TestTierFillDropsTheCleanCopy(t *testing.T) {
+	f := newTiers(t, 1, 3)
+	f.put(t, "a")
+	if _, err := f.r.Evict(alice, "a"); err != nil {
+		t.Fatal(err)
+	}
+	s, err := f.r.Acquire(alice, "a", true) // restored, with a clean copy
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := f.r.TierStats(); st.CleanBytes != page {
+		t.Fatalf("after a read-only restore: %+v", st)
+	}
+	f.r.Filling(alice, s)
+	f.r.background.Wait()
+	if st := f.r.TierStats(); st.CleanBytes != 0 {
+		t.Fatalf("after a fill: %+v", st)
+	}
+	f.r.Release(s)
+}
+
 // A clean copy never takes host memory past its budget: kept only when
 // there is room, dropped first when an eviction needs room.
 func TestTierCleanCopyWithinHostBudget(t *testing.T) {

@@ -12,9 +12,10 @@ into it: the bundle then serves exactly that file's tensors and metadata
 (one shard of a checkpoint directory's bundle is that shard alone), and
 only while the file is the one the daemon filled the bundle from (same
 device, inode, size, mtime and ctime as the daemon saw them), in a bundle
-of root's or the caller's that nobody else may write; the tensors are laid
-out by the file's own header (docs/python.md, "Any loader";
-docs/security.md, "Files served from bundles").
+of root's or the caller's that nobody else may write (on a GPU, nor read:
+a reader there can write); the tensors are laid out by the file's own
+header (docs/python.md, "Any loader"; docs/security.md, "Files served from
+bundles").
 
 Devices (the rule docs/python.md explains): a request for the bundle's own
 device gets views of the segment, read-only unless readonly=False (numpy
@@ -137,8 +138,11 @@ def _trusted(info, me) -> bool:
     owned by root or by this process's own user (as the daemon knows it),
     and writable by nobody else. Whoever else may write it could change
     the bytes after the daemon filled them, through a mapping the daemon
-    cannot see (docs/security.md, "Files served from bundles")."""
-    return (info.uid == 0 or info.uid == me) and not info.mode & 0o022
+    cannot see (docs/security.md, "Files served from bundles"). On a GPU
+    whoever may read it may write it: a read-only open's descriptor is a
+    CUDA export, which its holder may map read-write."""
+    others = 0o066 if info.handle_type == "cuda_fd" else 0o022
+    return (info.uid == 0 or info.uid == me) and not info.mode & others
 
 
 class _Holdings:
@@ -220,10 +224,11 @@ def held(path, client=None, quiet=False):
     is held when the daemon filled a bundle from it, itself, as the file is
     now (the same device, inode, size, mtime and ctime, as the daemon saw
     them through the descriptor it read), and the caller may read it. Only
-    bundles owned by root or by the caller, and writable by nobody else,
-    count: anyone else could change the bytes after the fill. A file that
-    changed since it was put is read from disk, and a line on standard
-    error says why (once per file and bundle)."""
+    bundles owned by root or by the caller, and writable by nobody else
+    (on a GPU, readable by nobody else), count: anyone else could change
+    the bytes after the fill. A file that changed since it was put is read
+    from disk, and a line on standard error says why (once per file and
+    bundle)."""
     try:
         st = os.stat(path)
     except (OSError, ValueError):

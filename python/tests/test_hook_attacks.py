@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -19,6 +20,7 @@ import pytest
 
 import gpushm
 from gpushm import safetensors as gst
+from gpushm._types import SegmentInfo
 from conftest import Daemon, child, env_for
 from stfiles import bundle_meta, put_file, write
 from test_hook_trust import NOBODY, _as_nobody, _model, _served, shared_dir  # noqa: F401 (a fixture)
@@ -127,39 +129,53 @@ def test_a_fill_by_another_writer_is_never_trusted(client, daemon, name, shared_
 
 
 _WRITE_LOOP = """
-    import os, select, sys
+    import json, os, select, sys
     fd = os.open(sys.argv[1], os.O_WRONLY)
     n = os.path.getsize(sys.argv[1])
     print("ready")
-    i = 0
+    i, log = 0, []
     while not select.select([sys.stdin], [], [], 0)[0]:
         i += 1
-        os.pwrite(fd, bytes([i & 0xff]) * 4096, (i * 4096 * 7919) % (n - 4096))
-    print("stopped")
+        off = (i * 4096 * 7919) % (n - 4096)
+        os.pwrite(fd, bytes([i & 0xff]) * 4096, off)
+        log.append((off, i & 0xff, os.fstat(fd).st_ctime_ns))
+    print(json.dumps(log))
 """
 
 
 def test_writes_to_the_file_during_a_fill_are_seen(client, daemon, name, shared_dir):
     # nobody owns the file root puts (a model nobody downloaded, say) and
-    # writes it while the daemon copies: the bundle would hold a mix no
-    # state of the file ever was. Each write(2) moves the file's ctime
-    # (finer than a clock tick once the daemon's fstat has read it), so
-    # the fill is not recorded.
-    path, _ = _big_model(shared_dir)
+    # writes it while the daemon copies: the bundle would hold a mix that
+    # no state of the file ever was. Each write(2) moves the file's ctime
+    # (finer than a clock tick once an fstat has read it), so a fill that
+    # a write ran through is not recorded, and a fill recorded under ctime
+    # C holds exactly the file with the writes made by C. nobody logs each
+    # write with the ctime it left, from which the test makes that state.
+    path, _ = _big_model(shared_dir, mib=16)
     os.chown(path, NOBODY, NOBODY)
-    p = _nobody_proc(daemon, shared_dir, _WRITE_LOOP, path)
-    _expect(p, "ready")
     seg = client._create(name, os.path.getsize(path), None, None, 0o644, False)
-    try:
-        for _ in range(3):
+    seen = 0
+    for _ in range(4):
+        state = bytearray(open(path, "rb").read())
+        p = _nobody_proc(daemon, shared_dir, _WRITE_LOOP, path)
+        _expect(p, "ready")
+        try:
             with open(path, "rb") as f:
                 seg.fill(f)
-            assert client.stat(name).sources == (), "a fill the file's writes ran through was recorded"
-    finally:
-        p.stdin.write("stop\n")
-        p.stdin.close()
-        _expect(p, "stopped")
-        p.wait(30)
+        finally:
+            p.stdin.write("stop\n")
+            p.stdin.close()
+            log = json.loads(p.stdout.readline())
+            p.wait(30)
+        srcs = client.stat(name).sources
+        if not srcs:
+            seen += 1
+            continue
+        for off, v, ctime in log:
+            if ctime <= srcs[0].ctime_ns:
+                state[off:off + 4096] = bytes([v]) * 4096
+        assert seg.tobytes() == bytes(state), "a fill recorded under the file's ctime holds another state of the file"
+    print(f"{seen} of 4 fills seen written")
     with open(path, "rb") as f:
         seg.fill(f)
     assert len(client.stat(name).sources) == 1, "a fill of the file at rest was not recorded"
@@ -384,3 +400,70 @@ def test_foreign_outlives_a_crash_whatever_others_journal(cdaemon, name, shared_
     assert _fresh(path) is None
     c.close()
     assert "the supervisor died" not in cdaemon.logs(), cdaemon.logs()
+
+
+def test_on_a_gpu_a_bundle_others_may_read_is_not_served(client, name, shared_dir, monkeypatch):
+    # The hook's half of test_gpu_hook_trust.py, on any machine: the
+    # bundle is told to be GPU memory, where a reader can write.
+    path = _model(shared_dir)
+    put_file(client, name, path, mode=0o644)
+    assert gst.held(path) is not None  # host memory: a reader cannot write
+    orig = SegmentInfo.from_wire
+    monkeypatch.setattr(SegmentInfo, "from_wire", classmethod(lambda cls, d: orig(dict(d, handle_type="cuda_fd"))))
+    gst._holdings.clear()
+    assert gst.held(path) is None, "a GPU bundle others may read is served"
+    client._call("chmod", name=name, mode=0o600)
+    gst._holdings.clear()
+    assert gst.held(path) is not None
+
+
+
+@pytest.fixture
+def fdaemon():
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse to mount the view on")
+    mnt = tempfile.mkdtemp(prefix="gpushm-view-")
+    os.chmod(mnt, 0o755)
+    d = Daemon("host", "--mount", mnt)
+    d.mnt = mnt
+    yield d
+    d.stop()
+    subprocess.run(["umount", "-l", mnt], capture_output=True)
+    os.rmdir(mnt)
+
+
+def test_a_write_through_the_view_is_never_trusted(fdaemon, name, shared_dir, monkeypatch):
+    # Root's bundle lets its group (nobody's) write; nobody writes it
+    # through the FUSE view. The daemon makes each write itself, but an
+    # open for writing counts as write access all the same: its writes may
+    # run beside a fill of root's, as another user's fill may.
+    monkeypatch.setenv("GPUSHM_SOCKET", fdaemon.socket)
+    path = _model(shared_dir)
+    c = gpushm.connect(fdaemon.socket)
+    data = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    child(fdaemon.socket, """
+        import json, sys, gpushm
+        gpushm.connect()._create(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), None, 0o660, False)
+    """, name, len(data), json.dumps(bundle_meta(n, 2)), group=NOBODY)
+    seg = c.open(name)
+    with open(path, "rb") as f:
+        seg.fill(f)
+    seg.close()
+    assert len(c.stat(name).sources) == 1
+    _as_nobody(fdaemon, shared_dir, """
+        import os, struct, sys
+        with open(os.path.join(sys.argv[1], sys.argv[2]), "r+b") as f:
+            f.seek(int(sys.argv[3]) - 24)
+            f.write(struct.pack("<f", 666.0) * 6)
+    """, fdaemon.mnt, name, len(data))
+    assert c.stat(name).sources == ()
+    c._call("chmod", name=name, mode=0o640)
+    assert _fresh(path) is None
+    # For good: root's next fill is not recorded either.
+    seg = c.open(name)
+    with open(path, "rb") as f:
+        seg.fill(f)
+    seg.close()
+    assert c.stat(name).sources == ()
+    c.close()
