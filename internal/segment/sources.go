@@ -1,6 +1,7 @@
 package segment
 
 import (
+	"cmp"
 	"slices"
 
 	"github.com/gpushm/gpushm/internal/crc32c"
@@ -169,6 +170,6 @@ func sourcesOf(s *Segment) []Source {
 		return nil
 	}
 	out := slices.Clone(s.sources)
-	slices.SortFunc(out, func(a, b Source) int { return int(min(max(a.At-b.At, -1), 1)) })
+	slices.SortFunc(out, func(a, b Source) int { return cmp.Compare(a.At, b.At) })
 	return out
 }
