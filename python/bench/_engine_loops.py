@@ -67,7 +67,44 @@ __all__ = [
     "load_into",
     "sglang_load_into",
     "load_into_get_slice",
+    "as_engine",
 ]
+
+# The module each engine's loop lives in (the files cited above).
+ENGINE_MODULES = {
+    "vllm": "vllm.model_executor.model_loader.weight_utils",
+    "sglang": "sglang.srt.model_loader.weight_utils",
+}
+
+
+def as_engine(engine):
+    """This file loaded again as the module the engine's loop lives in
+    (ENGINE_MODULES), under that name in sys.modules with empty parent
+    packages: code that finds its caller by module name (gpushm's
+    cpu_tensors="auto") then sees these loops as it would see the engine's.
+    Only for processes that do not have the engine installed."""
+    import importlib.util
+    import sys
+    import types
+
+    name = ENGINE_MODULES[engine]
+    got = sys.modules.get(name)
+    if got is not None:
+        if getattr(got, "__file__", None) != __file__:
+            raise RuntimeError(f"{name} is the engine's own module ({got.__file__}), not a stand-in")
+        return got
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        pkg = ".".join(parts[:i])
+        if pkg not in sys.modules:
+            mod = types.ModuleType(pkg)
+            mod.__path__ = []
+            sys.modules[pkg] = mod
+    spec = importlib.util.spec_from_file_location(name, __file__)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 # ----------------------------------------------------------------- iterators

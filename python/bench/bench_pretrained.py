@@ -107,6 +107,11 @@ def make_checkpoint(run, label):
     rc, out, took = run.gpushm("put", "--readonly-default", name, str(d))
     if rc != 0:
         raise RuntimeError(f"gpushm put {name} {d}: exit {rc}: {out[-500:]}")
+    # The same checkpoint put as docs/engines.md and the README put it
+    # (read-write bundle): from_pretrained maps it read-only all the same.
+    rc, out, _ = run.gpushm("put", name + "-rw", str(d))
+    if rc != 0:
+        raise RuntimeError(f"gpushm put {name}-rw {d}: exit {rc}: {out[-500:]}")
     for p in shard_files(d):  # transformers reads these from the page cache
         with open(p, "rb", buffering=0) as f:
             while f.read(16 << 20):
@@ -118,6 +123,16 @@ def make_checkpoint(run, label):
 
 def compare_size(run, label, torch_ok):
     d, name, size = make_checkpoint(run, label)
+    try:
+        return _compare(run, label, torch_ok, d, name, size)
+    finally:
+        try:
+            run.client.unlink(name + "-rw")
+        except OSError:
+            pass
+
+
+def _compare(run, label, torch_ok, d, name, size):
     if not torch_ok:
         r = run.worker(f"{label}-numpy", "numpy", "--name", name, "--dir", str(d))
         check(r.get("ok") is True, f"{label}-bundle", "a fresh worker reads every tensor of the bundle, equal to the "
@@ -126,10 +141,17 @@ def compare_size(run, label, torch_ok):
     logits = run.work / f"logits-{label}"
     logits.mkdir(exist_ok=True)
     mine, theirs, steps, rows = [], [], [], None
+    rw, rw_steps = [], []
     for i in range(run.a.reps):
         if i > 0 and run.time_left() < 60:
             say("INFO", f"{label}-reps", f"{i} of {run.a.reps} rounds: {run.time_left():.0f} s of the budget left")
             break
+        r = run.worker(f"{label}-gpushm-rw-{i}", "gpushm", "--name", name + "-rw", "--index", str(i))
+        if "error" in r:
+            check(False, f"{label}-gpushm-rw", r["error"])
+        else:
+            rw.append(r["load_s"])
+            rw_steps.append(r.get("steps", []))
         r = run.worker(f"{label}-gpushm-{i}", "gpushm", "--name", name, "--index", str(i),
                        "--logits", str(logits / "gpushm.pt"), *(["--count-ops"] if i == 0 else []))
         if "error" in r:
@@ -164,12 +186,18 @@ def compare_size(run, label, torch_ok):
               f"transformers' own {fmt_s(t)}")
     eq = logits_equal(logits / "gpushm.pt", logits / "transformers.pt")
     check(eq is True, f"{label}-logits", f"gpushm's model and transformers' own load give equal logits: {eq}")
-    # Where the time goes: each step's median over the calls.
+    # Where the time goes: each step's median over the calls, both bundles.
     names = [s for s, _ in steps[0]] if steps and steps[0] else []
-    per = [(s, statistics.median(dict(st).get(s, 0.0) for st in steps)) for s in names]
+
+    def per(sts, s):
+        return fmt_s(statistics.median(dict(st).get(s, 0.0) for st in sts)) if sts else "-"
+
+    m_rw = statistics.median(rw) if rw else None
     table(f"{label}: gpushm.transformers.from_pretrained, step by step (median of {len(steps)})",
-          ["step", "time"], [[s, fmt_s(x)] for s, x in per] + [["the whole call", fmt_s(m)]])
+          ["step", "read-only bundle (put --readonly-default)", "read-write bundle (put)"],
+          [[s, per(steps, s), per(rw_steps, s)] for s in names] + [["the whole call", fmt_s(m), fmt_s(m_rw)]])
     return [label, f"{size / GIB:.2f} GiB", f"{fmt_s(m)} (best {fmt_s(min(mine))})",
+            f"{fmt_s(m_rw)} (best {fmt_s(min(rw))})" if rw else "-",
             f"{fmt_s(t)} (best {fmt_s(min(theirs))})" if theirs else "-", f"{t / m:.1f}x" if theirs else "-"]
 
 
@@ -328,7 +356,8 @@ def main():
         if rows:
             table(f"from_pretrained in a fresh process after imports, one process at a time (median of {a.reps}); "
                   f"transformers: {getattr(run, 'how', '-')}, its files in the page cache",
-                  ["model", "weights", "gpushm.transformers.from_pretrained", "transformers' own", "ratio"], rows)
+                  ["model", "weights", "gpushm.transformers.from_pretrained (put --readonly-default)",
+                   "the same, bundle put read-write", "transformers' own", "ratio"], rows)
     except Exception as e:
         check(False, "setup", f"{type(e).__name__}: {e}")
     finally:

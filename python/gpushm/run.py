@@ -1,9 +1,18 @@
-"""python -m gpushm.run [--cpu-tensors=copy|gpu] [--copy] CMD ARGS...
+"""python -m gpushm.run [--cpu-tensors=auto|copy|gpu] [--copy] CMD ARGS...
 
 Runs CMD with every safetensors open (safe_open, safetensors.torch.load_file,
 safetensors.numpy.load_file) of a file that gpushm holds served from the
 bundle it was put in, and every other file read from disk by the
 safetensors library as usual (docs/python.md, "Any loader").
+
+A CPU request (what most loaders make) for a file held on a GPU gets, with
+--cpu-tensors=auto (the default), what the loader's next step allows: GPU
+views for vLLM's and SGLang's loaders (they copy each tensor into a
+parameter of their own), private GPU copies for transformers'
+from_pretrained onto CUDA devices, and for anything else the file from
+disk, as without gpushm. --cpu-tensors=gpu gives GPU views to every CPU
+request (the parameters then share the bundle's memory); copy, copies on
+the CPU. --copy makes every tensor a private copy.
 
 It sets GPUSHM_SAFETENSORS (1, or "copy" with --copy) and, with
 --cpu-tensors, GPUSHM_CPU_TENSORS, and puts a directory first on
@@ -18,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 
-USAGE = "usage: python -m gpushm.run [--cpu-tensors=copy|gpu] [--copy] CMD ARGS...\n"
+USAGE = "usage: python -m gpushm.run [--cpu-tensors=auto|copy|gpu] [--copy] CMD ARGS...\n"
 
 
 def site_dir() -> str:
@@ -60,8 +69,8 @@ def main(argv=None) -> int:
             copy = True
         elif a.startswith("--cpu-tensors="):
             cpu = a.split("=", 1)[1]
-            if cpu not in ("copy", "gpu"):
-                sys.stderr.write(f"gpushm.run: --cpu-tensors={cpu}: want copy or gpu\n")
+            if cpu not in ("auto", "copy", "gpu"):
+                sys.stderr.write(f"gpushm.run: --cpu-tensors={cpu}: want auto, copy or gpu\n")
                 return 2
         elif a == "--cpu-tensors" and args:
             args.insert(0, "--cpu-tensors=" + args.pop(0))

@@ -20,10 +20,15 @@ bundles").
 Devices (the rule docs/python.md explains): a request for the bundle's own
 device gets views of the segment, read-only unless readonly=False (numpy
 arrays with writeable=False; torch tensors over a read-only mapping, which
-shared() recognizes). A request for another device gets a
-private copy there, as the safetensors library would give, except that
-cpu_tensors="gpu" answers a CPU request on a GPU bundle with GPU views
-(for engines that copy every tensor into a GPU parameter anyway).
+shared() recognizes). A request for another device gets a private copy
+there, as the safetensors library would give. A CPU request on a GPU
+bundle depends on cpu_tensors: "copy", a copy on the CPU; "gpu", GPU views
+(for engines that copy every tensor into a GPU parameter anyway); "auto"
+(the default), what the loader that asks does next allows (next_step):
+GPU views for vLLM's and SGLang's loaders, private GPU copies for
+transformers' from_pretrained onto CUDA devices, and otherwise, under the
+hook, the file read from disk by the library, as without gpushm (a copy
+on the CPU when called directly).
 copy=True makes every tensor a private copy. Tensors that models write
 after loading (BatchNorm's running statistics, quantization scales: see
 written_after_load) are always private copies. A write to a shared
@@ -50,7 +55,7 @@ from ._view import View
 __all__ = ["SafetensorError", "safe_open", "load_file", "load", "held", "shared", "written_after_load"]
 
 _FRAMEWORKS = {"pt": "pt", "torch": "pt", "pytorch": "pt", "np": "numpy", "numpy": "numpy"}
-_CPU_TENSORS = ("copy", "gpu")
+_CPU_TENSORS = ("auto", "copy", "gpu")
 
 
 class SafetensorError(Exception):
@@ -114,12 +119,13 @@ def _client(c=None, quiet=False):
 
 class _Held:
     """A file a bundle holds: the segment (name and id), and the ranges the
-    daemon filled from the file as it is now (Sources, by file offset)."""
+    daemon filled from the file as it is now (Sources, by file offset);
+    gpu: the bundle is GPU memory."""
 
-    __slots__ = ("name", "id", "sources")
+    __slots__ = ("name", "id", "sources", "gpu")
 
-    def __init__(self, name, id, sources):
-        self.name, self.id, self.sources = name, id, sources
+    def __init__(self, name, id, sources, gpu=False):
+        self.name, self.id, self.sources, self.gpu = name, id, sources, gpu
 
 
 _UNSEEN = object()
@@ -205,7 +211,7 @@ class _Holdings:
                 continue
             now = [src for src in info.sources if not _differs(src, st)]
             if now:
-                return _Held(name, id, tuple(sorted(now, key=lambda src: src.offset))), []
+                return _Held(name, id, tuple(sorted(now, key=lambda src: src.offset)), info.handle_type == "cuda_fd"), []
         return None, changed
 
 
@@ -339,11 +345,64 @@ def _device(fw, device):
 
 
 def _env_options():
-    cpu = os.environ.get("GPUSHM_CPU_TENSORS", "copy") or "copy"
+    cpu = os.environ.get("GPUSHM_CPU_TENSORS", "auto") or "auto"
     if cpu not in _CPU_TENSORS:
-        _notice(("GPUSHM_CPU_TENSORS", cpu), f"GPUSHM_CPU_TENSORS={cpu!r} is not one of {', '.join(_CPU_TENSORS)}; using 'copy'")
-        cpu = "copy"
+        _notice(("GPUSHM_CPU_TENSORS", cpu), f"GPUSHM_CPU_TENSORS={cpu!r} is not one of {', '.join(_CPU_TENSORS)}; using 'auto'")
+        cpu = "auto"
     return cpu, os.environ.get("GPUSHM_SAFETENSORS", "") == "copy"
+
+
+# ---- cpu_tensors="auto": what the loader does next with a CPU tensor -----------
+
+# Loaders that copy every tensor they read into a parameter of their own
+# with copy_ and keep nothing they were given: vLLM's and SGLang's weight
+# iterators and weight_loader methods (python/bench/_engine_loops.py cites
+# the code). A GPU view is read once by that copy, device to device.
+_COPYING_LOADERS = ("vllm.model_executor.model_loader", "sglang.srt.model_loader")
+_TRANSFORMERS = "transformers.modeling_utils"
+_DEPTH = 64
+
+
+def _on_cuda(where) -> bool:
+    """Whether a device_map (or one of its values) puts everything on CUDA
+    devices: an ordinal, "cuda", "cuda:N" or a torch.device of type cuda."""
+    if isinstance(where, dict) or (hasattr(where, "values") and hasattr(where, "items")):
+        vals = list(where.values())
+        return bool(vals) and all(_on_cuda(v) for v in vals)
+    if isinstance(where, bool):
+        return False
+    if isinstance(where, int):
+        return where >= 0
+    kind = getattr(where, "type", where)
+    return isinstance(kind, str) and (kind == "cuda" or kind.startswith("cuda:"))
+
+
+def next_step(frame=None):
+    """What cpu_tensors="auto" gives a CPU request on a GPU bundle, from
+    the loader that made it (found on the call stack): "gpu" (views of the
+    bundle) for a loader that copies every tensor into parameters of its
+    own (vLLM, SGLang); "private" (a private copy on the bundle's GPU,
+    which the loader may keep and write, as it would the CPU tensor it
+    asked for) for transformers' from_pretrained with a device_map that
+    puts every module on a CUDA device and no quantizer; None for anything
+    else: such a program gets what it asked for, the file's bytes on the
+    CPU (docs/python.md, "CPU tensors from a GPU bundle")."""
+    f = frame if frame is not None else sys._getframe(1)
+    for _ in range(_DEPTH):
+        if f is None:
+            return None
+        mod = f.f_globals.get("__name__", "")
+        if isinstance(mod, str):
+            if any(mod == p or mod.startswith(p + ".") for p in _COPYING_LOADERS):
+                return "gpu"
+            if mod == _TRANSFORMERS:
+                loc = f.f_locals
+                if "device_map" in loc:
+                    if loc.get("hf_quantizer") is not None or not _on_cuda(loc["device_map"]):
+                        return None
+                    return "private"
+        f = f.f_back
+    return None
 
 
 class _Open:
@@ -503,6 +562,8 @@ def _make(v: View, fw, device, cpu_tensors, copy, name=None):
     if kind == "cpu":
         if here is None or cpu_tensors == "gpu":
             return t.clone() if copy else t
+        if cpu_tensors == "private":
+            return t.clone()  # on the bundle's GPU: the loader moves it there next
         return t.to("cpu")  # only the view's elements cross
     if index is None:
         index = torch.cuda.current_device()
@@ -542,8 +603,8 @@ def safe_open(name_or_path, framework, device="cpu", *, client=None, readonly: b
     os.PathLike; a bare name that no segment has is tried as a file in the
     working directory). framework: "pt" (torch) or "numpy" ("np"); device:
     "cpu", "cuda", "cuda:N" or N. readonly=False maps read-write (writes
-    reach every process that maps the bundle). cpu_tensors ("copy" or
-    "gpu") and copy default to $GPUSHM_CPU_TENSORS and
+    reach every process that maps the bundle). cpu_tensors ("auto", "copy"
+    or "gpu") and copy default to $GPUSHM_CPU_TENSORS and
     $GPUSHM_SAFETENSORS=copy; the module's docstring says what they do.
     backend is accepted for the library's signature and changes nothing."""
     fw = _framework(framework)
@@ -552,6 +613,8 @@ def safe_open(name_or_path, framework, device="cpu", *, client=None, readonly: b
     cpu_tensors = env_cpu if cpu_tensors is None else cpu_tensors
     if cpu_tensors not in _CPU_TENSORS:
         raise ValueError(f"gpushm: cpu_tensors={cpu_tensors!r}: want one of {', '.join(_CPU_TENSORS)}")
+    if cpu_tensors == "auto":
+        cpu_tensors = next_step(sys._getframe(1)) or "copy"
     copy = env_copy if copy is None else bool(copy)
     c = _client(client)
     if not _is_path(name_or_path):
@@ -608,6 +671,15 @@ def _hook_open(filename, framework, device):
     if h is None:
         return None
     cpu, copy = _env_options()
+    if cpu == "auto":
+        # A CPU request on a GPU bundle: as fast as the loader's next step
+        # allows, else the file's own bytes from the page cache, as the
+        # library reads them (never a copy out of the GPU and back).
+        cpu = "gpu"
+        if dev[0] == "cpu" and h.gpu:
+            cpu = next_step(sys._getframe(1))
+            if cpu is None:
+                return None
     try:
         views, metadata = _open_held(path, h, _client(quiet=True), True)
     except (Error, OSError, ValueError, AttributeError) as e:

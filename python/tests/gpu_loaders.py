@@ -5,13 +5,15 @@ under the hook, and their outputs must be equal.
 
     GPUSHM_BIN=.gpu/gpushm PYTHONPATH=python python3 python/tests/gpu_loaders.py
 
-- transformers from_pretrained(dir, device_map="cuda"), under
-  --cpu-tensors=gpu (its loader asks for CPU tensors): logits equal, the
-  parameters are views of the bundle;
+- transformers from_pretrained(dir, device_map="cuda") (its loader asks
+  for CPU tensors): by default private GPU copies, under --cpu-tensors=gpu
+  views of the bundle, under --cpu-tensors=copy CPU copies, logits equal
+  every way; from_pretrained(dir) onto the CPU, read from disk by default;
 - accelerate load_checkpoint_and_dispatch, peft PeftModel.from_pretrained
   of an adapter put on its own;
-- vLLM's and SGLang's loops (python/bench/_engine_loops.py) into
-  tensor-parallel halves;
+- vLLM's and SGLang's loops (python/bench/_engine_loops.py, loaded under
+  the engines' module names) into tensor-parallel halves, by default and
+  under --cpu-tensors=gpu;
 - shared weights that a model writes: a BatchNorm model trained a step
   (its running statistics are private copies) and one that rescales a
   weight after loading (a Python error, no fault); the bundle is unchanged
@@ -66,6 +68,19 @@ def w_tf(out, ck):
                 "params": len(list(m.parameters()))}, out)
 
 
+def w_tf_cpu(out, ck):
+    """from_pretrained without a device_map: a CPU model, whose tensors
+    gpushm's default leaves to the library (from disk)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.bfloat16)
+    devices = sorted({p.device.type for p in m.parameters()})
+    with torch.no_grad():
+        logits = m(_llama_input(torch).cpu()).logits
+    torch.save({"logits": logits, "devices": devices, "inference": sum(_shared(p) for p in m.parameters())}, out)
+
+
 def w_acc(out, ck):
     import accelerate
     import torch
@@ -97,8 +112,9 @@ def w_engine(out, ck, engine):
     import torch
     from safetensors import safe_open  # under the hook: the wrapped one
 
-    import _engine_loops as loops
+    import _engine_loops
 
+    loops = _engine_loops.as_engine(engine)  # under the engine's module name, as gpushm's "auto" sees it
     files = sorted(str(p) for p in Path(ck).glob("*.safetensors"))
     got = {}
     shapes = {}
@@ -212,7 +228,7 @@ def w_unchanged(out, path, socket):
     torch.save({"equal": equal}, out)
 
 
-WORKERS = {"unchanged": w_unchanged, "tf": w_tf, "acc": w_acc, "peft": w_peft, "engine": w_engine, "bn": w_bn}
+WORKERS = {"unchanged": w_unchanged, "tf": w_tf, "tfcpu": w_tf_cpu, "acc": w_acc, "peft": w_peft, "engine": w_engine, "bn": w_bn}
 
 
 # ---- the run -----------------------------------------------------------------
@@ -272,22 +288,36 @@ def main():
 
         # GPU_LOADERS_ONLY=bn runs the shared-weights part alone.
         if os.environ.get("GPU_LOADERS_ONLY") != "bn":
-            disk, hooked = worker("tf", False, ck), worker("tf", True, ck, cpu_tensors="gpu")
+            disk = worker("tf", False, ck)
+            hooked = worker("tf", True, ck, cpu_tensors="gpu")
             check(same(hooked, disk), "transformers from_pretrained(dir, device_map='cuda') under gpushm.run --cpu-tensors=gpu",
                   f"logits equal; {hooked and hooked['inference']} of {hooked and hooked['params']} parameters are views of the bundle")
             check(hooked is not None and hooked["inference"] > 0, "transformers parameters shared", "")
-            disk, hooked = worker("tf", False, ck), worker("tf", True, ck)
-            check(same(hooked, disk), "transformers from_pretrained under gpushm.run (CPU copies)", "logits equal")
+            hooked = worker("tf", True, ck)
+            check(same(hooked, disk) and hooked["inference"] == 0,
+                  "transformers from_pretrained(dir, device_map='cuda') under gpushm.run (default: private GPU copies)",
+                  f"logits equal; {hooked and hooked['inference']} parameters are views of the bundle (want 0)")
+            hooked = worker("tf", True, ck, cpu_tensors="copy")
+            check(same(hooked, disk), "transformers from_pretrained under gpushm.run --cpu-tensors=copy (CPU copies)", "logits equal")
+            disk, hooked = worker("tfcpu", False, ck), worker("tfcpu", True, ck)
+            check(same(hooked, disk) and hooked["devices"] == ["cpu"] and hooked["inference"] == 0,
+                  "transformers from_pretrained(dir) onto the CPU under gpushm.run (default: the library reads the files)",
+                  f"logits equal; parameters on {hooked and hooked['devices']}")
             disk, hooked = worker("acc", False, ck), worker("acc", True, ck)
             check(same(hooked, disk), "accelerate load_checkpoint_and_dispatch under gpushm.run",
                   f"logits equal; {hooked and hooked['inference']} parameters are views of the bundle")
-            disk, hooked = worker("peft", False, ck, adapter), worker("peft", True, ck, adapter, cpu_tensors="gpu")
-            check(same(hooked, disk), "peft PeftModel.from_pretrained (adapter put on its own) under gpushm.run", "logits equal")
+            disk = worker("peft", False, ck, adapter)
+            for mode in (None, "gpu"):
+                hooked = worker("peft", True, ck, adapter, cpu_tensors=mode)
+                check(same(hooked, disk), f"peft PeftModel.from_pretrained (adapter put on its own) under gpushm.run"
+                      f"{' --cpu-tensors=' + mode if mode else ''}", "logits equal")
             for engine in ("vllm", "sglang"):
                 disk = worker("engine", False, ck, engine)
-                hooked = worker("engine", True, ck, engine, cpu_tensors="gpu")
-                check(same(hooked, disk) and disk is not None and len(disk) > 0, f"{engine}'s loop, tp 2, under gpushm.run --cpu-tensors=gpu",
-                      f"{len(disk or {})} rank tensors equal")
+                for mode in (None, "gpu"):
+                    hooked = worker("engine", True, ck, engine, cpu_tensors=mode)
+                    check(same(hooked, disk) and disk is not None and len(disk) > 0,
+                          f"{engine}'s loop, tp 2, under gpushm.run{' --cpu-tensors=' + mode if mode else ''}",
+                          f"{len(disk or {})} rank tensors equal")
 
         # Shared weights that a model writes: another worker holds the
         # bundle before and after.
