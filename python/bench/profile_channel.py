@@ -243,9 +243,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bin", default=os.environ.get("GPUSHM_BIN") or ".gpu/gpushm")
     p.add_argument("--count", type=int, default=20000)
+    p.add_argument("--slots", type=int, default=SLOTS, help="slots of the channel (default 4, as bench_channel.py)")  # noqa
     p.add_argument("--smoke", action="store_true", help="host backend, numpy, 200 messages")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
+    globals()["SLOTS"] = a.slots
     a.backend = "host"
     if a.smoke:
         a.count = 200

@@ -207,15 +207,21 @@ n, count, slots = 64, 500, 3
 """
 
 
-def test_channel_cuda_path(daemon, fake_libdir, name):
+@pytest.mark.parametrize("waits", ["queued", "landed"])
+def test_channel_cuda_path(daemon, fake_libdir, name, waits):
     """Producer and consumer processes through the CUDA path: the control
     block pinned and addressed on the "GPU", every hand-off ordered by a
-    stream write after the producer's work and a stream wait before the
-    consumer's, on the stream each was given, and everything released at
+    stream write after the producer's work and, before the consumer's, a
+    stream wait, on the stream each was given, and everything released at
     close. The stand-in runs streams at once, so a wait queued before its
-    flag was written (a protocol mistake) fails."""
+    flag was written (a protocol mistake) fails. Its flags have always
+    landed by the time the other end looks, so that no wait is queued
+    ("landed"); "queued" makes the ends see every flag as not landed yet,
+    as a busy GPU leaves them, so that every wait is queued."""
     env = dict(env_for(daemon.socket), LD_LIBRARY_PATH=fake_libdir + ":" + os.environ.get("LD_LIBRARY_PATH", ""))
-    producer = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(CHANNEL_END) + textwrap.dedent("""
+    force = "\nimport gpushm._channel as _ch\n_ch._reached = lambda v, want: False\n" if waits == "queued" else ""
+    queued = waits == "queued"
+    producer = subprocess.Popen([sys.executable, "-c", PRELUDE + force + textwrap.dedent(CHANNEL_END) + textwrap.dedent("""
         tx = c.channel(name, shape=(n,), dtype="float32", slots=slots, framework=None)
         assert tx.device == 0 and live()["ctx_depth"] == 0
         print("open", flush=True)
@@ -227,7 +233,7 @@ def test_channel_cuda_path(daemon, fake_libdir, name):
                 ctypes.memmove(v.ptr, src.ctypes.data, src.nbytes)
             assert fake.fake_last_stream() == want_stream(k), (k, fake.fake_last_stream())
         # One write per message; a wait for every message that reuses a slot.
-        assert (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet()) == (count, count - slots, 0), \\
+        assert (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet()) == (count, (count - slots) * queued, 0), \\
             (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet())
         # A thread whose current context is the channel's (as a framework
         # leaves it) hands over without pushing it again.
@@ -244,10 +250,10 @@ def test_channel_cuda_path(daemon, fake_libdir, name):
         assert live() == {"handles": 0, "reserved": 0, "mapped": 0, "allocs": 0, "ctx_depth": 0}, live()
         assert fake.fake_live_registered() == 0
         print("closed", flush=True)
-    """), name], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """).replace("queued", str(queued)), name], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert producer.stdout.readline().strip() == "open", producer.stderr.read()
-        out = run(daemon, fake_libdir, name, CHANNEL_END + textwrap.dedent("""
+        out = run(daemon, fake_libdir, name, force + CHANNEL_END + textwrap.dedent("""
             rx = c.channel(name, framework=None)
             assert rx.device == 0 and fake.fake_live_registered() == 1
             k = 0
@@ -264,13 +270,13 @@ def test_channel_cuda_path(daemon, fake_libdir, name):
                 assert fake.fake_last_stream() == want_stream(k)
                 k += 1
             assert k == count + 1
-            assert (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet()) == (count + 1, count + 1, 0)
+            assert (fake.fake_writes(), fake.fake_waits(), fake.fake_waits_unmet()) == (count + 1, (count + 1) * queued, 0)
             rx.close()
             del m, v
             gc.collect()
             assert fake.fake_live_registered() == 0 and live()["mapped"] == 0 and live()["ctx_depth"] == 0, live()
             print("ok")
-        """))
+        """).replace("queued", str(queued)))
         assert out.strip() == "ok"
         assert producer.stdout.readline().strip() == "closed", producer.stderr.read()
         assert producer.wait(30) == 0, producer.stderr.read()
