@@ -28,14 +28,19 @@ import (
 // copy into pages that exist runs at 49 GB/s. The reserve makes the pages
 // before they are needed, in the background, and an eviction takes them.
 //
-// It is a few memfds (pieces) of halving sizes, half the reserve, a
-// quarter, an eighth, ..., down to a 256th of it (at least 2 MiB), the
-// smallest twice: ten descriptors at most, whatever the size. A segment's
-// memory is one memfd, so an eviction takes one piece whole: the smallest
-// ready that holds it and is at most 8 times its size (an eviction of a
-// few MiB would waste a piece of GiBs; it makes its own memory, a few
-// milliseconds). The largest eviction the reserve serves is half of it;
-// two of a quarter of it, or three of an eighth, find pieces ready at once.
+// It is a few memfds (pieces): one of eight ninths of the reserve, and the
+// ninth left in pieces of halving sizes, half of it, a quarter, ..., down
+// to a 256th of the reserve (at least 2 MiB), the smallest twice: ten
+// descriptors at most, whatever the size. A segment's memory is one memfd,
+// so an eviction takes one piece whole: the smallest ready that holds it
+// and is at most 8 times its size (an eviction of a few MiB would waste a
+// piece of GiBs; it makes its own memory, a few milliseconds). The largest
+// eviction the reserve serves is eight ninths of it, which the default
+// sizes to the largest GPU budget (at most a seventh of host memory): the
+// first eviction of a segment that large is the one a user meets first and
+// waits for longest (4.2 s for 16 GiB into new memory on an H200 machine).
+// Smaller ones take the small pieces; two large evictions at once find one
+// piece for the first only.
 //
 // A piece is made as Spill.Allocate makes memory (a sealed memfd, its
 // pages made by MADV_POPULATE_WRITE in the daemon's mapping, which the
@@ -75,6 +80,10 @@ import (
 // reserveMaxWaste bounds the piece an allocation may take: at most this
 // many times its size.
 const reserveMaxWaste = 8
+
+// reserveBigShare: the largest piece is all of the reserve but one part
+// in this many (eight ninths); the rest is the smaller pieces.
+const reserveBigShare = 9
 
 // reserveChunk is what one thread populates at a time for the reserve:
 // the daemon's memory map lock is held for that long.
@@ -153,6 +162,10 @@ func reserveLayout(total, align int64) []int64 {
 	least := max(total/256/align*align, align)
 	var sizes []int64
 	rem := total
+	if big := total / reserveBigShare * (reserveBigShare - 1) / align * align; big >= least {
+		sizes = append(sizes, big)
+		rem -= big
+	}
 	for rem >= 2*least {
 		p := rem / 2 / align * align
 		sizes = append(sizes, p)

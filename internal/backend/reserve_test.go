@@ -27,14 +27,15 @@ func TestReserveLayout(t *testing.T) {
 		total, align int64
 		want         []int64
 	}{
-		{64 * mib, 2 * mib, []int64{32 * mib, 16 * mib, 8 * mib, 4 * mib, 2 * mib, 2 * mib}},
-		{16 << 30, 2 * mib, []int64{8 << 30, 4 << 30, 2 << 30, 1 << 30, 512 * mib, 256 * mib, 128 * mib, 64 * mib, 64 * mib}},
-		{5 * mib, 2 * mib, []int64{2 * mib, 2 * mib}},
+		{64 * mib, 2 * mib, []int64{56 * mib, 4 * mib, 2 * mib, 2 * mib}},
+		// A piece for a 16 GiB eviction, and the ninth left in halves.
+		{18 << 30, 2 * mib, []int64{16 << 30, 1 << 30, 512 * mib, 256 * mib, 128 * mib, 128 * mib}},
+		{5 * mib, 2 * mib, []int64{4 * mib}},
 		{3 * mib, 2 * mib, []int64{2 * mib}},
 		{1 * mib, 2 * mib, nil},
 		{0, 2 * mib, nil},
 		// 1 GiB huge pages: whole ones.
-		{10 << 30, 1 << 30, []int64{5 << 30, 2 << 30, 1 << 30, 1 << 30, 1 << 30}},
+		{10 << 30, 1 << 30, []int64{8 << 30, 1 << 30, 1 << 30}},
 	} {
 		t.Run(fmt.Sprint(tc.total), func(t *testing.T) {
 			got := reserveLayout(tc.total, tc.align)
@@ -192,16 +193,16 @@ func TestReserve(t *testing.T) {
 	before := spillMemfds(t)
 	f := startReserve(t, 64*mib)
 	f.waitFull(t)
-	if r := f.s.Reserved(); r.Target != 64*mib || r.Memfds != 6 || r.Takes != 0 {
-		t.Fatalf("full reserve: %+v, want 64 MiB in 6 memfds", r)
+	if r := f.s.Reserved(); r.Target != 64*mib || r.Memfds != 4 || r.Takes != 0 {
+		t.Fatalf("full reserve: %+v, want 64 MiB in 4 memfds (56, 4, 2 and 2 MiB)", r)
 	}
 	// Its pages are made, and not mapped while they wait (piece).
 	if n := reserveMapped(t, f.s); n > 0 {
 		t.Fatalf("%d of the reserve's pieces are mapped while they wait", n)
 	}
 
-	// 5 MiB and a page: the 8 MiB piece.
-	const size = 5*mib + 4096
+	// 7 MiB and a page: the 56 MiB piece (the 4 MiB one is too small).
+	const size = 7*mib + 4096
 	m, err := f.s.AllocateScratch(0, size)
 	if err != nil {
 		t.Fatal(err)
@@ -238,7 +239,7 @@ func TestReserve(t *testing.T) {
 	waitFor(t, "the tail to be given back", func() bool {
 		var st unix.Stat_t
 		unix.Fstat(hm.fd, &st)
-		return st.Size == 8*mib && st.Blocks*512 >= size && st.Blocks*512 <= 6*mib
+		return st.Size == 56*mib && st.Blocks*512 >= size && st.Blocks*512 <= 8*mib
 	})
 	want2 := bytes.Repeat([]byte("evicted!"), size/8)
 	if err := hm.WriteAt(want2, 0); err != nil {
@@ -269,9 +270,9 @@ func TestReserve(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Too large for any piece (32 MiB at most), too small for any (a
+	// Too large for any piece (56 MiB at most), too small for any (a
 	// piece at most 8 times its size): new memory.
-	for _, n := range []int64{33 * mib, 64 << 10} {
+	for _, n := range []int64{57 * mib, 64 << 10} {
 		m, err := f.s.AllocateScratch(0, n)
 		if err != nil {
 			t.Fatal(err)
@@ -344,10 +345,11 @@ func TestReserveRelief(t *testing.T) {
 		huge       int64 // the piece of this size is hugetlb
 		left       []int64
 	}{
-		{"one piece is enough", 20 * mib, 19 * mib, 0, []int64{16 * mib, 8 * mib, 4 * mib, 2 * mib, 2 * mib}},
-		{"the largest, then the smallest that is enough", 40 * mib, 39 * mib, 0, []int64{8 * mib, 4 * mib, 2 * mib, 2 * mib}},
-		{"not under the threshold", 40 * mib, 40 * mib, 0, []int64{32 * mib, 16 * mib, 8 * mib, 4 * mib, 2 * mib, 2 * mib}},
-		{"hugetlb stays", 40 * mib, 39 * mib, 32 * mib, []int64{32 * mib}},
+		// The pieces: 56, 4, 2 and 2 MiB. Needed: twice low less avail.
+		{"one piece is enough", 3 * mib, 2 * mib, 0, []int64{56 * mib, 2 * mib, 2 * mib}},
+		{"the largest, then the smallest that is enough", 33 * mib, 7 * mib, 0, []int64{2 * mib, 2 * mib}},
+		{"not under the threshold", 40 * mib, 40 * mib, 0, []int64{56 * mib, 4 * mib, 2 * mib, 2 * mib}},
+		{"hugetlb stays", 40 * mib, 39 * mib, 56 * mib, []int64{56 * mib}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := NewSpill(host, 0)
@@ -567,20 +569,20 @@ func TestReserveKeeper(t *testing.T) {
 	}()
 	defer func() { cancel(); <-f.done }()
 	f.waitFull(t)
-	if held, ever := k.count(); held != 6 || ever != 6 {
-		t.Fatalf("full reserve of 6 pieces: %d held, %d ever; want 6, 6", held, ever)
+	if held, ever := k.count(); held != 4 || ever != 4 {
+		t.Fatalf("full reserve of 4 pieces: %d held, %d ever; want 4, 4", held, ever)
 	}
-	m, err := f.s.AllocateScratch(0, 5*mib)
+	m, err := f.s.AllocateScratch(0, 7*mib)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer m.Free()
-	if held, _ := k.count(); held != 5 {
-		t.Fatalf("after an eviction took a piece: %d held, want 5", held)
+	if held, _ := k.count(); held != 3 {
+		t.Fatalf("after an eviction took a piece: %d held, want 3", held)
 	}
 	f.waitFull(t)
-	if held, ever := k.count(); held != 6 || ever != 7 {
-		t.Fatalf("after the piece was made again: %d held, %d ever; want 6, 7", held, ever)
+	if held, ever := k.count(); held != 4 || ever != 5 {
+		t.Fatalf("after the piece was made again: %d held, %d ever; want 4, 5", held, ever)
 	}
 	cancel()
 	<-f.done

@@ -262,9 +262,12 @@ func (o Options) tiers(b backend.Backend, host *backend.Host, spill *backend.Spi
 }
 
 // reserveBytes resolves --host-reserve for the tiers t: the host memory
-// to keep made ahead of evictions (backend.Spill.Reserve). Auto is the
-// largest GPU budget (its memory, where it has none), at most an eighth of
-// host memory and the host budget; none on the host backend, whose
+// to keep made ahead of evictions (backend.Spill.Reserve). Auto serves a
+// first eviction of the largest GPU budget (its memory, where it has
+// none), at most a seventh of host memory (a 16 GiB segment on a machine
+// of 128 GiB, whose kernel counts 125) and the host budget, from its
+// largest piece (eight ninths of the reserve): nine eighths of that, at
+// most the host budget; none on the host backend, whose
 // segments are evicted only when asked (gpushm evict) or under a budget
 // set by hand, or with eviction off.
 func (o Options) reserveBytes(b backend.Backend, host *backend.Host, t segment.Tiers) (int64, error) {
@@ -289,7 +292,8 @@ func (o Options) reserveBytes(b backend.Backend, host *backend.Host, t segment.T
 			}
 			largest = max(largest, n)
 		}
-		return min(largest, hostTotal/8, t.HostBudget), nil
+		served := min(largest, hostTotal/7, t.HostBudget)
+		return min(served+served/8, t.HostBudget), nil
 	default:
 		n, err := sizeOrShare(r, hostTotal)
 		if err != nil || n < 0 {
