@@ -56,13 +56,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -73,8 +69,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import _run  # noqa: E402
 import bench_loaders as bl  # noqa: E402
-from _report import check, say, table, verdicts  # noqa: E402
-from _run import fixed_prompt_logits, fmt_s, have, logits_equal  # noqa: E402
+from _report import check, say, table  # noqa: E402
+from _run import fixed_prompt_logits, fmt_s, logits_equal  # noqa: E402
 
 GIB = 1 << 30
 MODES = {"plain": None, "default": [], "gpu": ["--cpu-tensors=gpu"]}
@@ -331,62 +327,14 @@ LOAD = {"transformers": _model_load, "accelerate": _model_load, "peft": _model_l
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         return worker(sys.argv[2:])
-    ap = _run.parser(__doc__)
-    ap.add_argument("--sizes", default="2G,16G", help=f"comma-separated, of {', '.join(bl.SIZES)}")
-    ap.add_argument("--reps", type=int, default=3, help="rounds of fresh workers per size")
-    ap.add_argument("--budget", type=float, default=540, help="seconds; later rounds are skipped to stay within it")
-    ap.add_argument("--smoke", action="store_true", help="CI: --backend host --sizes tiny --reps 1, numpy workers")
-    a, sizes = _run.sized_args(ap, bl.SIZES)
-    if a.backend == "host" and sizes != ["tiny"]:
-        ap.error("--backend host runs numpy workers on the tiny checkpoint only (--sizes tiny, or --smoke)")
-    torch_ok, missing = False, []
-    if a.backend == "cuda":
-        missing = have("torch", "safetensors", "transformers", "accelerate", "peft")
-        torch_ok = not missing
-        if torch_ok:
-            import torch
-            if not torch.cuda.is_available():
-                torch_ok, missing = False, ["a CUDA device for torch"]
-    versions = {"python": platform.python_version()}
-    if torch_ok:
-        for m in ("torch", "safetensors", "transformers", "accelerate", "peft"):
-            versions[m] = __import__(m).__version__
-    print(f"bench_default: {time.strftime('%Y-%m-%d %H:%M:%S')}, backend {a.backend}, sizes {', '.join(sizes)}, "
-          f"{a.reps} rounds, budget {a.budget:.0f} s; " + ", ".join(f"{k} {v}" for k, v in versions.items()),
-          flush=True)
-    print("command: python3 " + " ".join(sys.argv), flush=True)
-    if a.backend == "cuda" and not torch_ok:
-        say("SKIP", "default", "needs " + ", ".join(missing) + " (--smoke runs the numpy part on the host backend)")
-        return 0
-    made = a.work is None
-    if made:
-        gpu_dir = REPO / ".gpu"
-        a.work = tempfile.mkdtemp(prefix="gpushm-default-", dir=str(gpu_dir) if gpu_dir.is_dir() else None)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    from bench_pretrained import gpu_memory
 
-    used0 = gpu_memory(torch_ok) if a.backend == "cuda" else None
-    figures = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "backend": a.backend, "versions": versions,
-               "reps": a.reps, "sizes": {}}
-    run = Run(a)
-    status = 1
-    try:
-        run.start_daemon()
-        if a.backend == "host" and have("safetensors"):
-            run.extra_path = [str(bl.standin(run))]
-        rows = [r for rs in run.per_size(sizes, lambda label: compare_size(run, label, torch_ok, figures)) for r in rs]
+    def summarize(rows, sizes, a):
         if rows and len(sizes) > 1:
             table("every size", ["size"] + ["loader", "plain", "default", "ratio", "gpu", "ratio"][:len(rows[0]) - 1],
                   rows)
-    except Exception as e:
-        check(False, "setup", f"{type(e).__name__}: {e}")
-    finally:
-        status = run.finish(used0, lambda: gpu_memory(torch_ok), made)
-        figures["verdicts"] = list(verdicts)
-        with open(Path(a.out) / "default.json", "w") as f:
-            json.dump(figures, f, indent=2)
-            f.write("\n")
-    return status
+
+    return bl.bench_main("default", __doc__, 540, ("torch", "safetensors", "transformers", "accelerate", "peft"), Run,
+                         compare_size, summarize)
 
 
 if __name__ == "__main__":

@@ -626,20 +626,24 @@ def _shared(t):
     return bool(mod is not None and mod.shared(t))
 
 
-def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        return worker(sys.argv[2:])
-    ap = _run.parser(__doc__)
+def bench_main(name, doc, budget, modules, make_run, compare, summarize, figures=None):
+    """The main of a program that compares loaders over model sizes (this
+    one, bench_default.py): its arguments, what the machine lacks (SKIP),
+    the run's daemon, compare(run, label, torch_ok, figures) for each size,
+    summarize(rows, sizes, a) with the rows they returned, the leftover
+    check, and OUT/NAME.json with the figures. modules: what the GPU
+    comparison imports. Returns the exit status."""
+    ap = _run.parser(doc)
     ap.add_argument("--sizes", default="2G,16G", help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--reps", type=int, default=3, help="rounds of fresh workers per size")
-    ap.add_argument("--budget", type=float, default=420, help="seconds; later rounds are skipped to stay within it")
+    ap.add_argument("--budget", type=float, default=budget, help="seconds; later rounds are skipped to stay within it")
     ap.add_argument("--smoke", action="store_true", help="CI: --backend host --sizes tiny --reps 1, numpy workers")
     a, sizes = _run.sized_args(ap, SIZES)
     if a.backend == "host" and sizes != ["tiny"]:
         ap.error("--backend host runs numpy workers on the tiny checkpoint only (--sizes tiny, or --smoke)")
     torch_ok, missing = False, []
     if a.backend == "cuda":
-        missing = have("torch", "safetensors", "transformers")
+        missing = have(*modules)
         torch_ok = not missing
         if torch_ok:
             import torch
@@ -647,29 +651,27 @@ def main():
                 torch_ok, missing = False, ["a CUDA device for torch"]
     versions = {"python": platform.python_version()}
     if torch_ok:
-        for m in ("torch", "safetensors", "transformers"):
+        for m in modules:
             versions[m] = __import__(m).__version__
-    print(f"bench_loaders: {time.strftime('%Y-%m-%d %H:%M:%S')}, backend {a.backend}, sizes {', '.join(sizes)}, "
+    print(f"bench_{name}: {time.strftime('%Y-%m-%d %H:%M:%S')}, backend {a.backend}, sizes {', '.join(sizes)}, "
           f"{a.reps} rounds, budget {a.budget:.0f} s; " + ", ".join(f"{k} {v}" for k, v in versions.items()),
           flush=True)
     print("command: python3 " + " ".join(sys.argv), flush=True)
     if a.backend == "cuda" and not torch_ok:
-        say("SKIP", "loaders", "needs " + ", ".join(missing) + " (--smoke runs the numpy part on the host backend)")
+        say("SKIP", name, "needs " + ", ".join(missing) + " (--smoke runs the numpy part on the host backend)")
         return 0
     made = a.work is None
     if made:
         gpu_dir = REPO / ".gpu"
-        a.work = tempfile.mkdtemp(prefix="gpushm-loaders-", dir=str(gpu_dir) if gpu_dir.is_dir() else None)
+        a.work = tempfile.mkdtemp(prefix=f"gpushm-{name}-", dir=str(gpu_dir) if gpu_dir.is_dir() else None)
     os.environ["GPUSHM_BENCH_BACKEND"] = a.backend
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     from bench_pretrained import gpu_memory
 
     used0 = gpu_memory(torch_ok) if a.backend == "cuda" else None
     figures = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "backend": a.backend, "versions": versions,
-               "reps": a.reps, "targets": {"size": TARGET_SIZE, "safe_open_x": TARGETS["safe_open"],
-                                           "transformers_x": TARGETS["transformers"], "tp_gbps": TARGETS["tp"]},
-               "sizes": {}}
-    run = Run(a)
+               "reps": a.reps, **(figures or {}), "sizes": {}}
+    run = make_run(a)
     status = 1
     try:
         run.start_daemon()
@@ -677,21 +679,34 @@ def main():
             run.extra_path = [str(standin(run))]
             say("INFO", "library", "the safetensors library is not installed: a stand-in package reads the files "
                 "(the hook wraps it as it would the library)")
-        rows = [r for rs in run.per_size(sizes, lambda label: compare_size(run, label, torch_ok, figures)) for r in rs]
-        if rows:
-            table(f"safetensors loaders in a fresh process after imports and CUDA context, plain (files in the page "
-                  f"cache) against python -m gpushm.run, one process at a time (median of up to {a.reps})",
-                  ["size", "loop", "plain", "under gpushm.run", "ratio"], rows)
+        rows = [r for rs in run.per_size(sizes, lambda label: compare(run, label, torch_ok, figures)) for r in rs]
+        summarize(rows, sizes, a)
     except Exception as e:
         check(False, "setup", f"{type(e).__name__}: {e}")
     finally:
         # Also when stopped by SIGTERM (a time limit): what ran is reported.
         status = run.finish(used0, lambda: gpu_memory(torch_ok), made)
         figures["verdicts"] = list(verdicts)
-        with open(Path(a.out) / "loaders.json", "w") as f:
+        with open(Path(a.out) / f"{name}.json", "w") as f:
             json.dump(figures, f, indent=2)
             f.write("\n")
     return status
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        return worker(sys.argv[2:])
+
+    def summarize(rows, sizes, a):
+        if rows:
+            table(f"safetensors loaders in a fresh process after imports and CUDA context, plain (files in the page "
+                  f"cache) against python -m gpushm.run, one process at a time (median of up to {a.reps})",
+                  ["size", "loop", "plain", "under gpushm.run", "ratio"], rows)
+
+    targets = {"size": TARGET_SIZE, "safe_open_x": TARGETS["safe_open"], "transformers_x": TARGETS["transformers"],
+               "tp_gbps": TARGETS["tp"]}
+    return bench_main("loaders", __doc__, 420, ("torch", "safetensors", "transformers"), Run, compare_size, summarize,
+                      {"targets": targets})
 
 
 if __name__ == "__main__":
