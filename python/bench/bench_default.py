@@ -148,13 +148,7 @@ def compare_size(run, label, torch_ok, figures):
     figures["sizes"][label] = {"bytes": size, "shards": len(files), "seconds": times}
     logits = run.work / f"logits-{label}"
     logits.mkdir(exist_ok=True)
-    last = None
-    for i in range(a.reps):
-        if i > 0 and last is not None and run.time_left() < last * 1.1:
-            say("INFO", f"{label}-reps", f"{i} of {a.reps} rounds: {run.time_left():.0f} s of the budget left, "
-                f"a round took {last:.0f} s")
-            break
-        t0 = time.monotonic()
+    for i in run.rounds(label):
         order = modes if i % 2 == 0 else modes[::-1]
         for ld in loaders:
             for mode in order:
@@ -167,7 +161,6 @@ def compare_size(run, label, torch_ok, figures):
                 reports[ld][mode].append(r)
                 if "device" in r:
                     figures.setdefault("device", r["device"])
-        last = time.monotonic() - t0
 
     rows, target = [], label == TARGET_SIZE
     for ld in loaders:

@@ -118,6 +118,19 @@ class Run(_run.Run):
     def time_left(self):
         return self.deadline - time.monotonic()
 
+    def rounds(self, label):
+        """The round numbers up to --reps, ending early (with an INFO line)
+        where the next round would not fit in what is left of --budget."""
+        last = None
+        for i in range(self.a.reps):
+            if last is not None and self.time_left() < last * 1.1:
+                say("INFO", f"{label}-reps", f"{i} of {self.a.reps} rounds: {self.time_left():.0f} s of the budget "
+                    f"left, a round took {last:.0f} s")
+                return
+            t0 = time.monotonic()
+            yield i
+            last = time.monotonic() - t0
+
     def env_for(self, how, cpu_tensors=None):
         """A worker's environment: plain (no hook), or what python -m
         gpushm.run [--cpu-tensors=...] gives the program it runs."""
@@ -347,13 +360,7 @@ def compare_size(run, label, torch_ok, figures):
     logits.mkdir(exist_ok=True)
     env = {"safe_open": {h: run.env_for(h) for h in ("plain", "gpushm")},
            "gpu": {h: run.env_for(h, cpu_tensors="gpu") for h in ("plain", "gpushm")}}
-    last = None
-    for i in range(a.reps):
-        if i > 0 and last is not None and run.time_left() < last * 1.1:
-            say("INFO", f"{label}-reps", f"{i} of {a.reps} rounds: {run.time_left():.0f} s of the budget left, "
-                f"a round took {last:.0f} s")
-            break
-        t0 = time.monotonic()
+    for i in run.rounds(label):
         for how in ("plain", "gpushm"):
             r = run.run_worker(f"{label}-safe_open-{how}-{i}", env["safe_open"][how], "safe_open", "--dir", str(d),
                                "--framework", fw)
@@ -381,7 +388,6 @@ def compare_size(run, label, torch_ok, figures):
             res["tp"][how].append([x["load_s"] for x in r["ranks"]])
             res["tp"]["gbps"][how].append(r["gbps"])
             tp_reports[how].append(r)
-        last = time.monotonic() - t0
 
     # What the workers saw: the same tensors both ways, served as intended.
     # (library_reads: the smoke's stand-in counts the files the library itself read.)
