@@ -388,6 +388,7 @@ def next_step(frame=None):
     else: such a program gets what it asked for, the file's bytes on the
     CPU (docs/python.md, "CPU tensors from a GPU bundle")."""
     f = frame if frame is not None else sys._getframe(1)
+    quantized = False
     for _ in range(_DEPTH):
         if f is None:
             return None
@@ -396,11 +397,12 @@ def next_step(frame=None):
             if any(mod == p or mod.startswith(p + ".") for p in _COPYING_LOADERS):
                 return "gpu"
             if mod == _TRANSFORMERS:
+                # from_pretrained holds device_map; _load_pretrained_model,
+                # nearer the open, the quantizer (transformers 5.17).
                 loc = f.f_locals
+                quantized = quantized or loc.get("hf_quantizer") is not None
                 if "device_map" in loc:
-                    if loc.get("hf_quantizer") is not None or not _on_cuda(loc["device_map"]):
-                        return None
-                    return "private"
+                    return None if quantized or not _on_cuda(loc["device_map"]) else "private"
         f = f.f_back
     return None
 

@@ -43,11 +43,11 @@ def f():
 """
 
 TRANSFORMERS = """
-def f(device_map, hf_quantizer=None):
-    def _load_pretrained_model():
+def f(device_map, hf_quantizer=None, inner_quantizer=None):
+    def _load_pretrained_model(hf_quantizer):
         device = "cpu"  # what transformers 5.17 passes to safe_open
         return next_step()
-    return _load_pretrained_model()
+    return _load_pretrained_model(inner_quantizer)
 """
 
 
@@ -80,6 +80,8 @@ def test_engines_by_module(module, want):
 def test_transformers_by_device_map(device_map, quantizer, want):
     f = _in_module("transformers.modeling_utils", TRANSFORMERS, next_step=gst.next_step)
     assert f(device_map, quantizer) == want
+    # The quantizer held by the frame nearer the open instead.
+    assert f(device_map, None, quantizer) == want
 
 
 def test_innermost_loader_decides():
