@@ -19,8 +19,8 @@ import (
 func TestSupervisorHoldsTheReserve(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	// 64 MiB: four pieces (backend.reserveLayout: 56, 4, 2 and 2 MiB).
-	const pieces = 4
+	// 64 MiB: five pieces (backend.reserveLayout: 50, 6, 4, 2 and 2 MiB).
+	const pieces = 5
 	d := startSupervised(t, os.Args[0], sock, "--host-reserve", "64MiB")
 	held := func(serving int) {
 		t.Helper()
@@ -44,7 +44,7 @@ func TestSupervisorHoldsTheReserve(t *testing.T) {
 	held(inf.PID)
 	syscall.Kill(inf.PID, syscall.SIGKILL)
 	next := d.waitServing(t, inf.PID)
-	// The old reserve is let go of, the new one held: four, not eight.
+	// The old reserve is let go of, the new one held: five, not ten.
 	held(next.PID)
 	d.stop(t)
 }

@@ -28,19 +28,20 @@ import (
 // copy into pages that exist runs at 49 GB/s. The reserve makes the pages
 // before they are needed, in the background, and an eviction takes them.
 //
-// It is a few memfds (pieces): one of eight ninths of the reserve, and the
-// ninth left in pieces of halving sizes, half of it, a quarter, ..., down
+// It is a few memfds (pieces): one of four fifths of the reserve, and the
+// fifth left in pieces of halving sizes, half of it, a quarter, ..., down
 // to a 256th of the reserve (at least 2 MiB), the smallest twice: ten
 // descriptors at most, whatever the size. A segment's memory is one memfd,
 // so an eviction takes one piece whole: the smallest ready that holds it
 // and is at most 8 times its size (an eviction of a few MiB would waste a
 // piece of GiBs; it makes its own memory, a few milliseconds). The largest
-// eviction the reserve serves is eight ninths of it, which the default
+// eviction the reserve serves is four fifths of it, which the default
 // sizes to the largest GPU budget (at most a seventh of host memory): the
 // first eviction of a segment that large is the one a user meets first and
 // waits for longest (4.2 s for 16 GiB into new memory on an H200 machine).
-// Smaller ones take the small pieces; two large evictions at once find one
-// piece for the first only.
+// Smaller ones take the small pieces (the next is an eighth of the
+// largest: no size between finds none); two large evictions at once find
+// one piece for the first only.
 //
 // A piece is made as Spill.Allocate makes memory (a sealed memfd, its
 // pages made by MADV_POPULATE_WRITE in the daemon's mapping, which the
@@ -82,8 +83,10 @@ import (
 const reserveMaxWaste = 8
 
 // reserveBigShare: the largest piece is all of the reserve but one part
-// in this many (eight ninths); the rest is the smaller pieces.
-const reserveBigShare = 9
+// in this many (four fifths); the rest is the smaller pieces, the first of
+// them an eighth of the largest, so that every size up to the largest
+// finds a piece at most reserveMaxWaste times it.
+const reserveBigShare = 5
 
 // reserveChunk is what one thread populates at a time for the reserve:
 // the daemon's memory map lock is held for that long.

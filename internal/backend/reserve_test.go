@@ -27,9 +27,9 @@ func TestReserveLayout(t *testing.T) {
 		total, align int64
 		want         []int64
 	}{
-		{64 * mib, 2 * mib, []int64{56 * mib, 4 * mib, 2 * mib, 2 * mib}},
-		// A piece for a 16 GiB eviction, and the ninth left in halves.
-		{18 << 30, 2 * mib, []int64{16 << 30, 1 << 30, 512 * mib, 256 * mib, 128 * mib, 128 * mib}},
+		{64 * mib, 2 * mib, []int64{50 * mib, 6 * mib, 4 * mib, 2 * mib, 2 * mib}},
+		// A piece for a 16 GiB eviction, the next an eighth of it.
+		{20 << 30, 2 * mib, []int64{16 << 30, 2 << 30, 1 << 30, 512 * mib, 256 * mib, 128 * mib, 128 * mib}},
 		{5 * mib, 2 * mib, []int64{4 * mib}},
 		{3 * mib, 2 * mib, []int64{2 * mib}},
 		{1 * mib, 2 * mib, nil},
@@ -43,6 +43,17 @@ func TestReserveLayout(t *testing.T) {
 				t.Fatalf("reserveLayout(%d, %d) = %v, want %v", tc.total, tc.align, got, tc.want)
 			}
 		})
+	}
+	// Every size from a 256th of the reserve up to its largest piece finds
+	// a piece at most reserveMaxWaste times it (but for a size within an
+	// alignment of a piece's).
+	for _, total := range []int64{64 * mib, 20 << 30, 175 << 30} {
+		got := reserveLayout(total, 2*mib)
+		for size := total / 256; size <= got[0]; size += total / 997 {
+			if !slices.ContainsFunc(got, func(p int64) bool { return p >= size && p <= reserveMaxWaste*size+2*mib }) {
+				t.Fatalf("reserveLayout(%d) = %v: no piece for %d bytes", total, got, size)
+			}
+		}
 	}
 	// Never more than ten pieces, and never more than asked.
 	for total := int64(2 * mib); total < 1<<40; total = total*3 + 12345 {
@@ -193,15 +204,15 @@ func TestReserve(t *testing.T) {
 	before := spillMemfds(t)
 	f := startReserve(t, 64*mib)
 	f.waitFull(t)
-	if r := f.s.Reserved(); r.Target != 64*mib || r.Memfds != 4 || r.Takes != 0 {
-		t.Fatalf("full reserve: %+v, want 64 MiB in 4 memfds (56, 4, 2 and 2 MiB)", r)
+	if r := f.s.Reserved(); r.Target != 64*mib || r.Memfds != 5 || r.Takes != 0 {
+		t.Fatalf("full reserve: %+v, want 64 MiB in 5 memfds (50, 6, 4, 2 and 2 MiB)", r)
 	}
 	// Its pages are made, and not mapped while they wait (piece).
 	if n := reserveMapped(t, f.s); n > 0 {
 		t.Fatalf("%d of the reserve's pieces are mapped while they wait", n)
 	}
 
-	// 7 MiB and a page: the 56 MiB piece (the 4 MiB one is too small).
+	// 7 MiB and a page: the 50 MiB piece (the 6 MiB one is too small).
 	const size = 7*mib + 4096
 	m, err := f.s.AllocateScratch(0, size)
 	if err != nil {
@@ -239,7 +250,7 @@ func TestReserve(t *testing.T) {
 	waitFor(t, "the tail to be given back", func() bool {
 		var st unix.Stat_t
 		unix.Fstat(hm.fd, &st)
-		return st.Size == 56*mib && st.Blocks*512 >= size && st.Blocks*512 <= 8*mib
+		return st.Size == 50*mib && st.Blocks*512 >= size && st.Blocks*512 <= 8*mib
 	})
 	want2 := bytes.Repeat([]byte("evicted!"), size/8)
 	if err := hm.WriteAt(want2, 0); err != nil {
@@ -270,9 +281,9 @@ func TestReserve(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Too large for any piece (56 MiB at most), too small for any (a
+	// Too large for any piece (50 MiB at most), too small for any (a
 	// piece at most 8 times its size): new memory.
-	for _, n := range []int64{57 * mib, 64 << 10} {
+	for _, n := range []int64{51 * mib, 64 << 10} {
 		m, err := f.s.AllocateScratch(0, n)
 		if err != nil {
 			t.Fatal(err)
@@ -345,11 +356,11 @@ func TestReserveRelief(t *testing.T) {
 		huge       int64 // the piece of this size is hugetlb
 		left       []int64
 	}{
-		// The pieces: 56, 4, 2 and 2 MiB. Needed: twice low less avail.
-		{"one piece is enough", 3 * mib, 2 * mib, 0, []int64{56 * mib, 2 * mib, 2 * mib}},
-		{"the largest, then the smallest that is enough", 33 * mib, 7 * mib, 0, []int64{2 * mib, 2 * mib}},
-		{"not under the threshold", 40 * mib, 40 * mib, 0, []int64{56 * mib, 4 * mib, 2 * mib, 2 * mib}},
-		{"hugetlb stays", 40 * mib, 39 * mib, 56 * mib, []int64{56 * mib}},
+		// The pieces: 50, 6, 4, 2 and 2 MiB. Needed: twice low less avail.
+		{"one piece is enough", 5 * mib, 4 * mib, 0, []int64{50 * mib, 4 * mib, 2 * mib, 2 * mib}},
+		{"the largest, then the smallest that is enough", 30 * mib, 7 * mib, 0, []int64{6 * mib, 2 * mib, 2 * mib}},
+		{"not under the threshold", 40 * mib, 40 * mib, 0, []int64{50 * mib, 6 * mib, 4 * mib, 2 * mib, 2 * mib}},
+		{"hugetlb stays", 40 * mib, 39 * mib, 50 * mib, []int64{50 * mib}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := NewSpill(host, 0)
@@ -569,20 +580,20 @@ func TestReserveKeeper(t *testing.T) {
 	}()
 	defer func() { cancel(); <-f.done }()
 	f.waitFull(t)
-	if held, ever := k.count(); held != 4 || ever != 4 {
-		t.Fatalf("full reserve of 4 pieces: %d held, %d ever; want 4, 4", held, ever)
+	if held, ever := k.count(); held != 5 || ever != 5 {
+		t.Fatalf("full reserve of 5 pieces: %d held, %d ever; want 5, 5", held, ever)
 	}
 	m, err := f.s.AllocateScratch(0, 7*mib)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer m.Free()
-	if held, _ := k.count(); held != 3 {
-		t.Fatalf("after an eviction took a piece: %d held, want 3", held)
+	if held, _ := k.count(); held != 4 {
+		t.Fatalf("after an eviction took a piece: %d held, want 4", held)
 	}
 	f.waitFull(t)
-	if held, ever := k.count(); held != 4 || ever != 5 {
-		t.Fatalf("after the piece was made again: %d held, %d ever; want 4, 5", held, ever)
+	if held, ever := k.count(); held != 5 || ever != 6 {
+		t.Fatalf("after the piece was made again: %d held, %d ever; want 5, 6", held, ever)
 	}
 	cancel()
 	<-f.done

@@ -266,7 +266,7 @@ func (o Options) tiers(b backend.Backend, host *backend.Host, spill *backend.Spi
 // first eviction of the largest GPU budget (its memory, where it has
 // none), at most a seventh of host memory (a 16 GiB segment on a machine
 // of 128 GiB, whose kernel counts 125) and the host budget, from its
-// largest piece (eight ninths of the reserve): nine eighths of that, at
+// largest piece (four fifths of the reserve): five fourths of that, at
 // most the host budget; none on the host backend, whose
 // segments are evicted only when asked (gpushm evict) or under a budget
 // set by hand, or with eviction off.
@@ -293,7 +293,7 @@ func (o Options) reserveBytes(b backend.Backend, host *backend.Host, t segment.T
 			largest = max(largest, n)
 		}
 		served := min(largest, hostTotal/7, t.HostBudget)
-		return min(served+served/8, t.HostBudget), nil
+		return min(served+served/4, t.HostBudget), nil
 	default:
 		n, err := sizeOrShare(r, hostTotal)
 		if err != nil || n < 0 {

@@ -104,7 +104,7 @@ type gpuBackend struct {
 func (g gpuBackend) Name() string                    { return "cuda" }
 func (g gpuBackend) Devices() ([]wire.Device, error) { return g.devs, nil }
 
-// TestHostReserveFlag: --host-reserve auto is nine eighths of the largest
+// TestHostReserveFlag: --host-reserve auto is five fourths of the largest
 // GPU budget, that at most a seventh of host memory and the host budget
 // (its largest piece serves that budget), at most the host budget, and
 // none on the host backend; a size, a share or 0 as given.
@@ -125,9 +125,9 @@ func TestHostReserveFlag(t *testing.T) {
 		want    int64
 	}{
 		{"host backend", "auto", host, nil, total / 2, 0},
-		{"gpus", "auto", gpus, budgets, 1 << 50, min(1<<40, total/7) + min(1<<40, total/7)/8},
-		{"gpus, small host budget", "", gpus, map[int]int64{0: 1 << 30, 1: 2 << 30}, 1 << 30, min(1<<30, total/7+total/7/8)},
-		{"gpus without budgets", "auto", gpus, nil, 1 << 50, min(141<<30, total/7) + min(141<<30, total/7)/8},
+		{"gpus", "auto", gpus, budgets, 1 << 50, min(1<<40, total/7) + min(1<<40, total/7)/4},
+		{"gpus, small host budget", "", gpus, map[int]int64{0: 1 << 30, 1: 2 << 30}, 1 << 30, min(1<<30, total/7+total/7/4)},
+		{"gpus without budgets", "auto", gpus, nil, 1 << 50, min(141<<30, total/7) + min(141<<30, total/7)/4},
 		{"eviction off", "auto", gpus, budgets, 0, 0},
 		{"size", "16GiB", host, nil, 1 << 30, 16 << 30},
 		{"share", "10%", gpus, budgets, 1 << 30, int64(10.0 / 100 * float64(total))},
