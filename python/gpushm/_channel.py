@@ -623,18 +623,12 @@ class Channel:
     def _stream_wait(self, s, flags, off, slot, want):
         """Orders stream s after the other end's GPU work on slot: nothing
         to queue when the flag its stream writes last has landed already
-        (read here, in the pinned block, for spin_us at most), else a
-        stream wait for it. Where the producer runs ahead (32 slots on an
-        H100), the flag has landed for 96 to 98 messages in 100, and each
-        skipped wait is a driver call less (docs/benchmarks.md, "Channels
-        from Python")."""
+        (read once, here, in the pinned block), else a stream wait for it.
+        Where the producer runs ahead (32 slots on an H100), the flag has
+        landed for 96 to 98 messages in 100, and each skipped wait is a
+        driver call less (docs/benchmarks.md, "Channels from Python")."""
         if _reached(flags[slot], want):
             return
-        if self._spin_ns:
-            until = time.perf_counter_ns() + self._spin_ns
-            while time.perf_counter_ns() < until:
-                if _reached(flags[slot], want):
-                    return
         self._st.pending_wait = True
         self._wait_value(s, self._ctl_dev + off + 8 * slot, want)
 

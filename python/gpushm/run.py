@@ -8,9 +8,9 @@ safetensors library as usual (docs/python.md, "Any loader").
 A CPU request (what most loaders make) for a file held on a GPU gets, with
 --cpu-tensors=auto (the default), what the loader's next step allows: GPU
 views for vLLM's and SGLang's loaders (they copy each tensor into a
-parameter of their own), private GPU copies for transformers'
-from_pretrained onto CUDA devices, and for anything else the file from
-disk, as without gpushm. --cpu-tensors=gpu gives GPU views to every CPU
+parameter of their own), private copies on the device transformers'
+from_pretrained loads onto (one CUDA device), and for anything else the
+file from disk, as without gpushm. --cpu-tensors=gpu gives GPU views to every CPU
 request (the parameters then share the bundle's memory); copy, copies on
 the CPU. --copy makes every tensor a private copy.
 

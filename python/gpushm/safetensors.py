@@ -25,10 +25,10 @@ there, as the safetensors library would give. A CPU request on a GPU
 bundle depends on cpu_tensors: "copy", a copy on the CPU; "gpu", GPU views
 (for engines that copy every tensor into a GPU parameter anyway); "auto"
 (the default), what the loader that asks does next allows (next_step):
-GPU views for vLLM's and SGLang's loaders, private GPU copies for
-transformers' from_pretrained onto CUDA devices, and otherwise, under the
-hook, the file read from disk by the library, as without gpushm (a copy
-on the CPU when called directly).
+GPU views for vLLM's and SGLang's loaders, a private copy on the device
+transformers' from_pretrained loads onto (one CUDA device), and
+otherwise, under the hook, the file read from disk by the library, as
+without gpushm (a copy on the CPU when called directly).
 copy=True makes every tensor a private copy. Tensors that models write
 after loading (BatchNorm's running statistics, quantization scales: see
 written_after_load) are always private copies. A write to a shared
@@ -363,30 +363,46 @@ _TRANSFORMERS = "transformers.modeling_utils"
 _DEPTH = 64
 
 
-def _on_cuda(where) -> bool:
-    """Whether a device_map (or one of its values) puts everything on CUDA
-    devices: an ordinal, "cuda", "cuda:N" or a torch.device of type cuda."""
-    if isinstance(where, dict) or (hasattr(where, "values") and hasattr(where, "items")):
-        vals = list(where.values())
-        return bool(vals) and all(_on_cuda(v) for v in vals)
+def _target(where):
+    """The one CUDA device a device_map (or a value of one) puts everything
+    on: "cuda:N", or "cuda" for the current one; None where it names
+    another device, none, or more than one."""
+    if hasattr(where, "values") and hasattr(where, "items"):
+        found = {_target(v) for v in where.values()}
+        return found.pop() if len(found) == 1 else None
     if isinstance(where, bool):
-        return False
+        return None
     if isinstance(where, int):
-        return where >= 0
-    kind = getattr(where, "type", where)
-    return isinstance(kind, str) and (kind == "cuda" or kind.startswith("cuda:"))
+        return f"cuda:{where}" if where >= 0 else None
+    if isinstance(where, str):
+        return where if where == "cuda" or (where.startswith("cuda:") and where[5:].isdigit()) else None
+    if getattr(where, "type", None) == "cuda":  # a torch.device
+        index = getattr(where, "index", None)
+        return "cuda" if index is None else f"cuda:{index}" if isinstance(index, int) else None
+    return None
+
+
+def _local(f, name):
+    """A frame's local variable, or None; f_locals only for a frame whose
+    code has it (on Python 3.12 and before, f_locals keeps a snapshot of
+    every local alive on the frame)."""
+    code = f.f_code
+    if name not in code.co_varnames and name not in code.co_cellvars:
+        return None
+    return f.f_locals.get(name)
 
 
 def next_step(frame=None):
     """What cpu_tensors="auto" gives a CPU request on a GPU bundle, from
-    the loader that made it (found on the call stack): "gpu" (views of the
-    bundle) for a loader that copies every tensor into parameters of its
-    own (vLLM, SGLang); "private" (a private copy on the bundle's GPU,
-    which the loader may keep and write, as it would the CPU tensor it
-    asked for) for transformers' from_pretrained with a device_map that
-    puts every module on a CUDA device and no quantizer; None for anything
-    else: such a program gets what it asked for, the file's bytes on the
-    CPU (docs/python.md, "CPU tensors from a GPU bundle")."""
+    the loader that made it (found on the call stack, from frame up):
+    "gpu" (views of the bundle) for a loader that copies every tensor into
+    parameters of its own (vLLM, SGLang); "cuda:N" or "cuda" (a private
+    copy on that device, which the loader may keep and write, as it would
+    the tensor it asked for after moving it there) for transformers'
+    from_pretrained with a device_map that puts every module on that one
+    CUDA device, and no quantizer; None for anything else: such a program
+    gets what it asked for, the file's bytes on the CPU (docs/python.md,
+    "CPU tensors from a GPU bundle")."""
     f = frame if frame is not None else sys._getframe(1)
     quantized = False
     for _ in range(_DEPTH):
@@ -399,12 +415,24 @@ def next_step(frame=None):
             if mod == _TRANSFORMERS:
                 # from_pretrained holds device_map; _load_pretrained_model,
                 # nearer the open, the quantizer (transformers 5.17).
-                loc = f.f_locals
-                quantized = quantized or loc.get("hf_quantizer") is not None
-                if "device_map" in loc:
-                    return None if quantized or not _on_cuda(loc["device_map"]) else "private"
+                quantized = quantized or _local(f, "hf_quantizer") is not None
+                if "device_map" in f.f_code.co_varnames:
+                    return None if quantized else _target(_local(f, "device_map"))
         f = f.f_back
     return None
+
+
+def _auto(frame, fw, dev, copy, on_gpu):
+    """(cpu_tensors, device, copy) for cpu_tensors="auto", or None where
+    the request is better served by the file itself (next_step)."""
+    if dev[0] != "cpu" or not on_gpu:
+        return "gpu", dev, copy
+    step = next_step(frame)
+    if step is None or (step != "gpu" and fw != "pt"):
+        return None
+    if step == "gpu":
+        return "gpu", dev, copy
+    return "gpu", _device("pt", step), True  # a private copy where the loader moves it next
 
 
 class _Open:
@@ -564,8 +592,6 @@ def _make(v: View, fw, device, cpu_tensors, copy, name=None):
     if kind == "cpu":
         if here is None or cpu_tensors == "gpu":
             return t.clone() if copy else t
-        if cpu_tensors == "private":
-            return t.clone()  # on the bundle's GPU: the loader moves it there next
         return t.to("cpu")  # only the view's elements cross
     if index is None:
         index = torch.cuda.current_device()
@@ -615,14 +641,21 @@ def safe_open(name_or_path, framework, device="cpu", *, client=None, readonly: b
     cpu_tensors = env_cpu if cpu_tensors is None else cpu_tensors
     if cpu_tensors not in _CPU_TENSORS:
         raise ValueError(f"gpushm: cpu_tensors={cpu_tensors!r}: want one of {', '.join(_CPU_TENSORS)}")
-    if cpu_tensors == "auto":
-        cpu_tensors = next_step(sys._getframe(1)) or "copy"
+    frame = sys._getframe(1)
     copy = env_copy if copy is None else bool(copy)
     c = _client(client)
+
+    def opened(what, views, metadata):
+        cpu, d, cp = cpu_tensors, dev, copy
+        if cpu == "auto":
+            on_gpu = any(v.device is not None for v in views.values())
+            cpu, d, cp = _auto(frame, fw, dev, copy, on_gpu) or ("copy", dev, copy)
+        return _Open(what, views, metadata, fw, d, cpu, cp)
+
     if not _is_path(name_or_path):
         try:
             views, metadata = _open(name_or_path, c, readonly)
-            return _Open(f"bundle {name_or_path!r}", views, metadata, fw, dev, cpu_tensors, copy)
+            return opened(f"bundle {name_or_path!r}", views, metadata)
         except NotFoundError:
             if not os.path.isfile(name_or_path):
                 raise
@@ -632,7 +665,7 @@ def safe_open(name_or_path, framework, device="cpu", *, client=None, readonly: b
         raise error("ENOENT", f"{path} is not held by gpushm: no bundle records it as it is now "
                     "('gpushm put NAME FILE' copies it in)")
     views, metadata = _open_held(path, h, c, readonly)
-    return _Open(f"{path!r} in bundle {h.name!r}", views, metadata, fw, dev, cpu_tensors, copy)
+    return opened(f"{path!r} in bundle {h.name!r}", views, metadata)
 
 
 def load_file(name_or_path, device="cpu", *, framework="pt", client=None, readonly: bool = True,
@@ -677,11 +710,10 @@ def _hook_open(filename, framework, device):
         # A CPU request on a GPU bundle: as fast as the loader's next step
         # allows, else the file's own bytes from the page cache, as the
         # library reads them (never a copy out of the GPU and back).
-        cpu = "gpu"
-        if dev[0] == "cpu" and h.gpu:
-            cpu = next_step(sys._getframe(1))
-            if cpu is None:
-                return None
+        got = _auto(sys._getframe(1), fw, dev, copy, h.gpu)
+        if got is None:
+            return None
+        cpu, dev, copy = got
     try:
         views, metadata = _open_held(path, h, _client(quiet=True), True)
     except (Error, OSError, ValueError, AttributeError) as e:

@@ -46,6 +46,26 @@ def check(ok, name, detail=""):
 
 # ---- workers -----------------------------------------------------------------
 
+# Opens the hook saw and served from a bundle, in a worker under it.
+SERVED = {"opens": 0, "served": 0}
+
+
+def _count_served():
+    """Counts what gpushm.safetensors._hook_open serves (the hook calls it
+    by attribute at every open)."""
+    import gpushm.safetensors as gst
+
+    real = gst._hook_open
+
+    def counting(*a, **kw):
+        f = real(*a, **kw)
+        SERVED["opens"] += 1
+        SERVED["served"] += f is not None
+        return f
+
+    gst._hook_open = counting
+
+
 def _shared(t):
     """Whether t is a view of a bundle: gpushm.safetensors.shared, in a
     worker under the hook; False in one reading from disk."""
@@ -65,7 +85,7 @@ def w_tf(out, ck):
     with torch.no_grad():
         logits = m(_llama_input(torch)).logits
     torch.save({"logits": logits.cpu(), "inference": sum(_shared(p) for p in m.parameters()),
-                "params": len(list(m.parameters()))}, out)
+                "params": len(list(m.parameters())), **SERVED}, out)
 
 
 def w_tf_cpu(out, ck):
@@ -78,7 +98,8 @@ def w_tf_cpu(out, ck):
     devices = sorted({p.device.type for p in m.parameters()})
     with torch.no_grad():
         logits = m(_llama_input(torch).cpu()).logits
-    torch.save({"logits": logits, "devices": devices, "inference": sum(_shared(p) for p in m.parameters())}, out)
+    torch.save({"logits": logits, "devices": devices, "inference": sum(_shared(p) for p in m.parameters()), **SERVED},
+               out)
 
 
 def w_acc(out, ck):
@@ -93,7 +114,7 @@ def w_acc(out, ck):
     m.tie_weights()
     with torch.no_grad():
         logits = m(_llama_input(torch)).logits
-    torch.save({"logits": logits.cpu(), "inference": sum(_shared(p) for p in m.parameters())}, out)
+    torch.save({"logits": logits.cpu(), "inference": sum(_shared(p) for p in m.parameters()), **SERVED}, out)
 
 
 def w_peft(out, ck, adapter):
@@ -105,7 +126,7 @@ def w_peft(out, ck, adapter):
     m = peft.PeftModel.from_pretrained(base, adapter)
     with torch.no_grad():
         logits = m(_llama_input(torch)).logits
-    torch.save({"logits": logits.cpu()}, out)
+    torch.save({"logits": logits.cpu(), **SERVED}, out)
 
 
 def w_engine(out, ck, engine):
@@ -133,7 +154,7 @@ def w_engine(out, ck, engine):
         load(params, files, rank, 2, safe_open=safe_open)
         for k, v in params.items():
             got[f"{rank}/{k}"] = v.cpu()
-    torch.save(got, out)
+    torch.save({**got, **SERVED}, out)
 
 
 def _bn_model(torch):
@@ -294,28 +315,34 @@ def main():
                   f"logits equal; {hooked and hooked['inference']} of {hooked and hooked['params']} parameters are views of the bundle")
             check(hooked is not None and hooked["inference"] > 0, "transformers parameters shared", "")
             hooked = worker("tf", True, ck)
-            check(same(hooked, disk) and hooked["inference"] == 0,
+            check(same(hooked, disk) and hooked["inference"] == 0 and 0 < hooked["served"] == hooked["opens"],
                   "transformers from_pretrained(dir, device_map='cuda') under gpushm.run (default: private GPU copies)",
-                  f"logits equal; {hooked and hooked['inference']} parameters are views of the bundle (want 0)")
+                  f"logits equal; {hooked and hooked['inference']} parameters are views of the bundle (want 0); "
+                  f"opens served {hooked and hooked['served']} of {hooked and hooked['opens']}")
             hooked = worker("tf", True, ck, cpu_tensors="copy")
             check(same(hooked, disk), "transformers from_pretrained under gpushm.run --cpu-tensors=copy (CPU copies)", "logits equal")
             disk, hooked = worker("tfcpu", False, ck), worker("tfcpu", True, ck)
-            check(same(hooked, disk) and hooked["devices"] == ["cpu"] and hooked["inference"] == 0,
+            check(same(hooked, disk) and hooked["devices"] == ["cpu"] and hooked["inference"] == 0
+                  and hooked["opens"] > 0 and hooked["served"] == 0,
                   "transformers from_pretrained(dir) onto the CPU under gpushm.run (default: the library reads the files)",
-                  f"logits equal; parameters on {hooked and hooked['devices']}")
+                  f"logits equal; parameters on {hooked and hooked['devices']}; opens served "
+                  f"{hooked and hooked['served']} of {hooked and hooked['opens']} (want none)")
             disk, hooked = worker("acc", False, ck), worker("acc", True, ck)
             check(same(hooked, disk), "accelerate load_checkpoint_and_dispatch under gpushm.run",
                   f"logits equal; {hooked and hooked['inference']} parameters are views of the bundle")
             disk = worker("peft", False, ck, adapter)
             for mode in (None, "gpu"):
                 hooked = worker("peft", True, ck, adapter, cpu_tensors=mode)
-                check(same(hooked, disk), f"peft PeftModel.from_pretrained (adapter put on its own) under gpushm.run"
-                      f"{' --cpu-tensors=' + mode if mode else ''}", "logits equal")
+                check(same(hooked, disk) and 0 < hooked["served"] == hooked["opens"],
+                      f"peft PeftModel.from_pretrained (adapter put on its own) under gpushm.run"
+                      f"{' --cpu-tensors=' + mode if mode else ''}",
+                      f"logits equal; opens served {hooked and hooked['served']} of {hooked and hooked['opens']}")
             for engine in ("vllm", "sglang"):
                 disk = worker("engine", False, ck, engine)
                 for mode in (None, "gpu"):
                     hooked = worker("engine", True, ck, engine, cpu_tensors=mode)
-                    check(same(hooked, disk) and disk is not None and len(disk) > 0,
+                    check(same(hooked, disk) and disk is not None and len(disk) > 2
+                          and 0 < hooked["served"] == hooked["opens"],
                           f"{engine}'s loop, tp 2, under gpushm.run{' --cpu-tensors=' + mode if mode else ''}",
                           f"{len(disk or {})} rank tensors equal")
 
@@ -364,6 +391,8 @@ def _gpu_used():
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
+        if os.environ.get("GPUSHM_SAFETENSORS"):
+            _count_served()
         WORKERS[sys.argv[2]](*sys.argv[3:])
         sys.exit(0)
     sys.exit(main())

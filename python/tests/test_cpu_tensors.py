@@ -65,16 +65,20 @@ def test_engines_by_module(module, want):
 
 
 @pytest.mark.parametrize("device_map,quantizer,want", [
-    ({"": _Device("cuda", 0)}, None, "private"),      # device_map="cuda", as transformers resolves it
-    ({"": 0}, None, "private"),                        # "auto" on one GPU
-    ({"model.embed": 0, "lm_head": "cuda:1"}, None, "private"),
-    ({"": "cuda"}, None, "private"),
-    ({"model.embed": 0, "lm_head": "cpu"}, None, None),  # part offloaded: the CPU tensor is kept
+    ({"": _Device("cuda", 0)}, None, "cuda:0"),       # device_map="cuda", as transformers resolves it
+    ({"": _Device("cuda")}, None, "cuda"),            # the current device
+    ({"": 0}, None, "cuda:0"),                         # "auto" on one GPU
+    ({"": 1}, None, "cuda:1"),
+    ({"a": "cuda:1", "b": _Device("cuda", 1)}, None, "cuda:1"),
+    ({"": "cuda"}, None, "cuda"),
+    ({"model.embed": 0, "lm_head": "cuda:1"}, None, None),  # two GPUs: which one a tensor goes to is unknown
+    ({"model.embed": 0, "lm_head": "cpu"}, None, None),     # part offloaded: the CPU tensor is kept
     ({"": "disk"}, None, None),
     ({}, None, None),
     (None, None, None),                                # no device_map: the model stays on the CPU
     ({"": True}, None, None),                          # a bool is not an ordinal
     ({"": -1}, None, None),
+    ({"": "cuda:x"}, None, None),
     ({"": 0}, object(), None),                         # a quantizer reads the CPU tensor itself
 ])
 def test_transformers_by_device_map(device_map, quantizer, want):
