@@ -10,9 +10,9 @@ A CPU request (what most loaders make) for a file held on a GPU gets, with
 views for vLLM's and SGLang's loaders (they copy each tensor into a
 parameter of their own), private copies on the device transformers'
 from_pretrained loads onto (one CUDA device), and for anything else the
-file from disk, as without gpushm. --cpu-tensors=gpu gives GPU views to every CPU
-request (the parameters then share the bundle's memory); copy, copies on
-the CPU. --copy makes every tensor a private copy.
+file from disk, as without gpushm. --cpu-tensors=gpu gives GPU views to
+every CPU request (the parameters then share the bundle's memory); copy,
+copies on the CPU. --copy makes every tensor a private copy.
 
 It sets GPUSHM_SAFETENSORS (1, or "copy" with --copy) and, with
 --cpu-tensors, GPUSHM_CPU_TENSORS, and puts a directory first on
