@@ -404,6 +404,15 @@ func TestQuotaFlagsAndLifetimes(t *testing.T) {
 	}
 	mustFail(t, "mode \"9\"", "chmod", "9", "u")
 	mustFail(t, "no such segment", "chmod", "0600", "t")
+	// Symbolic modes, against the mode the segment has (0644).
+	for _, step := range []struct{ mode, want string }{{"g+w", "0664"}, {"a-w", "0444"}, {"u=rw,go=", "0600"}, {"o=u", "0606"}} {
+		mustRun(t, nil, "chmod", step.mode, "u")
+		if out := mustRun(t, nil, "stat", "u"); !strings.Contains(out, "mode:        "+step.want) {
+			t.Fatalf("after chmod %s: want mode %s:\n%s", step.mode, step.want, out)
+		}
+	}
+	mustFail(t, "no 's' bit", "chmod", "u+s", "u")
+	mustFail(t, "no such segment", "chmod", "g+r", "t")
 }
 
 func TestSocketGroupAndWideList(t *testing.T) {
