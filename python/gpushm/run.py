@@ -3,16 +3,31 @@
 Runs CMD with every safetensors open (safe_open, safetensors.torch.load_file,
 safetensors.numpy.load_file) of a file that gpushm holds served from the
 bundle it was put in, and every other file read from disk by the
-safetensors library as usual (docs/python.md, "Any loader").
+safetensors library as usual (docs/python.md, "Any loader"). Put the files
+first, once per node: a file is served only while it is the one that was
+put (same device, inode, size and times).
 
-A CPU request (what most loaders make) for a file held on a GPU gets, with
---cpu-tensors=auto (the default), what the loader's next step allows: GPU
-views for vLLM's and SGLang's loaders (they copy each tensor into a
-parameter of their own), private copies on the device transformers'
-from_pretrained loads onto (one CUDA device), and for anything else the
-file from disk, as without gpushm. --cpu-tensors=gpu gives GPU views to
-every CPU request (the parameters then share the bundle's memory); copy,
-copies on the CPU. --copy makes every tensor a private copy.
+    gpushm put llama /models/llama
+    python -m gpushm.run python serve.py /models/llama
+    python -m gpushm.run vllm serve /models/llama
+
+Options:
+  --cpu-tensors=auto  (the default) a CPU request, what most loaders make,
+                      for a file held on a GPU gets what the loader's next
+                      step allows: GPU views for vLLM's and SGLang's
+                      loaders (they copy each tensor into a parameter of
+                      their own), private copies on the device transformers'
+                      from_pretrained loads onto (one CUDA device), and for
+                      anything else the file from disk, as without gpushm.
+  --cpu-tensors=gpu   GPU views for every CPU request: the parameters share
+                      the bundle's memory, for programs that only copy or
+                      read what they load; one that keeps CPU tensors as
+                      CPU tensors fails loudly.
+  --cpu-tensors=copy  a copy on the CPU for every CPU request (slower than
+                      reading the file; the earlier default).
+  --copy              every tensor a private copy, as the library gives:
+                      for programs that write into what they load (training).
+  -h, --help          this text.
 
 It sets GPUSHM_SAFETENSORS (1, or "copy" with --copy) and, with
 --cpu-tensors, GPUSHM_CPU_TENSORS, and puts a directory first on
@@ -58,12 +73,12 @@ def command(args) -> list:
 def main(argv=None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     cpu, copy = None, False
-    while args and args[0].startswith("--"):
+    while args and (args[0].startswith("--") or args[0] == "-h"):
         a = args.pop(0)
         if a == "--":
             break
         if a in ("-h", "--help"):
-            sys.stdout.write(USAGE + __doc__.split("\n\n", 1)[1])
+            sys.stdout.write(USAGE + "\n" + __doc__.split("\n\n", 1)[1])
             return 0
         if a == "--copy":
             copy = True
@@ -78,7 +93,7 @@ def main(argv=None) -> int:
             sys.stderr.write(f"gpushm.run: unknown option {a}\n" + USAGE)
             return 2
     if not args:
-        sys.stderr.write(USAGE)
+        sys.stderr.write(USAGE + "(python -m gpushm.run -h says more)\n")
         return 2
     argv = command(args)
     env = environment(os.environ, cpu, copy)

@@ -146,3 +146,18 @@ def test_environment_variable_alone(daemon, fake, tmp_path):
     e["GPUSHM_SAFETENSORS"] = "0"
     r = subprocess.run([sys.executable, "-c", line + "\n" + code], env=e, capture_output=True, text=True, timeout=60)
     assert r.stdout.split()[1] == "False", r.stderr
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_help(daemon, flag):
+    """-h and --help say what the options do, with an example, and run
+    nothing."""
+    r = run(daemon, [flag])
+    out = r.stdout
+    assert out.startswith("usage: python -m gpushm.run ")
+    for want in ("--cpu-tensors=auto", "--cpu-tensors=gpu", "--cpu-tensors=copy", "--copy", "gpushm put llama",
+                 "python -m gpushm.run python serve.py"):
+        assert want in out, (want, out)
+    r = run(daemon, [], check=False)
+    assert r.returncode == 2 and "-h says more" in r.stderr
+
