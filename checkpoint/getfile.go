@@ -228,11 +228,25 @@ type ctxWriter struct {
 	w   io.Writer
 }
 
+// ctxPiece is what ctxWriter writes at a time: a write blocks until the
+// reader takes it all, so a piece bounds how long a write into a slow pipe
+// (get NAME - | slow) goes on after Ctrl-C or SIGTERM.
+const ctxPiece = 256 << 10
+
 func (w ctxWriter) Write(b []byte) (int, error) {
-	if err := w.ctx.Err(); err != nil {
-		return 0, err
+	n := 0
+	for len(b) > 0 {
+		if err := w.ctx.Err(); err != nil {
+			return n, err
+		}
+		k, err := w.w.Write(b[:min(len(b), ctxPiece)])
+		n += k
+		if err != nil {
+			return n, err
+		}
+		b = b[k:]
 	}
-	return w.w.Write(b)
+	return n, nil
 }
 
 // counter tells p of what passes through w.

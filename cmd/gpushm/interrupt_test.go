@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -65,6 +66,58 @@ func (p *started) interrupt(t *testing.T, before func() bool) bool {
 	p.cmd.Process.Signal(syscall.SIGCONT)
 	<-p.done
 	return ok
+}
+
+// TestInterruptGetIntoAPipe: get NAME - into a pipe whose reader is slow
+// stops at SIGINT or SIGTERM (exit 130 or 143) instead of writing the
+// whole segment; host memory, where the whole segment was one write.
+func TestInterruptGetIntoAPipe(t *testing.T) {
+	cliDaemon(t)
+	mustRun(t, nil, "create", "pipe-big", "256M")
+	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGTERM} {
+		t.Run(sig.String(), func(t *testing.T) {
+			r, w, err := os.Pipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			p := &started{cmd: exec.Command(os.Args[0], "get", "pipe-big", "-"), done: make(chan struct{})}
+			p.cmd.Stdout, p.cmd.Stderr = w, &p.stderr
+			if err := p.cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			w.Close()
+			go func() {
+				defer close(p.done)
+				p.cmd.Wait()
+				p.code = p.cmd.ProcessState.ExitCode()
+			}()
+			// The reader takes a little, then stops reading: the writer
+			// blocks in the pipe, as under a slow consumer.
+			buf := make([]byte, 1<<20)
+			got := 0
+			for got < 4<<20 {
+				n, err := r.Read(buf)
+				if err != nil {
+					t.Fatalf("read after %d bytes: %v (%s)", got, err, p.stderr.String())
+				}
+				got += n
+			}
+			p.cmd.Process.Signal(sig)
+			// Drain what the last piece holds, as a slow reader would.
+			go io.Copy(io.Discard, r)
+			select {
+			case <-p.done:
+			case <-time.After(20 * time.Second):
+				p.cmd.Process.Kill()
+				t.Fatalf("get into a pipe went on 20 s after %v", sig)
+			}
+			want := map[syscall.Signal]int{syscall.SIGINT: exitcode.Interrupted, syscall.SIGTERM: 128 + int(syscall.SIGTERM)}[sig]
+			if p.code != want {
+				t.Fatalf("after %v: exit %d, want %d; stderr:\n%s", sig, p.code, want, p.stderr.String())
+			}
+		})
+	}
 }
 
 // TestInterruptGet: Ctrl-C during get leaves the file as it was (or none),
