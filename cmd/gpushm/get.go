@@ -15,6 +15,7 @@ import (
 	"github.com/gpushm/gpushm/internal/exitcode"
 	"github.com/gpushm/gpushm/internal/interrupt"
 	"github.com/gpushm/gpushm/internal/report"
+	"github.com/gpushm/gpushm/internal/terminal"
 )
 
 func getCmd() *cobra.Command {
@@ -48,6 +49,9 @@ A segment still being written ('gpushm put' in progress, listed as
 incomplete) is refused; --wait waits that long for it to be complete, or
 for the name to appear.
 
+FILE '-' is standard output, but not a terminal, where the bytes could
+mess it up: 'gpushm cat NAME' shows a segment that is text.
+
 It prints nothing on standard output unless -o asks: -o json and -o yaml
 print what was copied, -o name the segment's name.`,
 		Example: `  gpushm get weights model.bin
@@ -58,6 +62,12 @@ print what was copied, -o name the segment's name.`,
 		ValidArgsFunction: complete.NamesThenFiles(dial, func(*cobra.Command) bool { return true }),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, path := args[0], args[1]
+			if path == "-" && terminal.Is(os.Stdout) {
+				// As cat refuses binary there: a segment's bytes can
+				// mess up a terminal, and are seldom what one wants to see.
+				return fmt.Errorf("get %s: %w: 'gpushm get %s FILE' writes a file, 'gpushm get %s - | CMD' a pipe, 'gpushm cat %s' shows text",
+					name, terminal.ErrBinary, name, name, name)
+			}
 			if o.Wait < 0 {
 				return exitcode.Usagef(cmd, "--wait %s: want a positive duration", o.Wait)
 			}

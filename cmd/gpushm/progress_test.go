@@ -178,3 +178,21 @@ func TestDaemonCopyInSteps(t *testing.T) {
 		}
 	}
 }
+
+// TestGetToATerminal: get NAME - refuses a terminal, as cat refuses
+// binary there, and says what to do instead; a pipe still gets the bytes.
+func TestGetToATerminal(t *testing.T) {
+	cliDaemon(t)
+	mustRun(t, nil, "create", "tty-seg", "4K")
+	out, code := onTerminal(t, "get", "tty-seg", "-")
+	if code == 0 || !strings.Contains(out, "binary output can mess up your terminal") || !strings.Contains(out, "'gpushm get tty-seg FILE' writes a file") {
+		t.Fatalf("get - on a terminal: exit %d, the terminal showed:\n%q", code, out)
+	}
+	if strings.Contains(out, "\x00\x00\x00\x00") {
+		t.Fatalf("get - on a terminal wrote the segment's bytes: %q", out)
+	}
+	if got := mustRun(t, nil, "get", "tty-seg", "-"); len(got) != 4096 {
+		t.Fatalf("get - into a pipe: %d bytes, want 4096", len(got))
+	}
+}
+
