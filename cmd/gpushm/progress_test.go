@@ -195,4 +195,3 @@ func TestGetToATerminal(t *testing.T) {
 		t.Fatalf("get - into a pipe: %d bytes, want 4096", len(got))
 	}
 }
-
