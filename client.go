@@ -247,7 +247,11 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 			return nil, fmt.Errorf("gpushm: %w", err)
 		}
 		if err != nil {
-			return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (is 'gpushm daemon' running?): %w", socket, err)
+			hint := "is 'gpushm daemon' running?"
+			if denied(err) {
+				hint = deniedHint
+			}
+			return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (%s): %w", socket, hint, err)
 		}
 		return greet(ctx, cand, t, conn, timeout)
 	}

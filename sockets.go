@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -328,13 +329,25 @@ func (e *unreachableError) Error() string {
 		}
 		b.WriteString(p + ": " + dialReason(e.errs[i]))
 	}
-	if e.fromEnv {
+	switch {
+	case slices.ContainsFunc(e.errs, denied):
+		b.WriteString(" (" + deniedHint + ")")
+	case e.fromEnv:
 		b.WriteString(" (is 'gpushm daemon' running? the path is $GPUSHM_SOCKET)")
-	} else {
+	default:
 		b.WriteString(" (is 'gpushm daemon' running? set $GPUSHM_SOCKET to choose a socket)")
 	}
 	return b.String()
 }
+
+// denied says whether err, a dial's, is a socket there that refused this
+// user (permission denied), rather than one absent or unanswered.
+func denied(err error) bool {
+	return errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM)
+}
+
+// deniedHint says what to look at when a socket refused this user.
+const deniedHint = "a daemon's socket is there, but this user may not connect: its group and mode say who may, as 'ls -l' shows; see 'gpushm daemon --socket-group'"
 
 func (e *unreachableError) Unwrap() []error { return e.errs }
 

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm/internal/bytesize"
+	"github.com/gpushm/gpushm/internal/exitcode"
 	"golang.org/x/sys/unix"
 )
 
@@ -432,6 +433,17 @@ func TestSocketGroupAndWideList(t *testing.T) {
 		t.Fatalf("ls --wide:\n%s", out)
 	}
 	mustFail(t, "socket group", "daemon", "--socket", sock+"2", "--backend", "host", "--socket-group", "no-such-group-here")
+
+	// A user outside the group: permission denied (exit 4), said as such,
+	// not as no daemon (exit 8).
+	os.Chmod(filepath.Dir(sock), 0o755)
+	ls := exec.Command(binaryForOthers(t), "--socket", sock, "ls")
+	ls.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65533, Gid: 65533}}
+	if r := runCmd(t, ls); r.code != exitcode.Permission || !strings.Contains(r.stderr, "this user may not connect") ||
+		strings.Contains(r.stderr, "is 'gpushm daemon' running") {
+		t.Errorf("ls by a user outside the socket's group: exit %d, stderr %q; want %d, permission denied said", r.code, r.stderr,
+			exitcode.Permission)
+	}
 }
 
 // dumpDaemonLog writes a failed test's daemon log to stderr, its last lines

@@ -204,6 +204,9 @@ func status(err error) (int, string) {
 		return Failure, errnoName(err)
 	}
 	if IsNoDaemon(err) {
+		if errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM) {
+			return Permission, "EACCES" // a socket is there, but not for this user
+		}
 		return Unreachable, "ECONNREFUSED"
 	}
 	var errno syscall.Errno

@@ -26,6 +26,8 @@ func TestWrite(t *testing.T) {
 	}{
 		{Usagef(cmd, "mv: want OLD NEW"), Usage, "gpushm: mv: want OLD NEW\nUsage: mv OLD NEW\n(see 'mv --help')\n"},
 		{NoDaemon(errors.New("gpushm: cannot reach daemon at /x.sock")), Unreachable, "gpushm: cannot reach daemon at /x.sock\n"},
+		// A socket there that refuses this user: permission, not no daemon.
+		{NoDaemon(fmt.Errorf("gpushm: cannot reach daemon at /x.sock: %w", syscall.EACCES)), Permission, "gpushm: cannot reach daemon at /x.sock: permission denied\n"},
 		{NotClient(fmt.Errorf("open x: %w", syscall.ENOENT)), Failure, "gpushm: open x: no such file or directory\n"},
 		{&fs.PathError{Op: "open", Path: "/f", Err: syscall.ENOENT}, NotFound, "gpushm: open /f: no such file or directory\n"},
 		{Failed("rm", "a", &wire.Error{Code: "EACCES", Message: `unlink: permission denied: "a"`}), Permission, "gpushm: rm a: permission denied\n"},

@@ -289,7 +289,9 @@ class Client:
             except UntrustedSocketError as e:
                 raise UntrustedSocketError("gpushm: " + e.text) from None
             except OSError as e:
-                raise type(e)(e.errno, f"gpushm: cannot reach daemon at {self.socket} (is 'gpushm daemon' running?): {e.strerror}") from None
+                hint = ("a daemon's socket is there, but this user may not connect: its group and mode say who may, "
+                        "as 'ls -l' shows" if e.errno in (errno.EACCES, errno.EPERM) else "is 'gpushm daemon' running?")
+                raise type(e)(e.errno, f"gpushm: cannot reach daemon at {self.socket} ({hint}): {e.strerror}") from None
         else:
             self._sock = self._find()
         try:

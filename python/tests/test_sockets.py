@@ -8,6 +8,7 @@ namespace each run in a process of their own uid."""
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -304,3 +305,22 @@ def test_reconnect_checks_the_daemon(world, name):
         c.create(name + "x", 16)
     assert trap.sent() == []
     shutil.rmtree(d, ignore_errors=True)
+
+
+@as_root
+def test_a_socket_this_user_may_not_open(world, tmp):
+    """A socket that is there but refuses this user (its mode) is said to
+    be so, as permission denied, not as no daemon."""
+    sock = os.path.join(tmp, "gpushm.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(sock)
+    os.chmod(sock, 0o600)
+    s.listen(1)
+    try:
+        code = "import sys, gpushm\ntry:\n    gpushm.connect(sys.argv[1])\nexcept OSError as e:\n    print(type(e).__name__, e)\n"
+        r = subprocess.run([sys.executable, "-c", code, sock], env=env(world), user=VICTIM, group=VICTIM, extra_groups=[],
+                           cwd="/", capture_output=True, text=True, timeout=60)
+        assert r.stdout.startswith("PermissionError"), (r.stdout, r.stderr)
+        assert "this user may not connect" in r.stdout and "is 'gpushm daemon' running" not in r.stdout, r.stdout
+    finally:
+        s.close()
