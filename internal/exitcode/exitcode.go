@@ -45,7 +45,8 @@ const Help = `Exit status:
   1    any other failure (the message says what)
   2    usage: a wrong command line (the usage line follows the message)
   3    not found (ENOENT): no such segment, or no such file
-  4    permission denied (EACCES, EPERM)
+  4    permission denied (EACCES, EPERM), a daemon's socket this user may
+       not connect to included
   5    exists (EEXIST)
   6    busy (EBUSY, EAGAIN, ETIMEDOUT): open, still being written, or not
        complete within --wait
