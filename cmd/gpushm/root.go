@@ -101,6 +101,7 @@ an error is one object on standard error too. docs/cli.md says more.
 		exitcode.StrictArgs(c)
 		complete.Flags(dial, c)
 	})
+	bashCompletion(root)
 	return root, map[*cobra.Command]bool{daemon: true, bench: true, demo: true, child: true, systemd: true}
 }
 
