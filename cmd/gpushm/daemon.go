@@ -21,12 +21,20 @@ func daemonCmd() *cobra.Command {
 		device      int
 		logLevel    string
 		spin        time.Duration
+		detached    bool
+		logFile     string
 		o           daemon.Options
 	)
 	cmd := &cobra.Command{
 		Use:   "daemon",
 		Short: "Run the daemon that owns the segments",
-		Long: `Run the gpushm daemon in the foreground.
+		Long: `Run the gpushm daemon in the foreground, or with --detach in the background
+of a session of its own: the command then returns once the daemon answers
+(what a script needs before its next command; 'gpushm daemon &' returns at
+once, before it serves), says its pid, and its output goes to --log-file
+(default $XDG_STATE_HOME/gpushm/daemon.log, else
+~/.local/state/gpushm/daemon.log). Stop it with SIGTERM to that pid
+('gpushm info' shows it too).
 
 The process you start is a small supervisor: it holds every segment's
 memory descriptor and the listening socket, and runs the serving process
@@ -72,6 +80,7 @@ with VMM and POSIX file descriptor handles is present, and host memory
 (memfd) otherwise. It refuses to start when another daemon serves the
 socket, and replaces a stale socket file.`,
 		Example: `  gpushm daemon                                  # CUDA when a GPU is there, else host memory
+  gpushm daemon --detach                         # in the background; returns once it answers
   gpushm daemon --backend host --socket /tmp/gpushm.sock
   gpushm daemon --gpu-budget 80% --metrics-listen 127.0.0.1:9464
   sudo gpushm install-systemd --enable           # under systemd instead`,
@@ -80,6 +89,15 @@ socket, and replaces a stale socket file.`,
 			var lvl slog.Level
 			if err := lvl.UnmarshalText([]byte(logLevel)); err != nil {
 				return fmt.Errorf("--log-level: %w", err)
+			}
+			if detached {
+				if logFile == "" {
+					logFile = defaultDaemonLog()
+				}
+				return detach(cmd.Context(), socketPath(), logFile)
+			}
+			if cmd.Flags().Changed("log-file") {
+				return exitcode.Usagef(cmd, "--log-file goes with --detach (in the foreground the log is standard error)")
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
 			if cmd.Flags().Changed("device") {
@@ -107,6 +125,8 @@ socket, and replaces a stale socket file.`,
 	f.StringVar(&devices, "devices", "all", "GPUs to serve: all, or ordinals and UUIDs separated by commas (0,1 or GPU-5e6f...)")
 	f.IntVar(&device, "device", 0, "serve only this GPU ordinal (short for --devices N)")
 	f.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	f.BoolVar(&detached, "detach", false, "run in the background, in a session of its own, and return once it answers on the socket")
+	f.StringVar(&logFile, "log-file", "", "with --detach: where the daemon's output goes (default $XDG_STATE_HOME/gpushm/daemon.log, else ~/.local/state/gpushm/daemon.log)")
 	f.StringVar(&o.SocketGroup, "socket-group", "", "let only this group connect (socket mode 0660; default: every user, 0666)")
 	f.StringVar(&o.MaxMemory, "max-memory", "", "cap what segments may hold on each device, for all users and root, shared fairly as --max-segments is: a size (64G) or a share of the device (90%)")
 	f.StringVar(&o.UserQuota, "user-quota", "auto", "cap the bytes each non-root user's segments may hold: a share of each device (30%), a size for all devices together (64G), 0 (no cap), or auto: 50% of each GPU, 25% of host memory")
