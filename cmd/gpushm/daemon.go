@@ -30,8 +30,9 @@ func daemonCmd() *cobra.Command {
 		Short: "Run the daemon that owns the segments",
 		Long: `Run the gpushm daemon in the foreground, or with --detach in the background
 of a session of its own: the command then returns once the daemon answers
-(what a script needs before its next command; 'gpushm daemon &' returns at
-once, before it serves), says its pid, and its output goes to --log-file
+(and, with --mount, once the files are there: what a script needs before
+its next command; 'gpushm daemon &' returns at once, before it serves),
+says its pid, and its output goes to --log-file
 (default $XDG_STATE_HOME/gpushm/daemon.log, else
 ~/.local/state/gpushm/daemon.log). Stop it with SIGTERM to that pid
 ('gpushm info' shows it too).
@@ -94,7 +95,7 @@ socket, and replaces a stale socket file.`,
 				if logFile == "" {
 					logFile = defaultDaemonLog()
 				}
-				return detach(cmd.Context(), socketPath(), logFile)
+				return detach(cmd.Context(), socketPath(), o.Mount, logFile)
 			}
 			if cmd.Flags().Changed("log-file") {
 				return exitcode.Usagef(cmd, "--log-file goes with --detach (in the foreground the log is standard error)")

@@ -22,7 +22,7 @@ const detachWait = 60 * time.Second
 // own, its output appended to logPath, and returns once its daemon answers
 // on socket: what a script (or a pasted README) needs before its next
 // command. The daemon's pid and log are said on standard error.
-func detach(ctx context.Context, socket, logPath string) error {
+func detach(ctx context.Context, socket, mount, logPath string) error {
 	// Its answer must be the new daemon's: one serving there already
 	// would answer for it.
 	dctx, cancel := context.WithTimeout(ctx, time.Second)
@@ -60,6 +60,8 @@ func detach(ctx context.Context, socket, logPath string) error {
 		cancel()
 		if err == nil {
 			c.Close()
+		}
+		if err == nil && (mount == "" || mounted(mount)) {
 			fmt.Fprintf(os.Stderr, "gpushm: daemon serving on %s (pid %d); its log: %s\n", socket, cmd.Process.Pid, logPath)
 			return nil
 		}
@@ -74,6 +76,13 @@ func detach(ctx context.Context, socket, logPath string) error {
 			return fmt.Errorf("--detach: the daemon (pid %d) did not answer on %s within %s; it goes on; its log: %s", cmd.Process.Pid, socket, detachWait, logPath)
 		}
 	}
+}
+
+// mounted says whether dir is a mount point: on another file system than
+// its parent (the FUSE view, with --mount, comes after the socket).
+func mounted(dir string) bool {
+	var st, up syscall.Stat_t
+	return syscall.Stat(dir, &st) == nil && syscall.Stat(filepath.Join(dir, ".."), &up) == nil && st.Dev != up.Dev
 }
 
 // foreground is args without --detach and --log-file: the daemon's own

@@ -62,7 +62,7 @@ Commands that print take -o json, yaml, wide or name; with -o json or yaml
 an error is one object on standard error too. docs/cli.md says more.
 
 ` + exitcode.Help,
-		Example: `  gpushm daemon &                  # serve host memory, or the GPUs
+		Example: `  gpushm daemon --detach           # serve host memory, or the GPUs, in the background
   gpushm put weights model.bin     # a file into a new segment
   gpushm ls -o wide
   gpushm get weights copy.bin
