@@ -23,11 +23,18 @@ import (
 // sequences and all, as a person's screen gets it, and its exit status.
 func onTerminal(t *testing.T, args ...string) (string, int) {
 	t.Helper()
+	return onTerminalOf(t, 100, args...)
+}
+
+// onTerminalOf is onTerminal on a terminal of cols columns (0: one that
+// says it has none, as script(1) and some CI runners give).
+func onTerminalOf(t *testing.T, cols int, args ...string) (string, int) {
+	t.Helper()
 	script, err := exec.LookPath("script")
 	if err != nil {
 		t.Skip("no script(1) to run the command in a terminal: install util-linux (Debian: bsdutils); ./scripts/test does")
 	}
-	line := "stty cols 100 rows 30 && exec " + shellQuote(os.Args[0])
+	line := "stty cols " + strconv.Itoa(cols) + " rows 30 && exec " + shellQuote(os.Args[0])
 	for _, a := range args {
 		line += " " + shellQuote(a)
 	}
@@ -113,6 +120,13 @@ func TestProgressOnTerminal(t *testing.T) {
 		if code != 0 || !tc.bar.MatchString(screen) || !strings.Contains(screen, " done") || !strings.Contains(screen, tc.final) {
 			t.Errorf("%s: gpushm %s: exit %d; the terminal showed:\n%s\nwant a bar matching %s ending in done, then %q",
 				tc.name, strings.Join(tc.args, " "), code, screen, tc.bar, tc.final)
+		}
+	}
+	// A terminal of no columns: the bar all the same, at a width of its own.
+	for _, args := range [][]string{{"put", "z", src}, {"get", "z", filepath.Join(dir, "out-z")}} {
+		screen, code := onTerminalOf(t, 0, args...)
+		if code != 0 || !bar(args[0], "z", "300.0 MiB").MatchString(screen) || !strings.Contains(screen, " done") {
+			t.Errorf("gpushm %s on a terminal of 0 columns: exit %d; the terminal showed:\n%q", strings.Join(args, " "), code, screen)
 		}
 	}
 	if out, _ := os.ReadFile(filepath.Join(dir, "out-d")); int64(len(out)) != size || !bytes.Equal(out[size/3:size/3+8], []byte("gpushm!!")) {

@@ -4,11 +4,13 @@ package progress
 
 import (
 	"fmt"
+	"io"
 	"os"
 	"time"
 
 	"github.com/vbauerster/mpb/v8"
 	"github.com/vbauerster/mpb/v8/decor"
+	"golang.org/x/term"
 
 	"github.com/gpushm/gpushm/internal/terminal"
 )
@@ -16,6 +18,9 @@ import (
 // Min is the smallest copy that gets a bar: smaller ones are over before
 // a bar would be read.
 const Min = 256 << 20
+
+// fallbackWidth is the line's width on a terminal that reports none.
+const fallbackWidth = 100
 
 // Bar is a bar for a copy of a total of bytes. Its methods are safe for
 // concurrent use, and a nil *Bar does nothing.
@@ -36,10 +41,19 @@ func New(what string, total int64) *Bar {
 	// decides by itself whether the output is a terminal, so forcing the
 	// refresh keeps Done from waiting for ever should the two checks
 	// ever disagree (they once did, for /dev/null).
-	p := mpb.New(mpb.WithOutput(os.Stderr), mpb.WithWidth(40), mpb.WithRefreshRate(150*time.Millisecond), mpb.WithAutoRefresh())
+	// A terminal that says it has no columns (script(1), some CI
+	// runners) would get an empty line each frame: mpb fits the bar to
+	// the terminal's width. There the line is drawn for a terminal of
+	// fallbackWidth columns, mpb told it writes to no terminal.
+	var out io.Writer = os.Stderr
+	width := 40
+	if w, _, err := term.GetSize(int(os.Stderr.Fd())); err != nil || w <= 0 {
+		out, width = struct{ io.Writer }{os.Stderr}, fallbackWidth
+	}
+	p := mpb.New(mpb.WithOutput(out), mpb.WithWidth(width), mpb.WithRefreshRate(150*time.Millisecond), mpb.WithAutoRefresh())
 	start, final := time.Now(), ""
 	rate := func(done int64) float64 { return float64(done) / max(time.Since(start).Seconds(), 1e-9) }
-	bar := p.AddBar(total,
+	bar := p.AddBar(total, mpb.BarWidth(40),
 		mpb.PrependDecorators(
 			decor.Name(what+" ", decor.WCSyncSpaceR),
 			decor.CountersKibiByte("% .1f / % .1f", decor.WCSyncSpace),
