@@ -8,10 +8,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gpushm/gpushm/internal/exitcode"
 )
 
 // TestEveryUserFindsTheNodesDaemon: a daemon run as root with no --socket
@@ -97,6 +101,26 @@ func TestEveryUserFindsTheNodesDaemon(t *testing.T) {
 		})
 	}
 
+	// A user's own daemon answers first, and hides the node's: a name it
+	// does not hold is said to be missing there, with where the node's
+	// daemon listens.
+	r = ns.run(t, bin, nobody, withXDG, "daemon", "--detach", "--backend", "host", "--nvml", "off", "--log-file", filepath.Join(xdg, "log"))
+	m := regexp.MustCompile(`\(pid (\d+)\)`).FindStringSubmatch(r.stderr)
+	if r.code != 0 || m == nil {
+		t.Fatalf("nobody's own daemon --detach: exit %d: %s", r.code, r.stderr)
+	}
+	own, _ := strconv.Atoi(m[1])
+	ns.run(t, bin, nil, nil, "create", "nodes-only", "1K")
+	for _, args := range [][]string{{"ls", "nodes-only"}, {"stat", "nodes-only"}} {
+		r = ns.run(t, bin, nobody, withXDG, args...)
+		if r.code != exitcode.NotFound || !strings.Contains(r.stderr, "your own daemon at "+xdg+"/gpushm/gpushm.sock answered") ||
+			!strings.Contains(r.stderr, "--socket "+system) {
+			t.Errorf("%s as nobody, whose own daemon runs: exit %d, stderr %q; want not found, naming both daemons", args[0], r.code, r.stderr)
+		}
+	}
+	syscall.Kill(own, syscall.SIGTERM)
+	ns.run(t, bin, nil, nil, "rm", "nodes-only")
+
 	// A socket that may be a daemon, but not for this user, ends the
 	// search: the client says so rather than reach another daemon.
 	closed := filepath.Join(home, "closed")
@@ -114,7 +138,8 @@ func TestEveryUserFindsTheNodesDaemon(t *testing.T) {
 	}
 	os.Chmod(shut, 0) // nobody's own, which nobody may not connect to
 	r = ns.run(t, bin, nobody, []string{"XDG_RUNTIME_DIR=" + closed}, "info")
-	if want := "gpushm: cannot reach a daemon: " + closed + "/gpushm/gpushm.sock: permission denied" + hint; r.code == 0 || r.stderr != want {
+	denied := " (a daemon's socket is there, but this user may not connect: its group and mode say who may, as 'ls -l' shows; see 'gpushm daemon --socket-group')\n"
+	if want := "gpushm: cannot reach a daemon: " + closed + "/gpushm/gpushm.sock: permission denied" + denied; r.code != 4 || r.stderr != want {
 		t.Errorf("info as nobody whose own socket it may not reach: exit %d, stderr %q\nwant %q", r.code, r.stderr, want)
 	}
 }

@@ -111,7 +111,7 @@ func listWith(ctx context.Context, c *gpushm.Client, w io.Writer, args []string,
 	segs, missing := report.Select(all, args)
 	var errs []error
 	for _, a := range missing {
-		errs = append(errs, exitcode.Failed("ls", a, exitcode.Errnof(syscall.ENOENT, "no such segment")))
+		errs = append(errs, exitcode.Failed("ls", a, elsewhere(c, exitcode.Errnof(syscall.ENOENT, "no such segment"))))
 	}
 	if len(segs) > 0 || len(args) == 0 || structured() {
 		if err := printList(ctx, c, w, segs, bytes); err != nil {

@@ -7,6 +7,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"github.com/spf13/cobra"
 
@@ -147,6 +148,28 @@ func dial(ctx context.Context) (*gpushm.Client, error) {
 	return c, err
 }
 
+// elsewhere says of err, a segment not found by the daemon c reached,
+// which daemon answered, where that is the user's own and the node's
+// listens too: the user's own daemon is tried first, and hides the
+// node's (gpushm.SocketCandidates).
+func elsewhere(c *gpushm.Client, err error) error {
+	var we *gpushm.Error
+	missing := errors.Is(err, syscall.ENOENT) || (errors.As(err, &we) && we.Code == "ENOENT")
+	cands := gpushm.SocketCandidates()
+	if !missing || socketFlag != "" || len(cands) < 2 {
+		return err
+	}
+	node := cands[len(cands)-1]
+	if c.Socket() == node {
+		return err
+	}
+	if st, serr := os.Stat(node); serr != nil || st.Mode()&os.ModeSocket == 0 {
+		return err
+	}
+	return exitcode.Errnof(syscall.ENOENT, "no such segment (your own daemon at %s answered; the node's listens at %s: 'gpushm --socket %s' asks it)",
+		c.Socket(), node, node)
+}
+
 // eachName runs fn for every name on one connection, going on past
 // failures, and returns them all, each said in verb's words (failed).
 func eachName(ctx context.Context, verb string, names []string, fn func(c *gpushm.Client, name string) error) error {
@@ -157,7 +180,7 @@ func eachName(ctx context.Context, verb string, names []string, fn func(c *gpush
 	defer c.Close()
 	var errs []error
 	for _, name := range names {
-		errs = append(errs, exitcode.Failed(verb, name, fn(c, name)))
+		errs = append(errs, exitcode.Failed(verb, name, elsewhere(c, fn(c, name))))
 	}
 	return errors.Join(errs...)
 }

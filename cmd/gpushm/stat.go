@@ -37,7 +37,7 @@ func stat(ctx context.Context, name string) error {
 	defer c.Close()
 	s, err := c.Stat(ctx, name)
 	if err != nil {
-		return err
+		return elsewhere(c, err)
 	}
 	switch {
 	case structured():
