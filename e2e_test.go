@@ -518,8 +518,8 @@ func TestErrors(t *testing.T) {
 	if _, _, err := c.CreateOnly(ctx, "x", 1, nil); !errors.Is(err, fs.ErrExist) {
 		t.Fatalf("second Create = %v, want fs.ErrExist", err)
 	}
-	if _, _, err := c.CreateOnly(ctx, "y", 1<<62, nil); !errors.Is(err, syscall.EINVAL) {
-		t.Fatalf("Create(1<<62) = %v, want EINVAL", err)
+	if _, _, err := c.CreateOnly(ctx, "y", 1<<62, nil); !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("Create(1<<62) = %v, want ENOSPC (more than the device holds)", err)
 	}
 	dev := 5
 	if _, _, err := c.CreateOnly(ctx, "y", 1, &gpushm.CreateOptions{Device: &dev}); !errors.Is(err, syscall.ENODEV) {

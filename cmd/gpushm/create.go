@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
-	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -60,7 +59,7 @@ func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existO
 	if size == 0 {
 		// The protocol makes an empty segment only when asked to: one
 		// holds nothing to map, and a size of 0 typed here is a mistake.
-		return exitcode.Errnof(syscall.EINVAL, "invalid size: 0 (must be positive; an empty file puts as an empty segment, which holds nothing to map)")
+		return exitcode.Usagef(cmd, "create %s: invalid size: 0 (must be positive; an empty file puts as an empty segment, which holds nothing to map)", name)
 	}
 	o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl, Pin: pin}
 	if o.Mode, err = parseMode(cmd, mode); err != nil {
@@ -105,8 +104,8 @@ func parseMode(cmd *cobra.Command, mode string) (*uint32, error) {
 		return nil, nil
 	}
 	m, err := strconv.ParseUint(mode, 8, 32)
-	if err != nil {
-		return nil, exitcode.Usagef(cmd, "--mode %q: want octal permission bits such as 0640", mode)
+	if err != nil || m > 0o777 {
+		return nil, exitcode.Usagef(cmd, "%s: --mode %q: want octal permission bits such as 0640", cmd.Name(), mode)
 	}
 	m32 := uint32(m)
 	return &m32, nil

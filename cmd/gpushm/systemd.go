@@ -1,7 +1,9 @@
 package main
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -45,7 +47,10 @@ restart gpushm' keeps every segment, 'systemctl stop gpushm' frees them.`,
 			}
 			path := filepath.Join(unitDir, "gpushm.service")
 			if err := os.WriteFile(path, []byte(unit), 0o644); err != nil {
-				return fmt.Errorf("write the unit: %w (as root?)", err)
+				if os.Geteuid() != 0 && errors.Is(err, fs.ErrPermission) {
+					return fmt.Errorf("write the unit: %w (run it as root: 'sudo gpushm install-systemd')", err)
+				}
+				return fmt.Errorf("write the unit: %w", err)
 			}
 			fmt.Printf("wrote %s\n", path)
 			systemctl, err := exec.LookPath("systemctl")

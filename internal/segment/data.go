@@ -62,6 +62,10 @@ var ErrFixed = errors.New("memory size is fixed")
 // ErrTooLarge: a write or resize past the device's memory.
 var ErrTooLarge = &Error{"larger than the device", syscall.EFBIG}
 
+// ErrMoreThanDevice: a segment larger than its device's memory, which no
+// eviction could make room for: no space (ENOSPC), as a budget's limit.
+var ErrMoreThanDevice = &Error{"more than the device holds", syscall.ENOSPC}
+
 func dataOf(mem Memory) (Data, error) {
 	d, ok := mem.(Data)
 	if !ok {

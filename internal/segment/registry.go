@@ -494,7 +494,7 @@ func (r *Registry) checkCreate(o *CreateOptions) (mode uint32, err error) {
 		return 0, err
 	}
 	if o.Size > capacity {
-		return 0, fmt.Errorf("%w: %d bytes exceeds device %d's %d bytes", ErrBadSize, o.Size, o.Device, capacity)
+		return 0, fmt.Errorf("%w: %d bytes exceeds device %d's %d bytes", ErrMoreThanDevice, o.Size, o.Device, capacity)
 	}
 	return mode, nil
 }

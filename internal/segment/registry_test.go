@@ -89,7 +89,7 @@ func TestCreateValidation(t *testing.T) {
 		{"256 bytes", CreateOptions{Name: strings.Repeat("x", 256), Size: 1}, ErrNameLong, syscall.ENAMETOOLONG},
 		{"zero size", CreateOptions{Name: "a", Size: 0}, ErrBadSize, syscall.EINVAL},
 		{"negative size", CreateOptions{Name: "a", Size: -5}, ErrBadSize, syscall.EINVAL},
-		{"larger than device", CreateOptions{Name: "a", Size: 1<<30 + 1}, ErrBadSize, syscall.EINVAL},
+		{"larger than device", CreateOptions{Name: "a", Size: 1<<30 + 1}, ErrMoreThanDevice, syscall.ENOSPC},
 		{"no such device", CreateOptions{Name: "a", Size: 1, Device: 3}, ErrNoDevice, syscall.ENODEV},
 		{"bad mode", CreateOptions{Name: "a", Size: 1, Mode: 0o4755, UseMode: true}, ErrBadMode, syscall.EINVAL},
 		{"bad meta", CreateOptions{Name: "a", Size: 1, Meta: []byte("{")}, ErrBadMeta, syscall.EINVAL},

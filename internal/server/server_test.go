@@ -52,7 +52,7 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"long name", `{"id":10,"op":"create","name":"` + long + `","size":1}`, "ENAMETOOLONG"},
 		{"zero size", `{"id":11,"op":"create","name":"z","size":0}`, "EINVAL"},
 		{"negative size", `{"id":12,"op":"create","name":"z","size":-1}`, "EINVAL"},
-		{"absurd size", `{"id":13,"op":"create","name":"z","size":9223372036854775807}`, "EINVAL"},
+		{"absurd size", `{"id":13,"op":"create","name":"z","size":9223372036854775807}`, "ENOSPC"}, // more than the device holds
 		{"size overflow", `{"id":14,"op":"create","name":"z","size":1e30}`, "EPROTO"},
 		{"bad mode", `{"id":15,"op":"create","name":"z","size":1,"mode":4095}`, "EINVAL"},
 		{"bad device", `{"id":16,"op":"create","name":"z","size":1,"device":7}`, "ENODEV"},
