@@ -113,9 +113,13 @@ func parseModeChange(s string) (modeChange, error) {
 	}
 	var out modeChange
 	out.octal = -1
-	for _, part := range strings.Split(s, ",") {
+	parts := strings.Split(s, ",")
+	for _, part := range parts {
 		c, err := parseClause(part)
 		if err != nil {
+			if len(parts) > 1 {
+				err = fmt.Errorf("%q: %w", part, err)
+			}
 			return modeChange{}, err
 		}
 		out.clauses = append(out.clauses, c)
@@ -133,12 +137,12 @@ func parseClause(s string) (modeClause, error) {
 		c.who = 0o777
 	}
 	if i == len(s) {
-		return c, fmt.Errorf("%q: want + - or = after who (u, g, o, a), as in g+r", s)
+		return c, fmt.Errorf("want + - or = after who (u, g, o, a), as in g+r")
 	}
 	for i < len(s) {
 		op := s[i]
 		if op != '+' && op != '-' && op != '=' {
-			return c, fmt.Errorf("%q: %q where +, - or = goes (a clause is who, then +, - or = and r, w, x)", s, op)
+			return c, fmt.Errorf("%q where +, - or = goes (a clause is who, then +, - or = and r, w, x)", op)
 		}
 		i++
 		o := modeOp{op: op, from: noCopy}
@@ -155,9 +159,9 @@ func parseClause(s string) (modeClause, error) {
 				case 'x':
 					o.perm |= 1
 				case 's', 't', 'X':
-					return c, fmt.Errorf("%q: segments have no %q bit (only r, w, x)", s, s[i])
+					return c, fmt.Errorf("segments have no %q bit (only r, w, x)", s[i])
 				default:
-					return c, fmt.Errorf("%q: %q is not a permission (r, w, x)", s, s[i])
+					return c, fmt.Errorf("%q is not a permission (r, w, x)", s[i])
 				}
 			}
 		}
