@@ -28,58 +28,7 @@ func daemonCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "daemon",
 		Short: "Run the daemon that owns the segments",
-		Long: `Run the gpushm daemon in the foreground, or with --detach in the background
-of a session of its own: the command then returns once the daemon answers
-(and, with --mount, once the files are there: what a script needs before
-its next command; 'gpushm daemon &' returns at once, before it serves),
-says its pid, and its output goes to --log-file
-(default $XDG_STATE_HOME/gpushm/daemon.log, else
-~/.local/state/gpushm/daemon.log). Stop it with SIGTERM to that pid
-('gpushm info' shows it too).
-
-The process you start is a small supervisor: it holds every segment's
-memory descriptor and the listening socket, and runs the serving process
-(the same binary), which answers clients, talks to CUDA and serves the
-FUSE view. If the serving process dies (a crash, the OOM killer, kill -9),
-the supervisor starts a new one with every segment, owner, mode and meta
-data as they were; clients reconnect on their own and reclaim their leases
-and temporary segments within --grace. Nothing acknowledged is lost. The
-serving process holds the same descriptors: if the supervisor dies, the
-serving process starts a new one (in a session of its own) and hands it
-everything, and clients notice nothing; 'gpushm info' names the new one.
-So SIGKILL of the supervisor does not stop the daemon: SIGTERM does.
-
-Signals to the supervisor's pid:
-  SIGHUP           upgrade: start the binary now on disk as the new serving
-                   process; it takes over the socket, every segment and every
-                   client connection, without dropping one
-  SIGTERM, SIGINT  stop for good: stop serving and free every segment
-To restart without losing segments, send SIGHUP (or kill the serving process,
-whose pid 'gpushm info' shows); to stop for good, send SIGTERM. Under systemd
-(deploy/systemd, 'gpushm install-systemd') 'systemctl reload' upgrades,
-'systemctl restart' keeps every segment in systemd's fd store, and
-'systemctl stop' frees them; there systemd, not the serving process,
-restarts a supervisor that died.
-
-Limits are on by default, so that no user can starve the others: each
-user other than root may hold --user-connections connections,
---user-segments segments and --user-quota bytes, and the daemon as a whole
---max-segments segments and --max-connections connections, sized from its
-descriptor limit (raised to the hard limit at start). The daemon's own
-limits (--max-segments, --max-connections, --max-memory) are shared
-fairly, so that no group of users at their limits can lock out another
-user, or root: once half of one is in use, a user above its fair share
-(what lies below the top quarter, in equal parts among the users holding
-some) waits; the top quarter is kept for users holding little, each
-taking from it only while it holds at most a 128th of it (or 16
-segments, 4 connections, where that leaves 8 users theirs), and the top
-thirty-second for root. A request over a limit is refused with an error
-naming the limit and its numbers (docs/security.md).
-
---backend auto (the default) uses CUDA when libcuda.so.1 loads and a device
-with VMM and POSIX file descriptor handles is present, and host memory
-(memfd) otherwise. It refuses to start when another daemon serves the
-socket, and replaces a stale socket file.`,
+		Long:  daemonLong,
 		Example: `  gpushm daemon                                  # CUDA when a GPU is there, else host memory
   gpushm daemon --detach                         # in the background; returns once it answers
   gpushm daemon --backend host --socket /tmp/gpushm.sock
@@ -150,3 +99,57 @@ socket, and replaces a stale socket file.`,
 	f.BoolVar(&o.FDStore, "fd-store", false, "also keep everything in systemd's file descriptor store, so that a restart of the whole service loses nothing (on by itself when systemd sets $FDSTORE)")
 	return cmd
 }
+
+// daemonLong is daemon --help's text.
+const daemonLong = `Run the gpushm daemon in the foreground, or with --detach in the background
+of a session of its own: the command then returns once the daemon answers
+(and, with --mount, once the files are there: what a script needs before
+its next command; 'gpushm daemon &' returns at once, before it serves),
+says its pid, and its output goes to --log-file
+(default $XDG_STATE_HOME/gpushm/daemon.log, else
+~/.local/state/gpushm/daemon.log). Stop it with SIGTERM to that pid
+('gpushm info' shows it too).
+
+The process you start is a small supervisor: it holds every segment's
+memory descriptor and the listening socket, and runs the serving process
+(the same binary), which answers clients, talks to CUDA and serves the
+FUSE view. If the serving process dies (a crash, the OOM killer, kill -9),
+the supervisor starts a new one with every segment, owner, mode and meta
+data as they were; clients reconnect on their own and reclaim their leases
+and temporary segments within --grace. Nothing acknowledged is lost. The
+serving process holds the same descriptors: if the supervisor dies, the
+serving process starts a new one (in a session of its own) and hands it
+everything, and clients notice nothing; 'gpushm info' names the new one.
+So SIGKILL of the supervisor does not stop the daemon: SIGTERM does.
+
+Signals to the supervisor's pid:
+  SIGHUP           upgrade: start the binary now on disk as the new serving
+                   process; it takes over the socket, every segment and every
+                   client connection, without dropping one
+  SIGTERM, SIGINT  stop for good: stop serving and free every segment
+To restart without losing segments, send SIGHUP (or kill the serving process,
+whose pid 'gpushm info' shows); to stop for good, send SIGTERM. Under systemd
+(deploy/systemd, 'gpushm install-systemd') 'systemctl reload' upgrades,
+'systemctl restart' keeps every segment in systemd's fd store, and
+'systemctl stop' frees them; there systemd, not the serving process,
+restarts a supervisor that died.
+
+Limits are on by default, so that no user can starve the others: each
+user other than root may hold --user-connections connections,
+--user-segments segments and --user-quota bytes, and the daemon as a whole
+--max-segments segments and --max-connections connections, sized from its
+descriptor limit (raised to the hard limit at start). The daemon's own
+limits (--max-segments, --max-connections, --max-memory) are shared
+fairly, so that no group of users at their limits can lock out another
+user, or root: once half of one is in use, a user above its fair share
+(what lies below the top quarter, in equal parts among the users holding
+some) waits; the top quarter is kept for users holding little, each
+taking from it only while it holds at most a 128th of it (or 16
+segments, 4 connections, where that leaves 8 users theirs), and the top
+thirty-second for root. A request over a limit is refused with an error
+naming the limit and its numbers (docs/security.md).
+
+--backend auto (the default) uses CUDA when libcuda.so.1 loads and a device
+with VMM and POSIX file descriptor handles is present, and host memory
+(memfd) otherwise. It refuses to start when another daemon serves the
+socket, and replaces a stale socket file.`
