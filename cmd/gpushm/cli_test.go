@@ -426,3 +426,24 @@ func TestEveryCommandHasExamples(t *testing.T) {
 		}
 	})
 }
+
+// TestLsNoHeaders: --no-headers leaves out the table's header line alone,
+// with -o wide too, and refuses a format that has none.
+func TestLsNoHeaders(t *testing.T) {
+	cliDaemon(t)
+	mustRun(t, nil, "create", "nh-a", "1K")
+	mustRun(t, nil, "create", "nh-b", "1K")
+	for _, args := range [][]string{{"ls", "--no-headers"}, {"ls", "--no-headers", "-o", "wide"}} {
+		out := mustRun(t, nil, args...)
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		if len(lines) != 2 || !strings.HasPrefix(lines[0], "nh-a ") || !strings.HasPrefix(lines[1], "nh-b ") {
+			t.Errorf("gpushm %s:\n%s\nwant the two rows alone", strings.Join(args, " "), out)
+		}
+	}
+	if out := mustRun(t, nil, "ls"); !strings.HasPrefix(out, "NAME ") {
+		t.Errorf("ls without --no-headers:\n%s\nwant the header first", out)
+	}
+	if r := cli(t, nil, "ls", "--no-headers", "-o", "json"); r.code != 2 {
+		t.Errorf("ls --no-headers -o json: exit %d, %q; want 2", r.code, r.stderr)
+	}
+}

@@ -94,6 +94,7 @@ print what was copied, -o name the segment's name.`,
 	}
 	cmd.Flags().BoolVar(&o.Raw, "raw", false, "write a checkpoint bundle's bytes as one file, not as its directory")
 	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "print how the copy went")
+	addQuiet(cmd)
 	cmd.Flags().DurationVar(&o.Wait, "wait", 0, "wait this long (e.g. 30s, 5m; at most 1h) for a segment being written, or not there yet")
 	copyOpts.register(cmd)
 	addOutput(cmd, false)
@@ -117,7 +118,7 @@ func get(ctx context.Context, name, path string, verbose bool, o *checkpoint.Get
 	res = report.Copy{Name: name, File: cp.File, Bytes: cp.Bytes, Copier: cp.Copier}
 	res.Finish(start)
 	if cp.Bytes > 0 { // an empty segment's file is made, not copied
-		report.Rate(os.Stderr, "get", name, cp.Bytes, time.Since(start), cp.Stats, verbose)
+		rate("get", name, cp.Bytes, time.Since(start), cp.Stats, verbose)
 	}
 	return res, nil
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -22,8 +23,8 @@ import (
 
 func lsCmd() *cobra.Command {
 	var (
-		bytes, wide, watch bool
-		interval           time.Duration
+		bytes, wide, watch, noHeaders bool
+		interval                      time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:     "ls [NAME|PATTERN]...",
@@ -78,12 +79,20 @@ in place of the listing, and the next interval tries again.`,
 				}
 				return exitcode.Failed("ls", "", watchList(cmd.Context(), args, bytes, interval))
 			}
-			return exitcode.Failed("ls", "", list(cmd.Context(), os.Stdout, args, bytes))
+			out := io.Writer(os.Stdout)
+			if noHeaders {
+				if output != "" && output != "wide" {
+					return exitcode.Usagef(cmd, "ls: --no-headers is for the table (-o wide or none), not -o %s", output)
+				}
+				out = &dropFirstLine{w: out}
+			}
+			return exitcode.Failed("ls", "", list(cmd.Context(), out, args, bytes))
 		},
 	}
 	cmd.Flags().BoolVar(&bytes, "bytes", false, "print sizes in bytes")
 	cmd.Flags().BoolVarP(&wide, "wide", "w", false, "short for -o wide")
 	cmd.Flags().BoolVar(&watch, "watch", false, "list again every --interval until Ctrl-C (status 0)")
+	cmd.Flags().BoolVar(&noHeaders, "no-headers", false, "leave out the table's header line (for scripts that read the columns)")
 	cmd.Flags().DurationVar(&interval, "interval", 2*time.Second, "with --watch, how often to list")
 	addOutput(cmd, true)
 	return cmd
@@ -190,4 +199,29 @@ func watchList(ctx context.Context, args []string, sizes bool, every time.Durati
 		return nil
 	}
 	return ctx.Err()
+}
+
+// dropFirstLine writes what it is given to w but for the first line (a
+// table's header).
+type dropFirstLine struct {
+	w    io.Writer
+	past bool
+}
+
+func (d *dropFirstLine) Write(b []byte) (int, error) {
+	n := len(b)
+	if !d.past {
+		i := bytes.IndexByte(b, '\n')
+		if i < 0 {
+			return n, nil
+		}
+		d.past, b = true, b[i+1:]
+	}
+	if len(b) == 0 {
+		return n, nil
+	}
+	if _, err := d.w.Write(b); err != nil {
+		return 0, err
+	}
+	return n, nil
 }

@@ -209,3 +209,22 @@ func TestGetToATerminal(t *testing.T) {
 		t.Fatalf("get - into a pipe: %d bytes, want 4096", len(got))
 	}
 }
+
+// TestQuiet: put and get -q draw no bar and print no summary on a
+// terminal; errors still show; -q with -v is a usage error.
+func TestQuiet(t *testing.T) {
+	dir, _ := cliDaemon(t)
+	src := filepath.Join(dir, "big.bin")
+	sparseFile(t, src, nil, int64(progress.Min))
+	for _, args := range [][]string{{"put", "-q", "q", src}, {"get", "-q", "q", filepath.Join(dir, "out")}} {
+		if screen, code := onTerminal(t, args...); code != 0 || strings.TrimSpace(screen) != "" {
+			t.Errorf("gpushm %s on a terminal: exit %d, the terminal showed %q; want nothing", strings.Join(args, " "), code, screen)
+		}
+	}
+	if screen, code := onTerminal(t, "get", "-q", "nonesuch", filepath.Join(dir, "x")); code == 0 || !strings.Contains(screen, "no such segment") {
+		t.Errorf("get -q of a missing segment: exit %d, %q; want the error", code, screen)
+	}
+	if r := cli(t, nil, "put", "-q", "-v", "q2", src); r.code != 2 {
+		t.Errorf("put -q -v: exit %d, %q; want 2", r.code, r.stderr)
+	}
+}

@@ -143,6 +143,7 @@ func putCmd() *cobra.Command {
 	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
 	f.BoolVar(&o.ReadOnlyDefault, "readonly-default", false, "mark a tensor bundle so that clients map it read-only unless they ask for write access")
 	f.BoolVarP(&verbose, "verbose", "v", false, "print what was copied, how, and how fast")
+	addQuiet(cmd)
 	f.BoolVarP(&o.NextVersion, "force", "f", false, "replace NAME if it exists, in one step once the copy is complete: the copy is its next version, which readers refresh onto")
 	f.BoolVar(&o.NextVersion, "new-version", false, "the same as --force")
 	f.StringVar(&meta, "meta", "", "user metadata, a JSON value (not for a tensor bundle, whose meta is its layout)")
@@ -190,14 +191,41 @@ func putFile(ctx context.Context, name, path, device string, verbose bool, o *ch
 		fmt.Fprintln(os.Stderr, noSourcesNote(name))
 	}
 	res.Finish(start)
-	report.Rate(os.Stderr, "put", name, cp.Bytes, time.Since(start), cp.Stats, verbose)
+	rate("put", name, cp.Bytes, time.Since(start), cp.Stats, verbose)
 	return res, describe(ctx, c, &res)
 }
 
 // progressFor starts a progress bar for what, on a terminal, as checkpoint's
 // copies take it.
 func progressFor(what string) func(int64) checkpoint.Progress {
-	return func(total int64) checkpoint.Progress { return progress.New(what, total) }
+	return func(total int64) checkpoint.Progress {
+		if quiet {
+			return (*progress.Bar)(nil) // draws nothing, as off a terminal
+		}
+		return progress.New(what, total)
+	}
+}
+
+// quiet is put's and get's -q: no bar, no summary; errors only.
+var quiet bool
+
+// rate is report.Rate unless -q.
+func rate(verb, name string, n int64, d time.Duration, st gpushm.CopyStats, verbose bool) {
+	if !quiet {
+		report.Rate(os.Stderr, verb, name, n, d, st, verbose)
+	}
+}
+
+// addQuiet gives cmd -q, --quiet.
+func addQuiet(cmd *cobra.Command) {
+	cmd.Flags().BoolVarP(&quiet, "quiet", "q", false, "print nothing on standard error but errors: no progress bar, no summary")
+	run := cmd.RunE
+	cmd.RunE = func(c *cobra.Command, args []string) error {
+		if v, _ := c.Flags().GetBool("verbose"); quiet && v {
+			return exitcode.Usagef(c, "%s: -q and -v: one or the other", c.Name())
+		}
+		return run(c, args)
+	}
 }
 
 // describe adds the segment put made to res, for -o json and yaml.
@@ -322,7 +350,7 @@ func putDir(ctx context.Context, name, dir, device string, verbose bool, fo *che
 		fmt.Fprintln(os.Stderr, noSourcesNote(name))
 	}
 	res.Finish(start)
-	report.Rate(os.Stderr, "put", name, ck.Size(), time.Since(start), st, verbose)
+	rate("put", name, ck.Size(), time.Since(start), st, verbose)
 	return res, describe(ctx, c, &res)
 }
 
