@@ -76,7 +76,7 @@ func daemonCmd() *cobra.Command {
 	f.IntVar(&device, "device", 0, "serve only this GPU ordinal (short for --devices N)")
 	f.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	f.BoolVar(&detached, "detach", false, "run in the background, in a session of its own, and return once it answers on the socket")
-	f.StringVar(&logFile, "log-file", "", "with --detach: where the daemon's output goes (default $XDG_STATE_HOME/gpushm/daemon.log, else ~/.local/state/gpushm/daemon.log)")
+	f.StringVar(&logFile, "log-file", "", "with --detach: where the daemon's output goes (default $XDG_STATE_HOME/gpushm/daemon.log, else ~/.local/state/gpushm/daemon.log; root: /var/log/gpushm/daemon.log)")
 	f.StringVar(&o.SocketGroup, "socket-group", "", "let only this group connect (socket mode 0660; default: every user, 0666)")
 	f.StringVar(&o.MaxMemory, "max-memory", "", "cap what segments may hold on each device, for all users and root, shared fairly as --max-segments is: a size (64G) or a share of the device (90%)")
 	f.StringVar(&o.UserQuota, "user-quota", "auto", "cap the bytes each non-root user's segments may hold: a share of each device (30%), a size for all devices together (64G), 0 (no cap), or auto: 50% of each GPU, 25% of host memory")
@@ -107,7 +107,7 @@ of a session of its own: the command then returns once the daemon answers
 its next command; 'gpushm daemon &' returns at once, before it serves),
 says its pid, and its output goes to --log-file
 (default $XDG_STATE_HOME/gpushm/daemon.log, else
-~/.local/state/gpushm/daemon.log). Stop it with SIGTERM to that pid
+~/.local/state/gpushm/daemon.log; for root /var/log/gpushm/daemon.log). Stop it with SIGTERM to that pid
 ('gpushm info' shows it too).
 
 The process you start is a small supervisor: it holds every segment's

@@ -113,8 +113,12 @@ func logTail(path string, start int64) string {
 
 // defaultDaemonLog is where a detached daemon's output goes: the user's
 // state directory ($XDG_STATE_HOME, else ~/.local/state), never a shared
-// one where another user could have put a link.
+// one where another user could have put a link; for root, whose
+// environment may be a user's (sudo -E), /var/log/gpushm.
 func defaultDaemonLog() string {
+	if os.Geteuid() == 0 {
+		return "/var/log/gpushm/daemon.log"
+	}
 	dir := os.Getenv("XDG_STATE_HOME")
 	if dir == "" {
 		home, err := os.UserHomeDir()

@@ -56,3 +56,22 @@ func TestDaemonDetach(t *testing.T) {
 		t.Fatalf("--log-file without --detach: exit %d, stderr %q; want 2", r.code, r.stderr)
 	}
 }
+
+// TestDetachedLogIgnoresRootsEnvironment: as root, whose environment may
+// be a user's (sudo -E), the default log is /var/log/gpushm's, never under
+// $XDG_STATE_HOME or $HOME, where that user could have put a link.
+func TestDetachedLogIgnoresRootsEnvironment(t *testing.T) {
+	attacker := t.TempDir()
+	t.Setenv("XDG_STATE_HOME", attacker)
+	t.Setenv("HOME", attacker)
+	got := defaultDaemonLog()
+	if os.Geteuid() == 0 {
+		if got != "/var/log/gpushm/daemon.log" {
+			t.Fatalf("root's default log: %s, want /var/log/gpushm/daemon.log", got)
+		}
+		return
+	}
+	if got != filepath.Join(attacker, "gpushm", "daemon.log") {
+		t.Fatalf("a user's default log: %s, want under its $XDG_STATE_HOME", got)
+	}
+}
