@@ -32,12 +32,14 @@ _get_comp_words_by_ref() {
 fi
 if ! declare -F _filedir >/dev/null 2>&1; then
 _filedir() {
-    local IFS=$'\n'
+    local __gpushm_f
+    compopt -o filenames 2>/dev/null
     if [[ $1 == -d ]]; then
-        COMPREPLY+=($(compgen -d -- "$cur"))
+        mapfile -t __gpushm_f < <(compgen -d -- "$cur")
     else
-        COMPREPLY+=($(compgen -f -- "$cur"))
+        mapfile -t __gpushm_f < <(compgen -f -- "$cur")
     fi
+    COMPREPLY+=("${__gpushm_f[@]}")
 }
 fi
 

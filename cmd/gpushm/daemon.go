@@ -40,13 +40,16 @@ func daemonCmd() *cobra.Command {
 			if err := lvl.UnmarshalText([]byte(logLevel)); err != nil {
 				return fmt.Errorf("--log-level: %w", err)
 			}
-			if detached {
+			if cmd.Flags().Changed("log-file") && logFile == "" {
+				return exitcode.Usagef(cmd, "--log-file: want a path")
+			}
+			if detached && os.Getenv(detachedEnv) == "" {
 				if logFile == "" {
 					logFile = defaultDaemonLog()
 				}
 				return detach(cmd.Context(), socketPath(), o.Mount, logFile)
 			}
-			if cmd.Flags().Changed("log-file") {
+			if cmd.Flags().Changed("log-file") && os.Getenv(detachedEnv) == "" {
 				return exitcode.Usagef(cmd, "--log-file goes with --detach (in the foreground the log is standard error)")
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))

@@ -1,7 +1,9 @@
 package main
 
 import (
+	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -73,5 +75,76 @@ func TestDetachedLogIgnoresRootsEnvironment(t *testing.T) {
 	}
 	if got != filepath.Join(attacker, "gpushm", "daemon.log") {
 		t.Fatalf("a user's default log: %s, want under its $XDG_STATE_HOME", got)
+	}
+}
+
+// TestDetachAttacks: what the log path and the command line could do to a
+// --detach, from another user or by accident: a FIFO, another user's file
+// or directory, --detach=1 (each child detaching again), and a descriptor
+// the caller holds, which must not live on in the daemon.
+func TestDetachAttacks(t *testing.T) {
+	requireRoot(t)
+	dir := socketDir(t)
+	os.Chmod(dir, 0o755)
+	sock := filepath.Join(dir, "gpushm.sock")
+	other := filepath.Join(dir, "others")
+	os.Mkdir(other, 0o755)
+	os.Chown(other, 65534, 65534)
+	fifo := filepath.Join(dir, "fifo.log")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	open := filepath.Join(dir, "open.log")
+	os.WriteFile(open, nil, 0o666)
+	os.Chmod(open, 0o666)
+	for _, tc := range []struct{ log, why string }{
+		{fifo, "not a regular file"},
+		{open, "others may write it"},
+		{filepath.Join(other, "daemon.log"), "not this user's"},
+		{filepath.Join(other, "sub", "daemon.log"), "not this user's"},
+	} {
+		done := make(chan result, 1)
+		go func() {
+			done <- cli(t, nil, "daemon", "--detach", "--socket", sock, "--backend", "host", "--log-file", tc.log)
+		}()
+		select {
+		case r := <-done:
+			if r.code == 0 || !strings.Contains(r.stderr, tc.why) {
+				t.Errorf("--log-file %s: exit %d, stderr %q; want a refusal saying %q", tc.log, r.code, r.stderr, tc.why)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("--log-file %s: still running after 30 s", tc.log)
+		}
+	}
+
+	// --detach=1, and a descriptor held by the caller.
+	held, err := os.Create(filepath.Join(dir, "held.lock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	cmd := exec.Command(os.Args[0], "daemon", "--detach=1", "--socket", sock, "--backend", "host", "--log-file", filepath.Join(dir, "d.log"))
+	cmd.ExtraFiles = []*os.File{held}
+	r := runCmd(t, cmd)
+	m := regexp.MustCompile(`\(pid (\d+)\)`).FindStringSubmatch(r.stderr)
+	if r.code != 0 || m == nil {
+		t.Fatalf("daemon --detach=1: exit %d, %q", r.code, r.stderr)
+	}
+	pid, _ := strconv.Atoi(m[1])
+	defer func() {
+		syscall.Kill(pid, syscall.SIGTERM)
+		for i := 0; i < 500 && syscall.Kill(pid, 0) == nil; i++ {
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
+	cmdline, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if strings.Contains(string(cmdline), "--detach") {
+		t.Errorf("the daemon's command line still detaches: %q", cmdline)
+	}
+	fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	for _, e := range fds {
+		if l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, e.Name())); strings.HasSuffix(l, "held.lock") {
+			t.Errorf("the daemon holds the caller's descriptor %s (fd %s)", l, e.Name())
+		}
 	}
 }

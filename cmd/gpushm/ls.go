@@ -74,6 +74,9 @@ in place of the listing, and the next interval tries again.`,
 				return exitcode.Usagef(cmd, "ls: --interval is for --watch")
 			}
 			if watch {
+				if noHeaders {
+					return exitcode.Usagef(cmd, "ls: --no-headers is not for --watch, which draws for a person")
+				}
 				if interval <= 0 {
 					return exitcode.Usagef(cmd, "ls: --interval %s: want a positive duration, such as 2s or 500ms", interval)
 				}

@@ -92,6 +92,10 @@ an error is one object on standard error too. docs/cli.md says more.
 	bench.Example = `  gpushm bench open --backend host
   gpushm bench files --sizes 1GiB,4GiB`
 	root.SetFlagErrorFunc(func(cmd *cobra.Command, err error) error {
+		if cmd.Name() == "chmod" && strings.Contains(err.Error(), "unknown shorthand flag") {
+			// chmod -w NAME: a mode that reads as a flag.
+			return exitcode.Usagef(cmd, "%v (a mode that starts with '-': 'gpushm chmod -- -w NAME')", err)
+		}
 		number := "a number here is positive"
 		if cmd.Name() == "create" {
 			number = "a size is positive, such as 4096, 64MiB or 1G"
