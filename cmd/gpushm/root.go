@@ -157,10 +157,8 @@ func dial(ctx context.Context) (*gpushm.Client, error) {
 // listens too: the user's own daemon is tried first, and hides the
 // node's (gpushm.SocketCandidates).
 func elsewhere(c *gpushm.Client, err error) error {
-	var we *gpushm.Error
-	missing := errors.Is(err, syscall.ENOENT) || (errors.As(err, &we) && we.Code == "ENOENT")
 	cands := gpushm.SocketCandidates()
-	if !missing || socketFlag != "" || len(cands) < 2 {
+	if !errors.Is(err, syscall.ENOENT) || socketFlag != "" || len(cands) < 2 {
 		return err
 	}
 	node := cands[len(cands)-1]
