@@ -26,7 +26,15 @@ type started struct {
 
 func startCLI(t *testing.T, args ...string) *started {
 	t.Helper()
-	p := &started{cmd: exec.Command(os.Args[0], args...), done: make(chan struct{})}
+	return startCmd(t, exec.Command(os.Args[0], args...))
+}
+
+// startCmd starts cmd (the CLI, set up as the test needs) in the
+// background, its standard error kept, and kills it at cleanup if it is
+// still running.
+func startCmd(t *testing.T, cmd *exec.Cmd) *started {
+	t.Helper()
+	p := &started{cmd: cmd, done: make(chan struct{})}
 	p.cmd.Stderr = &p.stderr
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -81,17 +89,10 @@ func TestInterruptGetIntoAPipe(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer r.Close()
-			p := &started{cmd: exec.Command(os.Args[0], "get", "pipe-big", "-"), done: make(chan struct{})}
-			p.cmd.Stdout, p.cmd.Stderr = w, &p.stderr
-			if err := p.cmd.Start(); err != nil {
-				t.Fatal(err)
-			}
+			get := exec.Command(os.Args[0], "get", "pipe-big", "-")
+			get.Stdout = w
+			p := startCmd(t, get)
 			w.Close()
-			go func() {
-				defer close(p.done)
-				p.cmd.Wait()
-				p.code = p.cmd.ProcessState.ExitCode()
-			}()
 			// The reader takes a little, then stops reading: the writer
 			// blocks in the pipe, as under a slow consumer.
 			buf := make([]byte, 1<<20)

@@ -182,25 +182,12 @@ func closeOnExecFUSE() {
 // background, with the daemon at sock.
 func startAs(t *testing.T, bin, sock string, uid int, args ...string) *started {
 	t.Helper()
-	p := &started{cmd: exec.Command(bin, args...), done: make(chan struct{})}
-	p.cmd.Env = append(os.Environ(), "GPUSHM_SOCKET="+sock)
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), "GPUSHM_SOCKET="+sock)
 	if uid != 0 {
-		p.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(uid)}}
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(uid)}}
 	}
-	p.cmd.Stderr = &p.stderr
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		defer close(p.done)
-		p.cmd.Wait()
-		p.code = p.cmd.ProcessState.ExitCode()
-	}()
-	t.Cleanup(func() {
-		p.cmd.Process.Kill()
-		<-p.done
-	})
-	return p
+	return startCmd(t, cmd)
 }
 
 // endsWithin reports whether p exited within d.
