@@ -27,6 +27,27 @@ def have(*modules):
     return missing
 
 
+def count_hook_opens(counts):
+    """Counts, in counts["opens"] and counts["served"], the safetensors
+    opens the hook of python -m gpushm.run sees in this process and those
+    it serves from a bundle (it calls gpushm.safetensors._hook_open by
+    attribute at every open). Imports gpushm.safetensors, as the hook's
+    first open would."""
+    import gpushm.safetensors as gst
+
+    counts.setdefault("opens", 0)
+    counts.setdefault("served", 0)
+    real = gst._hook_open
+
+    def counting(*args, **kw):
+        f = real(*args, **kw)
+        counts["opens"] += 1
+        counts["served"] += f is not None
+        return f
+
+    gst._hook_open = counting
+
+
 def fmt_s(x):
     return "-" if x is None else (f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s")
 

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -92,10 +91,7 @@ class Run(bl.Run):
         return [sys.executable, "-m", "gpushm.run", *MODES[mode], *me]
 
     def run_mode(self, label, mode, *argv, timeout=900):
-        env = dict(self.env)
-        for k in ("GPUSHM_SAFETENSORS", "GPUSHM_CPU_TENSORS"):
-            env.pop(k, None)
-        env["PYTHONPATH"] = os.pathsep.join([*self.extra_path, env["PYTHONPATH"]])
+        env = self.env_for("plain")  # gpushm.run, when the command has it, sets the rest
         with open(self.out / f"{self.prefix}-{label}.log", "w") as log:
             p = subprocess.Popen(self.command(mode, *argv), env=env, stdout=subprocess.PIPE, stderr=log, text=True)
         self.started[p.pid] = _run.testing.start_time(p.pid)
@@ -237,17 +233,7 @@ def worker(argv):
     rep = {"import_s": time.perf_counter() - t, "opens": 0, "served": 0}
     hooked = getattr(safetensors.safe_open, "_gpushm_real", None) is not None
     if hooked:
-        import gpushm.safetensors as gst  # what the hook imports at the first open
-
-        real = gst._hook_open
-
-        def counting(*args, **kw):
-            f = real(*args, **kw)
-            rep["opens"] += 1
-            rep["served"] += f is not None
-            return f
-
-        gst._hook_open = counting
+        _run.count_hook_opens(rep)
     if torch is not None:
         torch.zeros(1, device="cuda")
         torch.cuda.synchronize()

@@ -46,24 +46,9 @@ def check(ok, name, detail=""):
 
 # ---- workers -----------------------------------------------------------------
 
-# Opens the hook saw and served from a bundle, in a worker under it.
+# Opens the hook saw and served from a bundle, in a worker under it
+# (_run.count_hook_opens).
 SERVED = {"opens": 0, "served": 0}
-
-
-def _count_served():
-    """Counts what gpushm.safetensors._hook_open serves (the hook calls it
-    by attribute at every open)."""
-    import gpushm.safetensors as gst
-
-    real = gst._hook_open
-
-    def counting(*a, **kw):
-        f = real(*a, **kw)
-        SERVED["opens"] += 1
-        SERVED["served"] += f is not None
-        return f
-
-    gst._hook_open = counting
 
 
 def _shared(t):
@@ -392,7 +377,9 @@ def _gpu_used():
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         if os.environ.get("GPUSHM_SAFETENSORS"):
-            _count_served()
+            import _run
+
+            _run.count_hook_opens(SERVED)
         WORKERS[sys.argv[2]](*sys.argv[3:])
         sys.exit(0)
     sys.exit(main())
