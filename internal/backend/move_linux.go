@@ -40,6 +40,12 @@ type Spill struct {
 	// names them to it.
 	keeper   Keeper
 	pieceIDs atomic.Uint64
+	// demand, if set, is the host memory the next eviction may need
+	// (SetDemand).
+	demand func() int64
+	// making counts allocations making new memory; the reserve waits
+	// for them.
+	making atomic.Int32
 	// recycled holds spill memory let go of, by size, for the next
 	// eviction of that size: a restore that was written to after leaves
 	// its host memory, and an eviction that reuses it copies at the copy
@@ -91,6 +97,8 @@ func (s *Spill) Allocate(device int, size int64) (segment.Memory, error) {
 
 // allocate makes new memory of size bytes, a multiple of the page size.
 func (s *Spill) allocate(size int64) (segment.Memory, error) {
+	s.making.Add(1)
+	defer s.making.Add(-1)
 	m, err := newMemfd("gpushm-spill", size, func(m *hostMemory) error {
 		b, err := m.bytes()
 		if err != nil {

@@ -118,11 +118,20 @@ type reserveFixture struct {
 
 func startReserve(t *testing.T, total int64) *reserveFixture {
 	t.Helper()
+	return startReserveDemand(t, total, nil)
+}
+
+// startReserveDemand is startReserve with demand as SetDemand's function.
+func startReserveDemand(t *testing.T, total int64, demand func() int64) *reserveFixture {
+	t.Helper()
 	host, err := NewHost()
 	if err != nil {
 		t.Fatal(err)
 	}
 	f := &reserveFixture{s: NewSpill(host, 0), done: make(chan struct{})}
+	if demand != nil {
+		f.s.SetDemand(demand)
+	}
 	f.avail.Store(1 << 50)
 	f.s.every = 5 * time.Millisecond
 	f.s.meminfo = func() (meminfo, error) {
@@ -310,6 +319,84 @@ func TestReserve(t *testing.T) {
 	if r := f.s.Reserved(); r != (segment.Reserve{}) {
 		t.Fatalf("after Reserve returned: %+v", r)
 	}
+	if n := spillMemfds(t); n != before {
+		t.Fatalf("%d spill memfds open after Reserve returned, %d before", n, before)
+	}
+}
+
+// TestReserveOnDemand: a segment larger than the layout's largest piece
+// has the reserve make a piece its size, which its eviction takes; a
+// demand the layout serves, or none, frees it.
+func TestReserveOnDemand(t *testing.T) {
+	const mib = 1 << 20
+	before := spillMemfds(t)
+	var want atomic.Int64
+	f := startReserveDemand(t, 64*mib, want.Load)
+	f.waitFull(t)
+	if r := f.s.Reserved(); r.Target != 64*mib || r.Memfds != 5 {
+		t.Fatalf("no demand: %+v, want the layout alone (64 MiB in 5 memfds)", r)
+	}
+	// 100 MiB and a byte: a piece of 102 MiB (whole huge pages), but not
+	// while an eviction makes new memory.
+	const big = 100*mib + 1
+	f.s.making.Add(1)
+	want.Store(big)
+	time.Sleep(40 * f.s.every)
+	if r := f.s.Reserved(); r.Bytes != 64*mib {
+		t.Fatalf("while an eviction makes new memory: %+v, want no piece made", r)
+	}
+	f.s.making.Add(-1)
+	waitFor(t, "the piece on demand", func() bool {
+		r := f.s.Reserved()
+		return r.Target == 166*mib && r.Bytes == r.Target && r.Memfds == 6
+	})
+	m, err := f.s.AllocateScratch(0, big)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := f.s.Reserved(); r.Takes != 1 || r.Bytes != 64*mib {
+		t.Fatalf("after the eviction of %d bytes: %+v, want it served by the piece on demand", int64(big), r)
+	}
+	m.Free()
+	// Still asked for (the next large segment): made again.
+	waitFor(t, "the piece on demand, again", func() bool { return f.s.Reserved().Bytes == 166*mib })
+	// A demand the layout's 50 MiB piece serves: the piece goes.
+	want.Store(30 * mib)
+	waitFor(t, "the piece on demand to go", func() bool {
+		r := f.s.Reserved()
+		return r.Target == 64*mib && r.Bytes == 64*mib && r.Memfds == 5
+	})
+	if n := spillMemfds(t) - before; n != 5 {
+		t.Fatalf("%d spill memfds open, want the layout's 5", n)
+	}
+	// A smaller demand that the piece still serves keeps it.
+	want.Store(big)
+	waitFor(t, "the piece on demand, again", func() bool { return f.s.Reserved().Bytes == 166*mib })
+	want.Store(90 * mib)
+	time.Sleep(20 * f.s.every)
+	if r := f.s.Reserved(); r.Target != 166*mib || r.Bytes != 166*mib {
+		t.Fatalf("a demand of 90 MiB with a piece of 102: %+v, want the piece kept", r)
+	}
+	// An eviction while the piece it would take is being made waits for
+	// it, rather than make memory beside it.
+	const huge = 512 * mib
+	want.Store(huge)
+	r := f.s.res.Load()
+	waitFor(t, "the piece on demand being made", func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		return r.making == len(r.sizes)-1 && r.sizes[r.making] == huge
+	})
+	taken := f.s.Reserved().TakenBytes
+	m, err = f.s.AllocateScratch(0, huge)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := f.s.Reserved(); r.Takes != 2 || r.TakenBytes-taken != huge {
+		t.Fatalf("an eviction of 512 MiB while its piece was being made: %+v, want it served by that piece", r)
+	}
+	m.Free()
+	f.stop()
 	if n := spillMemfds(t); n != before {
 		t.Fatalf("%d spill memfds open after Reserve returned, %d before", n, before)
 	}

@@ -248,6 +248,7 @@ func (s *serving) serve(ctx context.Context, ln *net.UnixListener, link *supervi
 		if link != nil {
 			s.spill.SetKeeper(link)
 		}
+		s.spill.SetDemand(srv.Registry().NextEviction)
 		reserving.Go(func() { s.spill.Reserve(serveCtx, s.reserve, log) })
 	}
 	if err := srv.Serve(serveCtx, ln, s.supervised); err != nil {

@@ -163,6 +163,28 @@ func (r *Registry) TierStats() TierStats {
 	return st
 }
 
+// NextEviction is the host memory the largest eviction in sight would
+// need: the largest segment on a device that may be evicted some day (not
+// pinned to it, not a channel) and has no copy in host memory, where the
+// host budget has room for it now; else 0. The host reserve grows to it
+// (backend.Spill.SetDemand).
+func (r *Registry) NextEviction() int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var n int64
+	for _, s := range r.byID {
+		if s.tier == OnDevice && s.clean == nil && !s.resident && s.slots == 0 && !s.gone {
+			n = max(n, memSize(s.mem))
+		}
+	}
+	// Clean copies count as room: they are dropped first when needed.
+	evicted, _ := r.hostBytesLocked()
+	if n > r.tiers.cfg.HostBudget-evicted-r.tiers.spilling {
+		return 0 // no room, or eviction off (a budget of 0)
+	}
+	return n
+}
+
 // deviceUseLocked is what device d holds, or has let in: segments on it,
 // creates in progress, restores in flight.
 func (r *Registry) deviceUseLocked(d int) int64 {

@@ -718,3 +718,56 @@ func TestCreatePastWholeBudget(t *testing.T) {
 		t.Fatalf("a refused create left its name: %v", err)
 	}
 }
+
+// NextEviction is what the host reserve grows to: the largest segment on
+// the device that may be evicted and has no copy on the host, while the
+// host budget has room for it.
+func TestNextEviction(t *testing.T) {
+	f := newTiers(t, 20, 4)
+	if n := f.r.NextEviction(); n != 0 {
+		t.Fatalf("no segments: %d, want 0", n)
+	}
+	mk := func(name string, pages int64, resident bool) {
+		t.Helper()
+		if _, _, err := f.r.Create(alice, CreateOptions{Name: name, Size: pages * page, Resident: resident}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mk("a", 2, false)
+	mk("b", 1, false)
+	mk("pinned", 3, true) // never evicted
+	if n := f.r.NextEviction(); n != 2*page {
+		t.Fatalf("a (2 pages), b and a pinned segment: %d, want a's %d", n, 2*page)
+	}
+	// Evicted, then back with a clean copy: its next eviction is a swap.
+	if _, err := f.r.Evict(alice, "a"); err != nil {
+		t.Fatal(err)
+	}
+	if n := f.r.NextEviction(); n != page {
+		t.Fatalf("a on the host: %d, want b's %d", n, page)
+	}
+	s, err := f.r.Acquire(alice, "a", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.r.Release(s)
+	if n := f.r.NextEviction(); n != page {
+		t.Fatalf("a back with a clean copy: %d, want b's %d", n, page)
+	}
+	// a's clean copy would make room for c (dropped first).
+	mk("c", 4, false)
+	if n := f.r.NextEviction(); n != 4*page {
+		t.Fatalf("c (4 pages) beside a's clean copy (2 of the host budget's 4): %d, want %d", n, 4*page)
+	}
+	// The host budget (4 pages, 1 held by b evicted) has no room for c.
+	if _, err := f.r.Evict(alice, "b"); err != nil {
+		t.Fatal(err)
+	}
+	if n := f.r.NextEviction(); n != 0 {
+		t.Fatalf("c (4 pages) with 3 pages of host budget left: %d, want 0", n)
+	}
+	f.r.SetTiers(Tiers{Budgets: map[int]int64{0: f.budget}, Spill: f.spill, Mover: f.mover})
+	if n := f.r.NextEviction(); n != 0 {
+		t.Fatalf("eviction off (no host budget): %d, want 0", n)
+	}
+}

@@ -348,11 +348,17 @@ def _pattern_check(a, seg, fill):
 
         with torch.inference_mode(not fill):
             t = torch.from_dlpack(seg.view("int64", (seg.size // 8,)).__dlpack__())
+        # In pieces: torch 2.11's arange into more than 2**32 elements
+        # leaves those past it zero, and a whole second copy would not fit
+        # beside a segment as large as the GPU.
+        step = 1 << 28
         if fill:
-            torch.arange(t.numel(), dtype=torch.int64, device=t.device, out=t)
+            for i in range(0, t.numel(), step):
+                torch.arange(i, min(i + step, t.numel()), dtype=torch.int64, device=t.device, out=t[i:i + step])
             torch.cuda.synchronize()
             return True
-        return bool(torch.equal(t, torch.arange(t.numel(), dtype=torch.int64, device=t.device)))
+        return all(torch.equal(t[i:i + step], torch.arange(i, min(i + step, t.numel()), dtype=torch.int64,
+                                                           device=t.device)) for i in range(0, t.numel(), step))
     import numpy as np
 
     v = np.frombuffer(seg.memoryview(), dtype=np.int64)
@@ -488,7 +494,7 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         return worker(sys.argv[2:])
     ap = _run.parser(__doc__)
-    ap.add_argument("--budget", default="24GiB", help="the daemon's --gpu-budget")
+    ap.add_argument("--budget", default="24GiB", help="the daemon's --gpu-budget ('default': its own default)")
     ap.add_argument("--host-reserve", help="the daemon's --host-reserve (default: its own default)")
     ap.add_argument("--after-start", type=float,
                     help="seconds after the daemon started at which part 1's first eviction comes, whatever the "
@@ -536,7 +542,7 @@ def main():
             one = sum(2 * int(np.prod(sh)) for _, sh in llama_tensors(layers=2, **SHAPE_SMOKE))
             a.budget = str(max(int(2.5 * one), a.big + (1 << 20)))
         started = time.perf_counter()
-        run.start_daemon("--log-level", "info", "--gpu-budget", a.budget,
+        run.start_daemon("--log-level", "info", *(["--gpu-budget", a.budget] if a.budget != "default" else []),
                          *(["--host-reserve", a.host_reserve] if a.host_reserve else []))
         a.budget_bytes = run.client.info()["tiers"]["devices"][0]["budget_bytes"]
         a.started = started
