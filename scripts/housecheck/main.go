@@ -1,10 +1,17 @@
 // Command housecheck keeps the house's rules (docs/architecture.md, "The
 // map"): it fails when a package imports what the map says it may not,
-// when a function (tests' included) is longer than maxLines, or when a
-// file outside unsafeAllowed imports unsafe. It names the files longer
-// than longFile lines, as a notice. ./scripts/test runs it:
+// when a function (tests' included) is longer than maxLines, when a file
+// outside unsafeAllowed imports unsafe, or when docs/architecture.md's
+// package table or map differs from go list (docs.go). It names the files
+// longer than longFile lines, as a notice. ./scripts/test runs it:
 //
 //	go run ./scripts/housecheck
+//
+// With -write, it first rewrites the package table from go list, keeping
+// each package's "gives"; the map it only checks, since its layout is
+// drawn by hand:
+//
+//	go run ./scripts/housecheck -write
 //
 // It reads the imports from 'go list' and the functions with go/ast, so it
 // takes a second or two and needs nothing but the Go toolchain.
@@ -13,6 +20,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"flag"
 	"fmt"
 	"go/ast"
 	"go/parser"
@@ -109,6 +117,8 @@ var testOnly = []string{"internal/testutil", "internal/testdaemon"}
 var importExempt = map[string]string{}
 
 func main() {
+	write := flag.Bool("write", false, "rewrite the package table of "+archDoc+" from go list")
+	flag.Parse()
 	var bad []string
 	imp, err := checkImports()
 	if err != nil {
@@ -128,6 +138,12 @@ func main() {
 		os.Exit(2)
 	}
 	bad = append(bad, uns...)
+	docs, err := checkDocs(".", *write)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "housecheck:", err)
+		os.Exit(2)
+	}
+	bad = append(bad, docs...)
 	notes, err := longFiles(".")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "housecheck:", err)
