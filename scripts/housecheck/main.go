@@ -59,8 +59,8 @@ const longFile = 800
 // whole packages, that may import unsafe, each with the reason. Tests
 // count as any other file: a test that needs a pointer's address says
 // so here. Only internal/cuda is meant to touch unsafe (STYLE.md, "A
-// thin, dumb cgo layer"); the others are system calls and shared words
-// that golang.org/x/sys does not wrap. Shrink it, never grow it without
+// thin, dumb cgo layer"); the others are system calls, mappings at a
+// chosen address and words in shared memory that need a pointer. Shrink it, never grow it without
 // a reason a reviewer accepts.
 var unsafeAllowed = map[string]string{
 	"internal/cuda/":                    "the cgo layer: C pointers and the driver's structures",
@@ -68,8 +68,8 @@ var unsafeAllowed = map[string]string{
 	"internal/channel/block.go":         "a channel's control block: atomic words and futexes in shared memory",
 	"internal/epoch/epoch.go":           "the epoch page: an atomic word in shared memory",
 	"internal/supervisor/table.go":      "the record table: words in shared memory",
-	"internal/wire/conn_linux.go":       "recvmsg by hand, to read a batch without the allocations of unix.Recvmsg",
-	"internal/xfer/xfer_linux.go":       "mincore and cachestat, which x/sys/unix does not wrap",
+	"internal/wire/conn_linux.go":       "recvmsg without the sender's address, which unix.Recvmsg makes anew on every call",
+	"internal/xfer/xfer_linux.go":       "cachestat, which x/sys/unix does not wrap (its mincore could be unix.Mincore)",
 	"mapping.go":                        "host mappings placed at a reserved address (MmapPtr)",
 	"remap_test.go":                     "a mapping's address, to see that a remap keeps it",
 	// Moves with cmd/gpushm's process tests (longTestExempt).
