@@ -80,26 +80,7 @@ func channelChild(ctx context.Context, c *gpushm.Client, mode string) error {
 	}
 	switch mode {
 	case "chan-unwritten":
-		ch, err := c.Channel(ctx, name, gpushm.Producer, &gpushm.ChannelOptions{Slots: slots, SlotBytes: size})
-		if err != nil {
-			return err
-		}
-		for i := range uint64(count + 2) {
-			m, err := ch.Send(ctx, 0)
-			if err != nil {
-				return fmt.Errorf("send %d: %w", i, err)
-			}
-			if i >= uint64(count) {
-				m.HandOverUnwritten()
-				continue
-			}
-			copy(m.Bytes(), message(m.Seq(), size))
-			if err := m.Done(0); err != nil {
-				return err
-			}
-		}
-		fmt.Println("sent")
-		time.Sleep(time.Hour)
+		return sendUnwritten(ctx, c, name, count, slots, size)
 	case "chan-producer":
 		ch, err := c.Channel(ctx, name, gpushm.Producer, &gpushm.ChannelOptions{Slots: slots, SlotBytes: size})
 		if err != nil {
@@ -184,6 +165,33 @@ func channelChild(ctx context.Context, c *gpushm.Client, mode string) error {
 		fmt.Println("received", n)
 		return ch.Close()
 	}
+	return nil
+}
+
+// sendUnwritten is channelChild's "chan-unwritten": it sends count
+// messages on host memory, then hands two more over whose writes never
+// run, says so, and waits to be killed.
+func sendUnwritten(ctx context.Context, c *gpushm.Client, name string, count, slots int, size int64) error {
+	ch, err := c.Channel(ctx, name, gpushm.Producer, &gpushm.ChannelOptions{Slots: slots, SlotBytes: size})
+	if err != nil {
+		return err
+	}
+	for i := range uint64(count + 2) {
+		m, err := ch.Send(ctx, 0)
+		if err != nil {
+			return fmt.Errorf("send %d: %w", i, err)
+		}
+		if i >= uint64(count) {
+			m.HandOverUnwritten()
+			continue
+		}
+		copy(m.Bytes(), message(m.Seq(), size))
+		if err := m.Done(0); err != nil {
+			return err
+		}
+	}
+	fmt.Println("sent")
+	time.Sleep(time.Hour)
 	return nil
 }
 

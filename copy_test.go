@@ -150,62 +150,73 @@ func TestLoadStoreFiles(t *testing.T) {
 				t.Logf("%s: %+v", mode.name, st)
 			}
 
-			// And back into a file, at other offsets.
-			out, err := os.Create(filepath.Join(dir, "out"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer out.Close()
-			var back []gpushm.FileRange
-			var off int64
-			for _, r := range ranges {
-				back = append(back, gpushm.FileRange{File: out, Off: off, Len: r.Len, At: r.At})
-				off += r.Len + 1
-			}
-			if _, err := m.StoreFiles(back, &gpushm.CopyOptions{Chunk: 64 << 10}); err != nil {
-				t.Fatal(err)
-			}
-			for i, r := range back {
-				got := make([]byte, r.Len)
-				if _, err := out.ReadAt(got, r.Off); err != nil && r.Len > 0 {
-					t.Fatal(err)
-				}
-				if !bytes.Equal(got, data[ranges[i].Off:ranges[i].Off+r.Len]) {
-					t.Errorf("StoreFiles range %d differs", i)
-				}
-			}
-
-			// Bad requests fail without copying.
-			bad := []struct {
-				name   string
-				ranges []gpushm.FileRange
-				o      *gpushm.CopyOptions
-				want   string
-			}{
-				{"past the segment", []gpushm.FileRange{{File: f, Len: 10, At: segSize - 5}}, nil, "outside the segment"},
-				{"negative", []gpushm.FileRange{{File: f, Off: -1, Len: 1}}, nil, "outside the segment"},
-				{"no file", []gpushm.FileRange{{Len: 1}}, nil, "outside the segment"},
-				{"odd chunk", ranges, &gpushm.CopyOptions{Chunk: 1000}, "not a positive multiple of 65536"},
-				{"past the file", []gpushm.FileRange{{File: f, Off: fileSize - 10, Len: 20}}, nil, "got 10"},
-				{"past the file, direct", []gpushm.FileRange{{File: f, Off: fileSize - 10, Len: 20}}, &gpushm.CopyOptions{Direct: gpushm.DirectAlways}, "got 10"},
-			}
-			for _, tc := range bad {
-				if _, err := m.LoadFiles(tc.ranges, tc.o); err == nil || !strings.Contains(err.Error(), tc.want) {
-					t.Errorf("LoadFiles (%s) = %v, want an error mentioning %q", tc.name, err, tc.want)
-				}
-			}
-			ro, err := c.Open(ctx, "load", &gpushm.OpenOptions{ReadOnly: true})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer ro.Close()
-			rm, err := ro.Map()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := rm.LoadFiles(ranges, nil); err == nil || !strings.Contains(err.Error(), "read-only") {
-				t.Errorf("LoadFiles into a read-only mapping = %v", err)
-			}
+			checkStoreFiles(t, m, dir, data, ranges)
+			checkBadLoads(t, c, m, f, ranges, fileSize, segSize)
 		})
+	}
+}
+
+// checkStoreFiles is TestLoadStoreFiles's way back: the segment's ranges
+// into a file, at other offsets.
+func checkStoreFiles(t *testing.T, m *gpushm.Mapping, dir string, data []byte, ranges []gpushm.FileRange) {
+	t.Helper()
+	out, err := os.Create(filepath.Join(dir, "out"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out.Close()
+	var back []gpushm.FileRange
+	var off int64
+	for _, r := range ranges {
+		back = append(back, gpushm.FileRange{File: out, Off: off, Len: r.Len, At: r.At})
+		off += r.Len + 1
+	}
+	if _, err := m.StoreFiles(back, &gpushm.CopyOptions{Chunk: 64 << 10}); err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range back {
+		got := make([]byte, r.Len)
+		if _, err := out.ReadAt(got, r.Off); err != nil && r.Len > 0 {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, data[ranges[i].Off:ranges[i].Off+r.Len]) {
+			t.Errorf("StoreFiles range %d differs", i)
+		}
+	}
+}
+
+// checkBadLoads: TestLoadStoreFiles's bad requests fail without copying,
+// and so does a load into a read-only mapping of the segment "load".
+func checkBadLoads(t *testing.T, c *gpushm.Client, m *gpushm.Mapping, f *os.File, ranges []gpushm.FileRange, fileSize, segSize int64) {
+	t.Helper()
+	bad := []struct {
+		name   string
+		ranges []gpushm.FileRange
+		o      *gpushm.CopyOptions
+		want   string
+	}{
+		{"past the segment", []gpushm.FileRange{{File: f, Len: 10, At: segSize - 5}}, nil, "outside the segment"},
+		{"negative", []gpushm.FileRange{{File: f, Off: -1, Len: 1}}, nil, "outside the segment"},
+		{"no file", []gpushm.FileRange{{Len: 1}}, nil, "outside the segment"},
+		{"odd chunk", ranges, &gpushm.CopyOptions{Chunk: 1000}, "not a positive multiple of 65536"},
+		{"past the file", []gpushm.FileRange{{File: f, Off: fileSize - 10, Len: 20}}, nil, "got 10"},
+		{"past the file, direct", []gpushm.FileRange{{File: f, Off: fileSize - 10, Len: 20}}, &gpushm.CopyOptions{Direct: gpushm.DirectAlways}, "got 10"},
+	}
+	for _, tc := range bad {
+		if _, err := m.LoadFiles(tc.ranges, tc.o); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("LoadFiles (%s) = %v, want an error mentioning %q", tc.name, err, tc.want)
+		}
+	}
+	ro, err := c.Open(context.Background(), "load", &gpushm.OpenOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ro.Close()
+	rm, err := ro.Map()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rm.LoadFiles(ranges, nil); err == nil || !strings.Contains(err.Error(), "read-only") {
+		t.Errorf("LoadFiles into a read-only mapping = %v", err)
 	}
 }

@@ -103,87 +103,9 @@ func childMain(mode string) error {
 			Meta: []byte(`{"kind":"tensor","dtype":"uint8","shape":[4096],"offset":4096}`)})
 		return err
 	case "publish-cuda":
-		// Allocate on the GPU ourselves, fill with pattern 3, publish, exit.
-		d, err := cuda.GetDevice(0)
-		if err != nil {
-			return err
-		}
-		g, _ := d.Granularity()
-		h, err := d.Create(g)
-		if err != nil {
-			return err
-		}
-		defer d.Release(h)
-		ptr, err := d.Map(h, g, false, d)
-		if err != nil {
-			return err
-		}
-		defer d.Unmap(ptr, g)
-		if err := d.CopyHtoD(ptr, pattern(3, g)); err != nil {
-			return err
-		}
-		fd, err := d.ExportFD(h)
-		if err != nil {
-			return err
-		}
-		defer unix.Close(fd)
-		_, err = c.Publish(ctx, os.Getenv("NAME"), fd, g, nil)
-		return err
+		return publishCUDAChild(ctx, c)
 	case "read-on-gpu0":
-		// Open a GPU 1 segment with access for GPU 0 only; copy it with a
-		// GPU 0 stream into GPU 0 memory, then to the host, and compare.
-		seg, err := c.Open(ctx, os.Getenv("NAME"), &gpushm.OpenOptions{Devices: []int{0}})
-		if err != nil {
-			return err
-		}
-		defer seg.Close()
-		m, err := seg.Map()
-		if err != nil {
-			return err
-		}
-		d0, err := cuda.GetDevice(0)
-		if err != nil {
-			return err
-		}
-		n := seg.Info().AllocSize
-		h, err := d0.Create(n)
-		if err != nil {
-			return err
-		}
-		defer d0.Release(h)
-		local, err := d0.Map(h, n, false, d0)
-		if err != nil {
-			return err
-		}
-		defer d0.Unmap(local, n)
-		s0, err := d0.NewStream()
-		if err != nil {
-			return err
-		}
-		defer s0.Close()
-		if err := s0.CopyDtoDAsync(local, m.DevicePtr(), n); err != nil {
-			return err
-		}
-		if err := s0.Synchronize(); err != nil {
-			return err
-		}
-		got := make([]byte, seg.Size())
-		if err := d0.CopyDtoH(got, local); err != nil {
-			return err
-		}
-		if !bytes.Equal(got, pattern(5, seg.Size())) {
-			return errors.New("GPU 0 read other bytes than GPU 1 holds")
-		}
-		// A GPU that does not exist gets a clear error, not a crash.
-		bad, err := c.Open(ctx, os.Getenv("NAME"), &gpushm.OpenOptions{Devices: []int{7}})
-		if err == nil {
-			_, err = bad.Map()
-			bad.Close()
-		}
-		if err == nil {
-			return errors.New("mapping with access for GPU 7 succeeded")
-		}
-		return nil
+		return readOnGPU0Child(ctx, c)
 	case "temporary":
 		// Create a segment bound to this connection, then wait to be killed.
 		if _, _, err := c.CreateOnly(ctx, os.Getenv("NAME"), 4096, &gpushm.CreateOptions{Temporary: true}); err != nil {
@@ -216,6 +138,95 @@ func childMain(mode string) error {
 		return err
 	}
 	return fmt.Errorf("unknown child mode %q", mode)
+}
+
+// publishCUDAChild allocates on GPU 0 itself, fills the allocation with
+// pattern 3, publishes it as NAME and returns.
+func publishCUDAChild(ctx context.Context, c *gpushm.Client) error {
+	d, err := cuda.GetDevice(0)
+	if err != nil {
+		return err
+	}
+	g, _ := d.Granularity()
+	h, err := d.Create(g)
+	if err != nil {
+		return err
+	}
+	defer d.Release(h)
+	ptr, err := d.Map(h, g, false, d)
+	if err != nil {
+		return err
+	}
+	defer d.Unmap(ptr, g)
+	if err := d.CopyHtoD(ptr, pattern(3, g)); err != nil {
+		return err
+	}
+	fd, err := d.ExportFD(h)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	_, err = c.Publish(ctx, os.Getenv("NAME"), fd, g, nil)
+	return err
+}
+
+// readOnGPU0Child opens NAME, a GPU 1 segment, with access for GPU 0
+// only; copies it with a GPU 0 stream into GPU 0 memory, then to the
+// host, and compares. A GPU that does not exist gets a clear error, not
+// a crash.
+func readOnGPU0Child(ctx context.Context, c *gpushm.Client) error {
+	seg, err := c.Open(ctx, os.Getenv("NAME"), &gpushm.OpenOptions{Devices: []int{0}})
+	if err != nil {
+		return err
+	}
+	defer seg.Close()
+	m, err := seg.Map()
+	if err != nil {
+		return err
+	}
+	d0, err := cuda.GetDevice(0)
+	if err != nil {
+		return err
+	}
+	n := seg.Info().AllocSize
+	h, err := d0.Create(n)
+	if err != nil {
+		return err
+	}
+	defer d0.Release(h)
+	local, err := d0.Map(h, n, false, d0)
+	if err != nil {
+		return err
+	}
+	defer d0.Unmap(local, n)
+	s0, err := d0.NewStream()
+	if err != nil {
+		return err
+	}
+	defer s0.Close()
+	if err := s0.CopyDtoDAsync(local, m.DevicePtr(), n); err != nil {
+		return err
+	}
+	if err := s0.Synchronize(); err != nil {
+		return err
+	}
+	got := make([]byte, seg.Size())
+	if err := d0.CopyDtoH(got, local); err != nil {
+		return err
+	}
+	if !bytes.Equal(got, pattern(5, seg.Size())) {
+		return errors.New("GPU 0 read other bytes than GPU 1 holds")
+	}
+	// A GPU that does not exist gets a clear error, not a crash.
+	bad, err := c.Open(ctx, os.Getenv("NAME"), &gpushm.OpenOptions{Devices: []int{7}})
+	if err == nil {
+		_, err = bad.Map()
+		bad.Close()
+	}
+	if err == nil {
+		return errors.New("mapping with access for GPU 7 succeeded")
+	}
+	return nil
 }
 
 func child(t *testing.T, socket, mode string, env ...string) *exec.Cmd {

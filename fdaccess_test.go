@@ -164,34 +164,7 @@ func TestFillDumpAccess(t *testing.T) {
 				passed = append(passed, f)
 				return strconv.Itoa(2 + len(passed))
 			}
-			tests := []struct {
-				op, want string
-			}{
-				// The client is who it says: it cannot open these itself.
-				{"fill-path:target," + path("secret") + ",O_RDONLY", "open-EACCES"},
-				{"fill-path:target," + path("writeonly") + ",O_RDONLY", "open-EACCES"},
-				{"dump-path:target," + path("readonly") + ",O_WRONLY", "open-EACCES"},
-				// fill: whatever the client could open of files it may not read.
-				{"fill-path:target," + path("secret") + ",O_PATH", "EBADF"},
-				{"fill-path:target," + path("secret") + ",O_PATH|O_NOFOLLOW", "EBADF"},
-				{"fill-path:target," + path("writeonly") + ",O_PATH", "EBADF"},
-				{"fill-path:target," + path("writeonly") + ",O_WRONLY", "EBADF"},
-				{"fill-path:target," + path("writeonly") + ",O_WRONLY|O_APPEND", "EBADF"},
-				// dump: whatever the client could open of files it may not write.
-				{"dump-path:target," + path("secret") + ",O_PATH", "EBADF"},
-				{"dump-path:target," + path("readonly") + ",O_PATH", "EBADF"},
-				{"dump-path:target," + path("readonly") + ",O_RDONLY", "EBADF"},
-				{"dump-path:target," + path("readonly") + ",O_RDONLY|O_APPEND", "EBADF"},
-				// Passed on by root: the descriptor's access, not root's.
-				{"fill-fd:target," + pass("secret", unix.O_PATH), "EBADF"},
-				{"fill-fd:target," + pass("secret", unix.O_WRONLY), "EBADF"},
-				{"dump-fd:target," + pass("secret", unix.O_PATH), "EBADF"},
-				{"dump-fd:target," + pass("secret", unix.O_RDONLY), "EBADF"},
-				// What a descriptor allows, it allows.
-				{"dump-path:target," + path("drop") + ",O_WRONLY|O_APPEND", "EINVAL"},
-				{"dump-path:target," + path("drop") + ",O_WRONLY", "OK"},
-				{"fill-path:landing," + path("public") + ",O_RDONLY", "OK"},
-			}
+			tests := fdAccessCases(path, pass)
 			ops := make([]string, len(tests))
 			for i, tc := range tests {
 				ops[i] = tc.op
@@ -223,31 +196,70 @@ func TestFillDumpAccess(t *testing.T) {
 			}
 			clear(lm.Bytes())
 
-			// A client that opened its file with O_DIRECT has the daemon
-			// read it with O_DIRECT, through that descriptor.
-			dropCache(t, path("public"))
-			fd, err := unix.Open(path("public"), unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
-			if errors.Is(err, unix.EINVAL) {
-				return // no O_DIRECT on this file system
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			direct := os.NewFile(uintptr(fd), "public")
-			defer direct.Close()
-			st, err := landing.Fill(ctx, direct, 0, 0, n)
-			if err != nil {
-				t.Fatalf("fill from an O_DIRECT descriptor: %v", err)
-			}
-			if !bytes.Equal(lm.Bytes()[:n], pattern(files["public"].seed, n)) {
-				t.Error("the fill from an O_DIRECT descriptor did not copy the file")
-			}
-			if fs.Type == unix.EXT4_SUPER_MAGIC && st.Direct != n {
-				t.Errorf("fill from an O_DIRECT descriptor on ext4: %d bytes read with O_DIRECT, want %d", st.Direct, n)
-			}
-			clear(lm.Bytes())
+			checkFillDirect(t, landing, lm, path("public"), pattern(files["public"].seed, n), fs.Type == unix.EXT4_SUPER_MAGIC)
 		})
 	}
+}
+
+// fdAccessCases are TestFillDumpAccess's copies, each with what the
+// client running as nobody answers: path names a file of root's, pass
+// passes one on opened by root and gives its descriptor's number.
+func fdAccessCases(path func(string) string, pass func(string, int) string) []struct{ op, want string } {
+	return []struct{ op, want string }{
+		// The client is who it says: it cannot open these itself.
+		{"fill-path:target," + path("secret") + ",O_RDONLY", "open-EACCES"},
+		{"fill-path:target," + path("writeonly") + ",O_RDONLY", "open-EACCES"},
+		{"dump-path:target," + path("readonly") + ",O_WRONLY", "open-EACCES"},
+		// fill: whatever the client could open of files it may not read.
+		{"fill-path:target," + path("secret") + ",O_PATH", "EBADF"},
+		{"fill-path:target," + path("secret") + ",O_PATH|O_NOFOLLOW", "EBADF"},
+		{"fill-path:target," + path("writeonly") + ",O_PATH", "EBADF"},
+		{"fill-path:target," + path("writeonly") + ",O_WRONLY", "EBADF"},
+		{"fill-path:target," + path("writeonly") + ",O_WRONLY|O_APPEND", "EBADF"},
+		// dump: whatever the client could open of files it may not write.
+		{"dump-path:target," + path("secret") + ",O_PATH", "EBADF"},
+		{"dump-path:target," + path("readonly") + ",O_PATH", "EBADF"},
+		{"dump-path:target," + path("readonly") + ",O_RDONLY", "EBADF"},
+		{"dump-path:target," + path("readonly") + ",O_RDONLY|O_APPEND", "EBADF"},
+		// Passed on by root: the descriptor's access, not root's.
+		{"fill-fd:target," + pass("secret", unix.O_PATH), "EBADF"},
+		{"fill-fd:target," + pass("secret", unix.O_WRONLY), "EBADF"},
+		{"dump-fd:target," + pass("secret", unix.O_PATH), "EBADF"},
+		{"dump-fd:target," + pass("secret", unix.O_RDONLY), "EBADF"},
+		// What a descriptor allows, it allows.
+		{"dump-path:target," + path("drop") + ",O_WRONLY|O_APPEND", "EINVAL"},
+		{"dump-path:target," + path("drop") + ",O_WRONLY", "OK"},
+		{"fill-path:landing," + path("public") + ",O_RDONLY", "OK"},
+	}
+}
+
+// checkFillDirect: a client that opened its file with O_DIRECT has the
+// daemon read it with O_DIRECT, through that descriptor (on ext4, every
+// byte); where the file system has no O_DIRECT, there is nothing to see.
+func checkFillDirect(t *testing.T, landing *gpushm.Segment, lm *gpushm.Mapping, file string, want []byte, ext4 bool) {
+	t.Helper()
+	n := int64(len(want))
+	dropCache(t, file)
+	fd, err := unix.Open(file, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.EINVAL) {
+		return // no O_DIRECT on this file system
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	direct := os.NewFile(uintptr(fd), "public")
+	defer direct.Close()
+	st, err := landing.Fill(context.Background(), direct, 0, 0, n)
+	if err != nil {
+		t.Fatalf("fill from an O_DIRECT descriptor: %v", err)
+	}
+	if !bytes.Equal(lm.Bytes()[:n], want) {
+		t.Error("the fill from an O_DIRECT descriptor did not copy the file")
+	}
+	if ext4 && st.Direct != n {
+		t.Errorf("fill from an O_DIRECT descriptor on ext4: %d bytes read with O_DIRECT, want %d", st.Direct, n)
+	}
+	clear(lm.Bytes())
 }
 
 // dropCache has the kernel forget the file's pages, where it can (not on

@@ -101,35 +101,7 @@ func TestReleaseReacquireAndVersions(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			at := addr(m)
-			if err := rs.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			if !rs.Released() || !m.Released() {
-				t.Fatal("not released after Release")
-			}
-			if _, err := m.ReadAt(make([]byte, 1), 0); err == nil {
-				t.Fatal("read of a released mapping succeeded")
-			}
-			inf, err := w.Evict(ctx, "model")
-			if err != nil {
-				t.Fatalf("evict after release (nobody holds it): %v", err)
-			}
-			if inf.Tier != "host" || inf.Opens != 0 {
-				t.Fatalf("after release and evict: tier %q, opens %d", inf.Tier, inf.Opens)
-			}
-			if err := rs.Reacquire(ctx); err != nil {
-				t.Fatal(err)
-			}
-			if addr(m) != at {
-				t.Fatalf("reacquired at %#x, was %#x", addr(m), at)
-			}
-			if !bytes.Equal(mapped(t, m), pattern(1, size)) {
-				t.Fatal("reacquired mapping does not hold the segment's bytes")
-			}
-			if st, _ := w.Stat(ctx, "model"); st.Tier != "gpu" || st.Opens != 1 || st.Version != 1 {
-				t.Fatalf("after reacquire: tier %q, opens %d, version %d", st.Tier, st.Opens, st.Version)
-			}
+			at := checkReleaseReacquire(t, w, rs, m, size)
 
 			// Version 2, while a second reader keeps version 1.
 			keep, err := dial(t, d.Socket).Open(ctx, "model", nil)
@@ -187,52 +159,101 @@ func TestReleaseReacquireAndVersions(t *testing.T) {
 				t.Fatalf("stat after the last reader of version 1 left: %+v", st)
 			}
 
-			// A writer that dies before its commit leaves version 2.
-			nextVersion(t, d.Socket, "model", size, 9, "DIE=1")
-			if _, err := rs.WaitVersion(ctx, 200*time.Millisecond); !errors.Is(err, syscall.ETIMEDOUT) {
-				t.Fatalf("wait after a writer died before committing: %v, want ETIMEDOUT", err)
-			}
-			waitSegments(t, w, 1)
-			if !bytes.Equal(mapped(t, m), pattern(2, size)) {
-				t.Fatal("a writer that died changed version 2")
-			}
-
-			// Released across a new version: reacquire is stale, refresh
-			// maps version 3.
-			if err := m.Release(ctx); err != nil { // as Segment.Release
-				t.Fatal(err)
-			}
-			nextVersion(t, d.Socket, "model", size, 3)
-			if err := m.Reacquire(ctx); !errors.Is(err, gpushm.ErrStale) {
-				t.Fatalf("reacquire of a replaced version: %v, want ErrStale", err)
-			}
-			if changed, err := rs.Refresh(ctx); err != nil || !changed || addr(m) != at {
-				t.Fatalf("refresh of a released segment: %v, %v, at %#x", changed, err, addr(m))
-			}
-			if !bytes.Equal(mapped(t, m), pattern(3, size)) || rs.Version() != 3 {
-				t.Fatal("refreshed released mapping does not hold version 3")
-			}
-			waitSegments(t, w, 1)
-
-			// A version larger than the kept addresses: EFBIG, and the
-			// reader keeps what it has.
-			nextVersion(t, d.Socket, "model", 2*size+(64<<20), 4)
-			if _, err := rs.Refresh(ctx); !errors.Is(err, syscall.EFBIG) {
-				t.Fatalf("refresh onto a larger version: %v, want EFBIG", err)
-			}
-			if !bytes.Equal(mapped(t, m), pattern(3, size)) {
-				t.Fatal("a refused refresh changed the mapping")
-			}
-			// A smaller version: what was taken of the mapping would reach
-			// past its end. EINVAL, and the mapping is kept.
-			nextVersion(t, d.Socket, "model", size/2, 5)
-			if _, err := rs.Refresh(ctx); !errors.Is(err, syscall.EINVAL) {
-				t.Fatalf("refresh onto a smaller version: %v, want EINVAL", err)
-			}
-			if !bytes.Equal(mapped(t, m), pattern(3, size)) || addr(m) != at {
-				t.Fatal("a refused refresh changed the mapping")
-			}
+			checkFailedVersions(t, d.Socket, w, rs, m, at, size)
 		})
+	}
+}
+
+// checkReleaseReacquire: the reader rs releases its mapping m, the writer
+// w evicts the segment, and reacquire maps it back at the same address,
+// which it returns.
+func checkReleaseReacquire(t *testing.T, w *gpushm.Client, rs *gpushm.Segment, m *gpushm.Mapping, size int64) uintptr {
+	t.Helper()
+	ctx := context.Background()
+	at := addr(m)
+	if err := rs.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !rs.Released() || !m.Released() {
+		t.Fatal("not released after Release")
+	}
+	if _, err := m.ReadAt(make([]byte, 1), 0); err == nil {
+		t.Fatal("read of a released mapping succeeded")
+	}
+	inf, err := w.Evict(ctx, "model")
+	if err != nil {
+		t.Fatalf("evict after release (nobody holds it): %v", err)
+	}
+	if inf.Tier != "host" || inf.Opens != 0 {
+		t.Fatalf("after release and evict: tier %q, opens %d", inf.Tier, inf.Opens)
+	}
+	if err := rs.Reacquire(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if addr(m) != at {
+		t.Fatalf("reacquired at %#x, was %#x", addr(m), at)
+	}
+	if !bytes.Equal(mapped(t, m), pattern(1, size)) {
+		t.Fatal("reacquired mapping does not hold the segment's bytes")
+	}
+	if st, _ := w.Stat(ctx, "model"); st.Tier != "gpu" || st.Opens != 1 || st.Version != 1 {
+		t.Fatalf("after reacquire: tier %q, opens %d, version %d", st.Tier, st.Opens, st.Version)
+	}
+	return at
+}
+
+// checkFailedVersions: after version 2, a writer that dies before its
+// commit leaves it; a reader released across version 3 reacquires stale
+// and refreshes onto it at the same address at; versions larger than the
+// kept addresses or smaller than what was taken are refused, the mapping
+// kept.
+func checkFailedVersions(t *testing.T, socket string, w *gpushm.Client, rs *gpushm.Segment, m *gpushm.Mapping, at uintptr, size int64) {
+	t.Helper()
+	ctx := context.Background()
+	// A writer that dies before its commit leaves version 2.
+	nextVersion(t, socket, "model", size, 9, "DIE=1")
+	if _, err := rs.WaitVersion(ctx, 200*time.Millisecond); !errors.Is(err, syscall.ETIMEDOUT) {
+		t.Fatalf("wait after a writer died before committing: %v, want ETIMEDOUT", err)
+	}
+	waitSegments(t, w, 1)
+	if !bytes.Equal(mapped(t, m), pattern(2, size)) {
+		t.Fatal("a writer that died changed version 2")
+	}
+
+	// Released across a new version: reacquire is stale, refresh
+	// maps version 3.
+	if err := m.Release(ctx); err != nil { // as Segment.Release
+		t.Fatal(err)
+	}
+	nextVersion(t, socket, "model", size, 3)
+	if err := m.Reacquire(ctx); !errors.Is(err, gpushm.ErrStale) {
+		t.Fatalf("reacquire of a replaced version: %v, want ErrStale", err)
+	}
+	if changed, err := rs.Refresh(ctx); err != nil || !changed || addr(m) != at {
+		t.Fatalf("refresh of a released segment: %v, %v, at %#x", changed, err, addr(m))
+	}
+	if !bytes.Equal(mapped(t, m), pattern(3, size)) || rs.Version() != 3 {
+		t.Fatal("refreshed released mapping does not hold version 3")
+	}
+	waitSegments(t, w, 1)
+
+	// A version larger than the kept addresses: EFBIG, and the
+	// reader keeps what it has.
+	nextVersion(t, socket, "model", 2*size+(64<<20), 4)
+	if _, err := rs.Refresh(ctx); !errors.Is(err, syscall.EFBIG) {
+		t.Fatalf("refresh onto a larger version: %v, want EFBIG", err)
+	}
+	if !bytes.Equal(mapped(t, m), pattern(3, size)) {
+		t.Fatal("a refused refresh changed the mapping")
+	}
+	// A smaller version: what was taken of the mapping would reach
+	// past its end. EINVAL, and the mapping is kept.
+	nextVersion(t, socket, "model", size/2, 5)
+	if _, err := rs.Refresh(ctx); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("refresh onto a smaller version: %v, want EINVAL", err)
+	}
+	if !bytes.Equal(mapped(t, m), pattern(3, size)) || addr(m) != at {
+		t.Fatal("a refused refresh changed the mapping")
 	}
 }
 

@@ -100,13 +100,13 @@ type reserve struct {
 	align int64
 	low   int64 // MemAvailable under which pieces are given back
 
-	mu         sync.Mutex
-	pieces     []*piece // by slot of sizes; nil while not made
-	closed     bool
+	mu     sync.Mutex
+	pieces []*piece // by slot of sizes; nil while not made
+	closed bool
 	// making is the slot whose piece is being made, -1 for none; made is
 	// closed once it is made or given up.
-	making int
-	made   chan struct{}
+	making     int
+	made       chan struct{}
 	lastTake   time.Time
 	takes      uint64
 	takenBytes int64

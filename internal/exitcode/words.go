@@ -53,12 +53,17 @@ func QuoteName(name string) string {
 }
 
 // protocolOps are the operations a daemon's or the client's message may
-// start with.
-var protocolOps = []string{
-	wire.OpCreate, wire.OpOpen, wire.OpClose, wire.OpUnlink, wire.OpStat, wire.OpList,
-	wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish, wire.OpReclaim, wire.OpCommit,
-	wire.OpFill, wire.OpDump, wire.OpEvict, wire.OpLoad, wire.OpPin, wire.OpWaitVersion, wire.OpInfo,
-}
+// start with: every one of wire.Operations but hello, a part of dialing
+// whose failures are the dial's.
+var protocolOps = func() []string {
+	var ops []string
+	for _, o := range wire.Operations {
+		if o.Name != wire.OpHello {
+			ops = append(ops, o.Name)
+		}
+	}
+	return ops
+}()
 
 // plain is err's message without the protocol's words: the daemon's
 // message (the client's wrapping repeats the operation and the name), less

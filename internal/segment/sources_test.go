@@ -11,28 +11,34 @@ import (
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
+// sourcePart is a range of TestSources's file: off in the file, at in
+// the segment, n bytes whose CRC-32C is crc.
+func sourcePart(off, at, n int64, crc uint32) Source {
+	s := Source{Dev: 8, Ino: 42, Size: 300, MtimeNS: 1, CtimeNS: 2}
+	s.Off, s.At, s.Len, s.CRC32C = off, at, n, crc
+	return s
+}
+
+// sourcesSetup is TestSources's registry, journal and allocator, with
+// alice's segment "w" of 300 bytes and the mode given.
+func sourcesSetup(t *testing.T, mode uint32) (*Registry, *fakeJournal, *fakeAlloc, *Segment) {
+	t.Helper()
+	f := newFake()
+	r := New(f, nil)
+	j := newJournal()
+	r.SetJournal(j)
+	s, _, err := r.Create(alice, CreateOptions{Name: "w", Size: 300, Mode: mode, UseMode: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r, j, f, s
+}
+
 // TestSources: the daemon's record of which bytes came from which file
 // stands only while nobody it does not trust could have written them.
 func TestSources(t *testing.T) {
 	root := Cred{}
-	file := Source{Dev: 8, Ino: 42, Size: 300, MtimeNS: 1, CtimeNS: 2}
-	part := func(off, at, n int64, crc uint32) Source {
-		s := file
-		s.Off, s.At, s.Len, s.CRC32C = off, at, n, crc
-		return s
-	}
-	setup := func(t *testing.T, mode uint32) (*Registry, *fakeJournal, *fakeAlloc, *Segment) {
-		t.Helper()
-		f := newFake()
-		r := New(f, nil)
-		j := newJournal()
-		r.SetJournal(j)
-		s, _, err := r.Create(alice, CreateOptions{Name: "w", Size: 300, Mode: mode, UseMode: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return r, j, f, s
-	}
+	part, setup := sourcePart, sourcesSetup
 	sources := func(r *Registry) []Source {
 		inf, err := r.Stat("w")
 		if err != nil {

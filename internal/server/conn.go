@@ -366,10 +366,7 @@ func wireTrace(t *segment.Trace, total time.Duration) *wire.Trace {
 // opLabel keeps metric labels to the known operations: op comes from the
 // client, and a label per unknown string would grow without bound.
 func opLabel(op string) string {
-	switch op {
-	case wire.OpHello, wire.OpInfo, wire.OpCreate, wire.OpOpen, wire.OpClose, wire.OpUnlink, wire.OpStat, wire.OpList,
-		wire.OpChmod, wire.OpChown, wire.OpRename, wire.OpPublish, wire.OpReclaim, wire.OpCommit, wire.OpFill, wire.OpDump,
-		wire.OpEvict, wire.OpLoad, wire.OpPin, wire.OpWaitVersion:
+	if wire.Known(op) {
 		return op
 	}
 	return "unknown"

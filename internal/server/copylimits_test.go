@@ -71,36 +71,39 @@ func fillPool(t *testing.T, l *copyLimits) []*copySlot {
 	return held
 }
 
+// testUserCopyLimit: a user's limit is final and counts stuck copies.
+func testUserCopyLimit(t *testing.T) {
+	var l copyLimits
+	a, b := mustEnter(t, &l, 1000), mustEnter(t, &l, 1000)
+	w := newTestWaiter()
+	_, err := l.enter(1000, w.waiter())
+	if !errors.Is(err, syscall.EAGAIN) || !strings.Contains(err.Error(), "copies per user: uid 1000 runs 2 copies, limit 2") || w.asides.Load() != 0 {
+		t.Fatalf("copy %d of one user: %v (waited: %v), want EAGAIN at once naming the limit", maxUserCopies+1, err, w.asides.Load() > 0)
+	}
+	// Its client gone, a copy stuck in a read leaves the pool but
+	// still counts against its user.
+	a.leavePool()
+	if l.pooled != 1 {
+		t.Fatalf("%d copies in the pool after one left it, want 1", l.pooled)
+	}
+	if _, err := l.enter(1000, newTestWaiter().waiter()); !errors.Is(err, syscall.EAGAIN) {
+		t.Fatalf("a user with a stuck copy and another: %v, want EAGAIN", err)
+	}
+	a.leave()
+	c := mustEnter(t, &l, 1000)
+	b.leave()
+	c.leave()
+	if l.pooled != 0 || len(l.byUser) != 0 {
+		t.Fatalf("after every copy ended: %d pooled, users %v", l.pooled, l.byUser)
+	}
+}
+
 // TestCopyLimits: the rules of copyLimits, one by one.
 func TestCopyLimits(t *testing.T) {
 	defer func(d time.Duration) { copyWait = d }(copyWait)
 	copyWait = 300 * time.Millisecond
 
-	t.Run("a user's limit is final and counts stuck copies", func(t *testing.T) {
-		var l copyLimits
-		a, b := mustEnter(t, &l, 1000), mustEnter(t, &l, 1000)
-		w := newTestWaiter()
-		_, err := l.enter(1000, w.waiter())
-		if !errors.Is(err, syscall.EAGAIN) || !strings.Contains(err.Error(), "copies per user: uid 1000 runs 2 copies, limit 2") || w.asides.Load() != 0 {
-			t.Fatalf("copy %d of one user: %v (waited: %v), want EAGAIN at once naming the limit", maxUserCopies+1, err, w.asides.Load() > 0)
-		}
-		// Its client gone, a copy stuck in a read leaves the pool but
-		// still counts against its user.
-		a.leavePool()
-		if l.pooled != 1 {
-			t.Fatalf("%d copies in the pool after one left it, want 1", l.pooled)
-		}
-		if _, err := l.enter(1000, newTestWaiter().waiter()); !errors.Is(err, syscall.EAGAIN) {
-			t.Fatalf("a user with a stuck copy and another: %v, want EAGAIN", err)
-		}
-		a.leave()
-		c := mustEnter(t, &l, 1000)
-		b.leave()
-		c.leave()
-		if l.pooled != 0 || len(l.byUser) != 0 {
-			t.Fatalf("after every copy ended: %d pooled, users %v", l.pooled, l.byUser)
-		}
-	})
+	t.Run("a user's limit is final and counts stuck copies", testUserCopyLimit)
 
 	t.Run("root and users running none never wait", func(t *testing.T) {
 		var l copyLimits

@@ -6,13 +6,20 @@
 // The descriptors the server sends are the registry's, duplicated into the
 // client by the kernel: the server never hands out ownership of its own.
 //
-// Lifetimes: Serve owns the listener and one goroutine per connection, and
-// returns only after every connection goroutine has finished and the registry
-// has been closed.
+// Lifetimes: Serve owns the listener, the workers and the goroutines it
+// starts beside them (the refuser, the sweep, and those that answer a
+// request set aside to wait). A connection has no goroutine of its own: a
+// worker serves it while it is active, and an idle one waits in one epoll
+// set holding none (workers.go says how). When ctx is done, Serve shuts
+// every connection down and returns only after every connection has
+// ended, every worker and goroutine it started has finished and the
+// registry has been closed; a server that handed its connections over
+// (Park) returns at once, freeing nothing.
 //
 // Where things are: server.go is the server and its accept loop; conn.go a
-// connection (serve, send, flush, end); ops.go the dispatch, a switch of
-// one-line calls, and a method per operation (opOpen, opCreate, ...), with
+// connection (serve, send, flush, end); ops.go the dispatch, a table of
+// one-line calls (handlers, one for each of wire.Operations, which its
+// tests check), and a method per operation (opOpen, opCreate, ...), with
 // the larger ones in files of their own (commit.go, copy.go, tier.go,
 // waitversion.go, roles.go for a channel's roles); workers.go the
 // workers and the idle set; connlimits.go the limits on connections,

@@ -16,10 +16,48 @@ import (
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
-// dispatch answers req with the method for its operation, one each (as
-// go-fuse's fuse/opcode.go does). inFD, the descriptor that came with a
-// publish, fill or dump, is dispatch's to keep or close. A nil reply means
-// the connection parked while req waited (c.pending has it).
+// handler answers one operation: one method of conn each, which
+// handlers names. inFD is the descriptor that came with the request, -1
+// for an operation that takes none (wire.Operation.FD).
+type handler func(c *conn, req *wire.Request, inFD int) (*wire.Reply, int)
+
+// handlers is the server's half of wire.Operations (as go-fuse's
+// fuse/opcode.go maps each opcode to its handler): a handler for each
+// operation there and for nothing else, which TestHandlersAreOperations
+// checks. It is filled in init, as go-fuse fills its table: the handlers
+// lead back to dispatch (a copy set aside is served again by a worker),
+// which an initializer may not.
+var handlers map[string]handler
+
+func init() {
+	handlers = map[string]handler{
+		wire.OpHello:       func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opHello(req) },
+		wire.OpInfo:        func(c *conn, _ *wire.Request, _ int) (*wire.Reply, int) { return c.opInfo() },
+		wire.OpCreate:      func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opCreate(req) },
+		wire.OpOpen:        func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opOpen(req) },
+		wire.OpClose:       func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opClose(req) },
+		wire.OpUnlink:      func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opUnlink(req) },
+		wire.OpStat:        func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opStat(req) },
+		wire.OpList:        func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.list(req), -1 },
+		wire.OpChmod:       func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opChmod(req) },
+		wire.OpChown:       func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opChown(req) },
+		wire.OpRename:      func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opRename(req) },
+		wire.OpPublish:     (*conn).publish,
+		wire.OpReclaim:     func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opReclaim(req) },
+		wire.OpCommit:      func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.commit(req) },
+		wire.OpWaitVersion: func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opWaitVersion(req) },
+		wire.OpFill:        (*conn).copyFile,
+		wire.OpDump:        (*conn).copyFile,
+		wire.OpEvict:       func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
+		wire.OpLoad:        func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
+		wire.OpPin:         func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
+	}
+}
+
+// dispatch answers req with the method for its operation, one each
+// (handlers). inFD, the descriptor that came with a publish, fill or
+// dump, is dispatch's to keep or close. A nil reply means the connection
+// parked while req waited (c.pending has it).
 func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 	if !c.hello && req.Op != wire.OpHello {
 		if inFD >= 0 {
@@ -27,52 +65,21 @@ func (c *conn) dispatch(req *wire.Request, inFD int) (*wire.Reply, int) {
 		}
 		return fail(fmt.Errorf("%w: the first message must be hello", wire.ErrProto))
 	}
-	switch req.Op {
-	case wire.OpPublish:
-		return c.publish(req, inFD)
-	case wire.OpFill, wire.OpDump:
-		return c.copyFile(req, inFD)
+	if !wire.CarriesFD(req.Op) {
+		// Publish, fill and dump neither read a role nor end a reclaim.
+		if req.Role == string(channel.Rx) {
+			// A channel's consumer reads the slots and writes only its
+			// control block, a descriptor of its own: it asks for read
+			// access, whether it says readonly or not, and is served as a
+			// read-only open.
+			req.ReadOnly = true
+		}
+		if c.reclaiming && req.Op != wire.OpReclaim && req.Op != wire.OpHello {
+			c.endReclaim()
+		}
 	}
-	if req.Role == string(channel.Rx) {
-		// A channel's consumer reads the slots and writes only its control
-		// block, a descriptor of its own: it asks for read access, whether
-		// it says readonly or not, and is served as a read-only open.
-		req.ReadOnly = true
-	}
-	if c.reclaiming && req.Op != wire.OpReclaim && req.Op != wire.OpHello {
-		c.endReclaim()
-	}
-	switch req.Op {
-	case wire.OpHello:
-		return c.opHello(req)
-	case wire.OpInfo:
-		return c.opInfo()
-	case wire.OpEvict, wire.OpLoad, wire.OpPin:
-		return c.tier(c.leaseCred(), req)
-	case wire.OpReclaim:
-		return c.opReclaim(req)
-	case wire.OpCreate:
-		return c.opCreate(req)
-	case wire.OpOpen:
-		return c.opOpen(req)
-	case wire.OpClose:
-		return c.opClose(req)
-	case wire.OpUnlink:
-		return c.opUnlink(req)
-	case wire.OpStat:
-		return c.opStat(req)
-	case wire.OpList:
-		return c.list(req), -1
-	case wire.OpChmod:
-		return c.opChmod(req)
-	case wire.OpChown:
-		return c.opChown(req)
-	case wire.OpCommit:
-		return c.commit(req)
-	case wire.OpWaitVersion:
-		return c.opWaitVersion(req)
-	case wire.OpRename:
-		return c.opRename(req)
+	if h := handlers[req.Op]; h != nil {
+		return h(c, req, inFD)
 	}
 	return fail(fmt.Errorf("unknown operation %q: %w", req.Op, syscall.ENOSYS))
 }

@@ -188,11 +188,10 @@ func TestApplyPairsControlBlocks(t *testing.T) {
 	}
 }
 
-// TestRenameOverIsOneJournalWrite: a rename over an existing name is one
-// control message and one frame of the fd store's journal; every cut of
-// that frame replays as the state before the rename, the whole frame as
-// the state after, never one in between.
-func TestRenameOverIsOneJournalWrite(t *testing.T) {
+// playSystemd plays systemd on a notify socket of the test's own
+// (NOTIFY_SOCKET): it takes what is stored and keeps nothing.
+func playSystemd(t *testing.T) {
+	t.Helper()
 	notify := filepath.Join(t.TempDir(), "notify")
 	// Go's network poller, not a bare descriptor: its Close wakes the
 	// reader, and the descriptor's number is not given out again while a
@@ -224,6 +223,14 @@ func TestRenameOverIsOneJournalWrite(t *testing.T) {
 	}()
 	t.Cleanup(func() { ns.Close(); <-systemd })
 	t.Setenv("NOTIFY_SOCKET", notify)
+}
+
+// TestRenameOverIsOneJournalWrite: a rename over an existing name is one
+// control message and one frame of the fd store's journal; every cut of
+// that frame replays as the state before the rename, the whole frame as
+// the state after, never one in between.
+func TestRenameOverIsOneJournalWrite(t *testing.T) {
+	playSystemd(t)
 
 	st := newState()
 	s, c, l := controlPair(t, st)
@@ -264,24 +271,7 @@ func TestRenameOverIsOneJournalWrite(t *testing.T) {
 		}
 		return b
 	}
-	names := func(b []byte) map[string]string {
-		recs, _, _ := decodeJournal(b)
-		out := map[string]string{}
-		for _, rec := range recs {
-			var r segment.Record
-			if err := json.Unmarshal(rec, &r); err != nil {
-				t.Fatal(err)
-			}
-			var meta struct{ Name string }
-			json.Unmarshal(r.Meta, &meta)
-			if r.Linked {
-				out[r.Name] = meta.Name
-			} else {
-				out["unnamed "+r.Name] = meta.Name
-			}
-		}
-		return out
-	}
+	names := func(b []byte) map[string]string { return journalNames(t, b) }
 	for _, tc := range []struct {
 		from, to      string
 		before, after map[string]string
@@ -323,6 +313,28 @@ func TestRenameOverIsOneJournalWrite(t *testing.T) {
 	if got := applyQueued(t, s, c, l); len(got) != 2 || got[0] != tDel || got[1] != tPut {
 		t.Fatalf("rename for an old supervisor sent %v, want [del put]", got)
 	}
+}
+
+// journalNames replays the journal b: each name it leaves, or "unnamed
+// NAME" for a segment kept without one, to the name in its meta.
+func journalNames(t *testing.T, b []byte) map[string]string {
+	t.Helper()
+	recs, _, _ := decodeJournal(b)
+	out := map[string]string{}
+	for _, rec := range recs {
+		var r segment.Record
+		if err := json.Unmarshal(rec, &r); err != nil {
+			t.Fatal(err)
+		}
+		var meta struct{ Name string }
+		json.Unmarshal(r.Meta, &meta)
+		if r.Linked {
+			out[r.Name] = meta.Name
+		} else {
+			out["unnamed "+r.Name] = meta.Name
+		}
+	}
+	return out
 }
 
 func nextCut(n, from, to int) int {

@@ -11,19 +11,35 @@ import (
 )
 
 // TestProtocolDocRequests holds docs/protocol.md's request table to the
-// decoder, which refuses what the table does not allow: every operation
-// is in the op row, every field of Request has a row, and each row's
-// "used by" names exactly the operations that take the field (used). A
-// field or operation added without its row, or a row left behind, fails
-// here, not in a third-party client.
+// decoder, which refuses what the table does not allow: the op row lists
+// Operations in its order, each has a section, every field of Request
+// has a row, and each row's "used by" names exactly the operations that
+// take the field (their fields in Operations). A field or operation
+// added without its row, or a row left behind, fails here, not in a
+// third-party client.
 func TestProtocolDocRequests(t *testing.T) {
 	doc, err := os.ReadFile("../../docs/protocol.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	ops, rows := requestTable(t, string(doc))
-	if want := slices.Sorted(maps.Keys(used)); !slices.Equal(ops, want) {
-		t.Errorf("the op row lists %v, the daemon takes %v", ops, want)
+	if want := operationNames(); !slices.Equal(ops, want) {
+		t.Errorf("the op row lists %v, wire.Operations %v (in this order)", ops, want)
+	}
+	// Each operation has a section under "## Operations", whose title
+	// names it ("### fill and dump").
+	_, opsPart, _ := strings.Cut(string(doc), "\n## Operations\n")
+	opsPart, _, _ = strings.Cut(opsPart, "\n## ")
+	titled := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^### (.*)$`).FindAllStringSubmatch(opsPart, -1) {
+		for _, w := range strings.FieldsFunc(m[1], func(r rune) bool { return r == ' ' || r == ',' }) {
+			titled[w] = true
+		}
+	}
+	for _, op := range operationNames() {
+		if !titled[op] {
+			t.Errorf("docs/protocol.md has no section (### under \"## Operations\") for %s", op)
+		}
 	}
 	var tags []string
 	rt := reflect.TypeFor[Request]()
@@ -38,7 +54,7 @@ func TestProtocolDocRequests(t *testing.T) {
 	}
 	for i, name := range fieldNames {
 		var want []string
-		for op, fields := range used {
+		for op, fields := range usedFields() {
 			if fields&(1<<i) != 0 {
 				want = append(want, op)
 			}
@@ -51,7 +67,7 @@ func TestProtocolDocRequests(t *testing.T) {
 }
 
 // requestTable reads the table under "## Requests": the operations of its
-// op row, sorted, and for each other field the operations of its "used
+// op row, in its order, and for each other field the operations of its "used
 // by" column ("all" and "any" stand for every operation), sorted, merged
 // over the rows that name the field.
 func requestTable(t *testing.T, doc string) (ops []string, rows map[string][]string) {
@@ -62,7 +78,7 @@ func requestTable(t *testing.T, doc string) (ops []string, rows map[string][]str
 	}
 	table, _, _ = strings.Cut(table, "\n## ")
 	code := regexp.MustCompile("`([a-z_]+)`")
-	all := slices.Sorted(maps.Keys(used))
+	all := slices.Sorted(maps.Keys(usedFields()))
 	rows = map[string][]string{}
 	for line := range strings.Lines(table) {
 		cells := strings.Split(line, "|")
@@ -104,6 +120,23 @@ func requestTable(t *testing.T, doc string) (ops []string, rows map[string][]str
 			t.Errorf("`%s` is used by %v in the table, want all", name, rows[name])
 		}
 	}
-	slices.Sort(ops)
 	return ops, rows
+}
+
+// operationNames are the names of Operations, in its order.
+func operationNames() []string {
+	var names []string
+	for _, o := range Operations {
+		names = append(names, o.Name)
+	}
+	return names
+}
+
+// usedFields is the fields each operation reads, from Operations.
+func usedFields() map[string]uint32 {
+	m := map[string]uint32{}
+	for _, o := range Operations {
+		m[o.Name] = o.fields
+	}
+	return m
 }

@@ -23,48 +23,6 @@ const MaxMessage = 64 << 10
 // fits in one packet.
 const MaxMeta = 32 << 10
 
-// Operations.
-const (
-	OpHello  = "hello"
-	OpInfo   = "info"
-	OpCreate = "create"
-	OpOpen   = "open"
-	OpClose  = "close"
-	OpUnlink = "unlink"
-	OpStat   = "stat"
-	OpList   = "list"
-	OpChmod  = "chmod"
-	OpChown  = "chown"
-	OpRename = "rename"
-	// OpPublish carries a descriptor, as do OpFill and OpDump.
-	OpPublish = "publish"
-	// OpReclaim takes back leases a client held before the daemon
-	// restarted.
-	OpReclaim = "reclaim"
-	// OpCommit makes a segment created uncommitted openable by its name,
-	// with meta, if it carries one, as its meta from then on.
-	OpCommit = "commit"
-	// OpFill copies a file the client sends (its descriptor attached)
-	// into a segment it holds open read-write; OpDump copies a segment it
-	// holds open into such a file. The daemon's copy engine does the
-	// work, with its warm CUDA context and pinned buffers.
-	OpFill = "fill"
-	OpDump = "dump"
-	// OpEvict moves a segment nobody holds to host memory now; OpLoad
-	// brings one back to its device ahead of an open; OpPin keeps one on
-	// its device (pin true) or lets it move again.
-	OpEvict = "evict"
-	OpLoad  = "load"
-	OpPin   = "pin"
-	// OpWaitVersion answers when the name names another segment than the
-	// one given (Segment): the reader's version was replaced by a newer
-	// one (docs/protocol.md, "Versions"). Wait bounds how long it waits.
-	OpWaitVersion = "wait_version"
-)
-
-// CarriesFD says whether a request of op comes with a descriptor.
-func CarriesFD(op string) bool { return op == OpPublish || op == OpFill || op == OpDump }
-
 // Lifetimes a create may ask for.
 const (
 	// LifetimeConnection ends the segment when the connection that created
@@ -603,35 +561,6 @@ var fieldNames = [fieldCount]string{
 	"empty", "no_replace",
 }
 
-// used is the fields each operation reads. A field outside its
-// operation's set must be absent or zero, so that a client that sends one
-// by mistake (a size with open, a mode with stat) learns that the daemon
-// would ignore it. Operations missing here are not checked. Every
-// operation takes trace.
-var used = map[string]uint32{
-	OpHello:   fTrace | fVersion | fSession,
-	OpInfo:    fTrace,
-	OpCreate:  fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted | fPin | fNextVersion | fEmpty,
-	OpOpen:    fTrace | fName | fReadOnly | fRole | fWait,
-	OpClose:   fTrace | fSegment | fRole,
-	OpUnlink:  fTrace | fName,
-	OpStat:    fTrace | fName,
-	OpList:    fTrace | fAfter | fLimit,
-	OpChmod:   fTrace | fName | fMode,
-	OpChown:   fTrace | fName | fUID | fGID,
-	OpRename:  fTrace | fName | fTo | fNoReplace,
-	OpPublish: fTrace | fName | fSize | fDevice | fMode | fMeta | fLifetime | fTTL,
-	OpReclaim: fTrace | fSegment | fCount | fReadOnly | fRole,
-	OpCommit:  fTrace | fSegment | fMeta,
-	OpFill:    fTrace | fSegment | fSize | fOffset | fAt,
-	OpDump:    fTrace | fSegment | fSize | fOffset | fAt,
-	OpEvict:   fTrace | fName,
-	OpLoad:    fTrace | fName,
-	OpPin:     fTrace | fName | fPin,
-
-	OpWaitVersion: fTrace | fName | fSegment | fWait,
-}
-
 // setFields is the set of r's fields that hold something other than
 // their zero value. Straight tests, no list: decoding is on every round
 // trip.
@@ -677,11 +606,11 @@ func setFields(r *Request) uint32 {
 }
 
 func checkUnused(r *Request) error {
-	fields, known := used[r.Op]
-	if !known {
+	o := operations[r.Op]
+	if o == nil {
 		return nil // an unknown op is the server's to refuse (ENOSYS)
 	}
-	if extra := setFields(r) &^ fields; extra != 0 {
+	if extra := setFields(r) &^ o.fields; extra != 0 {
 		return fmt.Errorf("%w: %s does not take %q", ErrProto, r.Op, fieldNames[bits.TrailingZeros32(extra)])
 	}
 	return nil

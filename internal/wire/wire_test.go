@@ -421,7 +421,7 @@ func TestDialTimeout(t *testing.T) {
 // holds something, and at least one operation that uses it.
 func TestEveryFieldIsChecked(t *testing.T) {
 	var all uint32
-	for _, fields := range used {
+	for _, fields := range usedFields() {
 		all |= fields
 	}
 	rt := reflect.TypeFor[Request]()

@@ -1,8 +1,17 @@
 // Command housecheck keeps the house's rules (docs/architecture.md, "The
-// map"): it fails when a package imports what the map says it may not, or
-// when a non-test function is longer than maxLines. ./scripts/test runs it:
+// map"): it fails when a package imports what the map says it may not,
+// when a function (tests' included) is longer than maxLines, when a file
+// outside unsafeAllowed imports unsafe, or when docs/architecture.md's
+// package table or map differs from go list (docs.go). It names the files
+// longer than longFile lines, as a notice. ./scripts/test runs it:
 //
 //	go run ./scripts/housecheck
+//
+// With -write, it first rewrites the package table from go list, keeping
+// each package's "gives"; the map it only checks, since its layout is
+// drawn by hand:
+//
+//	go run ./scripts/housecheck -write
 //
 // It reads the imports from 'go list' and the functions with go/ast, so it
 // takes a second or two and needs nothing but the Go toolchain.
@@ -11,11 +20,13 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"flag"
 	"fmt"
 	"go/ast"
 	"go/parser"
 	"go/token"
 	"io/fs"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -26,13 +37,44 @@ import (
 
 const module = "github.com/gpushm/gpushm"
 
-// maxLines is the longest a non-test function may be, from its func
+// maxLines is the longest a function may be, a test's too, from its func
 // keyword to its closing brace.
 const maxLines = 120
 
 // longExempt lists the files whose functions may still be longer than
 // maxLines, each until it is broken up; shrink it, never grow it.
 var longExempt []string
+
+// longTestExempt lists the directories whose tests' functions may still
+// be longer than maxLines. cmd/gpushm's process tests are being moved to
+// a package of their own (docs/architecture.md, "The map"); they are
+// split there, and this entry goes with the move.
+var longTestExempt = []string{"cmd/gpushm"}
+
+// longFile is the length past which a file is named in the output, as a
+// notice to split it by what its parts do, not as a failure.
+const longFile = 800
+
+// unsafeAllowed lists the files, and the directories (ending in "/") of
+// whole packages, that may import unsafe, each with the reason. Tests
+// count as any other file: a test that needs a pointer's address says
+// so here. Only internal/cuda is meant to touch unsafe (STYLE.md, "A
+// thin, dumb cgo layer"); the others are system calls, mappings at a
+// chosen address and words in shared memory that need a pointer. Shrink it, never grow it without
+// a reason a reviewer accepts.
+var unsafeAllowed = map[string]string{
+	"internal/cuda/":                    "the cgo layer: C pointers and the driver's structures",
+	"internal/backend/reserve_linux.go": "the host reserve's pieces populated through a mapping made by MmapPtr",
+	"internal/channel/block.go":         "a channel's control block: atomic words and futexes in shared memory",
+	"internal/epoch/epoch.go":           "the epoch page: an atomic word in shared memory",
+	"internal/supervisor/table.go":      "the record table: words in shared memory",
+	"internal/wire/conn_linux.go":       "recvmsg without the sender's address, which unix.Recvmsg makes anew on every call",
+	"internal/xfer/xfer_linux.go":       "cachestat, which x/sys/unix does not wrap (its mincore could be unix.Mincore)",
+	"mapping.go":                        "host mappings placed at a reserved address (MmapPtr)",
+	"remap_test.go":                     "a mapping's address, to see that a remap keeps it",
+	// Moves with cmd/gpushm's process tests (longTestExempt).
+	"cmd/gpushm/remap_test.go": "a mapping's address, to see that a remap keeps it",
+}
 
 // daemonPkgs are the packages that compose the daemon: the only ones that
 // may import the server, the supervisor and the backends.
@@ -75,6 +117,8 @@ var testOnly = []string{"internal/testutil", "internal/testdaemon"}
 var importExempt = map[string]string{}
 
 func main() {
+	write := flag.Bool("write", false, "rewrite the package table of "+archDoc+" from go list")
+	flag.Parse()
 	var bad []string
 	imp, err := checkImports()
 	if err != nil {
@@ -88,6 +132,26 @@ func main() {
 		os.Exit(2)
 	}
 	bad = append(bad, long...)
+	uns, err := checkUnsafe(".")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "housecheck:", err)
+		os.Exit(2)
+	}
+	bad = append(bad, uns...)
+	docs, err := checkDocs(".", *write)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "housecheck:", err)
+		os.Exit(2)
+	}
+	bad = append(bad, docs...)
+	notes, err := longFiles(".")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "housecheck:", err)
+		os.Exit(2)
+	}
+	for _, n := range notes {
+		fmt.Println(n)
+	}
 	for _, b := range bad {
 		fmt.Println(b)
 	}
@@ -186,26 +250,47 @@ func forbidden(from, to string, test bool) string {
 	return ""
 }
 
-// checkLengths lists the non-test functions under root longer than
-// maxLines, outside longExempt.
-func checkLengths(root string) ([]string, error) {
-	var bad []string
-	fset := token.NewFileSet()
-	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+// goFiles calls fn with the path from root of every Go file under root,
+// tests included; deploy/, a module of its own, is kept to the same
+// rules.
+func goFiles(root string, fn func(path, rel string) error) error {
+	return filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
 		if d.IsDir() {
-			// deploy/ is a module of its own, kept to the same rule.
 			if n := d.Name(); path != root && (strings.HasPrefix(n, ".") || n == "testdata" || n == "node_modules") {
 				return filepath.SkipDir
 			}
 			return nil
 		}
-		if !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
+		if !strings.HasSuffix(path, ".go") {
 			return nil
 		}
-		if rel, err := filepath.Rel(root, path); err == nil && slices.Contains(longExempt, filepath.ToSlash(rel)) {
+		rel, err := filepath.Rel(root, path)
+		if err != nil {
+			return err
+		}
+		return fn(path, filepath.ToSlash(rel))
+	})
+}
+
+// lengthExempt says whether the functions of the file at rel (from the
+// module's root) may be longer than maxLines.
+func lengthExempt(rel string) bool {
+	if slices.Contains(longExempt, rel) {
+		return true
+	}
+	return strings.HasSuffix(rel, "_test.go") && slices.Contains(longTestExempt, filepath.ToSlash(filepath.Dir(rel)))
+}
+
+// checkLengths lists the functions under root, tests' included, longer
+// than maxLines, outside longExempt and longTestExempt.
+func checkLengths(root string) ([]string, error) {
+	var bad []string
+	fset := token.NewFileSet()
+	err := goFiles(root, func(path, rel string) error {
+		if lengthExempt(rel) {
 			return nil
 		}
 		f, err := parser.ParseFile(fset, path, nil, parser.SkipObjectResolution)
@@ -219,12 +304,71 @@ func checkLengths(root string) ([]string, error) {
 			}
 			start, end := fset.Position(fn.Pos()), fset.Position(fn.End())
 			if n := end.Line - start.Line + 1; n > maxLines {
-				bad = append(bad, fmt.Sprintf("%s:%d: %s is %d lines (at most %d)", path, start.Line, name(fn), n, maxLines))
+				bad = append(bad, fmt.Sprintf("%s:%d: %s is %d lines (at most %d)", rel, start.Line, name(fn), n, maxLines))
 			}
 		}
 		return nil
 	})
 	return bad, err
+}
+
+// checkUnsafe lists the Go files under root, tests included, that import
+// unsafe and are not in unsafeAllowed, and the entries of unsafeAllowed
+// that no longer import it (the list only shrinks).
+func checkUnsafe(root string) ([]string, error) {
+	var bad []string
+	used := map[string]bool{}
+	fset := token.NewFileSet()
+	err := goFiles(root, func(path, rel string) error {
+		f, err := parser.ParseFile(fset, path, nil, parser.ImportsOnly)
+		if err != nil {
+			return err
+		}
+		if !slices.ContainsFunc(f.Imports, func(s *ast.ImportSpec) bool { return s.Path.Value == `"unsafe"` }) {
+			return nil
+		}
+		switch dir := filepath.ToSlash(filepath.Dir(rel)) + "/"; {
+		case unsafeAllowed[rel] != "":
+			used[rel] = true
+		case unsafeAllowed[dir] != "":
+			used[dir] = true
+		default:
+			bad = append(bad, rel+": imports unsafe, which only the files of unsafeAllowed (scripts/housecheck) may, each with its reason")
+		}
+		return nil
+	})
+	for _, k := range slices.Sorted(maps.Keys(unsafeAllowed)) {
+		if !used[k] {
+			bad = append(bad, k+": in unsafeAllowed (scripts/housecheck) but imports no unsafe: take it off the list")
+		}
+	}
+	return bad, err
+}
+
+// longFiles names the Go files under root longer than longFile lines,
+// longest first.
+func longFiles(root string) ([]string, error) {
+	type file struct {
+		rel   string
+		lines int
+	}
+	var long []file
+	err := goFiles(root, func(path, rel string) error {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		if n := bytes.Count(b, []byte("\n")); n > longFile {
+			long = append(long, file{rel, n})
+		}
+		return nil
+	})
+	sort.Slice(long, func(i, j int) bool { return long[i].lines > long[j].lines })
+	var notes []string
+	for _, f := range long {
+		notes = append(notes, fmt.Sprintf("notice: %s is %d lines (over %d: split it by what its parts do)", f.rel, f.lines, longFile))
+	}
+	return notes, err
 }
 
 // name spells a function as a reader looks for it: (*conn).dispatch.
