@@ -44,8 +44,10 @@ type Spill struct {
 	// (SetDemand).
 	demand func() int64
 	// making counts allocations making new memory; the reserve waits
-	// for them.
-	making atomic.Int32
+	// for them. An allocation waits for a piece being made for as long
+	// as new memory would take at waitRate bytes a second.
+	making   atomic.Int32
+	waitRate int64
 	// recycled holds spill memory let go of, by size, for the next
 	// eviction of that size: a restore that was written to after leaves
 	// its host memory, and an eviction that reuses it copies at the copy
@@ -75,7 +77,7 @@ const recycleIdle = 30 * time.Second
 // bytes of freed spill memory for reuse (0: none).
 func NewSpill(host *Host, limit int64) *Spill {
 	return &Spill{host: host, recycled: map[int64][]*recycledMem{}, limit: limit,
-		meminfo: readMeminfo, every: time.Second}
+		meminfo: readMeminfo, every: time.Second, waitRate: 1e9}
 }
 
 // HandleType implements segment.Allocator.

@@ -508,8 +508,8 @@ func (s *Spill) fromReserve(size int64) *hostMemory {
 		// A piece that would serve is being made: waiting for it beats
 		// making memory beside it, which halves the speed of both (an
 		// eviction of 24 GiB took 11.3 s so, instead of 6.3 s alone), up to
-		// what new memory would take at 1 GB/s.
-		t := time.NewTimer(time.Duration(size) * time.Nanosecond)
+		// what new memory would take at waitRate.
+		t := time.NewTimer(time.Duration(float64(size) / float64(s.waitRate) * float64(time.Second)))
 		select {
 		case <-made:
 			p, tail, _ = r.take(size)
