@@ -423,10 +423,13 @@ func (ch *Channel) Close() error {
 
 // reclaimLocked takes back ch's role on c's new connection after a
 // reconnection; c.mu is held (holder).
-func (ch *Channel) reclaimLocked(ctx context.Context, c *Client) error {
+func (ch *Channel) reclaimLocked(ctx context.Context, c *Client) (settle string, err error) {
 	c.nextID++
 	_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpReclaim, Segment: ch.info.ID,
 		Count: 1, ReadOnly: ch.role == Consumer, Role: string(ch.role)}, -1)
 	closeFD(fd)
-	return err
+	return "", err
 }
+
+// end closes ch as its client closes (holder).
+func (ch *Channel) end() error { return ch.Close() }

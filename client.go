@@ -9,8 +9,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"runtime"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -19,130 +17,6 @@ import (
 	"github.com/gpushm/gpushm/internal/epoch"
 	"github.com/gpushm/gpushm/internal/wire"
 )
-
-// Error is an error reported by the daemon. errors.Is matches it against
-// its errno (syscall.ENOENT, ...) and the fs errors (fs.ErrNotExist, ...).
-type Error = wire.Error
-
-// SegmentInfo describes a segment as the daemon reports it.
-type SegmentInfo = wire.Segment
-
-// Trace is the daemon's timing of one request, for benchmarks
-// (CreateOptions.Trace, OpenOptions.Trace): the time from reading the
-// request to its reply, and its steps in order (docs/protocol.md, "Tracing
-// a request").
-type Trace = wire.Trace
-
-// Device describes a device the daemon allocates on.
-type Device = wire.Device
-
-// Info is what the daemon reports about itself. The JSON names are the
-// protocol's.
-type Info struct {
-	Server  string   `json:"server"`
-	Backend string   `json:"backend"` // "cuda" or "host"
-	Devices []Device `json:"devices"`
-	Usage   Usage    `json:"usage"`
-	// GPU is the node's GPUs as the daemon sees them (NVML's figures, or
-	// the driver's); nil from a daemon that does not report them.
-	GPU *GPUReport `json:"gpu,omitempty"`
-	// PID is the process serving the socket; SupervisorPID the one holding
-	// the segments across the serving process's restarts (equal to PID for
-	// an unsupervised daemon). Restarts counts serving processes that died
-	// and were replaced; Grace is what is left of the grace period in
-	// which clients of a replaced process reclaim their leases.
-	PID           int           `json:"pid"`
-	SupervisorPID int           `json:"supervisor_pid"`
-	Restarts      int           `json:"restarts"`
-	Grace         time.Duration `json:"-"`
-	GraceSeconds  float64       `json:"grace_seconds,omitempty"`
-	// Pool is what the daemon holds of allocations made ahead of time,
-	// which a create takes first; nil while it holds none.
-	Pool *Pool `json:"pool,omitempty"`
-	// Tiers is each device's budget and use, what was evicted to host
-	// memory and what moved (docs/architecture.md, "Tiers"); nil from a
-	// daemon without tiers.
-	Tiers *Tiers `json:"tiers,omitempty"`
-	// Users is what each uid holds on each device, and Quotas the limits
-	// in force with their use (the asker's own user limits included,
-	// whether or not it holds anything); both nil from a daemon from
-	// before them.
-	Users  []UserUse `json:"users,omitempty"`
-	Quotas []Quota   `json:"quotas,omitempty"`
-}
-
-// Tiers is the daemon's budgets and eviction (Info).
-type Tiers = wire.Tiers
-
-// UserUse is what one uid holds on one device (Info).
-type UserUse = wire.UserUse
-
-// Quota is one limit in force and its use (Info).
-type Quota = wire.Quota
-
-// Usage is what the daemon holds.
-type Usage = wire.Usage
-
-// Pool is the daemon's pool of allocations made ahead of time (Info).
-type Pool = wire.Pool
-
-// GPUReport is what the daemon knows of the node's GPUs, and from where.
-type GPUReport = wire.GPUReport
-
-// DefaultSpin is how long a client polls for a reply before it sleeps:
-// longer than a typical round trip (about 20 us), so that the reply is
-// usually seen without a thread wake-up. On machines of fewer than 4 cores
-// the client does not spin, since it would take the core the daemon needs.
-// GPUSHM_SPIN (a Go duration, "0" to disable) overrides both.
-const DefaultSpin = 200 * time.Microsecond
-
-// ClientSpin is the spin this process's clients use: GPUSHM_SPIN if set,
-// else DefaultSpin, or none below 4 cores.
-func ClientSpin() time.Duration {
-	if v := os.Getenv("GPUSHM_SPIN"); v != "" {
-		if d, err := time.ParseDuration(v); err == nil {
-			return d
-		}
-	}
-	if runtime.NumCPU() < 4 {
-		return 0
-	}
-	return DefaultSpin
-}
-
-// DefaultReconnect is how long a client keeps trying to reach a daemon
-// that went away (restarted, upgraded) before an operation fails.
-// GPUSHM_RECONNECT (a Go duration, "0" to never reconnect) overrides it.
-const DefaultReconnect = 30 * time.Second
-
-func clientReconnect() time.Duration {
-	if v := os.Getenv("GPUSHM_RECONNECT"); v != "" {
-		if d, err := time.ParseDuration(v); err == nil {
-			return d
-		}
-	}
-	return DefaultReconnect
-}
-
-// DefaultTimeout bounds how long a client waits for each reply (and for
-// the daemon to take each request), so that a daemon that never answers
-// cannot hang it: after a timeout the connection is unusable and the
-// operation fails with an error matching os.ErrDeadlineExceeded. Far longer
-// than any operation takes; a context's deadline can shorten it.
-// GPUSHM_TIMEOUT (a Go duration or a number of seconds, "0" to wait for
-// ever) overrides it.
-const DefaultTimeout = 60 * time.Second
-
-func clientTimeout() time.Duration {
-	v := os.Getenv("GPUSHM_TIMEOUT")
-	if d, err := time.ParseDuration(v); err == nil && d >= 0 {
-		return d
-	}
-	if s, err := strconv.ParseFloat(v, 64); err == nil && s >= 0 && s < 1e9 {
-		return time.Duration(s * float64(time.Second))
-	}
-	return DefaultTimeout
-}
 
 // Client is a connection to the daemon. When the daemon restarts (its
 // serving process crashed or was upgraded), the client reconnects on the
@@ -172,34 +46,41 @@ type Client struct {
 	stopWatch  chan struct{} // closed by Close: ends watch
 
 	cmu    sync.Mutex
-	cache  map[cacheKey]*shared
-	open   map[*shared]struct{}
-	held   map[holder]struct{} // what features hold besides segments (hold)
+	cache  map[cacheKey]*shared // opens by name, to share (Open)
+	held   map[holder]struct{}  // leases and channel ends (hold)
 	closed bool
 }
 
-// holder is what a feature of the client (a channel's end) holds of the
-// daemon's besides its segments' leases: the client core takes it back
-// after a reconnection and closes it with the client, knowing nothing more
-// of it.
+// holder is what the client holds of the daemon's: a segment's lease and
+// mapping (shared), a channel's end. The client core takes each back after
+// a reconnection and ends it with the client, knowing nothing more of it.
 type holder interface {
 	// reclaimLocked takes back on c's new connection what the holder held
 	// on the old one; c.mu is held. Only an error wrapping errLost (the
-	// connection lost again) stops the reclaim.
-	reclaimLocked(ctx context.Context, c *Client) error
-	// Close ends it; it calls unhold.
-	Close() error
+	// connection lost again) stops the reclaim. settle, if not "", names a
+	// segment whose lease the holder gave back in a close that the restart
+	// may have cut off: the daemon keeps such a lease journaled for this
+	// session until the session's first request that is not a reclaim,
+	// which the client then sends about settle.
+	reclaimLocked(ctx context.Context, c *Client) (settle string, err error)
+	// end ends it as c closes.
+	end() error
 }
 
-// hold has c reclaim h after each reconnection, and close it at Close,
+// hold has c reclaim h after each reconnection, and end it at Close,
 // until unhold.
 func (c *Client) hold(h holder) {
 	c.cmu.Lock()
+	c.holdLocked(h)
+	c.cmu.Unlock()
+}
+
+// holdLocked is hold with c.cmu held.
+func (c *Client) holdLocked(h holder) {
 	if c.held == nil {
 		c.held = map[holder]struct{}{}
 	}
 	c.held[h] = struct{}{}
-	c.cmu.Unlock()
 }
 
 // unhold ends what hold began.
@@ -209,7 +90,7 @@ func (c *Client) unhold(h holder) {
 	c.cmu.Unlock()
 }
 
-// heldNow is what features hold, at this moment.
+// heldNow is what c holds, at this moment.
 func (c *Client) heldNow() []holder {
 	c.cmu.Lock()
 	defer c.cmu.Unlock()
@@ -239,35 +120,11 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	if socket != "" {
-		cand := candidate{socket, given}
-		conn, err := dialConn(cand, t, timeout)
-		var r *refusal
-		if errors.As(err, &r) {
-			return nil, fmt.Errorf("gpushm: %w", err)
-		}
-		if err != nil {
-			hint := "is 'gpushm daemon' running?"
-			if denied(err) {
-				hint = deniedHint
-			}
-			return nil, fmt.Errorf("gpushm: cannot reach daemon at %s (%s): %w", socket, hint, err)
-		}
-		return greet(ctx, cand, t, conn, timeout)
+	cand, conn, err := discover(socket, t, timeout)
+	if err != nil {
+		return nil, err
 	}
-	tried := unreachableError{fromEnv: os.Getenv("GPUSHM_SOCKET") != ""}
-	for _, cand := range candidates() {
-		conn, err := dialConn(cand, t, timeout)
-		if err == nil {
-			return greet(ctx, cand, t, conn, timeout)
-		}
-		tried.paths, tried.errs = append(tried.paths, cand.path), append(tried.errs, err)
-		if !nothingListens(err) && !errors.Is(err, ErrUntrusted) {
-			// A daemon may be there: say so rather than reach another.
-			break
-		}
-	}
-	return nil, &tried
+	return greet(ctx, cand, t, conn, timeout)
 }
 
 // greet makes the client of conn, a new connection to cand, and says
@@ -284,7 +141,6 @@ func greet(ctx context.Context, cand candidate, t trust, conn *wire.Conn, timeou
 		reconnect: clientReconnect(),
 		timeout:   timeout,
 		cache:     make(map[cacheKey]*shared),
-		open:      make(map[*shared]struct{}),
 		stopWatch: make(chan struct{}),
 	}
 	c.mu.Lock()
@@ -318,7 +174,7 @@ func (c *Client) watch() {
 		case <-t.C:
 		}
 		c.cmu.Lock()
-		holds := len(c.open)+len(c.held) > 0
+		holds := len(c.held) > 0
 		c.cmu.Unlock()
 		// A call in flight holds mu, and reconnects by itself.
 		if holds && c.mu.TryLock() {
@@ -445,20 +301,15 @@ func (c *Client) Close() error {
 		held = append(held, h)
 	}
 	c.cmu.Unlock()
+	// Still held while they end: a reconnection on the way (a channel's
+	// close makes a round trip) reclaims them all first.
 	var errs []error
 	for _, h := range held {
-		errs = append(errs, h.Close())
+		errs = append(errs, h.end())
 	}
 	c.cmu.Lock()
-	open := make([]*shared, 0, len(c.open))
-	for sh := range c.open {
-		open = append(open, sh)
-	}
-	c.open, c.cache = nil, nil
+	c.held, c.cache = nil, nil
 	c.cmu.Unlock()
-	for _, sh := range open {
-		errs = append(errs, sh.unmap())
-	}
 	c.mu.Lock()
 	c.endLostConnLocked()
 	errs = append(errs, c.conn.Close())
@@ -580,53 +431,28 @@ func (c *Client) reconnectLocked(ctx context.Context, cause error) error {
 	return nil
 }
 
-// reclaimLocked takes back, on a new connection, the leases of every
-// segment c holds, and what its features hold (hold). It fails only with a lost connection
-// (errLost).
+// reclaimLocked takes back, on a new connection, what c holds (hold). It
+// fails only with a lost connection (errLost).
 func (c *Client) reclaimLocked(ctx context.Context) error {
 	// Names may mean other segments now: ask the daemon again for each.
 	c.cmu.Lock()
 	clear(c.cache)
-	open := make([]*shared, 0, len(c.open))
-	for sh := range c.open {
-		open = append(open, sh)
-	}
 	c.cmu.Unlock()
-	var released string
-	for _, sh := range open {
-		sh.mu.Lock()
-		if sh.released {
-			// No lease to take back: Reacquire takes a new one.
-			released = sh.info.Name
-			sh.mu.Unlock()
-			continue
-		}
-		sh.mu.Unlock()
-		c.nextID++
-		_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpReclaim, Segment: sh.info.ID, Count: 1, ReadOnly: sh.readOnly}, -1)
-		closeFD(fd)
+	var settle string
+	for _, h := range c.heldNow() {
+		name, err := h.reclaimLocked(ctx, c)
 		if errors.Is(err, errLost) {
 			return err
 		}
-		if err != nil {
-			// Gone (or no longer ours to open): the mapping still works,
-			// but there is no lease to end.
-			sh.mu.Lock()
-			sh.noLease = true
-			sh.mu.Unlock()
+		if name != "" {
+			settle = name
 		}
 	}
-	for _, h := range c.heldNow() {
-		if err := h.reclaimLocked(ctx, c); errors.Is(err, errLost) {
-			return err
-		}
-	}
-	if released != "" {
-		// A release whose close the restart cut off left a lease
-		// journaled for this session; the daemon ends what the session
-		// did not take back at its first request that is not a reclaim.
+	if settle != "" {
+		// The daemon ends what the session did not take back at its first
+		// request that is not a reclaim.
 		c.nextID++
-		_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpStat, Name: released}, -1)
+		_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpStat, Name: settle}, -1)
 		closeFD(fd)
 		if errors.Is(err, errLost) {
 			return err
@@ -1089,7 +915,7 @@ func (c *Client) openWith(ctx context.Context, req *wire.Request, key cacheKey, 
 	if !key.uncommitted {
 		c.cache[key] = sh
 	}
-	c.open[sh] = struct{}{}
+	c.holdLocked(sh)
 	return &Segment{sh: sh}, nil
 }
 
@@ -1133,6 +959,36 @@ type shared struct {
 	// (remap.go); only its address range is kept.
 	released bool
 }
+
+// reclaimLocked takes back sh's lease on c's new connection (holder). A
+// released segment has none to take back (Reacquire takes a new one), but
+// may leave one journaled: it names itself to settle.
+func (sh *shared) reclaimLocked(ctx context.Context, c *Client) (settle string, err error) {
+	sh.mu.Lock()
+	released, name := sh.released, sh.info.Name
+	sh.mu.Unlock()
+	if released {
+		return name, nil
+	}
+	c.nextID++
+	_, fd, err := c.exchangeLocked(ctx, &wire.Request{ID: c.nextID, Op: wire.OpReclaim, Segment: sh.info.ID, Count: 1, ReadOnly: sh.readOnly}, -1)
+	closeFD(fd)
+	if errors.Is(err, errLost) {
+		return "", err
+	}
+	if err != nil {
+		// Gone (or no longer ours to open): the mapping still works,
+		// but there is no lease to end.
+		sh.mu.Lock()
+		sh.noLease = true
+		sh.mu.Unlock()
+	}
+	return "", nil
+}
+
+// end unmaps sh as its client closes (holder): the daemon ends the lease
+// with the connection.
+func (sh *shared) end() error { return sh.unmap() }
 
 // unmap undoes the mapping and closes the descriptor; the lease is the
 // caller's business.
@@ -1257,7 +1113,7 @@ func (s *Segment) Close() error {
 		if c.cache[sh.key] == sh {
 			delete(c.cache, sh.key)
 		}
-		delete(c.open, sh)
+		delete(c.held, sh)
 	}
 	closed := c.closed
 	c.cmu.Unlock()

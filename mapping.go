@@ -1,6 +1,7 @@
 package gpushm
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -26,7 +27,7 @@ type Mapping struct {
 	released bool
 	// owner is the lease this mapping goes with (Release, Reacquire and
 	// Refresh act on it).
-	owner *shared
+	owner lease
 
 	host []byte // memfd segments
 
@@ -68,6 +69,14 @@ func (m *Mapping) ReadOnly() bool { return m.readOnly }
 // Released reports whether the mapping's memory was given back
 // (Segment.Release): its addresses are kept, and touching them faults.
 func (m *Mapping) Released() bool { return m.released }
+
+// lease is what a Mapping needs of the lease it goes with (a Segment's
+// shared), so that Release, Reacquire and Refresh on the mapping act on the
+// segment (remap.go). Declared here, the mapping knows nothing more of it.
+type lease interface {
+	release(ctx context.Context) error
+	remapTo(ctx context.Context, anyVersion bool) (changed bool, err error)
+}
 
 var errReleased = errors.New("gpushm: the mapping's memory was released (Segment.Reacquire maps it again)")
 

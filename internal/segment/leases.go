@@ -269,3 +269,60 @@ func (r *Registry) endHolds(match func(holderKey) bool) int {
 	}
 	return n
 }
+
+func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
+	want, what := uint32(Read|Write), "read-write"
+	if readOnly {
+		want, what = Read, "read"
+	}
+	if !allowed(c, s, want) {
+		return fmt.Errorf("%w: %s access to %q (mode %#o, owner %d:%d)", ErrPermission, what, s.name, s.mode, s.uid, s.gid)
+	}
+	if s.orphan != "" {
+		return fmt.Errorf("%w: %q: %s ('gpushm rm %s' removes it)", ErrOrphan, s.name, s.orphan, s.name)
+	}
+	if s.mem == nil {
+		return fmt.Errorf("%w: %q has 0 bytes and no memory yet (write or truncate it first)", ErrEmpty, s.name)
+	}
+	// What goes out is the device's descriptor: bring s back first if it
+	// was evicted (the lock is dropped meanwhile).
+	if err := r.onDeviceLocked(s); err != nil {
+		return err
+	}
+	if !readOnly {
+		r.dirtyLocked(s)
+	}
+	if !readOnly || r.readersWrite() {
+		r.grantWriteLocked(c, s)
+	}
+	s.opens++
+	s.changes.Add(1)
+	s.addLease(c, 1)
+	s.lastOpen = time.Now()
+	r.noteLocked(s, -1)
+	return nil
+}
+
+// Acquire opens a segment by name: the caller holds a lease until Release.
+func (r *Registry) Acquire(c Cred, name string, readOnly bool) (*Segment, error) {
+	if err := ValidName(name); err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s, err := r.find(name)
+	if err != nil {
+		return nil, err
+	}
+	if s.uncommitted {
+		return nil, uncommittedError(s)
+	}
+	if err := r.acquireLocked(c, s, readOnly); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Release ends one lease on s that an anonymous process took; the memory
+// is freed when s is unlinked and this was its last lease.
+func (r *Registry) Release(s *Segment) error { return r.ReleaseBy(s, Cred{}) }
