@@ -7,7 +7,7 @@ whose memory can be exported.
 
     with gpushm.torch.shareable():
         model = torch.nn.Linear(4096, 4096).cuda()   # exportable memory
-    gpushm.connect().publish("w", model.weight)       # no copy
+    gpushm.torch.publish(gpushm.connect(), "w", model.weight)   # no copy
 
 state_dict() maps a bundle once per process and makes a torch tensor of
 each of its tensors. release(), reacquire() and refresh() give the memory
@@ -35,7 +35,10 @@ import torch
 
 from . import _alloc, _mapping
 from ._alloc import export, library_path, stats  # noqa: F401  (gpushm.torch.export, as documented)
-from ._client import Segment, connect, socket_candidates
+from ._client import connect
+from ._core import socket_candidates
+from ._publish import publish  # noqa: F401  (gpushm.torch.publish, as documented)
+from ._segment import Segment
 from ._view import View
 
 _lock = threading.Lock()
