@@ -8,8 +8,8 @@ It names no feature. Channels, bundles and gpushm.torch sit one floor up
 daemon besides its segments' leases (a channel's role) it hands to the core
 through a hook, _hold: the core takes it back after a reconnection and
 closes it with the client, knowing nothing more of it (the Go client's
-holder). tests/core/test_imports.py checks that the core imports none of
-them.
+holder). python/tests/client/test_imports.py checks that the core imports
+none of them.
 
 Locking: one lock serializes round trips. Mappings end their leases from
 finalizers, which may run at any allocation, also inside a round trip on the

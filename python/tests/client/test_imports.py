@@ -9,7 +9,7 @@ import ast
 import importlib.util
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "gpushm"
+PKG = Path(__file__).resolve().parents[2] / "gpushm"
 
 
 # The client core: the connection (_core), segments and bundles, and what
