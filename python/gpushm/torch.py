@@ -1,5 +1,6 @@
-"""PyTorch and gpushm: tensors of a bundle as a state dict, and an allocator
-whose memory can be exported.
+"""PyTorch and gpushm: tensors of a bundle as a state dict, an allocator
+whose memory can be exported, and publish(), which names a tensor in such
+memory where it lies.
 
     import gpushm.torch
     sd = gpushm.torch.state_dict("llama")          # zero-copy, read-only
