@@ -20,8 +20,9 @@ class Client(Core, Channels, Bundles):
 
     def publish(self, name: str, tensor, *, mode: int = 0o600, temporary: bool = False,
                 ttl: float | None = None) -> SegmentInfo:
-        """gpushm.torch.publish(self, name, tensor, ...): names a torch CUDA
-        tensor where it lies, without a copy."""
+        """Names a torch CUDA tensor where it lies, without a copy:
+        gpushm.torch.publish(self, name, tensor, ...), whose help says how
+        and what memory it takes."""
         return _publish.publish(self, name, tensor, mode=mode, temporary=temporary, ttl=ttl)
 
 

@@ -1,6 +1,6 @@
 """Segment: an open segment, a typed View of its mapping plus its name and
-state. Client.open and Client.create give them; the client core only makes
-them, and a segment reaches the daemon through its mapping's lease."""
+state. Client.open and Client.create give them (the client core makes
+them); a segment reaches the daemon only through its mapping's lease."""
 
 from __future__ import annotations
 
