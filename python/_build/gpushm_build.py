@@ -100,7 +100,8 @@ def client_files() -> list:
     """(archive name, bytes, executable) of the client: the package, and the
     safetensors hook with its .pth beside it."""
     files = []
-    for src in sorted((ROOT / "gpushm").rglob("*.py")):
+    # py.typed: the package is typed (PEP 561).
+    for src in sorted([*(ROOT / "gpushm").rglob("*.py"), ROOT / "gpushm" / "py.typed"]):
         files.append((f"gpushm/{src.relative_to(ROOT / 'gpushm').as_posix()}", src.read_bytes(), False))
     for top in ("_gpushm_hook.py", "gpushm-safetensors.pth"):
         files.append((top, (ROOT / top).read_bytes(), False))

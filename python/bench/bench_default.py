@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The default of python -m gpushm.run against not using gpushm, for every
-loader python/tests/gpu_loaders.py checks, on the same checkpoint, in the
+loader python/tests/gpu/gpu_loaders.py checks, on the same checkpoint, in the
 same run.
 
     GPUSHM_BIN=.gpu/gpushm PYTHONPATH=python python3 python/bench/bench_default.py --out gpu-out/default

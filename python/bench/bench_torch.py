@@ -156,7 +156,7 @@ PHASES = {
 def consumer(fw):
     """Reads commands on stdin, answers each with one JSON line."""
     import gpushm
-    from gpushm import _client, _cuda, _mapping
+    from gpushm import _core, _cuda, _mapping
 
     fw.start()
     clients = {}
@@ -189,7 +189,7 @@ def consumer(fw):
                     marks[key] = time.perf_counter()
         setattr(obj, attr, timed)
 
-    stamp(_client.Client, "_round_trip", "reply")  # the open's round trip comes first
+    stamp(_core.Core, "_round_trip", "reply")  # the open's round trip comes first
     if fw.backend == "cuda":
         cu = _cuda.driver()
         stamp(cu, "cuMemImportFromShareableHandle", "import")

@@ -8,13 +8,17 @@ describes it and docs/protocol.md the protocol it speaks.
     x = torch.from_dlpack(gpushm.connect().open("x"))   # another, no copy
 """
 
-from ._client import (Bundle, BusyError, Client, Error, ExistsError, HeldVersion, InvalidError, NoSpaceError,
-                      NotCommittedError, NotFoundError,
-                      OutOfMemoryError, PermissionDeniedError, Segment, SegmentInfo, StaleError, UntrustedSocketError,
-                      WaitTimeoutError, connect, default_socket, socket_candidates, SYSTEM_SOCKET)
 from ._binary import binary
+from ._bundle import Bundle
 from ._channel import BrokenMessageError, Channel, ChannelRemovedError, Message, NoConsumerError
+from ._client import Client, connect
+from ._core import SYSTEM_SOCKET, default_socket, socket_candidates
 from ._cuda import CUDAError
+from ._errors import (BusyError, Error, ExistsError, InvalidError, NoSpaceError, NotCommittedError, NotFoundError,
+                      OutOfMemoryError, PermissionDeniedError, StaleError, WaitTimeoutError)
+from ._info import HeldVersion, SegmentInfo
+from ._segment import Segment
+from ._trust import UntrustedSocketError
 from ._view import View
 
 __all__ = ["BrokenMessageError", "Bundle", "BusyError", "CUDAError", "Channel", "ChannelRemovedError", "Client",

@@ -38,7 +38,7 @@ import weakref
 from . import _cuda, _mapping
 from ._errors import Error, InvalidError, NotFoundError, error
 from ._tensors import Layout, dtype_of, layout_of
-from ._types import SegmentInfo
+from ._info import SegmentInfo
 from ._view import View
 
 # The control block (docs/protocol.md).
@@ -309,6 +309,38 @@ def _describe(slots, slot_bytes, meta):
     return f"{slots} slots of {what}"
 
 
+class Channels:
+    """Client's channel method (gpushm._client composes it into Client).
+    A channel's end holds its role through the client core's hook
+    (Core._hold): the core reclaims it after a reconnection and closes it
+    with the client."""
+
+    def channel(self, name: str, shape=None, dtype=None, *, nbytes: int | None = None, slots: int | None = None,
+                role: str | None = None, device: int | None = None, devices=None, mode: int = 0o600,
+                wait_for_consumer: bool = True, framework: str | None = "auto", spin_us: float = 50):
+        """One end of the channel name, a stream of same-shaped tensors
+        between two processes (docs/python.md, "Channels").
+
+        With shape and dtype (or nbytes, for raw bytes) the channel is made
+        if it does not exist, or opened if it exists with that layout, and
+        this end is the producer (role "tx"); without them an existing
+        channel is opened, as its consumer (role "rx"). role= says which
+        end explicitly. slots is the number of messages in flight (default
+        4 when making the channel; whatever it has when it exists), device
+        the GPU it lives on, devices the GPUs this process touches it from
+        (a consumer on another GPU: devices=[1]).
+
+        wait_for_consumer: send() with no consumer attached waits for one
+        (True), or raises NoConsumerError (False). framework is what the
+        messages are: "torch", "cupy", "numpy", None (gpushm Views), or
+        "auto": torch tensors on a GPU when torch imports (else CuPy, else
+        Views), numpy arrays in host memory. spin_us is how long a wait
+        polls the channel before it sleeps."""
+        return open_channel(self, name, shape=shape, dtype=dtype, nbytes=nbytes, slots=slots, role=role,
+                            device=device, devices=devices, mode=mode, wait_for_consumer=wait_for_consumer,
+                            framework=framework, spin_us=spin_us)
+
+
 def open_channel(client, name, *, shape, dtype, nbytes, slots, role, device, devices, mode, wait_for_consumer,
                  framework, spin_us) -> Channel:
     if client._closed:
@@ -557,7 +589,7 @@ class Channel:
             first, end, count = self._break()
             self._seen = count - 1 if count and self._taken.value < end else count
         st.leased = True  # from here on, dropping the channel ends the role
-        client._channels.add(self)
+        client._hold(self)  # reclaimed after a reconnection, closed with the client
         _ENDS.add(self)
 
     def _check_block(self, ctl):
@@ -858,7 +890,7 @@ class Channel:
             err = None
             if st.leased and client._pid == os.getpid() and not client._closed:
                 # A reconnection on the way reclaims the role (this channel
-                # is still among the client's), so that this close ends it.
+                # is still held by the client), so that this close ends it.
                 try:
                     client._call("close", segment=st.seg, role=self.role)
                 except InvalidError:
@@ -866,7 +898,7 @@ class Channel:
                 except Exception as e:
                     err = e
             st.leased = False
-            client._channels.discard(self)
+            client._unhold(self)
             self._tensors = ()
             self.views = ()
             self._m = None
@@ -883,7 +915,7 @@ class Channel:
 
     def _reclaim(self, exchange):
         """Takes the role back on a new connection (the client's lock is
-        held)."""
+        held): the client core calls it for what it holds (Core._hold)."""
         st = self._st
         if not st.leased:
             return

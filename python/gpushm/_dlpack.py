@@ -7,9 +7,10 @@ done, which drops the entry and so the owner; a capsule nobody consumed
 drops it from its destructor instead. The mapping therefore lives exactly as
 long as the last tensor made from it.
 
-Consuming (share, put_tensors): borrow() asks an object for a legacy capsule,
+Consuming (share, put_tensors): Borrowed asks an object for a legacy capsule,
 marks it used, reads the DLTensor, and calls the producer's deleter when the
-copy is done.
+copy is done; borrow() takes a numpy array that cannot export by its array
+interface instead, and copy_in() copies either into a mapping.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import ctypes
 import struct
 from ctypes import CFUNCTYPE, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 
-from ._tensors import dtype_from_dlpack
+from . import _cuda
+from ._tensors import _DTYPES, dtype_from_dlpack
 
 kDLCPU, kDLCUDA, kDLCUDAHost = 1, 2, 3
 FLAG_READ_ONLY, FLAG_IS_COPIED = 1 << 0, 1 << 1
@@ -195,3 +197,54 @@ class Borrowed:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def borrow(obj):
+    """The memory of another framework's tensor, by DLPack; numpy arrays of
+    dtypes that numpy cannot export (bool, before numpy 1.25) by their array
+    interface."""
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return Borrowed(obj)
+        except BufferError:
+            if not hasattr(obj, "__array_interface__"):
+                raise
+    if hasattr(obj, "__array_interface__"):
+        return _HostArray(obj)
+    raise TypeError(f"gpushm: {type(obj).__name__} has neither __dlpack__ nor __array_interface__; pass a torch, CuPy, JAX or numpy array")
+
+
+class _HostArray:
+    on_gpu, device_id = False, 0
+
+    def __init__(self, obj):
+        ai = obj.__array_interface__
+        if ai.get("mask") is not None:
+            raise TypeError("gpushm: masked arrays cannot be shared")
+        self.obj, self.ptr = obj, ai["data"][0] + ai.get("offset", 0)
+        self.dtype = _BY_TYPESTR.get(ai["typestr"].replace("=", "<"))
+        if self.dtype is None:
+            raise TypeError(f"gpushm: array type {ai['typestr']!r} is not supported")
+        self.shape = tuple(ai["shape"])
+        st, size = ai.get("strides"), self.dtype.itemsize
+        if st is not None and any(s % size for s in st):
+            raise ValueError("gpushm: the array's strides are not multiples of its element size")
+        self.strides = None if st is None else tuple(s // size for s in st)
+
+    def release(self):
+        self.obj = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+_BY_TYPESTR = {d.typestr: d for d in _DTYPES if d.typestr}
+
+
+def copy_in(m, off, src, src_ptr, n):
+    """Copies n bytes of src (borrow's) from src_ptr into mapping m at off."""
+    src_dev = _cuda.device(src.device_id) if src.on_gpu else None
+    _cuda.copy(m.ptr + off, m.dev, src_ptr, src_dev, n)

@@ -33,7 +33,7 @@ import weakref
 from . import _cuda
 from ._errors import InvalidError, error
 from ._tensors import Layout, decode_bundle, is_bundle, layout_from_meta
-from ._types import SegmentInfo
+from ._info import SegmentInfo
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

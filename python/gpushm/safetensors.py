@@ -47,7 +47,8 @@ import sys
 import threading
 import time
 
-from ._client import connect, default_socket
+from ._client import connect
+from ._core import default_socket
 from ._errors import Error, NotFoundError, error
 from ._tensors import MAX_HEADER, Layout, decode_bundle, index_layout, is_bundle
 from ._view import View

@@ -1,5 +1,6 @@
-"""PyTorch and gpushm: tensors of a bundle as a state dict, and an allocator
-whose memory can be exported.
+"""PyTorch and gpushm: tensors of a bundle as a state dict, an allocator
+whose memory can be exported, and publish(), which names a tensor in such
+memory where it lies.
 
     import gpushm.torch
     sd = gpushm.torch.state_dict("llama")          # zero-copy, read-only
@@ -7,7 +8,7 @@ whose memory can be exported.
 
     with gpushm.torch.shareable():
         model = torch.nn.Linear(4096, 4096).cuda()   # exportable memory
-    gpushm.connect().publish("w", model.weight)       # no copy
+    gpushm.torch.publish(gpushm.connect(), "w", model.weight)   # no copy
 
 state_dict() maps a bundle once per process and makes a torch tensor of
 each of its tensors. release(), reacquire() and refresh() give the memory
@@ -35,7 +36,10 @@ import torch
 
 from . import _alloc, _mapping
 from ._alloc import export, library_path, stats  # noqa: F401  (gpushm.torch.export, as documented)
-from ._client import Segment, connect, socket_candidates
+from ._client import connect
+from ._core import socket_candidates
+from ._publish import publish  # noqa: F401  (gpushm.torch.publish, as documented)
+from ._segment import Segment
 from ._view import View
 
 _lock = threading.Lock()

@@ -20,9 +20,9 @@ import pytest
 
 import gpushm
 from gpushm import safetensors as gst
-from gpushm._types import SegmentInfo
+from gpushm._info import SegmentInfo
 from conftest import Daemon, child, env_for
-from stfiles import bundle_meta, put_file, write
+from helpers.stfiles import bundle_meta, put_file, write
 from test_hook_trust import NOBODY, _as_nobody, _model, _served, shared_dir  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")

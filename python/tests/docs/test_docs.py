@@ -110,7 +110,7 @@ class CannotRun(Exception):
 
 
 def _checkpoint(d: Path):
-    from stfiles import write
+    from helpers.stfiles import write
 
     d.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(1)

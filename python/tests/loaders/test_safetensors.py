@@ -15,7 +15,7 @@ import pytest
 
 import gpushm
 from gpushm import safetensors as gst
-from stfiles import every_dtype, parse, put_dir, put_file, write
+from helpers.stfiles import every_dtype, parse, put_dir, put_file, write
 
 try:
     import ml_dtypes  # noqa: F401
@@ -81,7 +81,7 @@ def test_every_dtype(client, name, tmp_path, how):
 
 
 def stfiles_raw():
-    from stfiles import RAW
+    from helpers.stfiles import RAW
     return RAW
 
 

@@ -10,7 +10,7 @@
 # leave it at .gpu/gpushm. Every step has a time limit, and a failing step
 # does not stop the next.
 set -u
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/gpushm-gpu-run}
 mkdir -p "$OUT"
 export GPUSHM_BIN=${GPUSHM_BIN:-$PWD/.gpu/gpushm}

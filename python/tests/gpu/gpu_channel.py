@@ -6,8 +6,8 @@ two, so a hand-off that let the consumer read before the producer's writes
 landed, or let the producer overwrite a slot still being read, shows up as
 mismatches.
 
-    python3 python/tests/gpu_channel.py run --socket S --size 1MiB --count 100000
-    python3 python/tests/gpu_channel.py run --socket S --size 1MiB --count 20000 --consumer-device 1
+    python3 python/tests/gpu/gpu_channel.py run --socket S --size 1MiB --count 100000
+    python3 python/tests/gpu/gpu_channel.py run --socket S --size 1MiB --count 20000 --consumer-device 1
 
 Message k of n int32 elements holds pattern(k)[i] = 7 * i + c(k) (int32
 arithmetic, wrapping), c(k) = (k * 1000003) % 2**31: every message differs
@@ -46,7 +46,7 @@ writes the GPU did not finish, as the slots' contents show afterwards
 it; the producer first fills every slot with -1); the next recv ends the
 stream (EOFError); the consumer's GPU never hangs.
 
-    python3 python/tests/gpu_channel.py crash --socket S --runs 20 --size 4MiB
+    python3 python/tests/gpu/gpu_channel.py crash --socket S --runs 20 --size 4MiB
 """
 
 import argparse
@@ -58,7 +58,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 
 def c_of(k):

@@ -31,7 +31,7 @@ PRELUDE = """
 import ctypes, gc, os, sys
 import numpy as np
 import gpushm
-import gpushm._client as C
+import gpushm._info as C
 from gpushm import _dlpack
 
 fake = ctypes.CDLL("libcuda.so.1")

@@ -18,7 +18,7 @@ import pytest
 
 from gpushm import safetensors as gst
 from conftest import child
-from stfiles import bundle_meta, put_dir, put_file, record, write
+from helpers.stfiles import bundle_meta, put_dir, put_file, record, write
 
 NOBODY = 65534
 

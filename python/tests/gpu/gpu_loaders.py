@@ -3,7 +3,7 @@
 a cuda daemon: each runs in a fresh process once reading from disk and once
 under the hook, and their outputs must be equal.
 
-    GPUSHM_BIN=.gpu/gpushm PYTHONPATH=python python3 python/tests/gpu_loaders.py
+    GPUSHM_BIN=.gpu/gpushm PYTHONPATH=python python3 python/tests/gpu/gpu_loaders.py
 
 - transformers from_pretrained(dir, device_map="cuda") (its loader asks
   for CPU tensors): by default private GPU copies, under --cpu-tensors=gpu
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-REPO = HERE.parents[2]
+REPO = HERE.parents[3]
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "python" / "bench"))
 

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import PYDIR, env_for
 from gpushm.testing import safetensors_standin
-from stfiles import put_dir, put_file, write
+from helpers.stfiles import put_dir, put_file, write
 
 PROGRAM = '''
     import json, sys

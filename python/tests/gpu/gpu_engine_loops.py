@@ -5,7 +5,7 @@ the GPU. Writes a two-shard Llama-shaped checkpoint, loads it for every
 rank of tp 1, 2 and 4 with each loop, and checks that the ranks' parts put
 together are the checkpoint's tensors.
 
-    PYTHONPATH=python/bench python3 python/tests/gpu_engine_loops.py
+    PYTHONPATH=python/bench python3 python/tests/gpu/gpu_engine_loops.py
 """
 
 import sys

@@ -5,7 +5,7 @@ private GPU copies for transformers' from_pretrained onto CUDA devices, and
 the file from disk for anything else. The loader is found on the call
 stack, so these tests run code under the loaders' module names. The GPU
 half (what each answer is on a real GPU, and how fast) is
-python/tests/gpu_loaders.py and python/bench/bench_default.py."""
+python/tests/gpu/gpu_loaders.py and python/bench/bench_default.py."""
 
 import json
 import textwrap
@@ -16,7 +16,7 @@ import pytest
 from conftest import PYDIR
 from gpushm import safetensors as gst
 from test_run import fake, run  # noqa: F401  (fake: a fixture)
-from stfiles import put_file, write
+from helpers.stfiles import put_file, write
 
 
 BENCH = PYDIR / "bench"

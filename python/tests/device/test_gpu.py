@@ -1,6 +1,6 @@
 """CUDA segments with torch, CuPy and JAX, against a daemon on the cuda
 backend. Every test here skips, saying why, on a machine without a GPU or
-without the framework it needs; python/tests/gpu_run.sh runs them on the GPU
+without the framework it needs; python/tests/gpu/gpu_run.sh runs them on the GPU
 machine."""
 
 import gc

@@ -54,7 +54,7 @@ def test_socket_candidates(monkeypatch):
 def test_client_finds_the_nodes_daemon(monkeypatch, tmp_path, daemon):
     """A user with no daemon of its own reaches the node's; when none
     answers, the error names every path tried and the variable."""
-    from gpushm import _client
+    from gpushm import _core
     monkeypatch.delenv("GPUSHM_SOCKET", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
     monkeypatch.setattr(os, "geteuid", lambda: 1234)
@@ -62,7 +62,7 @@ def test_client_finds_the_nodes_daemon(monkeypatch, tmp_path, daemon):
     hint = " (is 'gpushm daemon' running? set $GPUSHM_SOCKET to choose a socket)"
 
     system = str(tmp_path / "run" / "gpushm.sock")
-    monkeypatch.setattr(_client, "SYSTEM_SOCKET", system)
+    monkeypatch.setattr(_core, "SYSTEM_SOCKET", system)
     with pytest.raises(FileNotFoundError) as e:
         gpushm.connect()
     assert str(e.value) == f"[Errno 2] gpushm: cannot reach a daemon: {own}: no such file; {system}: no such file{hint}"
@@ -83,7 +83,7 @@ def test_client_finds_the_nodes_daemon(monkeypatch, tmp_path, daemon):
                             "(is 'gpushm daemon' running? the path is $GPUSHM_SOCKET)")
     monkeypatch.delenv("GPUSHM_SOCKET")
 
-    monkeypatch.setattr(_client, "SYSTEM_SOCKET", daemon.socket)
+    monkeypatch.setattr(_core, "SYSTEM_SOCKET", daemon.socket)
     with gpushm.connect() as c:
         assert c.socket == daemon.socket
         assert c.info()["backend"] == "host"
@@ -308,7 +308,7 @@ def test_errors_are_builtin_exceptions(client, name):
     ("EPROTO", OSError), ("EIO", OSError), ("EWHATEVER", OSError),
 ])
 def test_error_mapping(code, builtin):
-    from gpushm._client import error
+    from gpushm._errors import error
     e = error(code, "what the daemon said")
     assert isinstance(e, builtin) and isinstance(e, gpushm.Error) and isinstance(e, OSError)
     assert e.errno == getattr(errno, code, errno.EIO) and e.code == code

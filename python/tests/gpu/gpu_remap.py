@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Weights that move and change under a running process, on a cuda daemon.
 
-    GPUSHM_BIN=.gpu/gpushm PYTHONPATH=python python3 python/tests/gpu_remap.py
+    GPUSHM_BIN=.gpu/gpushm PYTHONPATH=python python3 python/tests/gpu/gpu_remap.py
 
 A reader process maps a model's weights from a bundle, captures a CUDA
 graph of its forward and keeps it for the whole run. Then, 20 times:
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-REPO = HERE.parents[2]
+REPO = HERE.parents[3]
 sys.path.insert(0, str(REPO / "python"))
 
 LAYERS, WIDTH = 8, 4096  # 8 fp32 layers of 4096x4096: 512 MiB a version

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Memory that an RDMA engine can register, on a cuda daemon.
 
-    GPUSHM_BIN=.gpu/gpushm PYTHONPATH=python python3 python/tests/gpu_rdma.py
+    GPUSHM_BIN=.gpu/gpushm PYTHONPATH=python python3 python/tests/gpu/gpu_rdma.py
 
 On a device that reports CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
 a segment's memory is made gpuDirectRDMACapable: `stat` says rdma (read
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "python"))
 
 import gpushm  # noqa: E402
 from gpushm import _cuda  # noqa: E402

@@ -1,7 +1,7 @@
 """Channels through restarts of the daemon (scripts/gpu-channel runs it on
 a GPU machine; with --backend host it runs anywhere, with numpy):
 
-    python3 python/tests/gpu_channel_restart.py --bin .gpu/gpushm [--backend cuda] [--out DIR]
+    python3 python/tests/gpu/gpu_channel_restart.py --bin .gpu/gpushm [--backend cuda] [--out DIR]
 
 Two checks, each with a daemon of its own (a supervisor and its serving
 process, as users run it):
@@ -42,7 +42,7 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 CHANNELS = [("A", 4, 4 << 20), ("B", 2, 64 << 20), ("C", 4, 4 << 20), ("D", 3, 4_000_004), ("E", 8, 1 << 10)]
 STREAM = [("stream", 4, 4 << 20)]

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import _binary
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's: venv and the wheels it needs come from apt
 DEBIAN_WHEELS = "/usr/share/python-wheels"
 

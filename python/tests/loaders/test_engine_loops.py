@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import _engine_loops as loops  # noqa: E402
 
@@ -128,7 +128,7 @@ def test_import_leaves_torch_alone():
     code = "import sys, _engine_loops; assert 'torch' not in sys.modules"
     import subprocess
 
-    env_path = str(Path(__file__).resolve().parents[1] / "bench")
+    env_path = str(Path(__file__).resolve().parents[2] / "bench")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=env_path)
 
 

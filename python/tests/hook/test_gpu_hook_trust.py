@@ -13,7 +13,7 @@ import pytest
 from gpushm import _cuda
 from gpushm import safetensors as gst
 from conftest import Daemon
-from stfiles import put_file
+from helpers.stfiles import put_file
 from test_hook_trust import _as_nobody, _model, _served, shared_dir  # noqa: F401 (a fixture)
 
 

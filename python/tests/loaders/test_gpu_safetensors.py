@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from conftest import PYDIR, Daemon, env_for
-from stfiles import put_dir, put_file
+from helpers.stfiles import put_dir, put_file
 
 torch = pytest.importorskip("torch")
 st_torch = pytest.importorskip("safetensors.torch")

@@ -28,9 +28,9 @@ HINT = " (is 'gpushm daemon' running? set $GPUSHM_SOCKET to choose a socket)"
 # socket at argv[2] if given, and creates argv[1] where it got to.
 VICTIM_CODE = """
     import sys, gpushm
-    from gpushm import _client
+    from gpushm import _core
     if sys.argv[2]:
-        _client.SYSTEM_SOCKET = sys.argv[2]
+        _core.SYSTEM_SOCKET = sys.argv[2]
     try:
         c = gpushm.connect(timeout=3, reconnect=0)
     except OSError as e:

@@ -191,7 +191,7 @@ def test_bad_checkpoints(client, daemon, name, tmp_path, case, want):
 def test_bench_models_smallest_size(daemon, tmp_path):
     """python/bench/bench_models.py at its smallest size on the host backend:
     the benchmark itself must keep working where there is no GPU."""
-    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_models.py"
+    bench = Path(__file__).resolve().parents[2] / "bench" / "bench_models.py"
     r = subprocess.run([sys.executable, "-u", str(bench), "--tiny", "--backend", "host", "--gpushm", os.environ["GPUSHM_BIN"],
                         "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                        capture_output=True, text=True, timeout=300)
