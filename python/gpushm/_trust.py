@@ -1,5 +1,5 @@
 """Who a client talks to (docs/security.md, "Finding the daemon"), as the
-Go client decides it (sockets.go): a socket found by convention only in a
+Go client decides it (trust.go): a socket found by convention only in a
 directory no other user could have made or could write, and, on every
 connection, before anything is sent, a daemon whose SO_PEERCRED uid is the
 caller's, root's or $GPUSHM_DAEMON_UID's. The messages are the Go
