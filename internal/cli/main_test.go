@@ -1,0 +1,473 @@
+package cli
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gpushm/gpushm/internal/bytesize"
+	"github.com/gpushm/gpushm/internal/exitcode"
+	"golang.org/x/sys/unix"
+)
+
+// The test binary doubles as the gpushm binary: with GPUSHM_TEST_MAIN set it
+// runs main, so the CLI is tested as users run it, in separate processes.
+func TestMain(m *testing.M) {
+	if role := os.Getenv("GPUSHM_TEST_CHANS"); role != "" {
+		if err := chansMain(role); err != nil {
+			fmt.Fprintf(os.Stderr, "channel %s: %v\n", role, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if name := os.Getenv("GPUSHM_TEST_WRITER"); name != "" {
+		if err := writerMain(name); err != nil {
+			fmt.Fprintf(os.Stderr, "writer: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if uid := os.Getenv("GPUSHM_TEST_NEIGHBOUR"); uid != "" {
+		n, _ := strconv.Atoi(uid)
+		if err := neighbourMain(n); err != nil {
+			fmt.Fprintf(os.Stderr, "client as uid %d: %v\n", n, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if os.Getenv("GPUSHM_TEST_HOLDER") != "" {
+		if err := holderMain(); err != nil {
+			fmt.Fprintf(os.Stderr, "holder: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if name := os.Getenv("GPUSHM_TEST_IDLE"); name != "" {
+		if err := idleMain(name); err != nil {
+			fmt.Fprintf(os.Stderr, "idle client: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if os.Getenv("GPUSHM_TEST_TIERS") != "" {
+		if err := tiersMain(); err != nil {
+			fmt.Fprintf(os.Stderr, "tiers client: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if k := os.Getenv("GPUSHM_TEST_CHAOS"); k != "" {
+		n, _ := strconv.Atoi(k)
+		if err := chaosClientMain(n); err != nil {
+			fmt.Fprintf(os.Stderr, "chaos client %d: %v\n", n, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if dir := os.Getenv("GPUSHM_TEST_PIDNS"); dir != "" {
+		if err := pidnsMain(dir); err != nil {
+			fmt.Printf("fail: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if sock := os.Getenv("GPUSHM_TEST_PASSCONN"); sock != "" {
+		if err := passConnMain(sock); err != nil {
+			fmt.Fprintf(os.Stderr, "passing a connection: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if os.Getenv("GPUSHM_TEST_MAIN") != "" {
+		os.Exit(Main(os.Args[1:]))
+	}
+	os.Setenv("GPUSHM_TEST_MAIN", "1")
+	os.Exit(m.Run())
+}
+
+type result struct {
+	stdout, stderr string
+	code           int
+}
+
+func cli(t *testing.T, stdin []byte, args ...string) result {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], args...)
+	if stdin != nil {
+		cmd.Stdin = bytes.NewReader(stdin)
+	}
+	return runCmd(t, cmd)
+}
+
+// runCmd runs cmd to its end and returns what it wrote and its exit code;
+// a command that cannot run at all fails the test.
+func runCmd(t *testing.T, cmd *exec.Cmd) result {
+	t.Helper()
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	code := 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	return result{out.String(), errb.String(), code}
+}
+
+func mustRun(t *testing.T, stdin []byte, args ...string) string {
+	t.Helper()
+	r := cli(t, stdin, args...)
+	if r.code != 0 {
+		t.Fatalf("gpushm %v: exit %d: %s", args, r.code, r.stderr)
+	}
+	return r.stdout
+}
+
+// mustFail runs a command that must fail with an error (a line starting
+// "gpushm: ", after any notices) that mentions want.
+func mustFail(t *testing.T, want string, args ...string) {
+	t.Helper()
+	r := cli(t, nil, args...)
+	if r.code == 0 || !errorSays(r.stderr, want) {
+		t.Fatalf("gpushm %v: exit %d, stderr %q; want failure mentioning %q", args, r.code, r.stderr, want)
+	}
+}
+
+// errorSays says whether an error line of stderr mentions want.
+func errorSays(stderr, want string) bool {
+	for _, line := range strings.Split(stderr, "\n") {
+		if strings.HasPrefix(line, "gpushm: ") && strings.Contains(line, want) {
+			return true
+		}
+	}
+	return false
+}
+
+// cliDaemon starts a host daemon on a socket in a directory of its own and
+// points the commands the test runs at it ($GPUSHM_SOCKET).
+func cliDaemon(t *testing.T) (dir, sock string) {
+	t.Helper()
+	dir = socketDir(t)
+	sock = filepath.Join(dir, "gpushm.sock")
+	startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock)
+	return dir, sock
+}
+
+// startDaemonProc runs 'gpushm daemon' as a separate process.
+func startDaemonProc(t *testing.T, socket string, args ...string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], append([]string{"daemon", "--socket", socket, "--backend", "host"}, args...)...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		killDaemon(socket, cmd)
+		dumpDaemonLog(t, stderr.String())
+	})
+	for i := 0; ; i++ {
+		if cli(t, nil, "--socket", socket, "info").code == 0 {
+			return cmd
+		}
+		if i > 500 {
+			t.Fatalf("daemon never answered on %s: %s", socket, stderr.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func socketDir(t *testing.T) string {
+	dir, err := os.MkdirTemp("", "gpushm-cli-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+func TestCLI(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "run", "gpushm.sock")
+	daemon := startDaemonProc(t, sock)
+	t.Setenv("GPUSHM_SOCKET", sock) // every command below finds it this way
+
+	mustFail(t, "already running", "daemon", "--socket", sock, "--backend", "host")
+
+	if out := mustRun(t, nil, "create", "a", "64MiB", "--meta", `{"dtype":"f32"}`, "--mode", "0640"); !strings.Contains(out, "created a: 64 MiB") {
+		t.Fatalf("create said %q", out)
+	}
+	mustFail(t, "exists", "create", "a", "1")
+	if out := mustRun(t, nil, "create", "a", "64M", "--exist-ok"); !strings.Contains(out, "exists: a") {
+		t.Fatalf("create --exist-ok said %q", out)
+	}
+	mustFail(t, "invalid size", "create", "b", "12XB")
+	mustFail(t, "invalid name", "create", "x/y", "1")
+	mustFail(t, "must be positive", "create", "z", "0")
+	mustFail(t, "exceeds device", "create", "z", "1000T")
+
+	out := mustRun(t, nil, "ls")
+	if !strings.Contains(out, "NAME") || !strings.Contains(out, "a     64 MiB") || !strings.Contains(out, "0640") {
+		t.Fatalf("ls:\n%s", out)
+	}
+	out = mustRun(t, nil, "stat", "a")
+	for _, want := range []string{"size:        67108864", "mode:        0640", `meta:        {"dtype":"f32"}`, "handle:      memfd"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("stat lacks %q:\n%s", want, out)
+		}
+	}
+	mustFail(t, "no such segment", "stat", "nope")
+
+	// put/get through files and pipes, odd sizes.
+	for _, size := range []int{1, 4095, 5<<20 + 3} {
+		data := make([]byte, size)
+		rand.NewChaCha8([32]byte{byte(size)}).Read(data)
+		in := filepath.Join(dir, "in")
+		os.WriteFile(in, data, 0o644)
+		mustRun(t, nil, "put", "f", in)
+		outPath := filepath.Join(dir, "out")
+		mustRun(t, nil, "get", "f", outPath)
+		got, _ := os.ReadFile(outPath)
+		if sha256.Sum256(got) != sha256.Sum256(data) {
+			t.Fatalf("put/get of %d bytes through files changed the data", size)
+		}
+		mustRun(t, data, "put", "p", "-")
+		if got := mustRun(t, nil, "get", "p", "-"); got != string(data) {
+			t.Fatalf("put/get of %d bytes through pipes changed the data (%d bytes back)", size, len(got))
+		}
+		mustRun(t, nil, "rm", "f", "p")
+	}
+	empty := filepath.Join(dir, "empty")
+	os.WriteFile(empty, nil, 0o644)
+	mustRun(t, nil, "put", "e", empty) // an empty segment (TestEmptyFiles)
+	mustRun(t, nil, "rm", "e")
+	mustFail(t, "exists", "put", "a", filepath.Join(dir, "in"))
+	mustFail(t, "no such file", "put", "e", filepath.Join(dir, "missing"))
+
+	if out := mustRun(t, nil, "info"); !strings.Contains(out, "backend:  host") || !strings.Contains(out, "1 named") {
+		t.Fatalf("info:\n%s", out)
+	}
+	mustRun(t, nil, "rm", "a")
+	mustFail(t, "no such segment", "rm", "a")
+	mustRun(t, nil, "rm", "-f", "a")
+	if out := mustRun(t, nil, "info"); !strings.Contains(out, "0 named, 0 holding memory") {
+		t.Fatalf("info after rm:\n%s", out)
+	}
+
+	// SIGTERM: clean exit, socket removed.
+	daemon.Process.Signal(syscall.SIGTERM)
+	if err := daemon.Wait(); err != nil {
+		t.Fatalf("daemon exit after SIGTERM: %v", err)
+	}
+	if _, err := os.Stat(sock); !os.IsNotExist(err) {
+		t.Fatalf("socket still there after SIGTERM: %v", err)
+	}
+	mustFail(t, "is 'gpushm daemon' running?", "ls")
+}
+
+func TestDaemonReplacesStaleSocket(t *testing.T) {
+	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	fd, _ := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET, 0)
+	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: sock}); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(fd)
+	startDaemonProc(t, sock)
+	mustRun(t, nil, "--socket", sock, "create", "x", "1K")
+}
+
+func TestDemo(t *testing.T) {
+	out := mustRun(t, nil, "demo", "--backend", "host", "--size", "8MiB")
+	for _, want := range []string{"2nd process: open by name", "verified: both processes", "daemon holds 0 segments"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("demo output lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestBenchOpen(t *testing.T) {
+	out := mustRun(t, nil, "bench", "open", "--backend", "host", "--sizes", "64KiB,1MiB", "--iters", "5")
+	if !strings.Contains(out, "open/floor") || !strings.Contains(out, "64 KiB") || !strings.Contains(out, "1 MiB") {
+		t.Fatalf("bench output:\n%s", out)
+	}
+}
+
+func TestHelp(t *testing.T) {
+	out := mustRun(t, nil, "--help")
+	for _, cmd := range []string{"daemon", "create", "ls", "stat", "rm", "put", "get", "info", "bench", "demo"} {
+		if !strings.Contains(out, "  "+cmd) {
+			t.Errorf("--help does not list %s", cmd)
+		}
+	}
+	if strings.Contains(out, "__child") {
+		t.Error("--help lists the hidden __child command")
+	}
+}
+
+func TestParseSize(t *testing.T) {
+	tests := []struct {
+		in   string
+		want int64
+		ok   bool
+	}{
+		{"4096", 4096, true},
+		{"64MiB", 64 << 20, true},
+		{"64M", 64 << 20, true},
+		{"1G", 1 << 30, true},
+		{"1g", 1 << 30, true},
+		{"1GB", 1e9, true},
+		{"1.5K", 1536, true},
+		{"2 TiB", 2 << 40, true},
+		{"", 0, false},
+		{"MiB", 0, false},
+		{"12XB", 0, false},
+		{"-1", 0, false},
+		{"99999999999T", 0, false},
+	}
+	for _, tc := range tests {
+		got, err := bytesize.Parse(tc.in)
+		if (err == nil) != tc.ok || got != tc.want {
+			t.Errorf("bytesize.Parse(%q) = %d, %v; want %d, ok=%v", tc.in, got, err, tc.want, tc.ok)
+		}
+	}
+}
+
+func TestMetricsEndpoint(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	startDaemonProc(t, sock, "--metrics-listen", addr)
+	mustRun(t, nil, "--socket", sock, "create", "m", "1M")
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	for _, want := range []string{
+		`gpushm_segment_bytes{device="0",named="true",uid="0",user="root",uuid=""} 1.048576e+06`,
+		`gpushm_operations_total{code="OK",op="create"} 1`,
+		`gpushm_device_memory_total_bytes{device="0",name="host memory",uuid=""}`,
+		`gpushm_operation_duration_seconds_bucket{op="create"`,
+		`gpushm_build_info{backend="host",goversion="` + runtime.Version() + `",version="` + version + `"} 1`,
+	} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+}
+
+func TestQuotaFlagsAndLifetimes(t *testing.T) {
+	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	startDaemonProc(t, sock, "--max-memory", "1%", "--user-quota", "1M", "--user-segments", "10")
+	t.Setenv("GPUSHM_SOCKET", sock)
+	mustRun(t, nil, "create", "t", "4K", "--ttl", "10m")
+	out := mustRun(t, nil, "ls")
+	if !strings.Contains(out, "LIFETIME") || !strings.Contains(out, "ttl 10m0s (") {
+		t.Fatalf("ls does not show the TTL:\n%s", out)
+	}
+	if out := mustRun(t, nil, "stat", "t"); !strings.Contains(out, "lifetime:    ttl 10m0s") {
+		t.Fatalf("stat does not show the TTL:\n%s", out)
+	}
+	// Root is exempt from user quotas, not from the device share: 2% of
+	// this machine's memory is more than its 1%.
+	mustRun(t, nil, "create", "over-user-quota", "2M")
+	mustFail(t, "quota exceeded", "create", "bigger", strconv.FormatInt(memTotal(t)/50, 10))
+	mustFail(t, "want a share between", "daemon", "--socket", sock+"2", "--backend", "host", "--max-memory", "150%")
+	mustFail(t, "leave fewer than", "daemon", "--socket", sock+"2", "--backend", "host", "--max-segments", "1000000000", "--max-connections", "1")
+	mustFail(t, "--user-connections \"x\": want a number", "daemon", "--socket", sock+"2", "--backend", "host", "--user-connections", "x")
+	mustRun(t, nil, "chmod", "0644", "t")
+	mustRun(t, nil, "chown", "65534:65534", "t")
+	mustRun(t, nil, "mv", "t", "u")
+	out = mustRun(t, nil, "stat", "u")
+	if !strings.Contains(out, "mode:        0644") || !strings.Contains(out, "(65534:65534)") {
+		t.Fatalf("stat after chmod, chown, mv:\n%s", out)
+	}
+	mustFail(t, "mode \"9\"", "chmod", "9", "u")
+	mustFail(t, "no such segment", "chmod", "0600", "t")
+	// Symbolic modes, against the mode the segment has (0644).
+	for _, step := range []struct{ mode, want string }{{"g+w", "0664"}, {"a-w", "0444"}, {"u=rw,go=", "0600"}, {"o=u", "0606"}} {
+		mustRun(t, nil, "chmod", step.mode, "u")
+		if out := mustRun(t, nil, "stat", "u"); !strings.Contains(out, "mode:        "+step.want) {
+			t.Fatalf("after chmod %s: want mode %s:\n%s", step.mode, step.want, out)
+		}
+	}
+	mustFail(t, "no 's' bit", "chmod", "u+s", "u")
+	mustFail(t, "no such segment", "chmod", "g+r", "t")
+}
+
+func TestSocketGroupAndWideList(t *testing.T) {
+	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	startDaemonProc(t, sock, "--socket-group", "nogroup")
+	st, err := os.Stat(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sys := st.Sys().(*syscall.Stat_t)
+	if st.Mode().Perm() != 0o660 || sys.Gid != 65534 {
+		t.Fatalf("socket mode %v gid %d, want 0660 and nogroup (65534)", st.Mode().Perm(), sys.Gid)
+	}
+	mustRun(t, nil, "--socket", sock, "create", "w", "1K")
+	out := mustRun(t, nil, "--socket", sock, "ls", "--wide")
+	if !strings.Contains(out, "GPU") || !strings.Contains(out, "host memory") {
+		t.Fatalf("ls --wide:\n%s", out)
+	}
+	mustFail(t, "socket group", "daemon", "--socket", sock+"2", "--backend", "host", "--socket-group", "no-such-group-here")
+
+	// A user outside the group: permission denied (exit 4), said as such,
+	// not as no daemon (exit 8).
+	os.Chmod(filepath.Dir(sock), 0o755)
+	ls := exec.Command(binaryForOthers(t), "--socket", sock, "ls")
+	ls.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65533, Gid: 65533}}
+	if r := runCmd(t, ls); r.code != exitcode.Permission || !strings.Contains(r.stderr, "this user may not connect") ||
+		strings.Contains(r.stderr, "is 'gpushm daemon' running") {
+		t.Errorf("ls by a user outside the socket's group: exit %d, stderr %q; want %d, permission denied said", r.code, r.stderr,
+			exitcode.Permission)
+	}
+}
+
+// dumpDaemonLog writes a failed test's daemon log to stderr, its last lines
+// only, at cleanup: that is before the test's own output, so the failure
+// itself is what a log read from its end shows first.
+func dumpDaemonLog(t *testing.T, log string) {
+	if !t.Failed() {
+		return
+	}
+	const keep = 200
+	lines := strings.Split(strings.TrimRight(log, "\n"), "\n")
+	head := fmt.Sprintf("=== %s: daemon log", t.Name())
+	if len(lines) > keep {
+		head += fmt.Sprintf(", its last %d lines of %d", keep, len(lines))
+		lines = lines[len(lines)-keep:]
+	}
+	fmt.Fprintf(os.Stderr, "%s:\n%s\n=== end of %s's daemon log\n", head, strings.Join(lines, "\n"), t.Name())
+}
+
+// memTotal is this machine's memory in bytes, as the host backend sees it.
+func memTotal(t *testing.T) int64 {
+	t.Helper()
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil {
+		t.Fatal(err)
+	}
+	return int64(si.Totalram) * int64(si.Unit)
+}

@@ -1,0 +1,90 @@
+package cli
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// procStat reads a process's state letter and, for a zombie, its wait
+// status; ok is false when there is no such process.
+func procStat(pid int) (state string, status syscall.WaitStatus, ok bool) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return "", 0, false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return "", 0, false
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 50 {
+		return "", 0, false
+	}
+	code, _ := strconv.Atoi(f[49])
+	return f[0], syscall.WaitStatus(code), true
+}
+
+// alive reports whether pid is a process that has not exited (a zombie
+// has: nobody may reap a process whose parent died, here).
+func alive(pid int) bool {
+	state, _, ok := procStat(pid)
+	return ok && state != "Z"
+}
+
+// daemonProcs lists the live 'gpushm daemon' processes on socket: its
+// supervisor and serving processes, whoever started them.
+func daemonProcs(socket string) []int {
+	ents, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if err != nil {
+			continue
+		}
+		args := strings.Split(string(b), "\x00")
+		if slices.Contains(args, "daemon") && slices.Contains(args, socket) && alive(pid) {
+			out = append(out, pid)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// killDaemon ends every process of the daemon on socket at once, as a
+// crash of the machine would, and reaps cmd (if not nil), the one the
+// test started.
+// Killing the supervisor alone does not end a daemon: its serving process
+// starts another. So each is stopped first, so that none can react to
+// another's death, then killed, until none is left.
+func killDaemon(socket string, cmd *exec.Cmd) {
+	for quiet := 0; quiet < 3; {
+		procs := daemonProcs(socket)
+		if len(procs) == 0 {
+			quiet++
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		quiet = 0
+		for _, pid := range procs {
+			syscall.Kill(pid, syscall.SIGSTOP)
+		}
+		for _, pid := range procs {
+			syscall.Kill(pid, syscall.SIGKILL)
+		}
+	}
+	if cmd != nil {
+		cmd.Process.Kill()
+		cmd.Wait()
+	}
+}
