@@ -17,6 +17,7 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // TestExitStatus: each class of failure a script tells apart has its own
@@ -95,7 +96,7 @@ func TestExitStatus(t *testing.T) {
 	}
 
 	// Permission: another user may not remove root's segment.
-	rm := exec.Command(binaryForOthers(t), "--socket", sock, "rm", "a")
+	rm := exec.Command(testutil.BinaryForOthers(t), "--socket", sock, "rm", "a")
 	rm.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
 	if r := runCmd(t, rm); r.code != exitcode.Permission || !strings.HasPrefix(r.stderr, "gpushm: rm a: ") {
 		t.Errorf("rm as nobody: exit %d, stderr %q; want %d", r.code, r.stderr, exitcode.Permission)

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // TestDF: df says, per device and tier and per user, what is used of
@@ -92,7 +93,7 @@ func TestDF(t *testing.T) {
 	// Another user sees its own quota, holding nothing yet, and then what
 	// it holds against it.
 	if syscall.Geteuid() == 0 {
-		bin := binaryForOthers(t)
+		bin := testutil.BinaryForOthers(t)
 		nobody := &syscall.Credential{Uid: 65534, Gid: 65534}
 		as := func(args ...string) result {
 			cmd := exec.Command(bin, append([]string{"--socket", sock}, args...)...)

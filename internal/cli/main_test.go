@@ -4,93 +4,31 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"fmt"
-	"io"
 	"math/rand/v2"
-	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/gpushm/gpushm/internal/bytesize"
-	"github.com/gpushm/gpushm/internal/exitcode"
 	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/bytesize"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
-// The test binary doubles as the gpushm binary: with GPUSHM_TEST_MAIN set it
-// runs main, so the CLI is tested as users run it, in separate processes.
+// The commands run in the test's process, through Main, their output in
+// buffers (cli). What needs a process of its own runs this test binary
+// again, which with GPUSHM_TEST_MAIN set is gpushm: a daemon
+// (startDaemonProc), a command that reads standard input or is read
+// through a terminal or a pipe, another user's command. The daemon as
+// processes (crashes, upgrades, limits, users) is tested in integration/.
 func TestMain(m *testing.M) {
-	if role := os.Getenv("GPUSHM_TEST_CHANS"); role != "" {
-		if err := chansMain(role); err != nil {
-			fmt.Fprintf(os.Stderr, "channel %s: %v\n", role, err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	if name := os.Getenv("GPUSHM_TEST_WRITER"); name != "" {
-		if err := writerMain(name); err != nil {
-			fmt.Fprintf(os.Stderr, "writer: %v\n", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	if uid := os.Getenv("GPUSHM_TEST_NEIGHBOUR"); uid != "" {
-		n, _ := strconv.Atoi(uid)
-		if err := neighbourMain(n); err != nil {
-			fmt.Fprintf(os.Stderr, "client as uid %d: %v\n", n, err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	if os.Getenv("GPUSHM_TEST_HOLDER") != "" {
-		if err := holderMain(); err != nil {
-			fmt.Fprintf(os.Stderr, "holder: %v\n", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	if name := os.Getenv("GPUSHM_TEST_IDLE"); name != "" {
-		if err := idleMain(name); err != nil {
-			fmt.Fprintf(os.Stderr, "idle client: %v\n", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	if os.Getenv("GPUSHM_TEST_TIERS") != "" {
-		if err := tiersMain(); err != nil {
-			fmt.Fprintf(os.Stderr, "tiers client: %v\n", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	if k := os.Getenv("GPUSHM_TEST_CHAOS"); k != "" {
-		n, _ := strconv.Atoi(k)
-		if err := chaosClientMain(n); err != nil {
-			fmt.Fprintf(os.Stderr, "chaos client %d: %v\n", n, err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	if dir := os.Getenv("GPUSHM_TEST_PIDNS"); dir != "" {
-		if err := pidnsMain(dir); err != nil {
-			fmt.Printf("fail: %v\n", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	if sock := os.Getenv("GPUSHM_TEST_PASSCONN"); sock != "" {
-		if err := passConnMain(sock); err != nil {
-			fmt.Fprintf(os.Stderr, "passing a connection: %v\n", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
 	if os.Getenv("GPUSHM_TEST_MAIN") != "" {
 		os.Exit(Main(os.Args[1:]))
 	}
@@ -103,13 +41,30 @@ type result struct {
 	code           int
 }
 
+// mainMu keeps one Main at a time: it sets Stdout, Stderr and the flags.
+var mainMu sync.Mutex
+
+// cli runs gpushm with args: in this process, through Main, or as a
+// process of its own where a file is "-" (put and get copy through the
+// process's standard input and output, not Stdout), stdin is given, or
+// the command is the daemon (whose serving process says why it failed on
+// its own standard error).
 func cli(t *testing.T, stdin []byte, args ...string) result {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], args...)
-	if stdin != nil {
-		cmd.Stdin = bytes.NewReader(stdin)
+	if stdin != nil || slices.Contains(args, "-") || slices.Contains(args, "daemon") {
+		cmd := exec.Command(os.Args[0], args...)
+		if stdin != nil {
+			cmd.Stdin = bytes.NewReader(stdin)
+		}
+		return runCmd(t, cmd)
 	}
-	return runCmd(t, cmd)
+	mainMu.Lock()
+	defer mainMu.Unlock()
+	var out, errb bytes.Buffer
+	Stdout, Stderr = &out, &errb
+	defer func() { Stdout, Stderr = os.Stdout, os.Stderr }()
+	code := Main(args)
+	return result{out.String(), errb.String(), code}
 }
 
 // runCmd runs cmd to its end and returns what it wrote and its exit code;
@@ -168,7 +123,9 @@ func cliDaemon(t *testing.T) (dir, sock string) {
 	return dir, sock
 }
 
-// startDaemonProc runs 'gpushm daemon' as a separate process.
+// startDaemonProc runs 'gpushm daemon' as a separate process, for the
+// commands to talk to: the daemon the CLI's users have. (integration/'s
+// Start is the one that crashes and upgrades it.)
 func startDaemonProc(t *testing.T, socket string, args ...string) *exec.Cmd {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], append([]string{"daemon", "--socket", socket, "--backend", "host"}, args...)...)
@@ -178,7 +135,7 @@ func startDaemonProc(t *testing.T, socket string, args ...string) *exec.Cmd {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		killDaemon(socket, cmd)
+		testutil.KillDaemon(socket, cmd)
 		dumpDaemonLog(t, stderr.String())
 	})
 	for i := 0; ; i++ {
@@ -280,33 +237,6 @@ func TestCLI(t *testing.T) {
 	mustFail(t, "is 'gpushm daemon' running?", "ls")
 }
 
-func TestDaemonReplacesStaleSocket(t *testing.T) {
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
-	fd, _ := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET, 0)
-	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: sock}); err != nil {
-		t.Fatal(err)
-	}
-	unix.Close(fd)
-	startDaemonProc(t, sock)
-	mustRun(t, nil, "--socket", sock, "create", "x", "1K")
-}
-
-func TestDemo(t *testing.T) {
-	out := mustRun(t, nil, "demo", "--backend", "host", "--size", "8MiB")
-	for _, want := range []string{"2nd process: open by name", "verified: both processes", "daemon holds 0 segments"} {
-		if !strings.Contains(out, want) {
-			t.Fatalf("demo output lacks %q:\n%s", want, out)
-		}
-	}
-}
-
-func TestBenchOpen(t *testing.T) {
-	out := mustRun(t, nil, "bench", "open", "--backend", "host", "--sizes", "64KiB,1MiB", "--iters", "5")
-	if !strings.Contains(out, "open/floor") || !strings.Contains(out, "64 KiB") || !strings.Contains(out, "1 MiB") {
-		t.Fatalf("bench output:\n%s", out)
-	}
-}
-
 func TestHelp(t *testing.T) {
 	out := mustRun(t, nil, "--help")
 	for _, cmd := range []string{"daemon", "create", "ls", "stat", "rm", "put", "get", "info", "bench", "demo"} {
@@ -343,35 +273,6 @@ func TestParseSize(t *testing.T) {
 		got, err := bytesize.Parse(tc.in)
 		if (err == nil) != tc.ok || got != tc.want {
 			t.Errorf("bytesize.Parse(%q) = %d, %v; want %d, ok=%v", tc.in, got, err, tc.want, tc.ok)
-		}
-	}
-}
-
-func TestMetricsEndpoint(t *testing.T) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
-	startDaemonProc(t, sock, "--metrics-listen", addr)
-	mustRun(t, nil, "--socket", sock, "create", "m", "1M")
-	resp, err := http.Get("http://" + addr + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	for _, want := range []string{
-		`gpushm_segment_bytes{device="0",named="true",uid="0",user="root",uuid=""} 1.048576e+06`,
-		`gpushm_operations_total{code="OK",op="create"} 1`,
-		`gpushm_device_memory_total_bytes{device="0",name="host memory",uuid=""}`,
-		`gpushm_operation_duration_seconds_bucket{op="create"`,
-		`gpushm_build_info{backend="host",goversion="` + runtime.Version() + `",version="` + version + `"} 1`,
-	} {
-		if !strings.Contains(string(body), want) {
-			t.Errorf("/metrics lacks %s", want)
 		}
 	}
 }
@@ -413,36 +314,6 @@ func TestQuotaFlagsAndLifetimes(t *testing.T) {
 	}
 	mustFail(t, "no 's' bit", "chmod", "u+s", "u")
 	mustFail(t, "no such segment", "chmod", "g+r", "t")
-}
-
-func TestSocketGroupAndWideList(t *testing.T) {
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
-	startDaemonProc(t, sock, "--socket-group", "nogroup")
-	st, err := os.Stat(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sys := st.Sys().(*syscall.Stat_t)
-	if st.Mode().Perm() != 0o660 || sys.Gid != 65534 {
-		t.Fatalf("socket mode %v gid %d, want 0660 and nogroup (65534)", st.Mode().Perm(), sys.Gid)
-	}
-	mustRun(t, nil, "--socket", sock, "create", "w", "1K")
-	out := mustRun(t, nil, "--socket", sock, "ls", "--wide")
-	if !strings.Contains(out, "GPU") || !strings.Contains(out, "host memory") {
-		t.Fatalf("ls --wide:\n%s", out)
-	}
-	mustFail(t, "socket group", "daemon", "--socket", sock+"2", "--backend", "host", "--socket-group", "no-such-group-here")
-
-	// A user outside the group: permission denied (exit 4), said as such,
-	// not as no daemon (exit 8).
-	os.Chmod(filepath.Dir(sock), 0o755)
-	ls := exec.Command(binaryForOthers(t), "--socket", sock, "ls")
-	ls.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65533, Gid: 65533}}
-	if r := runCmd(t, ls); r.code != exitcode.Permission || !strings.Contains(r.stderr, "this user may not connect") ||
-		strings.Contains(r.stderr, "is 'gpushm daemon' running") {
-		t.Errorf("ls by a user outside the socket's group: exit %d, stderr %q; want %d, permission denied said", r.code, r.stderr,
-			exitcode.Permission)
-	}
 }
 
 // dumpDaemonLog writes a failed test's daemon log to stderr, its last lines

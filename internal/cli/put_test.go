@@ -509,3 +509,9 @@ func TestGetIntoDirectory(t *testing.T) {
 		t.Errorf("the file named as a directory was written: %q", b)
 	}
 }
+
+func remapBytes(seed uint64, n int64) []byte {
+	b := make([]byte, n)
+	rand.NewChaCha8([32]byte{byte(seed)}).Read(b)
+	return b
+}

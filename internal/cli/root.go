@@ -25,8 +25,6 @@ func run(args []string) error {
 	root, plain := newRoot()
 	output = exitcode.ScanFormat(args)
 	root.SetArgs(args)
-	root.SetOut(Stdout)
-	root.SetErr(Stderr)
 	cmd, err := root.ExecuteContextC(context.Background())
 	if err == nil {
 		return nil
@@ -76,6 +74,9 @@ an error is one object on standard error too. docs/cli.md says more.
 		SilenceErrors: true,
 	}
 	root.SetVersionTemplate("gpushm {{.Version}}\n")
+	// Before the completion commands are made: they take the writer then.
+	root.SetOut(Stdout)
+	root.SetErr(Stderr)
 	// Defined here, cobra's would take -v, which put and get have for
 	// --verbose.
 	root.Flags().Bool("version", false, "print this client's version ('gpushm version' asks the daemon too)")

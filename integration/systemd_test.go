@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"bytes"
@@ -212,9 +212,9 @@ func (m *fakeManager) start(sock string, args ...string) *service {
 	}
 	m.mu.Unlock()
 	// LISTEN_PID must be the service's own pid: a shell sets it and execs.
-	all := append([]string{"-c", `LISTEN_PID=$$ exec "$0" "$@"`, os.Args[0], "daemon", "--socket", sock, "--backend", "host"}, args...)
+	all := append([]string{"-c", `LISTEN_PID=$$ exec "$0" "$@"`, gpushmBin, "daemon", "--socket", sock, "--backend", "host"}, args...)
 	cmd := exec.Command("/bin/sh", all...)
-	cmd.Env = append(os.Environ(), "NOTIFY_SOCKET="+m.path, "FDSTORE=256", "GPUSHM_TEST_MAIN=1")
+	cmd.Env = append(os.Environ(), "NOTIFY_SOCKET="+m.path, "FDSTORE=256")
 	if len(files) > 0 {
 		cmd.Env = append(cmd.Env, fmt.Sprintf("LISTEN_FDS=%d", len(files)), "LISTEN_FDNAMES="+strings.Join(names, ":"))
 	}
@@ -256,8 +256,8 @@ func crash(t *testing.T, svc *service, sock string) {
 	svc.cmd.Process.Kill()
 	<-svc.done
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		if !alive(inf.PID) {
-			if procs := daemonProcs(sock); len(procs) > 0 {
+		if !testutil.Alive(inf.PID) {
+			if procs := testutil.DaemonProcs(sock); len(procs) > 0 {
 				t.Fatalf("daemon processes after the supervisor's death under systemd: %v", procs)
 			}
 			return
@@ -514,7 +514,7 @@ func TestSurviveRace(t *testing.T) {
 	}
 	results := make(chan result, 4)
 	for range 4 {
-		cmd := exec.Command(os.Args[0], "daemon", "--socket", sock, "--backend", "host")
+		cmd := exec.Command(gpushmBin, "daemon", "--socket", sock, "--backend", "host")
 		var out syncBuffer
 		cmd.Stderr = &out
 		if err := cmd.Start(); err != nil {
@@ -526,7 +526,7 @@ func TestSurviveRace(t *testing.T) {
 			results <- result{err, out.String()}
 			close(done)
 		}()
-		t.Cleanup(func() { killDaemon(sock, nil); cmd.Process.Kill(); <-done })
+		t.Cleanup(func() { testutil.KillDaemon(sock, nil); cmd.Process.Kill(); <-done })
 	}
 	for range 3 {
 		select {
@@ -560,7 +560,7 @@ func TestSurviveRace(t *testing.T) {
 // The unit in deploy/systemd is the one install-systemd writes, and
 // systemd itself finds nothing wrong with it.
 func TestSystemdUnit(t *testing.T) {
-	want, err := os.ReadFile("../../deploy/systemd/gpushm.service")
+	want, err := os.ReadFile("../deploy/systemd/gpushm.service")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -573,7 +573,7 @@ func TestSystemdUnit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	exe, _ := filepath.EvalSymlinks(os.Args[0])
+	exe, _ := filepath.EvalSymlinks(gpushmBin)
 	if !strings.Contains(string(b), "ExecStart="+exe+" daemon --socket /run/gpushm/gpushm.sock --fd-store --mount /mnt/gpushm\n") {
 		t.Fatalf("installed unit:\n%s", b)
 	}

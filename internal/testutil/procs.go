@@ -1,4 +1,4 @@
-package cli
+package testutil
 
 import (
 	"bytes"
@@ -12,9 +12,9 @@ import (
 	"time"
 )
 
-// procStat reads a process's state letter and, for a zombie, its wait
+// ProcStat reads a process's state letter and, for a zombie, its wait
 // status; ok is false when there is no such process.
-func procStat(pid int) (state string, status syscall.WaitStatus, ok bool) {
+func ProcStat(pid int) (state string, status syscall.WaitStatus, ok bool) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		return "", 0, false
@@ -31,16 +31,16 @@ func procStat(pid int) (state string, status syscall.WaitStatus, ok bool) {
 	return f[0], syscall.WaitStatus(code), true
 }
 
-// alive reports whether pid is a process that has not exited (a zombie
+// Alive reports whether pid is a process that has not exited (a zombie
 // has: nobody may reap a process whose parent died, here).
-func alive(pid int) bool {
-	state, _, ok := procStat(pid)
+func Alive(pid int) bool {
+	state, _, ok := ProcStat(pid)
 	return ok && state != "Z"
 }
 
-// daemonProcs lists the live 'gpushm daemon' processes on socket: its
+// DaemonProcs lists the live 'gpushm daemon' processes on socket: its
 // supervisor and serving processes, whoever started them.
-func daemonProcs(socket string) []int {
+func DaemonProcs(socket string) []int {
 	ents, _ := os.ReadDir("/proc")
 	var out []int
 	for _, e := range ents {
@@ -53,7 +53,7 @@ func daemonProcs(socket string) []int {
 			continue
 		}
 		args := strings.Split(string(b), "\x00")
-		if slices.Contains(args, "daemon") && slices.Contains(args, socket) && alive(pid) {
+		if slices.Contains(args, "daemon") && slices.Contains(args, socket) && Alive(pid) {
 			out = append(out, pid)
 		}
 	}
@@ -61,15 +61,15 @@ func daemonProcs(socket string) []int {
 	return out
 }
 
-// killDaemon ends every process of the daemon on socket at once, as a
+// KillDaemon ends every process of the daemon on socket at once, as a
 // crash of the machine would, and reaps cmd (if not nil), the one the
 // test started.
 // Killing the supervisor alone does not end a daemon: its serving process
 // starts another. So each is stopped first, so that none can react to
 // another's death, then killed, until none is left.
-func killDaemon(socket string, cmd *exec.Cmd) {
+func KillDaemon(socket string, cmd *exec.Cmd) {
 	for quiet := 0; quiet < 3; {
-		procs := daemonProcs(socket)
+		procs := DaemonProcs(socket)
 		if len(procs) == 0 {
 			quiet++
 			time.Sleep(10 * time.Millisecond)

@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"bytes"
@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm/internal/nvml/nvmltest"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // These tests start the daemon as operators do on a fleet: with NVML (a
@@ -39,28 +40,6 @@ func (l *lockedBuffer) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.String()
-}
-
-// startLoggedDaemon is startDaemonProc that also hands back the log.
-func startLoggedDaemon(t *testing.T, socket string, args ...string) *lockedBuffer {
-	t.Helper()
-	cmd := exec.Command(os.Args[0], append([]string{"daemon", "--socket", socket, "--backend", "host"}, args...)...)
-	log := &lockedBuffer{}
-	cmd.Stderr = log
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		killDaemon(socket, cmd)
-		dumpDaemonLog(t, log.String())
-	})
-	for i := 0; cli(t, nil, "--socket", socket, "info").code != 0; i++ {
-		if i > 500 {
-			t.Fatalf("daemon never answered on %s: %s", socket, log)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return log
 }
 
 // freePort is a TCP address nobody listens on.
@@ -112,7 +91,7 @@ func TestNVMLInInfoAndMetrics(t *testing.T) {
 	os.Chmod(dir, 0o755) // for the client running as nobody
 	sock := filepath.Join(dir, "gpushm.sock")
 	addr := freePort(t)
-	log := startLoggedDaemon(t, sock, "--metrics-listen", addr)
+	log := Start(t, Options{Socket: sock, Args: []string{"--metrics-listen", addr}}).log
 	if !strings.Contains(log.String(), `msg=NVML role=server library=libnvidia-ml.so.1 driver=999.99.99-fake`) {
 		t.Errorf("the daemon does not log the NVML it uses:\n%s", log)
 	}
@@ -163,7 +142,7 @@ func TestNVMLFailingAtStart(t *testing.T) {
 
 	// auto: serve without NVML, and say so in the log and in info.
 	sock := filepath.Join(dir, "auto.sock")
-	log := startLoggedDaemon(t, sock)
+	log := Start(t, Options{Socket: sock}).log
 	if want := `level=WARN msg="NVML failed; serving without it, with no GPU figures" role=server err="nvmlInit: Driver Not Loaded (NVML error 9)"`; !strings.Contains(log.String(), want) {
 		t.Errorf("daemon log lacks %s:\n%s", want, log)
 	}
@@ -174,10 +153,10 @@ func TestNVMLFailingAtStart(t *testing.T) {
 
 	// require: refuse to start, leaving nothing behind.
 	sock = filepath.Join(dir, "require.sock")
-	refuses(t, os.Args[0], nil, sock, "--nvml require: nvmlInit: Driver Not Loaded (NVML error 9)", "--nvml", "require")
-	refuses(t, os.Args[0], nil, sock, "--nvml require: nvml unavailable: /nonexistent/libnvidia-ml.so.1: cannot open shared object file",
+	refuses(t, gpushmBin, nil, sock, "--nvml require: nvmlInit: Driver Not Loaded (NVML error 9)", "--nvml", "require")
+	refuses(t, gpushmBin, nil, sock, "--nvml require: nvml unavailable: /nonexistent/libnvidia-ml.so.1: cannot open shared object file",
 		"--nvml", "require", "--nvml-library", "/nonexistent/libnvidia-ml.so.1")
-	refuses(t, os.Args[0], nil, sock, `--nvml "on": want auto, require or off`, "--nvml", "on")
+	refuses(t, gpushmBin, nil, sock, `--nvml "on": want auto, require or off`, "--nvml", "on")
 }
 
 // refuses runs a daemon (bin, as cred: nil for us) that must exit at
@@ -229,7 +208,7 @@ func binaryForOthers(t *testing.T) string {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	os.Chmod(dir, 0o755)
-	data, err := os.ReadFile(os.Args[0])
+	data, err := os.ReadFile(gpushmBin)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -298,7 +277,7 @@ func TestBadStart(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			bin := os.Args[0]
+			bin := gpushmBin
 			if tc.cred != nil {
 				bin = asNobody
 			}
@@ -308,7 +287,7 @@ func TestBadStart(t *testing.T) {
 
 	// What the daemon accepts: a sticky directory, and its own directory
 	// as a non-root user (the container's hostPath, chowned to it).
-	startDaemonProc(t, filepath.Join(sticky, "gpushm.sock"))
+	Start(t, Options{Socket: filepath.Join(sticky, "gpushm.sock")})
 	own := mkdir("own", 0o755, 65534)
 	sock := filepath.Join(own, "gpushm.sock")
 	cmd := exec.Command(asNobody, "daemon", "--socket", sock, "--backend", "host")
@@ -316,7 +295,7 @@ func TestBadStart(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	defer killDaemon(sock, cmd)
+	defer testutil.KillDaemon(sock, cmd)
 	// Other users' clients, root's too, trust a daemon of a user not
 	// theirs only when GPUSHM_DAEMON_UID names it: a dedicated user's.
 	t.Setenv("GPUSHM_DAEMON_UID", "65534")

@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"bufio"
@@ -138,7 +138,7 @@ func checkTierBytes(seg *gpushm.Segment, name string, seed uint64) error {
 // never holds more than it: every 2 ms it sums the segments that ls says
 // are on the device, and reads info's figures.
 type tierDaemon struct {
-	*supervised
+	*Daemon
 	budget   int64
 	stop     chan struct{}
 	done     chan struct{}
@@ -154,7 +154,7 @@ func startTierDaemon(t *testing.T, budget int64, args ...string) *tierDaemon {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	args = append([]string{"--gpu-budget", strconv.FormatInt(budget, 10), "--grace", "1s"}, args...)
-	d := &tierDaemon{supervised: startSupervised(t, os.Args[0], sock, args...), budget: budget,
+	d := &tierDaemon{Daemon: Start(t, Options{Socket: sock, Args: args}), budget: budget,
 		stop: make(chan struct{}), done: make(chan struct{})}
 	return d
 }
@@ -572,7 +572,7 @@ func TestHostReserve(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	addr := freePort(t)
-	startDaemonProc(t, sock, "--host-reserve", "64M", "--create-pool", "0", "--metrics-listen", addr)
+	Start(t, Options{Socket: sock, Args: []string{"--host-reserve", "64M", "--create-pool", "0", "--metrics-listen", addr}})
 	t.Setenv("GPUSHM_SOCKET", sock)
 	tiers := func() gpushm.Tiers {
 		var inf gpushm.Info
@@ -634,4 +634,11 @@ func memAvailable(t *testing.T) int64 {
 	}
 	t.Fatal("/proc/meminfo has no MemAvailable")
 	return 0
+}
+
+func decode(t *testing.T, s string, v any) {
+	t.Helper()
+	if err := json.Unmarshal([]byte(s), v); err != nil {
+		t.Fatalf("%v:\n%s", err, s)
+	}
 }

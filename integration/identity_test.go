@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"context"
@@ -62,7 +62,7 @@ func pidnsMain(dir string) error {
 	if err != nil {
 		return err
 	}
-	daemon := exec.Command(os.Args[0], "daemon", "--socket", sock, "--backend", "host", "--grace", "1s")
+	daemon := exec.Command(gpushmBin, "daemon", "--socket", sock, "--backend", "host", "--grace", "1s")
 	daemon.Stdout, daemon.Stderr = logf, logf
 	if err := daemon.Start(); err != nil {
 		return err
@@ -305,7 +305,7 @@ func TestSurviveStoppedHolder(t *testing.T) {
 	}
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, append([]string{"--grace", "1s"}, testBackend()...)...)
+	d := Start(t, Options{Socket: sock, Args: append([]string{"--grace", "1s"}, testBackend()...)})
 	ctx := context.Background()
 	c := dialOnce(t, sock)
 	if _, _, err := c.CreateOnly(ctx, "unlinked", 4096, nil); err != nil {
@@ -351,7 +351,7 @@ func TestSurviveStoppedHolder(t *testing.T) {
 	check("stopped")
 	for i := range kills {
 		time.Sleep(stopped / time.Duration(kills))
-		d.crash(t)
+		d.Crash(t)
 		check(fmt.Sprintf("right after restart %d", i+1))
 		d.waitGraceOver(t)
 		check(fmt.Sprintf("after restart %d and its grace period", i+1))
@@ -391,7 +391,7 @@ func TestSurviveStoppedHolder(t *testing.T) {
 			t.Fatalf("after the holder exited: %d segments hold memory, want 1 (stopped: the unlinked one and its temporary one go)", inf.Usage.Segments)
 		}
 	}
-	d.stop(t)
+	d.Stop(t)
 }
 
 // TestSurviveTTLDeadline: a TTL segment expires when its time is up, as
@@ -403,7 +403,7 @@ func TestSurviveTTLDeadline(t *testing.T) {
 	const ttl = 4 * time.Second
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, append([]string{"--grace", "1s"}, testBackend()...)...)
+	d := Start(t, Options{Socket: sock, Args: append([]string{"--grace", "1s"}, testBackend()...)})
 	ctx := context.Background()
 	c := dialOnce(t, sock)
 	for _, name := range []string{"ttl-idle", "ttl-held"} {
@@ -420,7 +420,7 @@ func TestSurviveTTLDeadline(t *testing.T) {
 	holder.cmd.Process.Signal(syscall.SIGSTOP)
 	t.Cleanup(func() { holder.cmd.Process.Signal(syscall.SIGCONT) })
 	time.Sleep(ttl / 2)
-	d.crash(t)
+	d.Crash(t)
 	has := func(name string) bool { return slices.Contains(listAtQuiet(sock), name) }
 	if !has("ttl-idle") || !has("ttl-held") {
 		t.Fatalf("right after the restart, %s after the create: %v", time.Since(created), listAtQuiet(sock))
@@ -451,5 +451,5 @@ func TestSurviveTTLDeadline(t *testing.T) {
 	if gone := time.Since(exited); gone < ttl-time.Second/2 {
 		t.Fatalf("ttl-held expired %s after its holder exited, before its TTL (%s)", gone, ttl)
 	}
-	d.stop(t)
+	d.Stop(t)
 }

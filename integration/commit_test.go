@@ -1,8 +1,9 @@
-package cli
+package integration
 
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -17,6 +18,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/layout"
 	"github.com/gpushm/gpushm/internal/testutil"
 )
 
@@ -74,7 +76,7 @@ func TestPutKilled(t *testing.T) {
 	}
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "1s")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "1s"}})
 	t.Setenv("GPUSHM_SOCKET", sock)
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, sock)
@@ -98,7 +100,7 @@ func TestPutKilled(t *testing.T) {
 	// that, its life is the writer's, and random kills land in it.
 	env := slices.Clip(append(os.Environ(), "GPUSHM_SOCKET="+sock, "GORACE=atexit_sleep_ms=0"))
 	gpushmCmd := func(args ...string) *exec.Cmd {
-		cmd := exec.Command(os.Args[0], args...)
+		cmd := exec.Command(gpushmBin, args...)
 		cmd.Env = env
 		return cmd
 	}
@@ -289,7 +291,8 @@ func checkWholeOrGone(t *testing.T, c *gpushm.Client, name string, want []byte, 
 // TestPutIncomplete: what 'ls', 'stat' and 'get' say of a segment still
 // being written, and 'get --wait' of one that is not there yet.
 func TestPutIncomplete(t *testing.T) {
-	dir, sock := cliDaemon(t)
+	d := Start(t, Options{})
+	dir, sock := filepath.Dir(d.Socket()), d.Socket()
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, sock)
 	if err != nil {
@@ -320,7 +323,7 @@ func TestPutIncomplete(t *testing.T) {
 	os.WriteFile(src, data, 0o644)
 	var gets []*exec.Cmd
 	for k := range 3 {
-		cmd := exec.Command(os.Args[0], "get", "--wait", "5m", "late", filepath.Join(dir, fmt.Sprintf("late-%d", k)))
+		cmd := exec.Command(gpushmBin, "get", "--wait", "5m", "late", filepath.Join(dir, fmt.Sprintf("late-%d", k)))
 		var errb bytes.Buffer
 		cmd.Stderr = &errb
 		if err := cmd.Start(); err != nil {
@@ -351,7 +354,7 @@ func TestPutIncomplete(t *testing.T) {
 func TestWaitAcrossRestarts(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "1s", "--log-level", "debug")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "1s", "--log-level", "debug"}})
 	t.Setenv("GPUSHM_SOCKET", sock)
 	waits := func(n int) {
 		t.Helper()
@@ -367,7 +370,7 @@ func TestWaitAcrossRestarts(t *testing.T) {
 	var gets []*exec.Cmd
 	var errs []*bytes.Buffer
 	for k := range readers {
-		cmd := exec.Command(os.Args[0], "get", "--wait", "5m", "late", filepath.Join(dir, fmt.Sprintf("late-%d", k)))
+		cmd := exec.Command(gpushmBin, "get", "--wait", "5m", "late", filepath.Join(dir, fmt.Sprintf("late-%d", k)))
 		var errb bytes.Buffer
 		cmd.Stderr = &errb
 		if err := cmd.Start(); err != nil {
@@ -402,3 +405,63 @@ func TestWaitAcrossRestarts(t *testing.T) {
 		}
 	}
 }
+
+// TestSurviveCommitMeta: the meta a commit carried is journaled with the
+// commit, so a bundle keeps its origin when the serving process is killed.
+func TestSurviveCommitMeta(t *testing.T) {
+	dir := socketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	d := Start(t, Options{Socket: sock})
+	t.Setenv("GPUSHM_SOCKET", sock)
+	path := filepath.Join(dir, "model.safetensors")
+	os.WriteFile(path, safetensorsFile(goodHeader, make([]byte, 22)), 0o644)
+	mustRun(t, nil, "put", "model", path)
+	before := stated(t, "model").Meta
+	if o := bundleOrigin(t, before); o == nil || len(o.Files) != 1 {
+		t.Fatalf("meta %s before the restart: no origin", before)
+	}
+	d.Crash(t)
+	c := dialOnce(t, sock)
+	defer c.Close()
+	st, err := c.Stat(context.Background(), "model")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(st.Meta) != string(before) {
+		t.Fatalf("meta after a kill -9 of the serving process:\n%s\nwant\n%s", st.Meta, before)
+	}
+	d.Stop(t)
+}
+
+// stated is what stat says of name (list leaves meta out).
+func stated(t *testing.T, name string) gpushm.SegmentInfo {
+	t.Helper()
+	c := dialOnce(t, os.Getenv("GPUSHM_SOCKET"))
+	defer c.Close()
+	st, err := c.Stat(context.Background(), name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return *st
+}
+
+// bundleOrigin reads a bundle meta's origin.
+func bundleOrigin(t *testing.T, meta json.RawMessage) *layout.Origin {
+	t.Helper()
+	var m layout.Meta
+	if err := json.Unmarshal(meta, &m); err != nil {
+		t.Fatalf("meta %s: %v", meta, err)
+	}
+	return m.Origin
+}
+
+// safetensorsFile lays out header JSON and data as a safetensors file.
+func safetensorsFile(header string, data []byte) []byte {
+	b := binary.LittleEndian.AppendUint64(nil, uint64(len(header)))
+	return append(append(b, header...), data...)
+}
+
+const goodHeader = `{"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]},"e":{"dtype":"F4","shape":[0],"data_offsets":[22,22]}}   `
+
+// pt is the metadata PyTorch's safetensors writer leaves in a shard.
+var pt = map[string]string{"format": "pt"}

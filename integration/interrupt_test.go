@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"bytes"
@@ -26,7 +26,7 @@ type started struct {
 
 func startCLI(t *testing.T, args ...string) *started {
 	t.Helper()
-	return startCmd(t, exec.Command(os.Args[0], args...))
+	return startCmd(t, exec.Command(gpushmBin, args...))
 }
 
 // startCmd starts cmd (the CLI, set up as the test needs) in the
@@ -80,7 +80,7 @@ func (p *started) interrupt(t *testing.T, before func() bool) bool {
 // stops at SIGINT or SIGTERM (exit 130 or 143) instead of writing the
 // whole segment; host memory, where the whole segment was one write.
 func TestInterruptGetIntoAPipe(t *testing.T) {
-	cliDaemon(t)
+	Start(t, Options{})
 	mustRun(t, nil, "create", "pipe-big", "256M")
 	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGTERM} {
 		t.Run(sig.String(), func(t *testing.T) {
@@ -89,7 +89,7 @@ func TestInterruptGetIntoAPipe(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer r.Close()
-			get := exec.Command(os.Args[0], "get", "pipe-big", "-")
+			get := exec.Command(gpushmBin, "get", "pipe-big", "-")
 			get.Stdout = w
 			p := startCmd(t, get)
 			w.Close()
@@ -124,7 +124,8 @@ func TestInterruptGetIntoAPipe(t *testing.T) {
 // TestInterruptGet: Ctrl-C during get leaves the file as it was (or none),
 // removes what it wrote, and exits 130, whoever copies.
 func TestInterruptGet(t *testing.T) {
-	dir, _ := cliDaemon(t)
+	d := Start(t, Options{})
+	dir := filepath.Dir(d.Socket())
 	mustRun(t, nil, "create", "big", "1G") // four of the daemon's steps
 
 	const before = "the file as it was\n"
@@ -180,7 +181,8 @@ func TestInterruptGet(t *testing.T) {
 // TestInterruptPut: Ctrl-C during put, from a file or a pipe, leaves no
 // segment and exits 130.
 func TestInterruptPut(t *testing.T) {
-	dir, sock := cliDaemon(t)
+	d := Start(t, Options{})
+	dir, sock := filepath.Dir(d.Socket()), d.Socket()
 	ctx := context.Background()
 	c, err := gpushm.Dial(ctx, sock)
 	if err != nil {
@@ -210,7 +212,7 @@ func TestInterruptPut(t *testing.T) {
 	// From a pipe whose writer lives on: put is reading it when the
 	// signal comes, and ends at once.
 	t.Run("stdin", func(t *testing.T) {
-		cmd := exec.Command(os.Args[0], "put", "piped", "-")
+		cmd := exec.Command(gpushmBin, "put", "piped", "-")
 		in, err := cmd.StdinPipe()
 		if err != nil {
 			t.Fatal(err)
@@ -268,5 +270,23 @@ func TestInterruptPut(t *testing.T) {
 	}
 	for _, s := range names() {
 		t.Errorf("segment %s left", s.Name)
+	}
+}
+
+// sparseFile makes a file of size bytes, all holes but for marks at each
+// end and in the middle: fast to read, and every step of a copy differs.
+func sparseFile(t *testing.T, path string, header []byte, size int64) {
+	t.Helper()
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	f.Write(header)
+	for _, off := range []int64{int64(len(header)), size / 3, size / 2, size - 8} {
+		f.WriteAt([]byte("gpushm!!"), off)
+	}
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
 	}
 }

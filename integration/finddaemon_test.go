@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"bufio"
@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // TestEveryUserFindsTheNodesDaemon: a daemon run as root with no --socket
@@ -275,7 +276,7 @@ func TestPutNeverReachesASquatter(t *testing.T) {
 	if err := daemon.Start(); err != nil {
 		t.Fatal(err)
 	}
-	defer killDaemon(sock, daemon)
+	defer testutil.KillDaemon(sock, daemon)
 	squatterRun := func(args ...string) result {
 		cmd := exec.Command(bin, append([]string{"--socket", sock}, args...)...)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: asSquatter}
@@ -331,7 +332,7 @@ func TestUsersOwnDaemon(t *testing.T) {
 	if err := daemon.Start(); err != nil {
 		t.Fatal(err)
 	}
-	defer killDaemon(sock, daemon)
+	defer testutil.KillDaemon(sock, daemon)
 	info := func() result {
 		cmd := exec.Command(bin, "info")
 		cmd.Env, cmd.SysProcAttr = env, &syscall.SysProcAttr{Credential: cred}

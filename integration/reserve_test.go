@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"os"
@@ -21,7 +21,7 @@ func TestSupervisorHoldsTheReserve(t *testing.T) {
 	sock := filepath.Join(dir, "gpushm.sock")
 	// 64 MiB: five pieces (backend.reserveLayout: 50, 6, 4, 2 and 2 MiB).
 	const pieces = 5
-	d := startSupervised(t, os.Args[0], sock, "--host-reserve", "64MiB")
+	d := Start(t, Options{Socket: sock, Args: []string{"--host-reserve", "64MiB"}})
 	held := func(serving int) {
 		t.Helper()
 		deadline := time.Now().Add(60 * time.Second)
@@ -46,7 +46,7 @@ func TestSupervisorHoldsTheReserve(t *testing.T) {
 	next := d.waitServing(t, inf.PID)
 	// The old reserve is let go of, the new one held: five, not ten.
 	held(next.PID)
-	d.stop(t)
+	d.Stop(t)
 }
 
 // spillFDs counts pid's descriptors of spill memory (the host reserve's

@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"context"
@@ -218,7 +218,7 @@ func TestHostileIdleConnections(t *testing.T) {
 	sock := filepath.Join(dir, "gpushm.sock")
 	// The per-user and daemon connection limits would turn most of the
 	// crowd away (TestHostileNeighbour tests them): off here.
-	d := startSupervised(t, os.Args[0], sock, noConnLimits...)
+	d := Start(t, Options{Socket: sock, Args: noConnLimits})
 	inf, err := d.info()
 	if err != nil {
 		t.Fatal(err)
@@ -278,7 +278,7 @@ func TestHostileConnectChurn(t *testing.T) {
 	)
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock)
+	d := Start(t, Options{Socket: sock})
 	inf, err := d.info()
 	if err != nil {
 		t.Fatal(err)
@@ -377,7 +377,7 @@ func TestSurviveUpgradeIdleConnections(t *testing.T) {
 	const n, bound = 500, 20
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock)
+	d := Start(t, Options{Socket: sock})
 	before, err := d.info()
 	if err != nil {
 		t.Fatal(err)

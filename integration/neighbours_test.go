@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"bufio"
@@ -43,29 +43,6 @@ const (
 	testUserSegments    = 256
 	testUserConnections = 224
 )
-
-// startLimited runs a supervised daemon (host backend) on socket with a
-// descriptor limit of nofile, and waits until it serves.
-func startLimited(t *testing.T, socket string, nofile int, args ...string) *supervised {
-	t.Helper()
-	d := &supervised{socket: socket, log: newDaemonLog(t), done: make(chan struct{})}
-	script := "ulimit -n " + strconv.Itoa(nofile) + ` && exec "$0" "$@"`
-	d.cmd = exec.Command("sh", append([]string{"-c", script, os.Args[0], "daemon", "--socket", socket, "--backend", "host"}, args...)...)
-	d.cmd.Stderr, d.cmd.Stdout = d.log.f, d.log.f
-	if err := d.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	d.pid = d.cmd.Process.Pid
-	go func() { d.cmd.Wait(); close(d.done) }()
-	t.Cleanup(func() {
-		killDaemon(socket, nil)
-		d.cmd.Process.Kill()
-		<-d.done
-		dumpDaemonLog(t, d.log.String())
-	})
-	d.waitServing(t, 0)
-	return d
-}
 
 // procStats are what a daemon process holds: OS threads, descriptors and
 // resident memory (RSS).
@@ -225,7 +202,7 @@ func TestHostileNeighbour(t *testing.T) {
 	dir := socketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startLimited(t, sock, testNOFILE)
+	d := Start(t, Options{Socket: sock, NoFile: testNOFILE})
 	sup := d.cmd.Process.Pid
 	ctx := context.Background()
 	root, err := gpushm.Dial(ctx, sock)
@@ -373,7 +350,7 @@ func TestHostileNeighbour(t *testing.T) {
 func TestOutOfDescriptorsAnswered(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startLimited(t, sock, 256, "--max-connections", "0", "--user-connections", "0", "--max-segments", "64")
+	d := Start(t, Options{Socket: sock, NoFile: 256, Args: []string{"--max-connections", "0", "--user-connections", "0", "--max-segments", "64"}})
 	ctx := context.Background()
 	var conns []*gpushm.Client
 	defer func() {
@@ -433,7 +410,7 @@ func TestReadOnlyDescriptors(t *testing.T) {
 	dir := socketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
-	startLimited(t, sock, testNOFILE)
+	Start(t, Options{Socket: sock, NoFile: testNOFILE})
 	ctx := context.Background()
 	root, err := gpushm.Dial(ctx, sock)
 	if err != nil {

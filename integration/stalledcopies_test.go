@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"context"
@@ -225,7 +225,7 @@ func copiesDaemon(t *testing.T) (sock string, sfs *stallFS, mnt, bin, plain stri
 	dir := socketDir(t)
 	os.Chmod(dir, 0o755)
 	sock = filepath.Join(dir, "gpushm.sock")
-	startDaemonProc(t, sock, testBackend()...)
+	Start(t, Options{Socket: sock, Args: testBackend()})
 	sfs, mnt = mountStallFS(t)
 	bin = binaryForOthers(t)
 	plain = filepath.Join(dir, "plain")

@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"bufio"
@@ -25,23 +25,13 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/supervisor"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // These tests run the daemon as users do, a supervisor and its serving
 // process, and kill, upgrade and restart the serving process under clients
 // that are processes of their own (this test binary again, in chaos-client
 // mode).
-
-// supervised is a 'gpushm daemon' process (the supervisor).
-type supervised struct {
-	cmd    *exec.Cmd
-	socket string
-	log    *daemonLog
-	done   chan struct{}
-	// pid is the supervisor now: the one started, or the one a serving
-	// process started in place of a supervisor killed (waitSupervisor).
-	pid int
-}
 
 type syncBuffer struct {
 	mu sync.Mutex
@@ -58,115 +48,6 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
-}
-
-// startSupervised runs exe daemon on socket (host backend) and waits until
-// it serves.
-func startSupervised(t *testing.T, exe, socket string, args ...string) *supervised {
-	t.Helper()
-	d := &supervised{socket: socket, log: newDaemonLog(t), done: make(chan struct{})}
-	d.cmd = exec.Command(exe, append([]string{"daemon", "--socket", socket, "--backend", "host"}, args...)...)
-	// A file, not a pipe: Wait must return when the supervisor exits, not
-	// when every process that inherited its output (a serving process, a
-	// supervisor that one started) has.
-	d.cmd.Stderr = d.log.f
-	d.cmd.Stdout = d.log.f
-	if err := d.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	d.pid = d.cmd.Process.Pid
-	go func() { d.cmd.Wait(); close(d.done) }()
-	t.Cleanup(func() {
-		// Supervisors started by serving processes, and serving processes
-		// whose supervisor is gone, are not our children.
-		killDaemon(socket, nil)
-		d.cmd.Process.Kill()
-		<-d.done
-		dumpDaemonLog(t, d.log.String())
-	})
-	d.waitServing(t, 0)
-	return d
-}
-
-// info asks the daemon, on a connection of its own that does not
-// reconnect.
-func (d *supervised) info() (*gpushm.Info, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	c, err := gpushm.Dial(ctx, d.socket)
-	if err != nil {
-		return nil, err
-	}
-	defer c.Close()
-	c.SetReconnect(0)
-	return c.Info(ctx)
-}
-
-// waitServing waits until a serving process other than notPID answers.
-func (d *supervised) waitServing(t *testing.T, notPID int) *gpushm.Info {
-	t.Helper()
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		inf, err := d.info()
-		if err == nil && inf.PID != notPID {
-			return inf
-		}
-		if !alive(d.pid) {
-			t.Fatalf("the supervisor %d exited\n%s", d.pid, d.log.String())
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no serving process other than %d within 60s (last: %v)", notPID, err)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-// crash kills the serving process with SIGKILL and waits until the
-// supervisor's next one answers.
-func (d *supervised) crash(t *testing.T) {
-	t.Helper()
-	inf, err := d.info()
-	if err != nil {
-		t.Fatal(err)
-	}
-	syscall.Kill(inf.PID, syscall.SIGKILL)
-	d.waitServing(t, inf.PID)
-}
-
-// waitGraceOver waits until the serving process's grace period has ended.
-func (d *supervised) waitGraceOver(t *testing.T) {
-	t.Helper()
-	for deadline := time.Now().Add(30 * time.Second); ; {
-		inf, err := d.info()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if inf.Grace <= 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("grace period still running after 30s: %s left", inf.Grace)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-// stop sends SIGTERM to the supervisor and expects a clean exit.
-func (d *supervised) stop(t *testing.T) {
-	t.Helper()
-	if d.pid != d.cmd.Process.Pid {
-		d.stopAdopted(t)
-		return
-	}
-	d.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-d.done:
-	case <-time.After(30 * time.Second):
-		t.Fatal("daemon ignored SIGTERM for 30s")
-	}
-	if !d.cmd.ProcessState.Success() {
-		t.Fatalf("daemon exit after SIGTERM: %v", d.cmd.ProcessState)
-	}
 }
 
 // memfds counts a process's descriptors of segment memfds (not the epoch
@@ -310,7 +191,7 @@ func TestSurviveChaos(t *testing.T) {
 	if fuse {
 		args = append(args, "--mount", mnt)
 	}
-	d := startSupervised(t, os.Args[0], sock, args...)
+	d := Start(t, Options{Socket: sock, Args: args})
 
 	var clients []*chaosClient
 	for k := range 8 {
@@ -333,7 +214,7 @@ func TestSurviveChaos(t *testing.T) {
 	for i := range kills {
 		time.Sleep(time.Duration(5+rng.IntN(40)) * time.Millisecond)
 		if i == 0 || (i > 1 && rng.IntN(3) == 0) {
-			d.killSupervisor(t)
+			d.KillSupervisor(t)
 			supervisors++
 			askAll(t, clients, "verify")
 			continue
@@ -376,7 +257,7 @@ func TestSurviveChaos(t *testing.T) {
 			t.Fatal(err)
 		}
 		supFDs, srvFDs := memfds(t, d.pid), memfds(t, inf.PID)
-		procs := daemonProcs(sock)
+		procs := testutil.DaemonProcs(sock)
 		want := []int{d.pid, inf.PID}
 		slices.Sort(want)
 		if inf.Usage.Segments == 0 && inf.Usage.Named == 0 && supFDs == 0 && srvFDs == pooled(inf) && slices.Equal(procs, want) {
@@ -391,8 +272,8 @@ func TestSurviveChaos(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	d.stop(t)
-	if procs := daemonProcs(sock); len(procs) > 0 {
+	d.Stop(t)
+	if procs := testutil.DaemonProcs(sock); len(procs) > 0 {
 		t.Errorf("daemon processes left after the stop: %v", procs)
 	}
 }
@@ -792,7 +673,7 @@ func TestSurviveUpgrade(t *testing.T) {
 	exe := filepath.Join(dir, "gpushm")
 	install := func() os.FileInfo {
 		t.Helper()
-		b, err := os.ReadFile(os.Args[0])
+		b, err := os.ReadFile(gpushmBin)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -812,7 +693,7 @@ func TestSurviveUpgrade(t *testing.T) {
 	}
 	install()
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, exe, sock, "--grace", "1s")
+	d := Start(t, Options{Exe: exe, Socket: sock, Args: []string{"--grace", "1s"}})
 	var clients []*chaosClient
 	for k := range 8 {
 		var extra []string
@@ -864,7 +745,7 @@ func TestSurviveUpgrade(t *testing.T) {
 			t.Fatalf("client exit: %v\n%s", err, cc.errs.String())
 		}
 	}
-	d.stop(t)
+	d.Stop(t)
 	if _, err := os.Stat(sock); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("socket left after a clean stop: %v", err)
 	}
@@ -989,7 +870,7 @@ func startHolder(t *testing.T, sock string, k int, prefix string) *chaosClient {
 func TestSurviveReclaim(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "2s")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "2s"}})
 	holder := startHolder(t, sock, 0, "held")
 	// Another client with a temporary segment, which dies with the daemon.
 	victim := startHolder(t, sock, 1, "victim")
@@ -1065,7 +946,7 @@ func TestSurviveReclaim(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	d.stop(t)
+	d.Stop(t)
 }
 
 // TestSurviveIdleHolder: a client maps a segment and writes it all the
@@ -1078,7 +959,7 @@ func TestSurviveReclaim(t *testing.T) {
 func TestSurviveIdleHolder(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "1s")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "1s"}})
 	holder := startHolder(t, sock, 0, "held")
 	inf := d.waitServing(t, 0)
 	syscall.Kill(inf.PID, syscall.SIGKILL)
@@ -1102,7 +983,7 @@ func TestSurviveIdleHolder(t *testing.T) {
 	if got := holder.ask(t, 0, "op"); got != "ok reconnects=1" {
 		t.Fatalf("idle holder's first call after the restart: %s", got)
 	}
-	d.stop(t)
+	d.Stop(t)
 }
 
 // idleMain makes a temporary segment of the given name, holding 1000
@@ -1228,7 +1109,7 @@ func TestSurviveIdle(t *testing.T) {
 	}
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "1s")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "1s"}})
 	cc := startIdle(t, sock, "idle-share")
 	// check reads the segment from another process (this one), on a
 	// connection of its own.
@@ -1253,7 +1134,7 @@ func TestSurviveIdle(t *testing.T) {
 	}
 	for i := range kills {
 		time.Sleep(idle / time.Duration(kills))
-		d.crash(t)
+		d.Crash(t)
 		// Past the grace period, which used to end the segment.
 		d.waitGraceOver(t)
 		check(fmt.Sprintf("after restart %d and its grace period", i+1))
@@ -1272,7 +1153,7 @@ func TestSurviveIdle(t *testing.T) {
 		t.Fatalf("idle client: %v\n%s", err, cc.errs.String())
 	}
 	waitNamesAt(t, sock, nil, "after the idle client exited")
-	d.stop(t)
+	d.Stop(t)
 }
 
 // TestSurviveKilledCreator: a creator killed (SIGKILL) around a restart of
@@ -1283,7 +1164,7 @@ func TestSurviveIdle(t *testing.T) {
 func TestSurviveKilledCreator(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "10m")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "10m"}})
 	during := startIdle(t, sock, "killed-during")
 	after := startIdle(t, sock, "killed-after")
 	startIdle(t, sock, "alive")
@@ -1306,7 +1187,7 @@ func TestSurviveKilledCreator(t *testing.T) {
 	if inf, err := d.info(); err != nil || inf.Grace < time.Minute {
 		t.Fatalf("info = %+v, %v: the grace period must still run", inf, err)
 	}
-	d.stop(t)
+	d.Stop(t)
 }
 
 // TestSurviveCloseAfterCrash: a client that closes after a restart of the
@@ -1315,9 +1196,9 @@ func TestSurviveKilledCreator(t *testing.T) {
 func TestSurviveCloseAfterCrash(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "10m")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "10m"}})
 	cc := startIdle(t, sock, "closed")
-	d.crash(t)
+	d.Crash(t)
 	if got := listAtQuiet(sock); !slices.Equal(got, []string{"closed"}) {
 		t.Fatalf("after the restart: %v", got)
 	}
@@ -1325,7 +1206,7 @@ func TestSurviveCloseAfterCrash(t *testing.T) {
 		t.Fatalf("close: %s", got)
 	}
 	waitNamesAt(t, sock, nil, "after the client closed (its process lives on)")
-	d.stop(t)
+	d.Stop(t)
 }
 
 // chanSpec is one channel of a test stream: NAME:SLOTS:SLOT_BYTES.
@@ -1699,23 +1580,6 @@ func checkDaemonLog(t *testing.T, log string) {
 	}
 }
 
-// restartServing kills the serving process (kill -9) or, with upgrade,
-// asks the supervisor for an upgrade (SIGHUP), and waits until a new
-// serving process serves.
-func restartServing(t *testing.T, d *supervised, upgrade bool) {
-	t.Helper()
-	inf, err := d.info()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if upgrade {
-		syscall.Kill(d.pid, syscall.SIGHUP)
-	} else {
-		syscall.Kill(inf.PID, syscall.SIGKILL)
-	}
-	d.waitServing(t, inf.PID)
-}
-
 // leaveMessages makes each channel of specs and sends it as many
 // messages as it has slots, of which it receives one: slots-1 messages
 // are left in each, and both ends are closed.
@@ -1793,7 +1657,7 @@ func takeLeftMessages(t *testing.T, c *gpushm.Client, specs []chanSpec) {
 func TestSurviveChannels(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "30s")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "30s"}})
 	specs := []chanSpec{{"A", 4, 4096}, {"B", 2, 65536}, {"C", 4, 4096}, {"D", 3, 12345}, {"E", 8, 100}}
 	ctx := context.Background()
 
@@ -1806,7 +1670,7 @@ func TestSurviveChannels(t *testing.T) {
 	defer c.Close()
 	leaveMessages(t, c, specs)
 	for _, upgrade := range []bool{false, true, false} {
-		restartServing(t, d, upgrade)
+		d.Restart(t, upgrade)
 		checkChannels(t, sock, specs, nil, nil)
 	}
 	takeLeftMessages(t, c, specs)
@@ -1821,7 +1685,7 @@ func TestSurviveChannels(t *testing.T) {
 		}
 	}
 	for i, upgrade := range []bool{false, true, false, false, true, false} {
-		restartServing(t, d, upgrade)
+		d.Restart(t, upgrade)
 		txAt, rxAt = tx.progress(t, specs, txAt, !upgrade), rx.progress(t, specs, rxAt, !upgrade)
 		if i%2 == 0 {
 			checkChannels(t, sock, specs, tx, rx)
@@ -1841,7 +1705,7 @@ func TestSurviveChannels(t *testing.T) {
 	}
 	checkChannels(t, sock, specs, nil, nil)
 	t.Logf("sent and received %v", got)
-	d.stop(t)
+	d.Stop(t)
 	checkDaemonLog(t, d.log.String())
 }
 
@@ -1852,7 +1716,7 @@ func TestSurviveChannels(t *testing.T) {
 func TestSurviveChannel(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "30s")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "30s"}})
 	specs := []chanSpec{{"stream", 4, 4096}}
 	tx := startChans(t, sock, "tx", specs)
 	rx := startChans(t, sock, "rx", specs)
@@ -1860,7 +1724,7 @@ func TestSurviveChannel(t *testing.T) {
 	kills, upgrades := 0, 0
 	for i := range 13 {
 		upgrade := i%4 == 3 // 3 upgrades among 10 kills
-		restartServing(t, d, upgrade)
+		d.Restart(t, upgrade)
 		if upgrade {
 			upgrades++
 		} else {
@@ -1882,7 +1746,7 @@ func TestSurviveChannel(t *testing.T) {
 		}
 	}
 	t.Logf("%d kills, %d upgrades: %d messages sent and received", kills, upgrades, got.next)
-	d.stop(t)
+	d.Stop(t)
 	checkDaemonLog(t, d.log.String())
 }
 
@@ -1898,88 +1762,6 @@ func listAtQuiet(sock string) []string {
 		out = append(out, s.Name)
 	}
 	return out
-}
-
-// daemonLog is the daemon's output, in a file that every process of the
-// daemon writes to.
-type daemonLog struct{ f *os.File }
-
-func newDaemonLog(t *testing.T) *daemonLog {
-	t.Helper()
-	f, err := os.Create(filepath.Join(t.TempDir(), "daemon.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { f.Close() })
-	return &daemonLog{f}
-}
-
-func (l *daemonLog) String() string {
-	b, _ := os.ReadFile(l.f.Name())
-	return string(b)
-}
-
-// killSupervisor SIGKILLs the supervisor and waits until the serving
-// process has started another, which holds every segment; the serving
-// process must be the same one, so that no client noticed.
-func (d *supervised) killSupervisor(t *testing.T) *gpushm.Info {
-	t.Helper()
-	before, err := d.info()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if before.SupervisorPID != d.pid {
-		t.Fatalf("info says supervisor %d, want %d", before.SupervisorPID, d.pid)
-	}
-	if err := syscall.Kill(d.pid, syscall.SIGKILL); err != nil {
-		t.Fatalf("kill supervisor %d: %v", d.pid, err)
-	}
-	now := d.waitSupervisor(t, d.pid)
-	if now.PID != before.PID {
-		t.Fatalf("serving process %d replaced by %d when its supervisor died", before.PID, now.PID)
-	}
-	return now
-}
-
-// waitSupervisor waits until a supervisor other than notPID holds the
-// daemon, and makes it the one d signals.
-func (d *supervised) waitSupervisor(t *testing.T, notPID int) *gpushm.Info {
-	t.Helper()
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		inf, err := d.info()
-		if err == nil && inf.SupervisorPID != notPID {
-			if !alive(inf.SupervisorPID) {
-				t.Fatalf("info says supervisor %d, which is not running", inf.SupervisorPID)
-			}
-			d.pid = inf.SupervisorPID
-			return inf
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no supervisor other than %d within 60s (last: %v)", notPID, err)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-// stopAdopted stops a supervisor that is not this test's child: SIGTERM,
-// then it and every other process of the daemon must be gone, and it must
-// have exited 0 (read while it is a zombie, which it stays here).
-func (d *supervised) stopAdopted(t *testing.T) {
-	t.Helper()
-	syscall.Kill(d.pid, syscall.SIGTERM)
-	for deadline := time.Now().Add(30 * time.Second); alive(d.pid); {
-		if time.Now().After(deadline) {
-			t.Fatalf("supervisor %d ignored SIGTERM for 30s", d.pid)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	if state, status, ok := procStat(d.pid); ok && state == "Z" && (!status.Exited() || status.ExitStatus() != 0) {
-		t.Fatalf("supervisor %d exit after SIGTERM: %#x", d.pid, int(status))
-	}
-	if !strings.Contains(d.log.String(), `msg=stopped role=supervisor`) {
-		t.Fatalf("supervisor %d did not say it stopped", d.pid)
-	}
 }
 
 // nonMemFDs counts a process's descriptors other than memfds: sockets,
@@ -2008,18 +1790,18 @@ func nonMemFDs(t *testing.T, pid int) (int, []string) {
 // the /proc/self/exe it is exec'd through.
 func TestSurviveSupervisorNames(t *testing.T) {
 	sock := filepath.Join(socketDir(t), "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock)
+	d := Start(t, Options{Socket: sock})
 	inf, err := d.info()
 	if err != nil {
 		t.Fatal(err)
 	}
 	// The first supervisor keeps the argv[0] it was started with.
-	checkProcName(t, "supervisor", d.pid, supervisor.SupervisorName, os.Args[0], sock)
+	checkProcName(t, "supervisor", d.pid, supervisor.SupervisorName, gpushmBin, sock)
 	checkProcName(t, "serving process", inf.PID, supervisor.ServingName, supervisor.ServingName, sock)
-	d.killSupervisor(t)
+	d.KillSupervisor(t)
 	checkProcName(t, "supervisor started by the serving process", d.pid, supervisor.SupervisorName, supervisor.SupervisorName, sock)
 	checkProcName(t, "serving process", inf.PID, supervisor.ServingName, supervisor.ServingName, sock)
-	d.stop(t)
+	d.Stop(t)
 }
 
 // checkProcName checks a daemon process's comm (what ps -e and pgrep
@@ -2058,13 +1840,13 @@ func TestSurviveSupervisor(t *testing.T) {
 	dir := socketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "3s")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "3s"}})
 	seen := []int{d.pid}
 
 	// One replacement first, without clients, so that what the serving
 	// process holds from then on (a supervisor child among them) is the
 	// measure for leaks.
-	inf := d.killSupervisor(t)
+	inf := d.KillSupervisor(t)
 	srv := inf.PID
 	seen = append(seen, srv, d.pid)
 	var clients []*chaosClient
@@ -2083,7 +1865,7 @@ func TestSurviveSupervisor(t *testing.T) {
 	for i := range kills {
 		time.Sleep(time.Duration(5+rng.IntN(40)) * time.Millisecond)
 		start := time.Now()
-		d.killSupervisor(t)
+		d.KillSupervisor(t)
 		took = append(took, time.Since(start))
 		seen = append(seen, d.pid)
 		askAll(t, clients, "verify")
@@ -2130,7 +1912,7 @@ func TestSurviveSupervisor(t *testing.T) {
 	}
 	seen = append(seen, up.PID)
 	askAll(t, clients, "verify")
-	d.killSupervisor(t)
+	d.KillSupervisor(t)
 	seen = append(seen, d.pid)
 	askAll(t, clients, "verify")
 
@@ -2152,7 +1934,7 @@ func TestSurviveSupervisor(t *testing.T) {
 			t.Fatal(err)
 		}
 		supFDs, srvFDs := memfds(t, d.pid), memfds(t, inf.PID)
-		procs := daemonProcs(sock)
+		procs := testutil.DaemonProcs(sock)
 		want := []int{d.pid, inf.PID}
 		slices.Sort(want)
 		if inf.Usage.Segments == 0 && inf.Usage.Named == 0 && supFDs == 0 && srvFDs == pooled(inf) && slices.Equal(procs, want) {
@@ -2164,13 +1946,13 @@ func TestSurviveSupervisor(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	d.stop(t)
+	d.Stop(t)
 	for _, pid := range seen {
-		if alive(pid) {
+		if testutil.Alive(pid) {
 			t.Errorf("process %d of the daemon still runs after the stop", pid)
 		}
 	}
-	if procs := daemonProcs(sock); len(procs) > 0 {
+	if procs := testutil.DaemonProcs(sock); len(procs) > 0 {
 		t.Errorf("daemon processes left after the stop: %v", procs)
 	}
 	if _, err := os.Stat(sock); !errors.Is(err, os.ErrNotExist) {
@@ -2187,13 +1969,13 @@ func TestSurviveSupervisor(t *testing.T) {
 func TestSurviveSupervisorChannel(t *testing.T) {
 	dir := socketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, "--grace", "30s")
+	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "30s"}})
 	specs := []chanSpec{{"A", 4, 4096}, {"B", 2, 65536}, {"C", 3, 12345}}
 	tx := startChans(t, sock, "tx", specs)
 	rx := startChans(t, sock, "rx", specs)
 	txAt, rxAt := tx.progress(t, specs, nil, false), rx.progress(t, specs, nil, false)
 	for i := range 4 {
-		d.killSupervisor(t)
+		d.KillSupervisor(t)
 		for _, end := range []struct {
 			p  *chanProc
 			at *map[string]endCount
@@ -2208,7 +1990,7 @@ func TestSurviveSupervisorChannel(t *testing.T) {
 		}
 		checkChannels(t, sock, specs, tx, rx)
 		upgrade := i == 2
-		restartServing(t, d, upgrade)
+		d.Restart(t, upgrade)
 		txAt, rxAt = tx.progress(t, specs, txAt, !upgrade), rx.progress(t, specs, rxAt, !upgrade)
 		checkChannels(t, sock, specs, tx, rx)
 	}
@@ -2225,6 +2007,6 @@ func TestSurviveSupervisorChannel(t *testing.T) {
 	}
 	checkChannels(t, sock, specs, nil, nil)
 	t.Logf("sent and received %v", got)
-	d.stop(t)
+	d.Stop(t)
 	checkDaemonLog(t, d.log.String())
 }

@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"bytes"
@@ -93,7 +93,7 @@ func isMounted(t *testing.T, dir string) bool {
 
 type fuseDaemon struct {
 	dir, sock, mnt string
-	cmd            *exec.Cmd
+	daemon         *Daemon
 }
 
 // startFUSEDaemon runs 'gpushm daemon --mount' on the host backend; the
@@ -107,7 +107,7 @@ func startFUSEDaemon(t *testing.T) *fuseDaemon {
 		t.Fatal(err)
 	}
 	d := &fuseDaemon{dir: dir, sock: filepath.Join(dir, "gpushm.sock"), mnt: filepath.Join(dir, "mnt")}
-	d.cmd = startDaemonProc(t, d.sock, "--mount", d.mnt)
+	d.daemon = Start(t, Options{Socket: d.sock, Args: []string{"--mount", d.mnt}})
 	t.Cleanup(func() {
 		// A test that failed half-way may leave the view mounted.
 		if isMounted(t, d.mnt) {
@@ -316,10 +316,7 @@ func TestFUSECoreutils(t *testing.T) {
 	})
 
 	// SIGTERM: the view is unmounted, and the directory is plain again.
-	d.cmd.Process.Signal(syscall.SIGTERM)
-	if err := d.cmd.Wait(); err != nil {
-		t.Fatalf("daemon exit after SIGTERM: %v", err)
-	}
+	d.daemon.Stop(t)
 	if isMounted(t, d.mnt) {
 		t.Fatal("still mounted after SIGTERM")
 	}
@@ -376,11 +373,11 @@ func TestFUSEXattrsOfOthers(t *testing.T) {
 // again.
 func TestFUSEStaleMount(t *testing.T) {
 	d := startFUSEDaemon(t)
-	killDaemon(d.sock, d.cmd)
+	d.daemon.Kill()
 	if _, err := os.Stat(d.mnt); !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("stat of the dead daemon's mount = %v, want ENOTCONN", err)
 	}
-	startDaemonProc(t, d.sock, "--mount", d.mnt)
+	Start(t, Options{Socket: d.sock, Args: []string{"--mount", d.mnt}})
 	if err := os.WriteFile(d.path("again"), []byte("ok"), 0o600); err != nil {
 		t.Fatal(err)
 	}

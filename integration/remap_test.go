@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"bytes"
@@ -45,7 +45,7 @@ func remapRead(t *testing.T, m *gpushm.Mapping) []byte {
 // the same addresses; the version number survives a kill too.
 func TestSurviveReleaseAndVersions(t *testing.T) {
 	sock := filepath.Join(socketDir(t), "gpushm.sock")
-	d := startSupervised(t, os.Args[0], sock, append([]string{"--grace", "1s"}, testBackend()...)...)
+	d := Start(t, Options{Socket: sock, Args: append([]string{"--grace", "1s"}, testBackend()...)})
 	ctx := context.Background()
 	const size = 1<<20 + 5
 	dial := func() *gpushm.Client {
@@ -81,7 +81,7 @@ func TestSurviveReleaseAndVersions(t *testing.T) {
 	if err := rs.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	d.crash(t)
+	d.Crash(t)
 	if err := rs.Reacquire(ctx); err != nil {
 		t.Fatalf("reacquire after a kill of the serving process: %v", err)
 	}
@@ -98,7 +98,7 @@ func TestSurviveReleaseAndVersions(t *testing.T) {
 		t.Fatal(err)
 	}
 	nm.WriteAt(remapBytes(2, size), 0)
-	d.crash(t)
+	d.Crash(t)
 	if stale, err := rs.Stale(ctx); err != nil || stale {
 		t.Fatalf("stale before the commit: %v, %v", stale, err)
 	}
@@ -109,7 +109,7 @@ func TestSurviveReleaseAndVersions(t *testing.T) {
 	if stale, err := rs.Stale(ctx); err != nil || !stale {
 		t.Fatalf("stale after the commit: %v, %v", stale, err)
 	}
-	d.crash(t)
+	d.Crash(t)
 	if changed, err := rs.Refresh(ctx); err != nil || !changed {
 		t.Fatalf("refresh after a kill: %v, %v", changed, err)
 	}
@@ -137,7 +137,7 @@ func TestSurviveReleaseAndVersions(t *testing.T) {
 	if _, _, err := r.CreateOnly(ctx, "fresh", size, nil); err != nil {
 		t.Fatal(err)
 	}
-	d.crash(t)
+	d.Crash(t)
 	if err := fresh.Commit(ctx); !errors.Is(err, syscall.EEXIST) {
 		t.Fatalf("commit over a segment made after the next version, across a kill = %v, want EEXIST", err)
 	}
@@ -147,7 +147,8 @@ func TestSurviveReleaseAndVersions(t *testing.T) {
 // replace it; put --new-version replaces it, and stat shows the version
 // and who still holds the old one.
 func TestPutNewVersion(t *testing.T) {
-	dir, sock := cliDaemon(t)
+	d := Start(t, Options{})
+	dir, sock := filepath.Dir(d.Socket()), d.Socket()
 	v1, v2 := filepath.Join(dir, "v1"), filepath.Join(dir, "v2")
 	os.WriteFile(v1, remapBytes(1, 70000), 0o644)
 	os.WriteFile(v2, remapBytes(2, 70000), 0o644)

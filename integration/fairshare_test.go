@@ -1,4 +1,4 @@
-package cli
+package integration
 
 import (
 	"context"
@@ -33,8 +33,8 @@ func TestHostileFairShare(t *testing.T) {
 	dir := socketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
-	startLimited(t, sock, testNOFILE, "--max-segments", strconv.Itoa(fairMaxSegments),
-		"--max-connections", strconv.Itoa(fairMaxConnections))
+	Start(t, Options{Socket: sock, NoFile: testNOFILE, Args: []string{"--max-segments", strconv.Itoa(fairMaxSegments),
+		"--max-connections", strconv.Itoa(fairMaxConnections)}})
 	ctx := context.Background()
 	// Root shares a segment, which the users' work reads.
 	root, err := gpushm.Dial(ctx, sock)
@@ -176,7 +176,7 @@ func TestHostileSixtyFourUsers(t *testing.T) {
 	dir := socketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
-	startLimited(t, sock, manyNOFILE)
+	Start(t, Options{Socket: sock, NoFile: manyNOFILE})
 	ctx := context.Background()
 	root, err := gpushm.Dial(ctx, sock)
 	if err != nil {
