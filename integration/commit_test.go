@@ -84,7 +84,33 @@ func TestPutKilled(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
+	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 5))
+	for _, w := range killedWriters(t, dir, sock) {
+		t.Run(w.kind, func(t *testing.T) { killWriters(t, d, c, w, rounds, rng) })
+	}
+	// Every name went or was removed: no memory is left behind.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		inf, err := c.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if inf.Usage.Segments == 0 && inf.Usage.Named == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			l, _ := c.List(ctx)
+			t.Fatalf("left behind: %+v: %+v", inf.Usage, l)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
 
+// killedWriters are TestPutKilled's writers of a file, a directory and
+// standard input through the CLI, and of a client of the library, each of
+// what it writes made in dir.
+func killedWriters(t *testing.T, dir, sock string) []killedWriter {
+	t.Helper()
 	file := filepath.Join(dir, "blob.bin")
 	if err := os.WriteFile(file, writerBytes()[:writerSize-12345], 0o644); err != nil {
 		t.Fatal(err)
@@ -104,7 +130,7 @@ func TestPutKilled(t *testing.T) {
 		cmd.Env = env
 		return cmd
 	}
-	writers := []killedWriter{
+	return []killedWriter{
 		{"file", func(name string) *exec.Cmd { return gpushmCmd("put", name, file) }},
 		{"dir", func(name string) *exec.Cmd { return gpushmCmd("put", name, ckpt) }},
 		{"stdin", func(name string) *exec.Cmd {
@@ -123,96 +149,82 @@ func TestPutKilled(t *testing.T) {
 			return cmd
 		}},
 	}
-	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 5))
-	for _, w := range writers {
-		t.Run(w.kind, func(t *testing.T) {
-			// Writers left alone: how long one takes (the median of three),
-			// and what a whole segment holds.
-			var runs []time.Duration
-			ref := "ref-" + w.kind
-			for k := range 3 {
-				start := time.Now()
-				if out, err := w.cmd(fmt.Sprintf("%s-%d", ref, k)).CombinedOutput(); err != nil {
-					t.Fatalf("%s writer: %v\n%s", w.kind, err, out)
-				}
-				runs = append(runs, time.Since(start))
-			}
-			slices.Sort(runs)
-			took := runs[1]
-			want, wantMeta := segmentBytes(t, c, ref+"-0")
-			for k := range 3 {
-				if got, _ := segmentBytes(t, c, fmt.Sprintf("%s-%d", ref, k)); !bytes.Equal(got, want) {
-					t.Fatalf("two whole %s writes differ", w.kind)
-				}
-				if err := c.Unlink(ctx, fmt.Sprintf("%s-%d", ref, k)); err != nil {
-					t.Fatal(err)
-				}
-			}
-			var gone, whole, caught, restarts int
-			for i := range rounds {
-				name := fmt.Sprintf("%s-%d", w.kind, i)
-				cmd := w.cmd(name)
-				var errb bytes.Buffer
-				cmd.Stderr = &errb
-				if err := cmd.Start(); err != nil {
-					t.Fatal(err)
-				}
-				restart := i%4 == 3
-				var serving int
-				if restart {
-					inf, err := d.info()
-					if err != nil {
-						t.Fatal(err)
-					}
-					serving = inf.PID
-				}
-				// A random moment of the writer's life, or just after it.
-				time.Sleep(time.Duration(rng.Int64N(int64(took) * 3 / 2)))
-				if restart && rng.IntN(2) == 0 {
-					syscall.Kill(serving, syscall.SIGKILL)
-				}
-				cmd.Process.Signal(syscall.SIGKILL)
-				if restart {
-					syscall.Kill(serving, syscall.SIGKILL)
-					d.waitServing(t, serving)
-					restarts++
-				}
-				if err := cmd.Wait(); err == nil && !restart {
-					// Finished before the kill: it must have committed.
-					if st, err := c.Stat(ctx, name); err != nil || st.Uncommitted {
-						t.Fatalf("%s: writer exited 0, stat = %+v, %v", name, st, err)
-					}
-				}
-				switch checkWholeOrGone(t, c, name, want, wantMeta, &caught) {
-				case true:
-					whole++
-					if err := c.Unlink(ctx, name); err != nil {
-						t.Fatal(err)
-					}
-				case false:
-					gone++
-				}
-			}
-			t.Logf("%s: %d rounds (%d with the serving process killed too; a writer runs %s): %d whole, %d gone, %d seen while incomplete",
-				w.kind, rounds, restarts, took.Round(time.Millisecond), whole, gone, caught)
-		})
+}
+
+// killWriters is TestPutKilled's test of one writer: rounds of it killed
+// at a random moment of its life, the serving process killed too in every
+// fourth, and what it wrote whole or gone after each.
+func killWriters(t *testing.T, d *Daemon, c *gpushm.Client, w killedWriter, rounds int, rng *rand.Rand) {
+	ctx := context.Background()
+	// Writers left alone: how long one takes (the median of three),
+	// and what a whole segment holds.
+	var runs []time.Duration
+	ref := "ref-" + w.kind
+	for k := range 3 {
+		start := time.Now()
+		if out, err := w.cmd(fmt.Sprintf("%s-%d", ref, k)).CombinedOutput(); err != nil {
+			t.Fatalf("%s writer: %v\n%s", w.kind, err, out)
+		}
+		runs = append(runs, time.Since(start))
 	}
-	// Every name went or was removed: no memory is left behind.
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		inf, err := c.Info(ctx)
-		if err != nil {
+	slices.Sort(runs)
+	took := runs[1]
+	want, wantMeta := segmentBytes(t, c, ref+"-0")
+	for k := range 3 {
+		if got, _ := segmentBytes(t, c, fmt.Sprintf("%s-%d", ref, k)); !bytes.Equal(got, want) {
+			t.Fatalf("two whole %s writes differ", w.kind)
+		}
+		if err := c.Unlink(ctx, fmt.Sprintf("%s-%d", ref, k)); err != nil {
 			t.Fatal(err)
 		}
-		if inf.Usage.Segments == 0 && inf.Usage.Named == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			l, _ := c.List(ctx)
-			t.Fatalf("left behind: %+v: %+v", inf.Usage, l)
-		}
-		time.Sleep(20 * time.Millisecond)
 	}
+	var gone, whole, caught, restarts int
+	for i := range rounds {
+		name := fmt.Sprintf("%s-%d", w.kind, i)
+		cmd := w.cmd(name)
+		var errb bytes.Buffer
+		cmd.Stderr = &errb
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		restart := i%4 == 3
+		var serving int
+		if restart {
+			inf, err := d.info()
+			if err != nil {
+				t.Fatal(err)
+			}
+			serving = inf.PID
+		}
+		// A random moment of the writer's life, or just after it.
+		time.Sleep(time.Duration(rng.Int64N(int64(took) * 3 / 2)))
+		if restart && rng.IntN(2) == 0 {
+			syscall.Kill(serving, syscall.SIGKILL)
+		}
+		cmd.Process.Signal(syscall.SIGKILL)
+		if restart {
+			syscall.Kill(serving, syscall.SIGKILL)
+			d.waitServing(t, serving)
+			restarts++
+		}
+		if err := cmd.Wait(); err == nil && !restart {
+			// Finished before the kill: it must have committed.
+			if st, err := c.Stat(ctx, name); err != nil || st.Uncommitted {
+				t.Fatalf("%s: writer exited 0, stat = %+v, %v", name, st, err)
+			}
+		}
+		switch checkWholeOrGone(t, c, name, want, wantMeta, &caught) {
+		case true:
+			whole++
+			if err := c.Unlink(ctx, name); err != nil {
+				t.Fatal(err)
+			}
+		case false:
+			gone++
+		}
+	}
+	t.Logf("%s: %d rounds (%d with the serving process killed too; a writer runs %s): %d whole, %d gone, %d seen while incomplete",
+		w.kind, rounds, restarts, took.Round(time.Millisecond), whole, gone, caught)
 }
 
 // segmentBytes opens name and returns its bytes and meta.

@@ -86,42 +86,7 @@ func TestHostileFairShare(t *testing.T) {
 		}
 	})
 
-	t.Run("connections", func(t *testing.T) {
-		var held []int
-		var msgs []string
-		for _, uc := range users {
-			n, code, msg := uc.ask(t, "conns 100000")
-			held, msgs = append(held, n+1), append(msgs, msg) // and the client's own
-			if code != "EAGAIN" || !strings.Contains(msg, "connections per user") && !strings.Contains(msg, "fair share of connections") {
-				t.Fatalf("uid %d: %d connections, then %s %q; want EAGAIN naming a limit", uc.uid, n, code, msg)
-			}
-			t.Logf("uid %d: %d more connections, then %s", uc.uid, n, msg)
-		}
-		// The first user stopped at its own limit; the second, which went on
-		// until half the daemon's limit, was then above its fair share among
-		// the eight (each client holds one), and refused for it.
-		if held[0] != userConns {
-			t.Errorf("uid %d held %d connections, want its limit %d", users[0].uid, held[0], userConns)
-		}
-		wantMsg := fmt.Sprintf("fair share of connections: uid %d holds %d and asked for 1 more, above its fair share of %d (%d shared by 8 users), while the daemon holds %d of its limit of %d (past %d, users above their fair share wait)",
-			users[1].uid, held[1], conns.Fair(8), conns.Cap-conns.Reserve(), conns.Open(), conns.Cap, conns.Open())
-		if !strings.Contains(msgs[1], wantMsg) {
-			t.Errorf("a user above its fair share: %q, want %q", msgs[1], wantMsg)
-		}
-		// The others took their fair share, and those that came after the
-		// fair shares were gone, Small each from the reserve.
-		for i, uc := range users[2:] {
-			if h := int64(held[i+2]); h > conns.Fair(8) || h < conns.Small() {
-				t.Errorf("uid %d held %d connections, want its fair share %d at most, the reserve's Small %d at least", uc.uid, h, conns.Fair(8), conns.Small())
-			}
-		}
-		// The second user, above Small, is refused for the reserve now.
-		_, code, msg := users[1].ask(t, "conns 1")
-		wantMsg = fmt.Sprintf("fair share of connections: uid %d holds %d and asked for 1 more, while the daemon holds", users[1].uid, held[1])
-		if code != "EAGAIN" || !strings.Contains(msg, wantMsg) {
-			t.Errorf("a user above the reserve's Small: %s %q, want EAGAIN %q", code, msg, wantMsg)
-		}
-	})
+	t.Run("connections", func(t *testing.T) { fairConnections(t, users, conns, userConns) })
 
 	t.Run("ninth user", func(t *testing.T) {
 		// Its client connects as it starts, then opens the rest of the
@@ -149,6 +114,46 @@ func TestHostileFairShare(t *testing.T) {
 			}
 		}
 	})
+}
+
+// fairConnections is TestHostileFairShare's test of connections: each of
+// users opens all it may, and is refused for its own limit, its fair
+// share or the reserve, with the numbers.
+func fairConnections(t *testing.T, users []*userClient, conns fairshare.Shares, userConns int) {
+	var held []int
+	var msgs []string
+	for _, uc := range users {
+		n, code, msg := uc.ask(t, "conns 100000")
+		held, msgs = append(held, n+1), append(msgs, msg) // and the client's own
+		if code != "EAGAIN" || !strings.Contains(msg, "connections per user") && !strings.Contains(msg, "fair share of connections") {
+			t.Fatalf("uid %d: %d connections, then %s %q; want EAGAIN naming a limit", uc.uid, n, code, msg)
+		}
+		t.Logf("uid %d: %d more connections, then %s", uc.uid, n, msg)
+	}
+	// The first user stopped at its own limit; the second, which went on
+	// until half the daemon's limit, was then above its fair share among
+	// the eight (each client holds one), and refused for it.
+	if held[0] != userConns {
+		t.Errorf("uid %d held %d connections, want its limit %d", users[0].uid, held[0], userConns)
+	}
+	wantMsg := fmt.Sprintf("fair share of connections: uid %d holds %d and asked for 1 more, above its fair share of %d (%d shared by 8 users), while the daemon holds %d of its limit of %d (past %d, users above their fair share wait)",
+		users[1].uid, held[1], conns.Fair(8), conns.Cap-conns.Reserve(), conns.Open(), conns.Cap, conns.Open())
+	if !strings.Contains(msgs[1], wantMsg) {
+		t.Errorf("a user above its fair share: %q, want %q", msgs[1], wantMsg)
+	}
+	// The others took their fair share, and those that came after the
+	// fair shares were gone, Small each from the reserve.
+	for i, uc := range users[2:] {
+		if h := int64(held[i+2]); h > conns.Fair(8) || h < conns.Small() {
+			t.Errorf("uid %d held %d connections, want its fair share %d at most, the reserve's Small %d at least", uc.uid, h, conns.Fair(8), conns.Small())
+		}
+	}
+	// The second user, above Small, is refused for the reserve now.
+	_, code, msg := users[1].ask(t, "conns 1")
+	wantMsg = fmt.Sprintf("fair share of connections: uid %d holds %d and asked for 1 more, while the daemon holds", users[1].uid, held[1])
+	if code != "EAGAIN" || !strings.Contains(msg, wantMsg) {
+		t.Errorf("a user above the reserve's Small: %s %q, want EAGAIN %q", code, msg, wantMsg)
+	}
 }
 
 // The daemon of TestHostileSixtyFourUsers runs under a descriptor limit of

@@ -189,38 +189,7 @@ func TestFUSECoreutils(t *testing.T) {
 		}
 	})
 
-	t.Run("rm while open", func(t *testing.T) {
-		data := []byte(strings.Repeat("keep me ", 1<<17))
-		before, _ := c.Info(ctx)
-		os.WriteFile(d.path("r"), data, 0o644)
-		seg, err := c.Open(ctx, "r", &gpushm.OpenOptions{ReadOnly: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		m, err := seg.Map()
-		if err != nil {
-			t.Fatal(err)
-		}
-		sh(t, "rm", d.path("r"))
-		if _, err := os.Stat(d.path("r")); !errors.Is(err, os.ErrNotExist) {
-			t.Fatalf("stat after rm = %v", err)
-		}
-		if !bytes.Equal(m.Bytes(), data) {
-			t.Fatal("the client lost the bytes of the removed file")
-		}
-		if info, _ := c.Info(ctx); info.Usage.Segments != before.Usage.Segments+1 || info.Usage.Named != before.Usage.Named {
-			t.Fatalf("usage while held = %+v, before = %+v", info.Usage, before.Usage)
-		}
-		seg.Close()
-		// The kernel sends RELEASE after close(2) has returned.
-		deadline := time.Now().Add(5 * time.Second)
-		for info, _ := c.Info(ctx); info.Usage != before.Usage; info, _ = c.Info(ctx) {
-			if time.Now().After(deadline) {
-				t.Fatalf("memory not freed after the last close: %+v", info.Usage)
-			}
-			time.Sleep(time.Millisecond)
-		}
-	})
+	t.Run("rm while open", func(t *testing.T) { fuseRmWhileOpen(t, d, c) })
 
 	t.Run("mv", func(t *testing.T) {
 		os.WriteFile(d.path("a"), []byte("moved"), 0o644)
@@ -231,38 +200,7 @@ func TestFUSECoreutils(t *testing.T) {
 		}
 	})
 
-	t.Run("chmod", func(t *testing.T) {
-		p := d.path("secret")
-		os.WriteFile(p, []byte("for root"), 0o644)
-		nobody := func(name string, args ...string) *exec.Cmd {
-			cmd := exec.Command(name, args...)
-			cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
-			return cmd
-		}
-		if out, err := nobody("cat", p).CombinedOutput(); err != nil || string(out) != "for root" {
-			t.Fatalf("nobody reads a 0644 file: %q, %v", out, err)
-		}
-		sh(t, "chmod", "600", p)
-		if out := mustRun(t, nil, "--socket", d.sock, "stat", "secret"); !strings.Contains(out, "0600") {
-			t.Fatalf("socket stat after chmod:\n%s", out)
-		}
-		shFails(t, nobody("cat", p), "Permission denied")
-		shFails(t, nobody("sh", "-c", "echo x >> "+p), "Permission denied")
-		shFails(t, nobody("rm", "-f", p), "Operation not permitted")
-		shFails(t, nobody("chmod", "666", p), "Operation not permitted")
-		shFails(t, nobody("truncate", "-s", "0", p), "Permission denied")
-		// A file nobody creates is nobody's, and root's rules still hold.
-		if out, err := nobody("sh", "-c", "echo mine > "+d.path("theirs")).CombinedOutput(); err != nil {
-			t.Fatalf("nobody creates a file: %v %s", err, out)
-		}
-		if inf, _ := c.Stat(ctx, "theirs"); inf.UID != 65534 || inf.GID != 65534 {
-			t.Fatalf("owner of nobody's file = %d:%d", inf.UID, inf.GID)
-		}
-		sh(t, "chown", "1000:1000", d.path("theirs"))
-		if inf, _ := c.Stat(ctx, "theirs"); inf.UID != 1000 || inf.GID != 1000 {
-			t.Fatalf("owner after chown = %d:%d", inf.UID, inf.GID)
-		}
-	})
+	t.Run("chmod", func(t *testing.T) { fuseChmod(t, d, c) })
 
 	t.Run("getfattr", func(t *testing.T) {
 		if _, err := exec.LookPath("getfattr"); err != nil {
@@ -322,6 +260,78 @@ func TestFUSECoreutils(t *testing.T) {
 	}
 	if ents, err := os.ReadDir(d.mnt); err != nil || len(ents) != 0 {
 		t.Fatalf("mount point after exit: %v, %v", ents, err)
+	}
+}
+
+// fuseChmod: chmod, chown and the rules they set, for root and for user
+// nobody, through coreutils.
+func fuseChmod(t *testing.T, d *fuseDaemon, c *gpushm.Client) {
+	ctx := context.Background()
+	p := d.path("secret")
+	os.WriteFile(p, []byte("for root"), 0o644)
+	nobody := func(name string, args ...string) *exec.Cmd {
+		cmd := exec.Command(name, args...)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+		return cmd
+	}
+	if out, err := nobody("cat", p).CombinedOutput(); err != nil || string(out) != "for root" {
+		t.Fatalf("nobody reads a 0644 file: %q, %v", out, err)
+	}
+	sh(t, "chmod", "600", p)
+	if out := mustRun(t, nil, "--socket", d.sock, "stat", "secret"); !strings.Contains(out, "0600") {
+		t.Fatalf("socket stat after chmod:\n%s", out)
+	}
+	shFails(t, nobody("cat", p), "Permission denied")
+	shFails(t, nobody("sh", "-c", "echo x >> "+p), "Permission denied")
+	shFails(t, nobody("rm", "-f", p), "Operation not permitted")
+	shFails(t, nobody("chmod", "666", p), "Operation not permitted")
+	shFails(t, nobody("truncate", "-s", "0", p), "Permission denied")
+	// A file nobody creates is nobody's, and root's rules still hold.
+	if out, err := nobody("sh", "-c", "echo mine > "+d.path("theirs")).CombinedOutput(); err != nil {
+		t.Fatalf("nobody creates a file: %v %s", err, out)
+	}
+	if inf, _ := c.Stat(ctx, "theirs"); inf.UID != 65534 || inf.GID != 65534 {
+		t.Fatalf("owner of nobody's file = %d:%d", inf.UID, inf.GID)
+	}
+	sh(t, "chown", "1000:1000", d.path("theirs"))
+	if inf, _ := c.Stat(ctx, "theirs"); inf.UID != 1000 || inf.GID != 1000 {
+		t.Fatalf("owner after chown = %d:%d", inf.UID, inf.GID)
+	}
+}
+
+// fuseRmWhileOpen: a file removed while a client holds it keeps its bytes
+// for the client, and its memory until the last close.
+func fuseRmWhileOpen(t *testing.T, d *fuseDaemon, c *gpushm.Client) {
+	ctx := context.Background()
+	data := []byte(strings.Repeat("keep me ", 1<<17))
+	before, _ := c.Info(ctx)
+	os.WriteFile(d.path("r"), data, 0o644)
+	seg, err := c.Open(ctx, "r", &gpushm.OpenOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := seg.Map()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh(t, "rm", d.path("r"))
+	if _, err := os.Stat(d.path("r")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("stat after rm = %v", err)
+	}
+	if !bytes.Equal(m.Bytes(), data) {
+		t.Fatal("the client lost the bytes of the removed file")
+	}
+	if info, _ := c.Info(ctx); info.Usage.Segments != before.Usage.Segments+1 || info.Usage.Named != before.Usage.Named {
+		t.Fatalf("usage while held = %+v, before = %+v", info.Usage, before.Usage)
+	}
+	seg.Close()
+	// The kernel sends RELEASE after close(2) has returned.
+	deadline := time.Now().Add(5 * time.Second)
+	for info, _ := c.Info(ctx); info.Usage != before.Usage; info, _ = c.Info(ctx) {
+		if time.Now().After(deadline) {
+			t.Fatalf("memory not freed after the last close: %+v", info.Usage)
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
 

@@ -71,84 +71,16 @@ func pidnsMain(dir string) error {
 		daemon.Process.Signal(syscall.SIGTERM)
 		daemon.Wait()
 	}()
-	ctx := context.Background()
-	info := func(notPID int) (*gpushm.Info, error) {
-		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-			c, err := gpushm.Dial(ctx, sock)
-			if err == nil {
-				c.SetReconnect(0)
-				var inf *gpushm.Info
-				inf, err = c.Info(ctx)
-				c.Close()
-				if err == nil && inf.PID != notPID {
-					return inf, nil
-				}
-			}
-			if time.Now().After(deadline) {
-				return nil, fmt.Errorf("no serving process other than %d: %v", notPID, err)
-			}
-		}
-	}
-	if _, err := info(0); err != nil {
+	if _, err := pidnsInfo(sock, 0); err != nil {
 		return err
 	}
-
-	// A, at a pid above any the daemon's threads took, connects and
-	// hands its connection over.
-	if err := setLastPID(9999); err != nil {
-		return err
-	}
-	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	fd, pid, err := connectionOfA(sock)
 	if err != nil {
 		return err
 	}
-	theirs := os.NewFile(uintptr(pair[1]), "pair")
-	a := exec.Command(os.Args[0])
-	a.Env = append(os.Environ(), "GPUSHM_TEST_PASSCONN="+sock)
-	a.ExtraFiles = []*os.File{theirs}
-	a.Stderr = os.Stderr
-	stdin, err := a.StdinPipe()
+	b, err := takePID(pid)
 	if err != nil {
 		return err
-	}
-	if err := a.Start(); err != nil {
-		return err
-	}
-	theirs.Close()
-	fd, err := recvFD(pair[0])
-	if err != nil {
-		return fmt.Errorf("the connection from A: %w", err)
-	}
-	pid := a.Process.Pid
-	stdin.Close()
-	if err := a.Wait(); err != nil {
-		return fmt.Errorf("A: %w", err)
-	}
-
-	// B gets A's pid, in a later clock tick than A started in. A process
-	// is named by its pid and its start time, which /proc gives in clock
-	// ticks (10 ms): only a pid namespace whose owner sets ns_last_pid, as
-	// this test does, can hand a pid on within one tick; outside one,
-	// cycling through the pids takes far longer.
-	time.Sleep(30 * time.Millisecond)
-	var b *exec.Cmd
-	for try := 0; ; try++ {
-		if err := setLastPID(pid - 1); err != nil {
-			return err
-		}
-		b = exec.Command("sleep", "1000")
-		if err := b.Start(); err != nil {
-			return err
-		}
-		if b.Process.Pid == pid {
-			break
-		}
-		b.Process.Kill()
-		b.Wait()
-		if try == 100 {
-			return fmt.Errorf("pid %d never came free for B", pid)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 	defer func() { b.Process.Kill(); b.Wait() }()
 	fmt.Printf("A was pid %d, B is pid %d\n", pid, b.Process.Pid)
@@ -175,16 +107,115 @@ func pidnsMain(dir string) error {
 		return err
 	}
 
-	inf, err := info(0)
+	inf, err := pidnsInfo(sock, 0)
 	if err != nil {
 		return err
 	}
 	syscall.Kill(inf.PID, syscall.SIGKILL)
-	if _, err := info(inf.PID); err != nil {
+	if _, err := pidnsInfo(sock, inf.PID); err != nil {
 		return err
 	}
+	if err := waitOnlyOwn(sock, pid); err != nil {
+		return err
+	}
+	if err := b.Process.Signal(syscall.Signal(0)); err != nil {
+		return fmt.Errorf("B: %w", err)
+	}
+	fmt.Println("ok pid reuse")
+	return nil
+}
+
+// pidnsInfo waits until a serving process other than notPID answers on
+// sock, for pidnsMain.
+func pidnsInfo(sock string, notPID int) (*gpushm.Info, error) {
+	ctx := context.Background()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		c, err := gpushm.Dial(ctx, sock)
+		if err == nil {
+			c.SetReconnect(0)
+			var inf *gpushm.Info
+			inf, err = c.Info(ctx)
+			c.Close()
+			if err == nil && inf.PID != notPID {
+				return inf, nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("no serving process other than %d: %v", notPID, err)
+		}
+	}
+}
+
+// connectionOfA runs A, at a pid above any the daemon's threads took,
+// which connects to sock and hands its connection over; it returns that
+// connection and A's pid, once A has exited.
+func connectionOfA(sock string) (fd, pid int, err error) {
+	if err := setLastPID(9999); err != nil {
+		return 0, 0, err
+	}
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return 0, 0, err
+	}
+	theirs := os.NewFile(uintptr(pair[1]), "pair")
+	a := exec.Command(os.Args[0])
+	a.Env = append(os.Environ(), "GPUSHM_TEST_PASSCONN="+sock)
+	a.ExtraFiles = []*os.File{theirs}
+	a.Stderr = os.Stderr
+	stdin, err := a.StdinPipe()
+	if err != nil {
+		return 0, 0, err
+	}
+	if err := a.Start(); err != nil {
+		return 0, 0, err
+	}
+	theirs.Close()
+	fd, err = recvFD(pair[0])
+	if err != nil {
+		return 0, 0, fmt.Errorf("the connection from A: %w", err)
+	}
+	pid = a.Process.Pid
+	stdin.Close()
+	if err := a.Wait(); err != nil {
+		return 0, 0, fmt.Errorf("A: %w", err)
+	}
+	return fd, pid, nil
+}
+
+// takePID starts B, which gets A's pid, in a later clock tick than A
+// started in. A process is named by its pid and its start time, which
+// /proc gives in clock ticks (10 ms): only a pid namespace whose owner
+// sets ns_last_pid, as this test does, can hand a pid on within one tick;
+// outside one, cycling through the pids takes far longer.
+func takePID(pid int) (*exec.Cmd, error) {
+	time.Sleep(30 * time.Millisecond)
+	for try := 0; ; try++ {
+		if err := setLastPID(pid - 1); err != nil {
+			return nil, err
+		}
+		b := exec.Command("sleep", "1000")
+		if err := b.Start(); err != nil {
+			return nil, err
+		}
+		if b.Process.Pid == pid {
+			return b, nil
+		}
+		b.Process.Kill()
+		b.Wait()
+		if try == 100 {
+			return nil, fmt.Errorf("pid %d never came free for B", pid)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// waitOnlyOwn waits until, after the restart and its grace period, the
+// daemon on sock holds only "own": A made "inherited", and A (pid) is
+// gone though B holds its pid.
+func waitOnlyOwn(sock string, pid int) error {
+	ctx := context.Background()
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		inf, err := info(0)
+		inf, err := pidnsInfo(sock, 0)
 		if err != nil {
 			return err
 		}
@@ -205,17 +236,12 @@ func pidnsMain(dir string) error {
 			names = append(names, s.Name)
 		}
 		if slices.Equal(names, []string{"own"}) {
-			break
+			return nil
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("after the restart and its grace period, with B (pid %d) alive: %v, want [own] (A made \"inherited\", and A is gone)", pid, names)
 		}
 	}
-	if err := b.Process.Signal(syscall.Signal(0)); err != nil {
-		return fmt.Errorf("B: %w", err)
-	}
-	fmt.Println("ok pid reuse")
-	return nil
 }
 
 // passConnMain is A of TestSurvivePidReuse: it connects to the daemon at

@@ -1,13 +1,16 @@
 package integration
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -304,4 +307,106 @@ func dumpDaemonLog(t *testing.T, log string) {
 		lines = lines[len(lines)-keep:]
 	}
 	fmt.Fprintf(os.Stderr, "%s:\n%s\n=== end of %s's daemon log\n", head, strings.Join(lines, "\n"), t.Name())
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// memfds counts a process's descriptors of segment memfds (not the epoch
+// page).
+func memfds(t *testing.T, pid int) int {
+	t.Helper()
+	dir := fmt.Sprintf("/proc/%d/fd", pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		// Segments' memfds, and the host memory evicted ones live in.
+		if l, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil &&
+			(strings.HasPrefix(l, "/memfd:gpushm (deleted)") || strings.HasPrefix(l, "/memfd:gpushm-spill (deleted)")) {
+			n++
+		}
+	}
+	return n
+}
+
+// pooled is how many memfds the serving process may hold for no segment:
+// its pool's allocations made ahead of time, once none is being made
+// (-1 while one is, which no count equals), and the spill memory it keeps
+// for the next eviction of its size.
+func pooled(inf *gpushm.Info) int {
+	spare := 0
+	if inf.Tiers != nil {
+		// Spill memory kept for the next eviction of its size.
+		spare = inf.Tiers.Spare
+	}
+	switch {
+	case inf.Pool == nil:
+		return spare
+	case inf.Pool.Filling > 0:
+		return -1
+	}
+	return inf.Pool.Ready + spare
+}
+
+// children lists a process's children (each thread's: a child belongs to
+// the thread that forked it).
+func children(pid int) []int {
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", pid))
+	var out []int
+	for _, task := range tasks {
+		b, _ := os.ReadFile(task)
+		for _, f := range strings.Fields(string(b)) {
+			n, _ := strconv.Atoi(f)
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// checkDaemonLog fails if the daemon logged an error other than the
+// deaths of serving processes the test caused.
+func checkDaemonLog(t *testing.T, log string) {
+	t.Helper()
+	for _, line := range strings.Split(log, "\n") {
+		if strings.Contains(line, "level=ERROR") && !strings.Contains(line, `msg="serving process died; restarting it"`) {
+			t.Errorf("daemon logged an error: %s", line)
+		}
+	}
+}
+
+// nonMemFDs counts a process's descriptors other than memfds: sockets,
+// pidfds, the lock, the listener, what a replacement of the supervisor
+// could leak.
+func nonMemFDs(t *testing.T, pid int) (int, []string) {
+	t.Helper()
+	dir := fmt.Sprintf("/proc/%d/fd", pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var links []string
+	for _, e := range ents {
+		if l, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil && !strings.HasPrefix(l, "/memfd:") {
+			links = append(links, l)
+		}
+	}
+	slices.Sort(links)
+	return len(links), links
 }

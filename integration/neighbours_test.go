@@ -274,45 +274,7 @@ func TestHostileNeighbour(t *testing.T) {
 		settle(t, "bytes", serving, sup, idle, supIdle, false)
 	})
 
-	t.Run("daemon segments", func(t *testing.T) {
-		// Root is exempt from the per-user limits, not from the daemon's:
-		// they keep the supervisor, which holds a descriptor of every
-		// segment, from running out.
-		c, err := gpushm.Dial(ctx, sock)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		made := 0
-		var refusal error
-		for i := 0; i < 2*testMaxSegments; i++ {
-			if _, _, err := c.CreateOnly(ctx, fmt.Sprint("r", i), 4096, nil); err != nil {
-				refusal = err
-				break
-			}
-			made++
-		}
-		// "shared" holds one already.
-		want := fmt.Sprintf("segments of the daemon (all users; a channel counts as 2): asked for 1, %d held, limit %d", testMaxSegments, testMaxSegments)
-		if made != testMaxSegments-1 || !errors.Is(refusal, syscall.ENOSPC) || !strings.Contains(refusal.Error(), want) {
-			t.Fatalf("root made %d segments, then %v; want %d, then ENOSPC %q", made, refusal, testMaxSegments-1, want)
-		}
-		full := statsOf(t, sup)
-		if full.fds >= testNOFILE-100 {
-			t.Fatalf("the supervisor holds %d descriptors of %d", full.fds, testNOFILE)
-		}
-		if _, code, msg := neighbour.ask(t, "read"); code != "OK" {
-			t.Fatalf("a neighbour's read of a shared segment with the daemon full: %s %s", code, msg)
-		}
-		for i := range made {
-			if err := c.Unlink(ctx, fmt.Sprint("r", i)); err != nil {
-				t.Fatal(err)
-			}
-		}
-		c.Close()
-		settle(t, "daemon segments", serving, sup, idle, supIdle, false)
-		neighbour.works(t, "after the daemon was full")
-	})
+	t.Run("daemon segments", func(t *testing.T) { daemonSegmentsFull(t, sock, serving, sup, idle, supIdle, neighbour) })
 
 	// Last: a daemon with a thread per connection keeps those threads.
 	t.Run("connections", func(t *testing.T) {
@@ -342,6 +304,50 @@ func TestHostileNeighbour(t *testing.T) {
 		}
 		hostile.ask(t, "close")
 	})
+}
+
+// daemonSegmentsFull is TestHostileNeighbour's test of the daemon's own
+// limit on segments, which root fills: refused with the numbers, the
+// supervisor's descriptors well below its limit, and the neighbour served.
+func daemonSegmentsFull(t *testing.T, sock string, serving, sup int, idle, supIdle procStats, neighbour *userClient) {
+	ctx := context.Background()
+	// Root is exempt from the per-user limits, not from the daemon's:
+	// they keep the supervisor, which holds a descriptor of every
+	// segment, from running out.
+	c, err := gpushm.Dial(ctx, sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	made := 0
+	var refusal error
+	for i := 0; i < 2*testMaxSegments; i++ {
+		if _, _, err := c.CreateOnly(ctx, fmt.Sprint("r", i), 4096, nil); err != nil {
+			refusal = err
+			break
+		}
+		made++
+	}
+	// "shared" holds one already.
+	want := fmt.Sprintf("segments of the daemon (all users; a channel counts as 2): asked for 1, %d held, limit %d", testMaxSegments, testMaxSegments)
+	if made != testMaxSegments-1 || !errors.Is(refusal, syscall.ENOSPC) || !strings.Contains(refusal.Error(), want) {
+		t.Fatalf("root made %d segments, then %v; want %d, then ENOSPC %q", made, refusal, testMaxSegments-1, want)
+	}
+	full := statsOf(t, sup)
+	if full.fds >= testNOFILE-100 {
+		t.Fatalf("the supervisor holds %d descriptors of %d", full.fds, testNOFILE)
+	}
+	if _, code, msg := neighbour.ask(t, "read"); code != "OK" {
+		t.Fatalf("a neighbour's read of a shared segment with the daemon full: %s %s", code, msg)
+	}
+	for i := range made {
+		if err := c.Unlink(ctx, fmt.Sprint("r", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.Close()
+	settle(t, "daemon segments", serving, sup, idle, supIdle, false)
+	neighbour.works(t, "after the daemon was full")
 }
 
 // TestOutOfDescriptorsAnswered: with no connection limits, a daemon that

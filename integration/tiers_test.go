@@ -325,6 +325,35 @@ func TestTiers(t *testing.T) {
 	}
 	t.Logf("%d evictions, %d restores; device peak %d of %d", inf.Tiers.Evictions, inf.Tiers.Restores, dt.Peak, budget)
 
+	checkEvictionOrder(t, sock, names, seeds, readers[0])
+	checkTierErrors(t, sock, holder, budget, seg)
+
+	// A restart keeps every segment in its tier, and every byte.
+	before := tiersOf(t, sock)
+	inf, _ = d.info()
+	if err := syscall.Kill(inf.PID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	d.waitServing(t, inf.PID)
+	if after := tiersOf(t, sock); !mapsEqual(before, after) {
+		t.Fatalf("tiers before the restart %v, after %v", before, after)
+	}
+	cmd := "read"
+	for _, name := range append(names, "held", "pinned") {
+		cmd += fmt.Sprintf(" %s:%d", name, seeds[name])
+	}
+	readers[1].ask(t, 1, cmd) // restores wait for the grace period to make room
+	inf, _ = d.info()
+	if inf.Tiers.Devices[0].Peak > budget {
+		t.Fatalf("after the restart: %+v", inf.Tiers.Devices[0])
+	}
+}
+
+// checkEvictionOrder is TestTiers's test of the order of eviction, through
+// evict, load and reader's opens, of the segments names (seeds their
+// patterns).
+func checkEvictionOrder(t *testing.T, sock string, names []string, seeds map[string]uint64, reader *chaosClient) {
+	t.Helper()
 	// The order of eviction is the order of last opens: with pinned and
 	// s01-s06 on the device, in that order of use, each open of another
 	// evicts the least recently opened.
@@ -335,11 +364,11 @@ func TestTiers(t *testing.T) {
 		mustRun(t, nil, "--socket", sock, "load", name)
 		time.Sleep(2 * time.Millisecond)
 	}
-	readers[0].ask(t, 0, fmt.Sprintf("read s02:%d", seeds["s02"])) // s02 is now the most recent
+	reader.ask(t, 0, fmt.Sprintf("read s02:%d", seeds["s02"])) // s02 is now the most recent
 	time.Sleep(2 * time.Millisecond)
-	readers[0].ask(t, 0, fmt.Sprintf("read s07:%d", seeds["s07"])) // evicts s01
+	reader.ask(t, 0, fmt.Sprintf("read s07:%d", seeds["s07"])) // evicts s01
 	time.Sleep(2 * time.Millisecond)
-	readers[0].ask(t, 0, fmt.Sprintf("read s08:%d", seeds["s08"])) // evicts s03
+	reader.ask(t, 0, fmt.Sprintf("read s08:%d", seeds["s08"])) // evicts s03
 	got := tiersOf(t, sock)
 	want := map[string]string{"pinned": "gpu", "s01": "host", "s02": "gpu", "s03": "host", "s04": "gpu",
 		"s05": "gpu", "s06": "gpu", "s07": "gpu", "s08": "gpu", "held": "host"}
@@ -348,7 +377,12 @@ func TestTiers(t *testing.T) {
 			t.Fatalf("after loading s01-s06 and reading s02, s07, s08: %v, want %v", got, want)
 		}
 	}
+}
 
+// checkTierErrors is TestTiers's test of what evict, load and create
+// refuse, and of the host budget, with holder holding segments for it.
+func checkTierErrors(t *testing.T, sock string, holder *chaosClient, budget, seg int) {
+	t.Helper()
 	// Errors.
 	holder.ask(t, 0, "hold s02")
 	mustFail(t, "it is open", "--socket", sock, "evict", "s02")
@@ -371,26 +405,6 @@ func TestTiers(t *testing.T) {
 	}
 	for i := range 7 {
 		mustRun(t, nil, "--socket", sock, "rm", fmt.Sprintf("more%d", i))
-	}
-
-	// A restart keeps every segment in its tier, and every byte.
-	before := tiersOf(t, sock)
-	inf, _ = d.info()
-	if err := syscall.Kill(inf.PID, syscall.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-	d.waitServing(t, inf.PID)
-	if after := tiersOf(t, sock); !mapsEqual(before, after) {
-		t.Fatalf("tiers before the restart %v, after %v", before, after)
-	}
-	cmd := "read"
-	for _, name := range append(names, "held", "pinned") {
-		cmd += fmt.Sprintf(" %s:%d", name, seeds[name])
-	}
-	readers[1].ask(t, 1, cmd) // restores wait for the grace period to make room
-	inf, _ = d.info()
-	if inf.Tiers.Devices[0].Peak > budget {
-		t.Fatalf("after the restart: %+v", inf.Tiers.Devices[0])
 	}
 }
 
@@ -460,38 +474,7 @@ func TestSurviveTiers(t *testing.T) {
 	churned := make(chan error, 1)
 	var moves atomic.Int64
 	var busy atomic.Bool // an evict or a load is on its way
-	go func() {
-		cc, err := gpushm.Dial(ctx, d.socket)
-		if err != nil {
-			churned <- err
-			return
-		}
-		defer cc.Close()
-		rng := rand.New(rand.NewPCG(1, 2))
-		for {
-			select {
-			case <-stop:
-				churned <- nil
-				return
-			default:
-			}
-			name := names[rng.IntN(count)]
-			busy.Store(true)
-			if rng.IntN(2) == 0 {
-				_, err = cc.Evict(ctx, name)
-			} else {
-				_, err = cc.Load(ctx, name)
-			}
-			busy.Store(false)
-			// Refused while the grace period keeps segments in doubt, or
-			// cut by a kill that the retry found done: neither is lost.
-			if err != nil && !errors.Is(err, syscall.EBUSY) && !errors.Is(err, syscall.ENOSPC) {
-				churned <- err
-				return
-			}
-			moves.Add(1)
-		}
-	}()
+	go func() { churned <- churnTiers(d.socket, names, stop, &moves, &busy) }()
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 3))
 	// At least half the kills must come mid-move: a busy machine that
 	// lets the churn fall idle more often gets more rounds, not a failure.
@@ -542,6 +525,41 @@ func TestSurviveTiers(t *testing.T) {
 	}
 	t.Logf("%d kills, %d of them while an evict or a load was on its way, during %d evictions and loads; tiers at the end %v",
 		rounds, midMove, moves.Load(), tiers)
+}
+
+// churnTiers evicts and loads names on sock back to back, from a client of
+// its own that rides out the kills (it reconnects and sends its request
+// again), until stop; it counts the moves, and says in busy when one is
+// on its way.
+func churnTiers(sock string, names []string, stop <-chan struct{}, moves *atomic.Int64, busy *atomic.Bool) error {
+	ctx := context.Background()
+	cc, err := gpushm.Dial(ctx, sock)
+	if err != nil {
+		return err
+	}
+	defer cc.Close()
+	rng := rand.New(rand.NewPCG(1, 2))
+	for {
+		select {
+		case <-stop:
+			return nil
+		default:
+		}
+		name := names[rng.IntN(len(names))]
+		busy.Store(true)
+		if rng.IntN(2) == 0 {
+			_, err = cc.Evict(ctx, name)
+		} else {
+			_, err = cc.Load(ctx, name)
+		}
+		busy.Store(false)
+		// Refused while the grace period keeps segments in doubt, or
+		// cut by a kill that the retry found done: neither is lost.
+		if err != nil && !errors.Is(err, syscall.EBUSY) && !errors.Is(err, syscall.ENOSPC) {
+			return err
+		}
+		moves.Add(1)
+	}
 }
 
 // settledMemfds counts pid's segment memfds until the count is want, for
