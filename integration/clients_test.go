@@ -86,18 +86,6 @@ func askAll(t *testing.T, clients []*chaosClient, cmd string) []string {
 	return out
 }
 
-// dialOnce connects to sock with a client that does not reconnect: one
-// that checks what survived a restart must not ride a restart itself.
-func dialOnce(t *testing.T, sock string) *gpushm.Client {
-	t.Helper()
-	c, err := gpushm.Dial(context.Background(), sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.SetReconnect(0)
-	return c
-}
-
 // waitNamesAt waits until the daemon at sock names exactly want.
 func waitNamesAt(t *testing.T, sock string, want []string, why string) {
 	t.Helper()
@@ -125,4 +113,16 @@ func listAtQuiet(sock string) []string {
 		out = append(out, s.Name)
 	}
 	return out
+}
+
+// dialOnce connects to sock with a client that does not reconnect: one
+// that checks what survived a restart must not ride a restart itself.
+func dialOnce(t *testing.T, sock string) *gpushm.Client {
+	t.Helper()
+	c, err := gpushm.Dial(context.Background(), sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetReconnect(0)
+	return c
 }

@@ -3,7 +3,6 @@ package integration
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -74,7 +73,7 @@ func TestPutKilled(t *testing.T) {
 	if testing.Short() {
 		rounds = 4
 	}
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "1s"}})
 	t.Setenv("GPUSHM_SOCKET", sock)
@@ -364,7 +363,7 @@ func TestPutIncomplete(t *testing.T) {
 // an upgrade of the serving process (the request goes to the successor)
 // and through its crash (the clients ask again), and get the segment.
 func TestWaitAcrossRestarts(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "1s", "--log-level", "debug"}})
 	t.Setenv("GPUSHM_SOCKET", sock)
@@ -421,12 +420,12 @@ func TestWaitAcrossRestarts(t *testing.T) {
 // TestSurviveCommitMeta: the meta a commit carried is journaled with the
 // commit, so a bundle keeps its origin when the serving process is killed.
 func TestSurviveCommitMeta(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock})
 	t.Setenv("GPUSHM_SOCKET", sock)
 	path := filepath.Join(dir, "model.safetensors")
-	os.WriteFile(path, safetensorsFile(goodHeader, make([]byte, 22)), 0o644)
+	os.WriteFile(path, testutil.SafetensorsFile(goodHeader, make([]byte, 22)), 0o644)
 	mustRun(t, nil, "put", "model", path)
 	before := stated(t, "model").Meta
 	if o := bundleOrigin(t, before); o == nil || len(o.Files) != 1 {
@@ -465,12 +464,6 @@ func bundleOrigin(t *testing.T, meta json.RawMessage) *layout.Origin {
 		t.Fatalf("meta %s: %v", meta, err)
 	}
 	return m.Origin
-}
-
-// safetensorsFile lays out header JSON and data as a safetensors file.
-func safetensorsFile(header string, data []byte) []byte {
-	b := binary.LittleEndian.AppendUint64(nil, uint64(len(header)))
-	return append(append(b, header...), data...)
 }
 
 const goodHeader = `{"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]},"e":{"dtype":"F4","shape":[0],"data_offsets":[22,22]}}   `

@@ -14,11 +14,12 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"golang.org/x/sys/unix"
 )
 
 func TestDaemonReplacesStaleSocket(t *testing.T) {
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
 	fd, _ := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET, 0)
 	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: sock}); err != nil {
 		t.Fatal(err)
@@ -51,7 +52,7 @@ func TestMetricsEndpoint(t *testing.T) {
 	}
 	addr := l.Addr().String()
 	l.Close()
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
 	Start(t, Options{Socket: sock, Args: []string{"--metrics-listen", addr}})
 	mustRun(t, nil, "--socket", sock, "create", "m", "1M")
 	resp, err := http.Get("http://" + addr + "/metrics")
@@ -74,7 +75,7 @@ func TestMetricsEndpoint(t *testing.T) {
 }
 
 func TestSocketGroupAndWideList(t *testing.T) {
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
 	Start(t, Options{Socket: sock, Args: []string{"--socket-group", "nogroup"}})
 	st, err := os.Stat(sock)
 	if err != nil {

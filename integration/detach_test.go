@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // TestDaemonDetach: 'daemon --detach' returns once its daemon answers, so
@@ -19,7 +21,7 @@ import (
 // daemon that cannot start is said so, with its log's end, and a non-zero
 // exit.
 func TestDaemonDetach(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock, logf := filepath.Join(dir, "gpushm.sock"), filepath.Join(dir, "state", "daemon.log")
 	r := cli(t, nil, "daemon", "--detach", "--socket", sock, "--backend", "host", "--log-file", logf)
 	m := regexp.MustCompile(`serving on \S+ \(pid (\d+)\); its log: (\S+)`).FindStringSubmatch(r.stderr)
@@ -65,7 +67,7 @@ func TestDaemonDetach(t *testing.T) {
 // the caller holds, which must not live on in the daemon.
 func TestDetachAttacks(t *testing.T) {
 	requireRoot(t)
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
 	other := filepath.Join(dir, "others")

@@ -13,6 +13,7 @@ import (
 	"github.com/gpushm/gpushm/internal/fairshare"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/server"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // fairUIDs are the users of TestHostileFairShare: eight fill their limits,
@@ -30,7 +31,7 @@ const (
 // with the rule and its numbers (docs/security.md, "Fair shares").
 func TestHostileFairShare(t *testing.T) {
 	requireUsers(t)
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
 	Start(t, Options{Socket: sock, NoFile: testNOFILE, Args: []string{"--max-segments", strconv.Itoa(fairMaxSegments),
@@ -178,7 +179,7 @@ const (
 // and creates its reserve (docs/security.md, "Fair shares").
 func TestHostileSixtyFourUsers(t *testing.T) {
 	requireUsers(t)
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
 	Start(t, Options{Socket: sock, NoFile: manyNOFILE})

@@ -38,7 +38,7 @@ func TestEveryUserFindsTheNodesDaemon(t *testing.T) {
 
 	// Nobody's runtime directory, with no daemon in it, and a temporary
 	// directory for nobody without one.
-	home := socketDir(t)
+	home := testutil.SocketDir(t)
 	os.Chmod(home, 0o755)
 	xdg, tmp := filepath.Join(home, "xdg"), filepath.Join(home, "tmp")
 	for _, d := range []string{xdg, tmp} {
@@ -228,7 +228,7 @@ func (ns *mountNS) startDaemon(t *testing.T, bin string) int {
 			cmd.Process.Kill()
 			<-done
 		}
-		dumpDaemonLog(t, log.String())
+		testutil.DumpDaemonLog(t, log.String())
 	})
 	for i := 0; ns.run(t, bin, nil, nil, "info").code != 0; i++ {
 		if i > 500 {
@@ -259,7 +259,7 @@ func TestPutNeverReachesASquatter(t *testing.T) {
 	asVictim := &syscall.Credential{Uid: victim, Gid: victim}
 	asSquatter := &syscall.Credential{Uid: squatter, Gid: squatter}
 
-	tmp := socketDir(t) // the victim's $TMPDIR, open to all as /tmp is
+	tmp := testutil.SocketDir(t) // the victim's $TMPDIR, open to all as /tmp is
 	os.Chmod(tmp, 0o777|os.ModeSticky)
 	mkdir := func(dir string, mode os.FileMode, uid int) {
 		if err := os.Mkdir(dir, mode); err != nil {
@@ -317,7 +317,7 @@ func TestUsersOwnDaemon(t *testing.T) {
 	bin := binaryForOthers(t)
 	const user = 4242
 	cred := &syscall.Credential{Uid: user, Gid: user}
-	tmp := socketDir(t)
+	tmp := testutil.SocketDir(t)
 	os.Chmod(tmp, 0o777|os.ModeSticky)
 	env := []string{"TMPDIR=" + tmp}
 	for _, kv := range os.Environ() {

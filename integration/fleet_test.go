@@ -87,7 +87,7 @@ func TestNVMLInInfoAndMetrics(t *testing.T) {
 	t.Setenv(nvmltest.ModeEnv, "ok")
 	t.Setenv(nvmltest.PIDsEnv, fmt.Sprintf("%d:1048576,4194303:3145728", sleeper.Process.Pid))
 
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755) // for the client running as nobody
 	sock := filepath.Join(dir, "gpushm.sock")
 	addr := freePort(t)
@@ -138,7 +138,7 @@ func TestNVMLInInfoAndMetrics(t *testing.T) {
 func TestNVMLFailingAtStart(t *testing.T) {
 	t.Setenv("LD_LIBRARY_PATH", nvmltest.Build(t))
 	t.Setenv(nvmltest.ModeEnv, "init-fails")
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 
 	// auto: serve without NVML, and say so in the log and in info.
 	sock := filepath.Join(dir, "auto.sock")
@@ -221,7 +221,7 @@ func binaryForOthers(t *testing.T) string {
 
 func TestBadStart(t *testing.T) {
 	requireRoot(t)
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755)
 	mkdir := func(name string, mode os.FileMode, uid int) string {
 		p := filepath.Join(dir, name)

@@ -101,7 +101,7 @@ type fuseDaemon struct {
 func startFUSEDaemon(t *testing.T) *fuseDaemon {
 	t.Helper()
 	testutil.RequireFUSE(t)
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	// Another user must reach the socket and the mount below.
 	if err := os.Chmod(dir, 0o755); err != nil {
 		t.Fatal(err)

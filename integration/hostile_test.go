@@ -15,6 +15,7 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/bench"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -213,7 +214,7 @@ func TestHostileIdleConnections(t *testing.T) {
 	if os.Geteuid() == 0 {
 		uid = crowdUID
 	}
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755) // the crowd's user connects
 	sock := filepath.Join(dir, "gpushm.sock")
 	// The per-user and daemon connection limits would turn most of the
@@ -276,7 +277,7 @@ func TestHostileConnectChurn(t *testing.T) {
 		rate = 1000 // cycles a second
 		span = 10 * time.Second
 	)
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock})
 	inf, err := d.info()
@@ -375,7 +376,7 @@ func rawAsk(c *wire.Conn, msg string) (*wire.Reply, error) {
 // process on the same socket, with the segments bound to it.
 func TestSurviveUpgradeIdleConnections(t *testing.T) {
 	const n, bound = 500, 20
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock})
 	before, err := d.info()

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -33,7 +34,7 @@ func TestSurvivePidReuse(t *testing.T) {
 	if os.Getuid() != 0 {
 		t.Skip("needs root: a pid namespace, to give a process the pid of one that exited")
 	}
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755)
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), "GPUSHM_TEST_PIDNS="+dir)
@@ -329,7 +330,7 @@ func TestSurviveStoppedHolder(t *testing.T) {
 	if testing.Short() {
 		stopped = 10 * time.Second
 	}
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: append([]string{"--grace", "1s"}, testBackend()...)})
 	ctx := context.Background()
@@ -427,7 +428,7 @@ func TestSurviveStoppedHolder(t *testing.T) {
 // a TTL after the client exits.
 func TestSurviveTTLDeadline(t *testing.T) {
 	const ttl = 4 * time.Second
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: append([]string{"--grace", "1s"}, testBackend()...)})
 	ctx := context.Background()

@@ -14,6 +14,7 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // started is a CLI process running in the background.
@@ -239,7 +240,7 @@ func TestInterruptPut(t *testing.T) {
 	})
 
 	src := filepath.Join(dir, "big.bin")
-	sparseFile(t, src, nil, 1<<30)
+	testutil.SparseFile(t, src, nil, 1<<30)
 	for _, copier := range []string{"daemon", "client"} {
 		t.Run(copier, func(t *testing.T) {
 			name := "big-" + copier
@@ -270,23 +271,5 @@ func TestInterruptPut(t *testing.T) {
 	}
 	for _, s := range names() {
 		t.Errorf("segment %s left", s.Name)
-	}
-}
-
-// sparseFile makes a file of size bytes, all holes but for marks at each
-// end and in the middle: fast to read, and every step of a copy differs.
-func sparseFile(t *testing.T, path string, header []byte, size int64) {
-	t.Helper()
-	f, err := os.Create(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	f.Write(header)
-	for _, off := range []int64{int64(len(header)), size / 3, size / 2, size - 8} {
-		f.WriteAt([]byte("gpushm!!"), off)
-	}
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
 	}
 }

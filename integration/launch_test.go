@@ -44,7 +44,7 @@ type Options struct {
 func Start(t *testing.T, o Options) *Daemon {
 	t.Helper()
 	if o.Socket == "" {
-		o.Socket = filepath.Join(socketDir(t), "gpushm.sock")
+		o.Socket = filepath.Join(testutil.SocketDir(t), "gpushm.sock")
 		t.Setenv("GPUSHM_SOCKET", o.Socket)
 	}
 	if o.Exe == "" {
@@ -70,7 +70,7 @@ func Start(t *testing.T, o Options) *Daemon {
 		// Supervisors started by serving processes, and serving processes
 		// whose supervisor is gone, are not our children.
 		d.Kill()
-		dumpDaemonLog(t, d.log.String())
+		testutil.DumpDaemonLog(t, d.log.String())
 	})
 	d.waitServing(t, 0)
 	return d
@@ -83,17 +83,6 @@ func (d *Daemon) Kill() {
 	testutil.KillDaemon(d.socket, nil)
 	d.cmd.Process.Kill()
 	<-d.done
-}
-
-// socketDir makes a directory for a socket, removed when the test ends;
-// not t.TempDir, whose paths can be too long for a socket's.
-func socketDir(t *testing.T) string {
-	dir, err := os.MkdirTemp("", "gpushm-cli-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return dir
 }
 
 // Daemon is a 'gpushm daemon' that Start started (the supervisor).
@@ -290,23 +279,6 @@ func (d *Daemon) stopAdopted(t *testing.T) {
 	if !strings.Contains(d.log.String(), `msg=stopped role=supervisor`) {
 		t.Fatalf("supervisor %d did not say it stopped", d.pid)
 	}
-}
-
-// dumpDaemonLog writes a failed test's daemon log to stderr, its last lines
-// only, at cleanup: that is before the test's own output, so the failure
-// itself is what a log read from its end shows first.
-func dumpDaemonLog(t *testing.T, log string) {
-	if !t.Failed() {
-		return
-	}
-	const keep = 200
-	lines := strings.Split(strings.TrimRight(log, "\n"), "\n")
-	head := fmt.Sprintf("=== %s: daemon log", t.Name())
-	if len(lines) > keep {
-		head += fmt.Sprintf(", its last %d lines of %d", keep, len(lines))
-		lines = lines[len(lines)-keep:]
-	}
-	fmt.Fprintf(os.Stderr, "%s:\n%s\n=== end of %s's daemon log\n", head, strings.Join(lines, "\n"), t.Name())
 }
 
 type syncBuffer struct {

@@ -21,8 +21,6 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-
-	"golang.org/x/sys/unix"
 )
 
 // gpushmBin is the gpushm binary the tests run.
@@ -158,14 +156,4 @@ func errorSays(stderr, want string) bool {
 		}
 	}
 	return false
-}
-
-// memTotal is this machine's memory in bytes, as the host backend sees it.
-func memTotal(t *testing.T) int64 {
-	t.Helper()
-	var si unix.Sysinfo_t
-	if err := unix.Sysinfo(&si); err != nil {
-		t.Fatal(err)
-	}
-	return int64(si.Totalram) * int64(si.Unit)
 }

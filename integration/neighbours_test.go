@@ -21,6 +21,7 @@ import (
 
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/bench"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -199,7 +200,7 @@ func requireUsers(t *testing.T) {
 // daemon's threads, descriptors and memory go back to their idle values.
 func TestHostileNeighbour(t *testing.T) {
 	requireUsers(t)
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, NoFile: testNOFILE})
@@ -354,7 +355,7 @@ func daemonSegmentsFull(t *testing.T, sock string, serving, sup int, idle, supId
 // runs out of descriptors still answers every new connection, with EMFILE
 // and why, and serves again once connections close.
 func TestOutOfDescriptorsAnswered(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, NoFile: 256, Args: []string{"--max-connections", "0", "--user-connections", "0", "--max-segments", "64"}})
 	ctx := context.Background()
@@ -413,7 +414,7 @@ func TestOutOfDescriptorsAnswered(t *testing.T) {
 // write, or open again for writing.
 func TestReadOnlyDescriptors(t *testing.T) {
 	requireUsers(t)
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
 	Start(t, Options{Socket: sock, NoFile: testNOFILE})

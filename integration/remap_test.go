@@ -14,6 +14,7 @@ import (
 	"unsafe"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 func remapBytes(seed uint64, n int64) []byte {
@@ -44,7 +45,7 @@ func remapRead(t *testing.T, m *gpushm.Mapping) []byte {
 // its writer commits it afterwards, and the reader refreshes onto it at
 // the same addresses; the version number survives a kill too.
 func TestSurviveReleaseAndVersions(t *testing.T) {
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: append([]string{"--grace", "1s"}, testBackend()...)})
 	ctx := context.Background()
 	const size = 1<<20 + 5

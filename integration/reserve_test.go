@@ -8,6 +8,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // TestSupervisorHoldsTheReserve: the supervisor holds the host reserve's
@@ -17,7 +19,7 @@ import (
 // machine); once the successor serves, the supervisor lets the old reserve
 // go and holds the successor's.
 func TestSupervisorHoldsTheReserve(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	// 64 MiB: five pieces (backend.reserveLayout: 50, 6, 4, 2 and 2 MiB).
 	const pieces = 5

@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // The daemon copies (fill, dump) for as long as a file's reads take, and a
@@ -222,7 +223,7 @@ func putAs(t *testing.T, bin, sock string, uid int, name, path string, d time.Du
 func copiesDaemon(t *testing.T) (sock string, sfs *stallFS, mnt, bin, plain string) {
 	t.Helper()
 	requireUsers(t)
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755)
 	sock = filepath.Join(dir, "gpushm.sock")
 	Start(t, Options{Socket: sock, Args: testBackend()})

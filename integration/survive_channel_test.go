@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // Channels across crashes, upgrades and a killed supervisor: no message
@@ -458,7 +459,7 @@ func takeLeftMessages(t *testing.T, c *gpushm.Client, specs []chanSpec) {
 // every stream ends with EOF after its producer closes, and stopping the
 // daemon logs no error.
 func TestSurviveChannels(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "30s"}})
 	specs := []chanSpec{{"A", 4, 4096}, {"B", 2, 65536}, {"C", 4, 4096}, {"D", 3, 12345}, {"E", 8, 100}}
@@ -517,7 +518,7 @@ func TestSurviveChannels(t *testing.T) {
 // consumer gets every message once, in order, each holding its own
 // sequence number in every word, and then EOF after the producer closes.
 func TestSurviveChannel(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "30s"}})
 	specs := []chanSpec{{"stream", 4, 4096}}
@@ -560,7 +561,7 @@ func TestSurviveChannel(t *testing.T) {
 // starts after the next kill serves the channels from what it holds. A
 // supervisor's death makes no end connect again.
 func TestSurviveSupervisorChannel(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "30s"}})
 	specs := []chanSpec{{"A", 4, 4096}, {"B", 2, 65536}, {"C", 3, 12345}}

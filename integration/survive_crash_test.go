@@ -39,7 +39,7 @@ func TestSurviveChaos(t *testing.T) {
 	if n, err := strconv.Atoi(os.Getenv("GPUSHM_CHAOS_KILLS")); err == nil {
 		kills = n
 	}
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755) // a client runs as another user
 	sock := filepath.Join(dir, "gpushm.sock")
 	mnt := filepath.Join(dir, "mnt")

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // Leases and temporary segments across crashes of the serving process:
@@ -129,7 +130,7 @@ func startHolder(t *testing.T, sock string, k int, prefix string) *chaosClient {
 // temporary segment; the temporary segment of a client that died while
 // the daemon was down ends at once, not when the grace period does.
 func TestSurviveReclaim(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "2s"}})
 	holder := startHolder(t, sock, 0, "held")
@@ -218,7 +219,7 @@ func TestSurviveReclaim(t *testing.T) {
 // would be), and what the client writes after the grace period is what
 // another process reads.
 func TestSurviveIdleHolder(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "1s"}})
 	holder := startHolder(t, sock, 0, "held")
@@ -353,7 +354,7 @@ func TestSurviveIdle(t *testing.T) {
 	if testing.Short() {
 		idle = 10 * time.Second
 	}
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "1s"}})
 	cc := startIdle(t, sock, "idle-share")
@@ -408,7 +409,7 @@ func TestSurviveIdle(t *testing.T) {
 // grace period (10 minutes here) ends: one killed while no serving process
 // ran, one after the new one started. A live idle creator keeps its own.
 func TestSurviveKilledCreator(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "10m"}})
 	during := startIdle(t, sock, "killed-during")
@@ -440,7 +441,7 @@ func TestSurviveKilledCreator(t *testing.T) {
 // serving process, without a call in between, ends its temporary segment
 // then, not when its process exits.
 func TestSurviveCloseAfterCrash(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "10m"}})
 	cc := startIdle(t, sock, "closed")

@@ -25,7 +25,7 @@ import (
 // started in place of a dead one is named as the first, not "exe" after
 // the /proc/self/exe it is exec'd through.
 func TestSurviveSupervisorNames(t *testing.T) {
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
 	d := Start(t, Options{Socket: sock})
 	inf, err := d.info()
 	if err != nil {
@@ -73,7 +73,7 @@ func TestSurviveSupervisor(t *testing.T) {
 	if n, err := strconv.Atoi(os.Getenv("GPUSHM_SUPERVISOR_KILLS")); err == nil {
 		kills = n
 	}
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755)
 	sock := filepath.Join(dir, "gpushm.sock")
 	d := Start(t, Options{Socket: sock, Args: []string{"--grace", "3s"}})

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // Upgrades: a new binary on disk, SIGHUP, and nothing lost.
@@ -23,7 +25,7 @@ func TestSurviveUpgrade(t *testing.T) {
 	if testing.Short() {
 		upgrades = 3
 	}
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755)
 	exe := filepath.Join(dir, "gpushm")
 	install := func() os.FileInfo {

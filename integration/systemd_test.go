@@ -293,7 +293,7 @@ func infoAt(t *testing.T, sock string) *gpushm.Info {
 // daemon that serves what it can prove and keeps the rest as orphans,
 // listed and removable.
 func TestSurviveSystemd(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	m := newFakeManager(t, dir)
 	svc := m.start(sock, "--grace", "1s")
@@ -506,7 +506,7 @@ func tornCopy(t *testing.T, fd int) int {
 // TestSurviveRace: daemons started at once on one socket race for it; one
 // serves, the others say who does.
 func TestSurviveRace(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	type result struct {
 		err error
@@ -702,7 +702,7 @@ func recvOne(t *testing.T, sock, name string) {
 // goes on through a kill -9 of the serving process, an upgrade and the
 // death of the whole service.
 func TestSurviveSystemdChannels(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	m := newFakeManager(t, dir)
 	svc := m.start(sock, "--grace", "30s")
@@ -824,7 +824,7 @@ func TestSurviveSystemdChannels(t *testing.T) {
 // with both its descriptors, through further restarts, until removed:
 // the next restart says the same of it, not that its control block went.
 func TestSurviveOrphanKeepsItsDescriptors(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	m := newFakeManager(t, dir)
 	svc := m.start(sock, "--grace", "1s")

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 var tierPatterns sync.Map // [2]int64{seed, n} -> []byte
@@ -151,7 +152,7 @@ type tierDaemon struct {
 
 func startTierDaemon(t *testing.T, budget int64, args ...string) *tierDaemon {
 	t.Helper()
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	args = append([]string{"--gpu-budget", strconv.FormatInt(budget, 10), "--grace", "1s"}, args...)
 	d := &tierDaemon{Daemon: Start(t, Options{Socket: sock, Args: args}), budget: budget,
@@ -587,7 +588,7 @@ func TestHostReserve(t *testing.T) {
 	if avail := memAvailable(t); avail < need {
 		t.Skipf("needs %d bytes of memory available to make a reserve, has %d", need, avail)
 	}
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	addr := freePort(t)
 	Start(t, Options{Socket: sock, Args: []string{"--host-reserve", "64M", "--create-pool", "0", "--metrics-listen", addr}})

@@ -24,7 +24,7 @@ import (
 // status (docs/cli.md, "Exit status"), and says what went wrong in the
 // command's words.
 func TestExitStatus(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755) // for nobody, below
 	sock := filepath.Join(dir, "gpushm.sock")
 	startDaemonProc(t, sock, "--max-memory", "64M")
@@ -106,7 +106,7 @@ func TestExitStatus(t *testing.T) {
 // TestErrorObject: with -o json an error is one JSON object on standard
 // error, with its errno name and exit status; with -o yaml, a YAML one.
 func TestErrorObject(t *testing.T) {
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
 	startDaemonProc(t, sock)
 	t.Setenv("GPUSHM_SOCKET", sock)
 
@@ -300,7 +300,7 @@ func TestVersion(t *testing.T) {
 		}
 	}
 
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
 	out := mustRun(t, nil, "--socket", sock, "version")
 	if !strings.HasPrefix(out, "client:  gpushm "+want+" (go") || !strings.Contains(out, "daemon:  none answered: cannot reach daemon at "+sock) {
 		t.Errorf("version with no daemon:\n%s", out)
@@ -331,7 +331,7 @@ func TestCompletion(t *testing.T) {
 	if out := mustRun(t, nil, "--help"); !strings.Contains(out, "  completion ") {
 		t.Error("--help does not list completion")
 	}
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	t.Setenv("GPUSHM_SOCKET", sock)
 	// No daemon: no names, no error, success.

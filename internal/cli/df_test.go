@@ -16,7 +16,7 @@ import (
 // TestDF: df says, per device and tier and per user, what is used of
 // what bounds it, in text, wide, JSON and YAML; it has no names to print.
 func TestDF(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	os.Chmod(dir, 0o755) // for nobody, below
 	sock := filepath.Join(dir, "gpushm.sock")
 	startDaemonProc(t, sock, "--gpu-budget", "4M", "--user-quota", "50%", "--create-pool", "0")
@@ -118,7 +118,7 @@ func TestDF(t *testing.T) {
 // memory, never "gpu"; info's peak is kept without a budget; a create
 // larger than the whole budget says so.
 func TestFiguresThatDoNotConfuse(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "gpushm.sock")
 	startDaemonProc(t, sock, "--create-pool", "0")
 	t.Setenv("GPUSHM_SOCKET", sock)

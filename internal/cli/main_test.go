@@ -3,7 +3,6 @@ package cli
 import (
 	"bytes"
 	"crypto/sha256"
-	"fmt"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -15,8 +14,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/bytesize"
 	"github.com/gpushm/gpushm/internal/testutil"
@@ -116,7 +113,7 @@ func errorSays(stderr, want string) bool {
 // points the commands the test runs at it ($GPUSHM_SOCKET).
 func cliDaemon(t *testing.T) (dir, sock string) {
 	t.Helper()
-	dir = socketDir(t)
+	dir = testutil.SocketDir(t)
 	sock = filepath.Join(dir, "gpushm.sock")
 	startDaemonProc(t, sock)
 	t.Setenv("GPUSHM_SOCKET", sock)
@@ -136,7 +133,7 @@ func startDaemonProc(t *testing.T, socket string, args ...string) *exec.Cmd {
 	}
 	t.Cleanup(func() {
 		testutil.KillDaemon(socket, cmd)
-		dumpDaemonLog(t, stderr.String())
+		testutil.DumpDaemonLog(t, stderr.String())
 	})
 	for i := 0; ; i++ {
 		if cli(t, nil, "--socket", socket, "info").code == 0 {
@@ -149,17 +146,8 @@ func startDaemonProc(t *testing.T, socket string, args ...string) *exec.Cmd {
 	}
 }
 
-func socketDir(t *testing.T) string {
-	dir, err := os.MkdirTemp("", "gpushm-cli-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return dir
-}
-
 func TestCLI(t *testing.T) {
-	dir := socketDir(t)
+	dir := testutil.SocketDir(t)
 	sock := filepath.Join(dir, "run", "gpushm.sock")
 	daemon := startDaemonProc(t, sock)
 	t.Setenv("GPUSHM_SOCKET", sock) // every command below finds it this way
@@ -278,7 +266,7 @@ func TestParseSize(t *testing.T) {
 }
 
 func TestQuotaFlagsAndLifetimes(t *testing.T) {
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
 	startDaemonProc(t, sock, "--max-memory", "1%", "--user-quota", "1M", "--user-segments", "10")
 	t.Setenv("GPUSHM_SOCKET", sock)
 	mustRun(t, nil, "create", "t", "4K", "--ttl", "10m")
@@ -292,7 +280,7 @@ func TestQuotaFlagsAndLifetimes(t *testing.T) {
 	// Root is exempt from user quotas, not from the device share: 2% of
 	// this machine's memory is more than its 1%.
 	mustRun(t, nil, "create", "over-user-quota", "2M")
-	mustFail(t, "quota exceeded", "create", "bigger", strconv.FormatInt(memTotal(t)/50, 10))
+	mustFail(t, "quota exceeded", "create", "bigger", strconv.FormatInt(testutil.MemTotal(t)/50, 10))
 	mustFail(t, "want a share between", "daemon", "--socket", sock+"2", "--backend", "host", "--max-memory", "150%")
 	mustFail(t, "leave fewer than", "daemon", "--socket", sock+"2", "--backend", "host", "--max-segments", "1000000000", "--max-connections", "1")
 	mustFail(t, "--user-connections \"x\": want a number", "daemon", "--socket", sock+"2", "--backend", "host", "--user-connections", "x")
@@ -314,31 +302,4 @@ func TestQuotaFlagsAndLifetimes(t *testing.T) {
 	}
 	mustFail(t, "no 's' bit", "chmod", "u+s", "u")
 	mustFail(t, "no such segment", "chmod", "g+r", "t")
-}
-
-// dumpDaemonLog writes a failed test's daemon log to stderr, its last lines
-// only, at cleanup: that is before the test's own output, so the failure
-// itself is what a log read from its end shows first.
-func dumpDaemonLog(t *testing.T, log string) {
-	if !t.Failed() {
-		return
-	}
-	const keep = 200
-	lines := strings.Split(strings.TrimRight(log, "\n"), "\n")
-	head := fmt.Sprintf("=== %s: daemon log", t.Name())
-	if len(lines) > keep {
-		head += fmt.Sprintf(", its last %d lines of %d", keep, len(lines))
-		lines = lines[len(lines)-keep:]
-	}
-	fmt.Fprintf(os.Stderr, "%s:\n%s\n=== end of %s's daemon log\n", head, strings.Join(lines, "\n"), t.Name())
-}
-
-// memTotal is this machine's memory in bytes, as the host backend sees it.
-func memTotal(t *testing.T) int64 {
-	t.Helper()
-	var si unix.Sysinfo_t
-	if err := unix.Sysinfo(&si); err != nil {
-		t.Fatal(err)
-	}
-	return int64(si.Totalram) * int64(si.Unit)
 }

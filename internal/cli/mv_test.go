@@ -5,12 +5,13 @@ import (
 	"testing"
 
 	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // TestMvNoClobber: mv -n renames only onto a name that is not there, and
 // says so, with status 5, when it is.
 func TestMvNoClobber(t *testing.T) {
-	sock := filepath.Join(socketDir(t), "gpushm.sock")
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
 	startDaemonProc(t, sock)
 	t.Setenv("GPUSHM_SOCKET", sock)
 	mustRun(t, nil, "create", "a", "4096")

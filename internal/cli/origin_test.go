@@ -11,6 +11,7 @@ import (
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/layout"
 	"github.com/gpushm/gpushm/internal/testdaemon"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // stated is what stat says of name (list leaves meta out).
@@ -48,7 +49,7 @@ func identityOf(t *testing.T, path string) layout.Identity {
 // directory, itself a link to a blob (a Hugging Face snapshot), with each
 // copier, and checks the origin the meta records against the file.
 func TestPutRecordsOrigin(t *testing.T) {
-	root := socketDir(t)
+	root := testutil.SocketDir(t)
 	sock := filepath.Join(root, "gpushm.sock")
 	startDaemonProc(t, sock)
 	t.Setenv("GPUSHM_SOCKET", sock)
@@ -56,7 +57,7 @@ func TestPutRecordsOrigin(t *testing.T) {
 	os.MkdirAll(snap, 0o755)
 	os.MkdirAll(filepath.Join(root, "blobs"), 0o755)
 	data := make([]byte, 22)
-	os.WriteFile(filepath.Join(root, "blobs", "9f3c"), safetensorsFile(goodHeader, data), 0o644)
+	os.WriteFile(filepath.Join(root, "blobs", "9f3c"), testutil.SafetensorsFile(goodHeader, data), 0o644)
 	if err := os.Symlink("../../blobs/9f3c", filepath.Join(snap, "model.safetensors")); err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +83,7 @@ func TestPutRecordsOrigin(t *testing.T) {
 		}
 	}
 	// A pipe has no origin, nor does a file that is not a bundle.
-	mustRun(t, safetensorsFile(goodHeader, data), "put", "piped", "-")
+	mustRun(t, testutil.SafetensorsFile(goodHeader, data), "put", "piped", "-")
 	if o := bundleOrigin(t, stated(t, "piped").Meta); o != nil {
 		t.Errorf("a piped bundle records origin %+v", o)
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/gpushm/gpushm/internal/crc32c"
 	"github.com/gpushm/gpushm/internal/progress"
+	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/xfer"
 )
 
@@ -63,24 +64,6 @@ func onTerminalOf(t *testing.T, cols int, args ...string) (string, int) {
 
 func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
 
-// sparseFile makes a file of size bytes, all holes but for marks at each
-// end and in the middle: fast to read, and every step of a copy differs.
-func sparseFile(t *testing.T, path string, header []byte, size int64) {
-	t.Helper()
-	f, err := os.Create(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	f.Write(header)
-	for _, off := range []int64{int64(len(header)), size / 3, size / 2, size - 8} {
-		f.WriteAt([]byte("gpushm!!"), off)
-	}
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // bar is a progress bar as mpb draws it: the command and the name, bytes
 // done of the total, the bar, and the rate.
 func bar(verb, name, total string) *regexp.Regexp {
@@ -94,13 +77,13 @@ func TestProgressOnTerminal(t *testing.T) {
 	dir, _ := cliDaemon(t)
 	size := int64(progress.Min + 44<<20) // two of the daemon's steps
 	src := filepath.Join(dir, "big.bin")
-	sparseFile(t, src, nil, size)
+	testutil.SparseFile(t, src, nil, size)
 	ckpt := filepath.Join(dir, "ckpt")
 	os.Mkdir(ckpt, 0o755)
 	n := size / 4
 	hdr := `{"w":{"dtype":"F32","shape":[` + strconv.FormatInt(n, 10) + `],"data_offsets":[0,` + strconv.FormatInt(4*n, 10) + `]}}`
 	hdr += strings.Repeat(" ", (8-len(hdr)%8)%8)
-	sparseFile(t, filepath.Join(ckpt, "model.safetensors"), safetensorsFile(hdr, nil), int64(8+len(hdr))+4*n)
+	testutil.SparseFile(t, filepath.Join(ckpt, "model.safetensors"), testutil.SafetensorsFile(hdr, nil), int64(8+len(hdr))+4*n)
 	os.WriteFile(filepath.Join(ckpt, "config.json"), []byte(`{"model_type":"llama"}`), 0o644)
 
 	for _, tc := range []struct {
@@ -161,7 +144,7 @@ func TestDaemonCopyInSteps(t *testing.T) {
 	hdr += strings.Repeat(" ", (8-len(hdr)%8)%8)
 	src := filepath.Join(dir, "model.safetensors")
 	size := int64(8+len(hdr)) + 4*n
-	sparseFile(t, src, safetensorsFile(hdr, nil), size)
+	testutil.SparseFile(t, src, testutil.SafetensorsFile(hdr, nil), size)
 	data, err := os.ReadFile(src)
 	if err != nil {
 		t.Fatal(err)
@@ -215,7 +198,7 @@ func TestGetToATerminal(t *testing.T) {
 func TestQuiet(t *testing.T) {
 	dir, _ := cliDaemon(t)
 	src := filepath.Join(dir, "big.bin")
-	sparseFile(t, src, nil, int64(progress.Min))
+	testutil.SparseFile(t, src, nil, int64(progress.Min))
 	for _, args := range [][]string{{"put", "-q", "q", src}, {"get", "-q", "q", filepath.Join(dir, "out")}} {
 		if screen, code := onTerminal(t, args...); code != 0 || strings.TrimSpace(screen) != "" {
 			t.Errorf("gpushm %s on a terminal: exit %d, the terminal showed %q; want nothing", strings.Join(args, " "), code, screen)

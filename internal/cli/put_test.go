@@ -3,7 +3,6 @@ package cli
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"io"
 	"math/rand/v2"
 	"os"
@@ -23,12 +22,6 @@ import (
 	"github.com/gpushm/gpushm/internal/testutil"
 )
 
-// safetensorsFile lays out header JSON and data as a safetensors file.
-func safetensorsFile(header string, data []byte) []byte {
-	b := binary.LittleEndian.AppendUint64(nil, uint64(len(header)))
-	return append(append(b, header...), data...)
-}
-
 const goodHeader = `{"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]},"e":{"dtype":"F4","shape":[0],"data_offsets":[22,22]}}   `
 
 func TestPutSafetensors(t *testing.T) {
@@ -38,7 +31,7 @@ func TestPutSafetensors(t *testing.T) {
 	for i := range data {
 		data[i] = byte(i)
 	}
-	file := safetensorsFile(goodHeader, data)
+	file := testutil.SafetensorsFile(goodHeader, data)
 	good := filepath.Join(dir, "model.safetensors")
 	os.WriteFile(good, file, 0o644)
 	mustRun(t, nil, "put", "model", good)
@@ -65,7 +58,7 @@ func TestPutSafetensors(t *testing.T) {
 
 	// A malformed header fails before anything is allocated.
 	bad := filepath.Join(dir, "bad.safetensors")
-	os.WriteFile(bad, safetensorsFile(`{"w":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}`, make([]byte, 16)), 0o644)
+	os.WriteFile(bad, testutil.SafetensorsFile(`{"w":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}`, make([]byte, 16)), 0o644)
 	mustFail(t, "bad.safetensors is not a valid safetensors file: tensor \"w\": data_offsets [0, 32] are outside the 16 data bytes", "put", "bad", bad)
 	mustFail(t, "no such segment", "stat", "bad")
 	if out := mustRun(t, nil, "info"); !strings.Contains(out, "3 named") {
@@ -96,7 +89,7 @@ func checkpointDir(t *testing.T, root string) string {
 }
 
 func TestPutGetDir(t *testing.T) {
-	root := socketDir(t)
+	root := testutil.SocketDir(t)
 	sock := filepath.Join(root, "gpushm.sock")
 	startDaemonProc(t, sock)
 	t.Setenv("GPUSHM_SOCKET", sock)
@@ -181,7 +174,7 @@ func TestPutGetDir(t *testing.T) {
 // TestPutDirBadInput: each bad checkpoint fails naming the file, before
 // anything is allocated, and leaves no segment.
 func TestPutDirBadInput(t *testing.T) {
-	root := socketDir(t)
+	root := testutil.SocketDir(t)
 	sock := filepath.Join(root, "gpushm.sock")
 	startDaemonProc(t, sock)
 	t.Setenv("GPUSHM_SOCKET", sock)
@@ -194,13 +187,13 @@ func TestPutDirBadInput(t *testing.T) {
 			os.Remove(filepath.Join(dir, "model-00002-of-00002.safetensors"))
 		}, "model.safetensors.index.json names shard model-00002-of-00002.safetensors, which is not in"},
 		{"corrupt header", func(dir string) {
-			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), safetensorsFile(`{"c.weight":{"dtype":"U8","shape":[7],"data_offsets":[0,7]`, make([]byte, 7)), 0o644)
+			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), testutil.SafetensorsFile(`{"c.weight":{"dtype":"U8","shape":[7],"data_offsets":[0,7]`, make([]byte, 7)), 0o644)
 		}, "model-00002-of-00002.safetensors is not a valid safetensors file"},
 		{"two shards name the same tensor", func(dir string) {
 			testutil.WriteShard(t, filepath.Join(dir, "model-00002-of-00002.safetensors"), pt, testutil.NewTensor("a.weight", "U8", 10), testutil.NewTensor("c.weight", "U8", 10))
 		}, `tensor "a.weight" is in both`},
 		{"unknown dtype", func(dir string) {
-			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), safetensorsFile(`{"c.weight":{"dtype":"Q4_K","shape":[7],"data_offsets":[0,7]}}`, make([]byte, 7)), 0o644)
+			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), testutil.SafetensorsFile(`{"c.weight":{"dtype":"Q4_K","shape":[7],"data_offsets":[0,7]}}`, make([]byte, 7)), 0o644)
 		}, `model-00002-of-00002.safetensors is not a valid safetensors file: tensor "c.weight": unknown dtype "Q4_K"`},
 		{"no safetensors", func(dir string) {
 			for _, n := range []string{"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "consolidated.safetensors", "model.safetensors.index.json"} {
@@ -208,7 +201,7 @@ func TestPutDirBadInput(t *testing.T) {
 			}
 		}, "has no *.safetensors files"},
 		{"data past the end", func(dir string) {
-			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), safetensorsFile(`{"c.weight":{"dtype":"U8","shape":[70],"data_offsets":[0,70]}}`, make([]byte, 7)), 0o644)
+			os.WriteFile(filepath.Join(dir, "model-00002-of-00002.safetensors"), testutil.SafetensorsFile(`{"c.weight":{"dtype":"U8","shape":[70],"data_offsets":[0,70]}}`, make([]byte, 7)), 0o644)
 		}, "model-00002-of-00002.safetensors is not a valid safetensors file: tensor \"c.weight\": data_offsets [0, 70] are outside the 7 data bytes"},
 	}
 	for i, tc := range tests {
@@ -230,7 +223,7 @@ func TestPutDirBadInput(t *testing.T) {
 // character device, which once passed for a terminal and left get waiting
 // for a bar that was never drawn.
 func TestProgressNeverWaits(t *testing.T) {
-	root := socketDir(t)
+	root := testutil.SocketDir(t)
 	sock := filepath.Join(root, "gpushm.sock")
 	startDaemonProc(t, sock)
 	t.Setenv("GPUSHM_SOCKET", sock)
@@ -252,7 +245,7 @@ func TestProgressNeverWaits(t *testing.T) {
 	hdr := `{"w":{"dtype":"F32","shape":[` + strconv.FormatInt(n, 10) + `],"data_offsets":[0,` + strconv.FormatInt(4*n, 10) + `]}}`
 	hdr += strings.Repeat(" ", (8-len(hdr)%8)%8)
 	shard := filepath.Join(dir, "model.safetensors")
-	if err := os.WriteFile(shard, safetensorsFile(hdr, nil), 0o644); err != nil {
+	if err := os.WriteFile(shard, testutil.SafetensorsFile(hdr, nil), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.Truncate(shard, int64(8+len(hdr))+4*n); err != nil {
@@ -350,7 +343,7 @@ func sameFile(t *testing.T, a, b string) bool {
 // copied by the client, since the daemon writes only regular files and
 // /dev/null, /dev/zero and /dev/full; the reader gets every byte.
 func TestGetToFIFO(t *testing.T) {
-	root := socketDir(t)
+	root := testutil.SocketDir(t)
 	sock := filepath.Join(root, "gpushm.sock")
 	startDaemonProc(t, sock)
 	t.Setenv("GPUSHM_SOCKET", sock)
@@ -392,7 +385,7 @@ func TestPutTakesCreateFlags(t *testing.T) {
 		}
 	}
 	st := filepath.Join(dir, "model.safetensors")
-	os.WriteFile(st, safetensorsFile(goodHeader, make([]byte, 22)), 0o644)
+	os.WriteFile(st, testutil.SafetensorsFile(goodHeader, make([]byte, 22)), 0o644)
 	mustFail(t, "--meta: "+st+" is a safetensors file", "put", "s", st, "--meta", `{"k":1}`)
 	ck := filepath.Join(dir, "ck")
 	os.Mkdir(ck, 0o755)

@@ -1,5 +1,9 @@
 package testutil
 
+// What the tests of daemons as processes share: finding and killing a
+// daemon's processes, a directory for its socket, its log when a test
+// fails.
+
 import (
 	"bytes"
 	"fmt"
@@ -9,7 +13,10 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // ProcStat reads a process's state letter and, for a zombie, its wait
@@ -87,4 +94,43 @@ func KillDaemon(socket string, cmd *exec.Cmd) {
 		cmd.Process.Kill()
 		cmd.Wait()
 	}
+}
+
+// SocketDir makes a directory for a socket, removed when the test ends:
+// not t.TempDir, whose paths can pass a socket's 108 bytes.
+func SocketDir(t testing.TB) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "gpushm-cli-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// DumpDaemonLog writes a failed test's daemon log to stderr, its last lines
+// only, at cleanup: that is before the test's own output, so the failure
+// itself is what a log read from its end shows first.
+func DumpDaemonLog(t testing.TB, log string) {
+	if !t.Failed() {
+		return
+	}
+	const keep = 200
+	lines := strings.Split(strings.TrimRight(log, "\n"), "\n")
+	head := fmt.Sprintf("=== %s: daemon log", t.Name())
+	if len(lines) > keep {
+		head += fmt.Sprintf(", its last %d lines of %d", keep, len(lines))
+		lines = lines[len(lines)-keep:]
+	}
+	fmt.Fprintf(os.Stderr, "%s:\n%s\n=== end of %s's daemon log\n", head, strings.Join(lines, "\n"), t.Name())
+}
+
+// MemTotal is this machine's memory in bytes, as the host backend sees it.
+func MemTotal(t testing.TB) int64 {
+	t.Helper()
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil {
+		t.Fatal(err)
+	}
+	return int64(si.Totalram) * int64(si.Unit)
 }
