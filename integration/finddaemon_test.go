@@ -213,7 +213,7 @@ func (ns *mountNS) startDaemon(t *testing.T, bin string) int {
 	t.Helper()
 	// One process (no supervisor), so that ending it ends the daemon.
 	cmd := ns.command(bin, nil, nil, "daemon", "--backend", "host", "--supervise=false", "--nvml", "off")
-	log := &lockedBuffer{}
+	log := &syncBuffer{}
 	cmd.Stderr = log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

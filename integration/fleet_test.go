@@ -11,7 +11,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -23,24 +22,6 @@ import (
 // These tests start the daemon as operators do on a fleet: with NVML (a
 // fake libnvidia-ml.so.1 found through LD_LIBRARY_PATH, as the loader finds
 // the real one), and with the bad input a node can hand it at start.
-
-// lockedBuffer collects a process's output while the test reads it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // freePort is a TCP address nobody listens on.
 func freePort(t *testing.T) string {

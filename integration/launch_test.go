@@ -76,15 +76,6 @@ func Start(t *testing.T, o Options) *Daemon {
 	return d
 }
 
-// Kill kills every process of the daemon with SIGKILL (each stopped
-// first, so that none starts another), and waits for the supervisor
-// Start started.
-func (d *Daemon) Kill() {
-	testutil.KillDaemon(d.socket, nil)
-	d.cmd.Process.Kill()
-	<-d.done
-}
-
 // Daemon is a 'gpushm daemon' that Start started (the supervisor).
 type Daemon struct {
 	cmd    *exec.Cmd
@@ -94,6 +85,15 @@ type Daemon struct {
 	// pid is the supervisor now: the one started, or the one a serving
 	// process started in place of a supervisor killed (waitSupervisor).
 	pid int
+}
+
+// Kill kills every process of the daemon with SIGKILL (each stopped
+// first, so that none starts another), and waits for the supervisor
+// Start started.
+func (d *Daemon) Kill() {
+	testutil.KillDaemon(d.socket, nil)
+	d.cmd.Process.Kill()
+	<-d.done
 }
 
 // info asks the daemon, on a connection of its own that does not
@@ -281,6 +281,7 @@ func (d *Daemon) stopAdopted(t *testing.T) {
 	}
 }
 
+// syncBuffer collects a process's output while the test reads it.
 type syncBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
