@@ -235,7 +235,7 @@ func TestHostileIdleConnections(t *testing.T) {
 	var cr *bench.IdleCrowd
 	peak, err := bench.PeakThreads(pid, func() error {
 		var err error
-		cr, err = bench.StartIdleCrowd(context.Background(), sock, n, uid)
+		cr, err = bench.StartIdleCrowdFrom(context.Background(), gpushmBin, sock, n, uid)
 		return err
 	})
 	if err != nil {

@@ -68,6 +68,12 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if len(os.Args) > 1 && !strings.HasPrefix(os.Args[1], "-") {
+		// Run as gpushm (os.Executable of a test, say): that is
+		// $GPUSHM_BIN, not the tests again.
+		fmt.Fprintf(os.Stderr, "integration.test %s: this is not gpushm (run %s)\n", strings.Join(os.Args[1:], " "), os.Getenv("GPUSHM_BIN"))
+		os.Exit(2)
+	}
 	os.Exit(run(m))
 }
 
