@@ -91,7 +91,11 @@ func run(m *testing.M) int {
 		defer os.RemoveAll(dir)
 		os.Chmod(dir, 0o755)
 		gpushmBin = filepath.Join(dir, "gpushm")
-		build := exec.Command("go", "build", "-o", gpushmBin, "github.com/gpushm/gpushm/cmd/gpushm")
+		args := []string{"build", "-o", gpushmBin}
+		if raceBuild {
+			args = append(args, "-race")
+		}
+		build := exec.Command("go", append(args, "github.com/gpushm/gpushm/cmd/gpushm")...)
 		build.Stdout, build.Stderr = os.Stderr, os.Stderr
 		if err := build.Run(); err != nil {
 			fmt.Fprintf(os.Stderr, "go build ./cmd/gpushm: %v\n", err)
