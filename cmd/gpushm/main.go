@@ -1,13 +1,11 @@
-// Command gpushm is the gpushm daemon and its command-line client.
+// Command gpushm is the gpushm daemon and its command-line client
+// (internal/cli).
 package main
 
 import (
 	"os"
 
-	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/cli"
 )
 
-func main() {
-	err := run(os.Args[1:])
-	os.Exit(exitcode.Write(os.Stderr, err, output))
-}
+func main() { os.Exit(cli.Main(os.Args[1:])) }

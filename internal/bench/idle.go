@@ -305,13 +305,20 @@ type idleReady struct {
 
 // StartIdleCrowd starts a process that opens n connections to socket (as
 // uid, when it is not -1) and holds them idle until close, and waits until
-// it opened them.
+// it opened them. The process is this binary again.
 func StartIdleCrowd(ctx context.Context, socket string, n, uid int) (*IdleCrowd, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.CommandContext(ctx, self, "__child", "idle", "--socket", socket, "--count", strconv.Itoa(n), "--uid", strconv.Itoa(uid))
+	return StartIdleCrowdFrom(ctx, self, socket, n, uid)
+}
+
+// StartIdleCrowdFrom is StartIdleCrowd with the process a run of the gpushm
+// binary exe (its hidden __child command), for a caller that is not one:
+// a test.
+func StartIdleCrowdFrom(ctx context.Context, exe, socket string, n, uid int) (*IdleCrowd, error) {
+	cmd := exec.CommandContext(ctx, exe, "__child", "idle", "--socket", socket, "--count", strconv.Itoa(n), "--uid", strconv.Itoa(uid))
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {

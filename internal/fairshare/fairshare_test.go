@@ -273,7 +273,7 @@ func TestNoLockOut(t *testing.T) {
 }
 
 // TestWorkedCase is the case the daemon's process tests run
-// (cmd/gpushm/fairshare_test.go): --max-segments 400, 100 a user, root
+// (integration/fairshare_test.go): --max-segments 400, 100 a user, root
 // holding one; 8 users at their limits, then a ninth user and root.
 func TestWorkedCase(t *testing.T) {
 	p := newPool(400, 16, 100)

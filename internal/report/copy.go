@@ -2,6 +2,7 @@ package report
 
 import (
 	"fmt"
+	"io"
 	"os"
 	"time"
 
@@ -39,8 +40,8 @@ func (r *Copy) Finish(start time.Time) { r.Seconds = time.Since(start).Seconds()
 
 // Rate writes to w, when it is a terminal or with verbose, the whole
 // command's rate: n bytes in d; and with verbose how the copy went.
-func Rate(w *os.File, verb, name string, n int64, d time.Duration, st gpushm.CopyStats, verbose bool) {
-	if !verbose && !terminal.Is(w) {
+func Rate(w io.Writer, verb, name string, n int64, d time.Duration, st gpushm.CopyStats, verbose bool) {
+	if f, ok := w.(*os.File); !verbose && (!ok || !terminal.Is(f)) {
 		return
 	}
 	fmt.Fprintf(w, "%s %s: %s in %.3fs (%.2f GB/s)\n", verb, name, bytesize.Format(n), d.Seconds(), float64(n)/d.Seconds()/1e9)

@@ -84,8 +84,9 @@ const (
 // not to show). On a terminal each frame is drawn over the last, cut to
 // the screen's height; elsewhere frames follow one another, sep between
 // them.
-func Repeat(ctx context.Context, out *os.File, every time.Duration, sep string, frame func(w io.Writer) bool) {
-	onTerminal := Is(out)
+func Repeat(ctx context.Context, out io.Writer, every time.Duration, sep string, frame func(w io.Writer) bool) {
+	f, onTerminal := out.(*os.File)
+	onTerminal = onTerminal && Is(f)
 	if onTerminal {
 		io.WriteString(out, cursorHome+eraseScreen)
 	}
@@ -97,7 +98,7 @@ func Repeat(ctx context.Context, out *os.File, every time.Duration, sep string, 
 			break
 		}
 		if onTerminal {
-			draw(out, b.Bytes())
+			draw(f, b.Bytes())
 		} else {
 			if n > 0 && sep != "" {
 				io.WriteString(out, sep)

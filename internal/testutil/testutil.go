@@ -1,9 +1,12 @@
 // Package testutil holds what the tests of several packages share, written
 // once: waiting for a condition (WaitFor), a client that speaks the
 // protocol by hand (Raw), the FUSE tests' requirement (RequireFUSE), a
-// copy of the test binary that other users can run (BinaryForOthers) and
-// safetensors shards (WriteShard). Only tests import it; a daemon to test
-// against is internal/testdaemon's.
+// copy of the test binary that other users can run (BinaryForOthers),
+// safetensors shards (WriteShard) and files (SafetensorsFile, SparseFile),
+// and a daemon's processes found and killed (DaemonProcs, KillDaemon), its
+// socket's directory (SocketDir) and its log (DumpDaemonLog). Only tests
+// import it; a daemon to test against is internal/testdaemon's, or, as
+// processes, integration/'s Start.
 package testutil
 
 import (
