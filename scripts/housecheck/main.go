@@ -45,12 +45,6 @@ const maxLines = 120
 // maxLines, each until it is broken up; shrink it, never grow it.
 var longExempt []string
 
-// longTestExempt lists the directories whose tests' functions may still
-// be longer than maxLines. cmd/gpushm's process tests are being moved to
-// a package of their own (docs/architecture.md, "The map"); they are
-// split there, and this entry goes with the move.
-var longTestExempt = []string{"cmd/gpushm"}
-
 // longFile is the length past which a file is named in the output, as a
 // notice to split it by what its parts do, not as a failure.
 const longFile = 800
@@ -72,8 +66,7 @@ var unsafeAllowed = map[string]string{
 	"internal/xfer/xfer_linux.go":       "cachestat, which x/sys/unix does not wrap (its mincore could be unix.Mincore)",
 	"mapping.go":                        "host mappings placed at a reserved address (MmapPtr)",
 	"remap_test.go":                     "a mapping's address, to see that a remap keeps it",
-	// Moves with cmd/gpushm's process tests (longTestExempt).
-	"cmd/gpushm/remap_test.go": "a mapping's address, to see that a remap keeps it",
+	"integration/remap_test.go":         "a mapping's address, to see that a remap keeps it",
 }
 
 // daemonPkgs are the packages that compose the daemon: the only ones that
@@ -216,9 +209,10 @@ func checkImports() ([]string, error) {
 }
 
 // forbidden says why from may not import to, or "" where it may. Tests may
-// start daemons (through internal/testdaemon), so only the rule on cmd/
-// holds for their imports. The rules, as docs/architecture.md ("The map")
-// says them: nothing imports a command; only the daemon's package imports
+// start daemons (through internal/testdaemon), so only the rules on cmd/
+// and internal/cli hold for their imports. The rules, as docs/architecture.md ("The map")
+// says them: nothing imports a command, and only the binary the command
+// line (internal/cli); only the daemon's package imports
 // the server, the supervisor and the backends; the client (the root
 // package), and what is built on it, imports no server code; the commands
 // import neither the protocol nor the daemon's parts; only tests import
@@ -234,6 +228,8 @@ func forbidden(from, to string, test bool) string {
 	switch {
 	case under(to, "cmd"):
 		return arrow + ": nothing imports a command"
+	case under(to, "internal/cli") && !under(from, "cmd"):
+		return arrow + ": only the binary (cmd/gpushm) imports the command line"
 	case test:
 		return ""
 	case underAny(to, testOnly):
@@ -244,7 +240,7 @@ func forbidden(from, to string, test bool) string {
 		return arrow + ": the client imports no server code"
 	case slices.Contains(clientSide, from) && (underAny(to, serverCode) || under(to, "internal/daemon")):
 		return arrow + ": built on the client, " + from + " imports no server code"
-	case under(from, "cmd") && underAny(to, notForCommands):
+	case (under(from, "cmd") || under(from, "internal/cli")) && underAny(to, notForCommands):
 		return arrow + ": a command reaches the daemon through the client, not " + to
 	}
 	return ""
@@ -278,14 +274,11 @@ func goFiles(root string, fn func(path, rel string) error) error {
 // lengthExempt says whether the functions of the file at rel (from the
 // module's root) may be longer than maxLines.
 func lengthExempt(rel string) bool {
-	if slices.Contains(longExempt, rel) {
-		return true
-	}
-	return strings.HasSuffix(rel, "_test.go") && slices.Contains(longTestExempt, filepath.ToSlash(filepath.Dir(rel)))
+	return slices.Contains(longExempt, rel)
 }
 
 // checkLengths lists the functions under root, tests' included, longer
-// than maxLines, outside longExempt and longTestExempt.
+// than maxLines, outside longExempt.
 func checkLengths(root string) ([]string, error) {
 	var bad []string
 	fset := token.NewFileSet()

@@ -45,6 +45,12 @@ func TestForbidden(t *testing.T) {
 		{"cmd/gpushm", "internal/layout", true, false},
 		{"cmd/gpushm", "internal/exitcode", false, false},
 		{"cmd/gpushm", "checkpoint", false, false},
+		{"cmd/gpushm", "internal/cli", false, false},
+		{"internal/cli", "internal/daemon", false, false},
+		{"internal/cli", "internal/wire", false, true},
+		{"internal/cli", "internal/segment", false, true},
+		{"internal/bench", "internal/cli", false, true},
+		{"integration", "internal/cli", true, true},
 	} {
 		if got := forbidden(tc.from, tc.to, tc.test) != ""; got != tc.bad {
 			t.Errorf("forbidden(%q, %q, test %v) = %q, want forbidden %v", tc.from, tc.to, tc.test, forbidden(tc.from, tc.to, tc.test), tc.bad)
@@ -61,7 +67,7 @@ func TestLengthExempt(t *testing.T) {
 		{"e2e_test.go", false},
 		{"internal/server/copylimits_test.go", false},
 		{"cmd/gpushm/main.go", false},
-		{"cmd/gpushm/tiers_test.go", true},
+		{"integration/tiers_test.go", false},
 		{"cmd/gpushm/sub/x_test.go", false},
 	} {
 		if got := lengthExempt(tc.rel); got != tc.want {
