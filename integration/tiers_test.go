@@ -638,6 +638,49 @@ func TestHostReserve(t *testing.T) {
 	}
 }
 
+// TestHostReserveOnDemand: a segment larger than the reserve's largest
+// piece has the daemon make a piece its size, which its eviction takes;
+// once it is evicted, the reserve is back to its own size. info says so.
+func TestHostReserveOnDemand(t *testing.T) {
+	var si syscall.Sysinfo_t
+	syscall.Sysinfo(&si)
+	need := 2*max(int64(si.Totalram)*int64(si.Unit)/16, 1<<30) + 256<<20
+	if avail := memAvailable(t); avail < need {
+		t.Skipf("needs %d bytes of memory available to make a reserve, has %d", need, avail)
+	}
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
+	Start(t, Options{Socket: sock, Args: []string{"--host-reserve", "64M", "--create-pool", "0"}})
+	t.Setenv("GPUSHM_SOCKET", sock)
+	waitTiers := func(what string, ok func(gpushm.Tiers) bool) gpushm.Tiers {
+		t.Helper()
+		var tr gpushm.Tiers
+		for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			var inf gpushm.Info
+			decode(t, mustRun(t, nil, "info", "-o", "json"), &inf)
+			if tr = *inf.Tiers; ok(tr) {
+				return tr
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %+v", what, tr)
+			}
+		}
+	}
+	full := func(target int64) func(gpushm.Tiers) bool {
+		return func(tr gpushm.Tiers) bool { return tr.ReserveTarget == target && tr.ReserveBytes == target }
+	}
+	waitTiers("the reserve of 64 MiB", full(64<<20))
+	// 100 MiB: more than the largest piece (50 MiB).
+	mustRun(t, nil, "create", "big", "100MiB")
+	waitTiers("a piece of 100 MiB on demand", full(164<<20))
+	mustRun(t, nil, "evict", "big")
+	if tr := waitTiers("the reserve back to 64 MiB", full(64<<20)); tr.ReserveTakes != 1 || tr.Evictions != 1 {
+		t.Fatalf("after the eviction of 100 MiB: %+v, want one eviction, which took from the reserve", tr)
+	}
+	if got := tiersOf(t, sock)["big"]; got != "host" {
+		t.Fatalf("big is on tier %q, want host", got)
+	}
+}
+
 // memAvailable is /proc/meminfo's MemAvailable, in bytes.
 func memAvailable(t *testing.T) int64 {
 	t.Helper()
