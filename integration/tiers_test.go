@@ -649,7 +649,8 @@ func TestHostReserveOnDemand(t *testing.T) {
 		t.Skipf("needs %d bytes of memory available to make a reserve, has %d", need, avail)
 	}
 	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
-	Start(t, Options{Socket: sock, Args: []string{"--host-reserve", "64M", "--create-pool", "0"}})
+	// A device budget: evictions, and so the demand, come only under one.
+	Start(t, Options{Socket: sock, Args: []string{"--host-reserve", "64M", "--create-pool", "0", "--gpu-budget", "1GiB"}})
 	t.Setenv("GPUSHM_SOCKET", sock)
 	waitTiers := func(what string, ok func(gpushm.Tiers) bool) gpushm.Tiers {
 		t.Helper()

@@ -97,12 +97,19 @@ type reserve struct {
 	pieces []*piece // by slot of sizes; nil while not made
 	closed bool
 	// making is the slot whose piece is being made, -1 for none; made is
-	// closed once it is made or given up.
-	making     int
-	made       chan struct{}
-	lastTake   time.Time
-	takes      uint64
-	takenBytes int64
+	// closed once it is made or given up; waiting counts the evictions
+	// that wait for it.
+	making  int
+	made    chan struct{}
+	waiting int
+	// pending is the demand seen since pendingSince, not yet made a
+	// piece of (grow); freed is when grow last freed the demand's piece.
+	pending      int64
+	pendingSince time.Time
+	freed        time.Time
+	lastTake     time.Time
+	takes        uint64
+	takenBytes   int64
 	// punching counts the tails of taken pieces being punched out; added
 	// to under mu while not closed, so that close can wait for it.
 	punching sync.WaitGroup
@@ -136,6 +143,10 @@ func (p *piece) unkeep() {
 }
 
 func (p *piece) free() {
+	// Its pages are freed here, by the reserve's goroutine: freed by the
+	// last close, that would be the keeper's, and a supervisor freeing
+	// 40 GiB takes seconds it owes the records of evictions.
+	unix.Fallocate(p.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 0, p.n)
 	p.unkeep()
 	unix.Close(p.fd)
 }
@@ -257,27 +268,64 @@ func (s *Spill) grow(r *reserve, log *slog.Logger) {
 	if s.demand == nil {
 		return
 	}
-	want := (s.demand() + r.align - 1) / r.align * r.align
-	if want <= r.sizes[0] {
-		want = 0
-	}
+	want := s.demanded(r)
 	d := len(r.sizes) - 1
 	r.mu.Lock()
 	p := r.pieces[d]
 	if p != nil && want > 0 && p.size() >= want && p.size() <= reserveMaxWaste*want {
 		want = p.size()
 	}
+	// A new piece only for a demand that held for demandSteady, and not
+	// within demandRest of freeing one: a user who makes and removes
+	// large segments in a loop must not keep the daemon making and
+	// freeing host memory.
+	now := time.Now()
+	if want > 0 && want != r.sizes[d] {
+		if r.pending != want {
+			r.pending, r.pendingSince = want, now
+		}
+		if now.Sub(r.pendingSince) < demandSteady*s.every || now.Sub(r.freed) < demandRest*s.every {
+			want = 0
+		}
+	}
 	if want == r.sizes[d] {
 		r.mu.Unlock()
 		return
 	}
 	r.sizes[d], r.pieces[d] = want, nil
+	if p != nil {
+		r.freed = now
+	}
 	r.mu.Unlock()
 	if p != nil {
 		p.free()
 	}
 	log.Debug("host reserve: on demand", "bytes", want)
 }
+
+// demanded is what SetDemand's function asks now, in whole pieces; 0
+// where the layout's largest piece serves it.
+func (s *Spill) demanded(r *reserve) int64 {
+	want := (s.demand() + r.align - 1) / r.align * r.align
+	if want <= r.sizes[0] {
+		return 0
+	}
+	return want
+}
+
+// wants says whether a piece of size bytes still serves the demand.
+func (s *Spill) wants(r *reserve, size int64) bool {
+	want := s.demanded(r)
+	return want > 0 && size >= want && size <= reserveMaxWaste*want
+}
+
+// demandSteady and demandRest, in intervals of Spill.every: a demand
+// holds this long before its piece is made, and none is made within
+// demandRest of freeing one.
+const (
+	demandSteady = 2
+	demandRest   = 10
+)
 
 // fill makes the pieces missing while memory allows: the demand's first
 // (an eviction of that size is the one in sight), then the layout's,
@@ -295,8 +343,16 @@ func (s *Spill) fill(ctx context.Context, r *reserve, thp bool, log *slog.Logger
 		if err != nil {
 			return
 		}
-		huge := mi.hugeAvail >= size && mi.hugePage > 0 && size%mi.hugePage == 0
+		demand := i == len(r.sizes)-1
+		// The demand's piece is ordinary memory: a user's segment must not
+		// have the daemon take the machine's hugetlb pages, which nothing
+		// gives back under pressure.
+		huge := !demand && mi.hugeAvail >= size && mi.hugePage > 0 && size%mi.hugePage == 0
 		room := mi.available-size >= 2*r.low
+		var wanted func() bool
+		if demand {
+			wanted = func() bool { return s.wants(r, size) }
+		}
 		if !huge && !room {
 			skip[i] = true
 			continue
@@ -307,13 +363,13 @@ func (s *Spill) fill(ctx context.Context, r *reserve, thp bool, log *slog.Logger
 		r.mu.Unlock()
 		var p *piece
 		if huge {
-			p, err = makePiece(size, mi.hugePage, thp, s.more(ctx, r, true), s.keeper, s.pieceIDs.Add(1))
+			p, err = makePiece(size, mi.hugePage, thp, s.more(ctx, r, true, nil), s.keeper, s.pieceIDs.Add(1))
 			if err != nil && ctx.Err() == nil {
 				log.Debug("host reserve: no hugetlb piece", "bytes", size, "err", err)
 			}
 		}
 		if p == nil && room && ctx.Err() == nil {
-			p, err = makePiece(size, 0, thp, s.more(ctx, r, false), s.keeper, s.pieceIDs.Add(1))
+			p, err = makePiece(size, 0, thp, s.more(ctx, r, false, wanted), s.keeper, s.pieceIDs.Add(1))
 		}
 		r.mu.Lock()
 		r.making = -1
@@ -348,10 +404,12 @@ func (r *reserve) missing(skip map[int]bool) (int, int64) {
 	return -1, 0
 }
 
-// more is asked before each chunk of a piece being made: it waits while an
-// eviction took a piece within the last interval or makes new memory, and
-// says no once ctx is done or, for ordinary memory, once memory is short.
-func (s *Spill) more(ctx context.Context, r *reserve, huge bool) func() bool {
+// more is asked before each chunk of a piece being made: unless an
+// eviction waits for the piece, it waits while an eviction took a piece
+// within the last interval or makes new memory; it says no once ctx is
+// done, for ordinary memory once memory is short, and once wanted (if
+// set) says the piece is no longer wanted.
+func (s *Spill) more(ctx context.Context, r *reserve, huge bool, wanted func() bool) func() bool {
 	var (
 		mu      sync.Mutex
 		checked time.Time
@@ -361,7 +419,12 @@ func (s *Spill) more(ctx context.Context, r *reserve, huge bool) func() bool {
 		for {
 			r.mu.Lock()
 			wait := s.every - time.Since(r.lastTake)
+			waiting := r.waiting
 			r.mu.Unlock()
+			if waiting > 0 {
+				// An eviction waits for this piece: no pause of its own.
+				break
+			}
 			if s.making.Load() > 0 {
 				// An eviction makes new memory: as fast alone as the two
 				// together.
@@ -383,10 +446,13 @@ func (s *Spill) more(ctx context.Context, r *reserve, huge bool) func() bool {
 		}
 		mu.Lock()
 		defer mu.Unlock()
-		if !huge && !short && time.Since(checked) >= s.every {
+		if !short && time.Since(checked) >= s.every {
 			checked = time.Now()
-			if mi, err := s.meminfo(); err == nil && mi.available < r.low {
+			if mi, err := s.meminfo(); !huge && err == nil && mi.available < r.low {
 				short = true
+			}
+			if wanted != nil && !wanted() {
+				short = true // its segment went: stop making it
 			}
 		}
 		return !short
@@ -444,8 +510,9 @@ func (s *Spill) relieve(r *reserve, log *slog.Logger) {
 
 // take takes the smallest piece ready that holds size bytes and is at
 // most reserveMaxWaste times that, or nil; and then, if the piece being
-// made would be one, a channel closed once it is made or given up. With
-// tail set, the caller must punch out what lies past size and then call
+// made would be one, a channel closed once it is made or given up, with
+// r.waiting counted up (the caller counts it down). With tail set, the
+// caller must punch out what lies past size and then call
 // r.punching.Done.
 func (r *reserve) take(size int64) (p *piece, tail bool, made <-chan struct{}) {
 	fits := func(n int64) bool { return n >= size && n <= reserveMaxWaste*size }
@@ -465,6 +532,7 @@ func (r *reserve) take(size int64) (p *piece, tail bool, made <-chan struct{}) {
 	}
 	if best < 0 {
 		if r.making >= 0 && fits(r.sizes[r.making]) {
+			r.waiting++
 			return nil, false, r.made
 		}
 		return nil, false, nil
@@ -512,10 +580,20 @@ func (s *Spill) fromReserve(size int64) *hostMemory {
 		t := time.NewTimer(time.Duration(float64(size) / float64(s.waitRate) * float64(time.Second)))
 		select {
 		case <-made:
-			p, tail, _ = r.take(size)
 		case <-t.C:
 		}
 		t.Stop()
+		r.mu.Lock()
+		r.waiting--
+		r.mu.Unlock()
+		p, tail, made = r.take(size)
+		if made != nil {
+			// Another piece that would serve is being made now: this
+			// eviction has waited its turn.
+			r.mu.Lock()
+			r.waiting--
+			r.mu.Unlock()
+		}
 	}
 	if p == nil {
 		return nil

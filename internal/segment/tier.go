@@ -164,16 +164,18 @@ func (r *Registry) TierStats() TierStats {
 }
 
 // NextEviction is the host memory the largest eviction in sight would
-// need: the largest segment on a device that may be evicted some day (not
-// pinned to it, not a channel) and has no copy in host memory, where the
-// host budget has room for it now; else 0. The host reserve grows to it
-// (backend.Spill.SetDemand).
+// need: the largest segment on a device with a budget (evictions come
+// only under one) that may be evicted some day (not pinned to it, not a
+// channel, not published, not orphaned: none of those ever moves) and
+// has no copy in host memory, where the host budget has room for it
+// now; else 0. The host reserve grows to it (backend.Spill.SetDemand).
 func (r *Registry) NextEviction() int64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var n int64
 	for _, s := range r.byID {
-		if s.tier == OnDevice && s.clean == nil && !s.resident && s.slots == 0 && !s.gone {
+		if s.tier == OnDevice && r.tiers.cfg.Budgets[s.device] > 0 && s.clean == nil && !s.resident &&
+			s.slots == 0 && !s.published && s.orphan == "" && !s.gone {
 			n = max(n, memSize(s.mem))
 		}
 	}

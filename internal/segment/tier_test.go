@@ -736,9 +736,22 @@ func TestNextEviction(t *testing.T) {
 	mk("a", 2, false)
 	mk("b", 1, false)
 	mk("pinned", 3, true) // never evicted
-	if n := f.r.NextEviction(); n != 2*page {
-		t.Fatalf("a (2 pages), b and a pinned segment: %d, want a's %d", n, 2*page)
+	// Published memory never moves either.
+	m, err := f.dev.Allocate(0, 3*page)
+	if err != nil {
+		t.Fatal(err)
 	}
+	if _, _, err := f.r.Create(alice, CreateOptions{Name: "published", Size: 3 * page, Memory: m}); err != nil {
+		t.Fatal(err)
+	}
+	if n := f.r.NextEviction(); n != 2*page {
+		t.Fatalf("a (2 pages), b, a pinned and a published segment (3): %d, want a's %d", n, 2*page)
+	}
+	f.r.SetTiers(Tiers{HostBudget: f.host, Spill: f.spill, Mover: f.mover})
+	if n := f.r.NextEviction(); n != 0 {
+		t.Fatalf("no device budget (nothing is evicted but on request): %d, want 0", n)
+	}
+	f.r.SetTiers(Tiers{Budgets: map[int]int64{0: f.budget}, HostBudget: f.host, Spill: f.spill, Mover: f.mover})
 	// Evicted, then back with a clean copy: its next eviction is a swap.
 	if _, err := f.r.Evict(alice, "a"); err != nil {
 		t.Fatal(err)
