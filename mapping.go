@@ -78,7 +78,7 @@ type lease interface {
 	remapTo(ctx context.Context, anyVersion bool) (changed bool, err error)
 }
 
-var errReleased = errors.New("gpushm: the mapping's memory was released (Segment.Reacquire maps it again)")
+var errReleased = errors.New("gpushm: the mapping's memory was released (reacquire the segment to map it again)")
 
 // ReadAt copies from the segment into p (a device-to-host copy on cuda).
 func (m *Mapping) ReadAt(p []byte, off int64) (int, error) {
