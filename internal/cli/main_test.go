@@ -64,20 +64,11 @@ func cli(t *testing.T, stdin []byte, args ...string) result {
 	return result{out.String(), errb.String(), code}
 }
 
-// runCmd runs cmd to its end and returns what it wrote and its exit code;
-// a command that cannot run at all fails the test.
+// runCmd runs cmd to its end (testutil.Run).
 func runCmd(t *testing.T, cmd *exec.Cmd) result {
 	t.Helper()
-	var out, errb bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	err := cmd.Run()
-	code := 0
-	if ee, ok := err.(*exec.ExitError); ok {
-		code = ee.ExitCode()
-	} else if err != nil {
-		t.Fatal(err)
-	}
-	return result{out.String(), errb.String(), code}
+	stdout, stderr, code := testutil.Run(t, cmd)
+	return result{stdout, stderr, code}
 }
 
 func mustRun(t *testing.T, stdin []byte, args ...string) string {
@@ -94,19 +85,9 @@ func mustRun(t *testing.T, stdin []byte, args ...string) string {
 func mustFail(t *testing.T, want string, args ...string) {
 	t.Helper()
 	r := cli(t, nil, args...)
-	if r.code == 0 || !errorSays(r.stderr, want) {
+	if r.code == 0 || !testutil.ErrorSays(r.stderr, want) {
 		t.Fatalf("gpushm %v: exit %d, stderr %q; want failure mentioning %q", args, r.code, r.stderr, want)
 	}
-}
-
-// errorSays says whether an error line of stderr mentions want.
-func errorSays(stderr, want string) bool {
-	for _, line := range strings.Split(stderr, "\n") {
-		if strings.HasPrefix(line, "gpushm: ") && strings.Contains(line, want) {
-			return true
-		}
-	}
-	return false
 }
 
 // cliDaemon starts a host daemon on a socket in a directory of its own and
