@@ -75,6 +75,10 @@ import (
 // many times its size.
 const reserveMaxWaste = 8
 
+// fits says whether a piece of n bytes may serve an allocation of size
+// bytes: it holds it, and is at most reserveMaxWaste times it.
+func fits(n, size int64) bool { return n >= size && n <= reserveMaxWaste*size }
+
 // reserveBigShare: the largest piece is all of the reserve but one part
 // in this many (four fifths); the rest is the smaller pieces, the first of
 // them an eighth of the largest, so that every size up to the largest
@@ -272,7 +276,7 @@ func (s *Spill) grow(r *reserve, log *slog.Logger) {
 	d := len(r.sizes) - 1
 	r.mu.Lock()
 	p := r.pieces[d]
-	if p != nil && want > 0 && p.size() >= want && p.size() <= reserveMaxWaste*want {
+	if p != nil && want > 0 && fits(p.size(), want) {
 		want = p.size()
 	}
 	// A new piece only for a demand that held for demandSteady, and not
@@ -316,7 +320,7 @@ func (s *Spill) demanded(r *reserve) int64 {
 // wants says whether a piece of size bytes still serves the demand.
 func (s *Spill) wants(r *reserve, size int64) bool {
 	want := s.demanded(r)
-	return want > 0 && size >= want && size <= reserveMaxWaste*want
+	return want > 0 && fits(size, want)
 }
 
 // demandSteady and demandRest, in intervals of Spill.every: a demand
@@ -508,19 +512,17 @@ func (s *Spill) relieve(r *reserve, log *slog.Logger) {
 		"available_bytes", mi.available, "threshold_bytes", r.low)
 }
 
-// take takes the smallest piece ready that holds size bytes and is at
-// most reserveMaxWaste times that, or nil; and then, if the piece being
-// made would be one, a channel closed once it is made or given up, with
-// r.waiting counted up (the caller counts it down). With tail set, the
-// caller must punch out what lies past size and then call
-// r.punching.Done.
-func (r *reserve) take(size int64) (p *piece, tail bool, made <-chan struct{}) {
-	fits := func(n int64) bool { return n >= size && n <= reserveMaxWaste*size }
+// take takes the smallest piece ready that fits size bytes, or nil; and
+// then, with wait set, if the piece being made would fit, a channel
+// closed once it is made or given up, with r.waiting counted up (the
+// caller counts it down). With tail set, the caller must punch out what
+// lies past size and then call r.punching.Done.
+func (r *reserve) take(size int64, wait bool) (p *piece, tail bool, made <-chan struct{}) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	best := -1
 	for i, p := range r.pieces {
-		if p == nil || !fits(p.size()) {
+		if p == nil || !fits(p.size(), size) {
 			continue
 		}
 		if best < 0 || p.size() < r.pieces[best].size() {
@@ -531,7 +533,7 @@ func (r *reserve) take(size int64) (p *piece, tail bool, made <-chan struct{}) {
 		return nil, false, nil
 	}
 	if best < 0 {
-		if r.making >= 0 && fits(r.sizes[r.making]) {
+		if wait && r.making >= 0 && fits(r.sizes[r.making], size) {
 			r.waiting++
 			return nil, false, r.made
 		}
@@ -571,7 +573,7 @@ func (s *Spill) fromReserve(size int64) *hostMemory {
 	if r == nil {
 		return nil
 	}
-	p, tail, made := r.take(size)
+	p, tail, made := r.take(size, true)
 	if made != nil {
 		// A piece that would serve is being made: waiting for it beats
 		// making memory beside it, which halves the speed of both (an
@@ -586,14 +588,9 @@ func (s *Spill) fromReserve(size int64) *hostMemory {
 		r.mu.Lock()
 		r.waiting--
 		r.mu.Unlock()
-		p, tail, made = r.take(size)
-		if made != nil {
-			// Another piece that would serve is being made now: this
-			// eviction has waited its turn.
-			r.mu.Lock()
-			r.waiting--
-			r.mu.Unlock()
-		}
+		// Once: if another piece that would serve is being made now, this
+		// eviction has waited its turn.
+		p, tail, _ = r.take(size, false)
 	}
 	if p == nil {
 		return nil
