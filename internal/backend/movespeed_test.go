@@ -9,6 +9,9 @@ import (
 	"strconv"
 	"testing"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/xfer"
@@ -215,4 +218,56 @@ func TestEvictSpeed(t *testing.T) {
 	}
 	row("restore from the reserve's memory (copy)", time.Since(start), n)
 	m.Free()
+}
+
+// TestPopulateSpeed times making the pages of new host memory (shmem),
+// by threads and by how many memfds share the size: a diagnostic for the
+// reserve's growth, run only when GPUSHM_MOVE_SPEED is set to a size in MiB.
+func TestPopulateSpeed(t *testing.T) {
+	mib, _ := strconv.Atoi(os.Getenv("GPUSHM_MOVE_SPEED"))
+	if mib <= 0 {
+		t.Skip("a diagnostic: set GPUSHM_MOVE_SPEED to a size in MiB")
+	}
+	n := int64(mib) << 20
+	fmt.Printf("%d MiB, %d cores, shmem transparent huge pages %v\n", mib, runtime.NumCPU(), shmemTHP())
+	fmt.Printf("%8s %8s %10s %9s\n", "threads", "memfds", "ms", "GB/s")
+	for _, threads := range []int{1, 2, 4, 8, 16} {
+		for _, files := range []int{1, threads} {
+			fds := make([]int, files)
+			each := n / int64(files)
+			for i := range fds {
+				fd, err := unix.MemfdCreate("populate-speed", unix.MFD_CLOEXEC)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := unix.Ftruncate(fd, each); err != nil {
+					t.Fatal(err)
+				}
+				fds[i] = fd
+			}
+			per := each / reserveChunk
+			start := time.Now()
+			err := inChunks(int(per)*files, threads, nil, nil, func(i int) error {
+				fd, off := fds[i%files], int64(i/files)*reserveChunk
+				ptr, err := unix.MmapPtr(fd, off, nil, reserveChunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+				if err != nil {
+					return err
+				}
+				err = unix.Madvise(unsafe.Slice((*byte)(ptr), reserveChunk), unix.MADV_POPULATE_WRITE)
+				unix.MunmapPtr(ptr, reserveChunk)
+				return err
+			})
+			d := time.Since(start)
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			fmt.Printf("%8d %8d %10.1f %9.2f\n", threads, files, d.Seconds()*1e3, float64(n)/d.Seconds()/1e9)
+			if threads == 1 {
+				break
+			}
+		}
+	}
 }
