@@ -28,9 +28,8 @@ type dir struct {
 	lanes    chan *lane // the directory's staging buffers, one lane per stream
 }
 
-// openDir opens, checks, locks and probes one directory (Open says what is
-// checked).
-func openDir(path string, buffered bool, log *slog.Logger) (*dir, error) {
+// openDir opens and checks one directory (Open says what is checked).
+func openDir(path string, log *slog.Logger) (*dir, error) {
 	path = filepath.Clean(path)
 	if err := os.Mkdir(path, 0o700); err == nil {
 		log.Info("disk: made directory", "dir", path)
@@ -49,19 +48,19 @@ func openDir(path string, buffered bool, log *slog.Logger) (*dir, error) {
 		d.close()
 		return nil, err
 	}
-	if err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		d.close()
-		return nil, fmt.Errorf("disk: directory %s is in use by another store (another daemon?): %w", path, err)
+	return d, nil
+}
+
+// ready locks the directory against other stores, checks it takes writes,
+// and reads or makes its id.
+func (d *dir) ready(buffered bool) error {
+	if err := unix.Flock(d.fd, unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		return fmt.Errorf("disk: directory %s is in use by another store (another daemon?): %w", d.path, err)
 	}
 	if err := d.probe(buffered); err != nil {
-		d.close()
-		return nil, err
+		return err
 	}
-	if err := d.readID(); err != nil {
-		d.close()
-		return nil, err
-	}
-	return d, nil
+	return d.readID()
 }
 
 // check holds the directory to its trust rules: ours, and writable by

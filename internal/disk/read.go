@@ -3,7 +3,9 @@ package disk
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"path/filepath"
 
 	"github.com/gpushm/gpushm/internal/crc32c"
@@ -97,13 +99,16 @@ func (s *Store) openCopy(m *manifest) (sts []*stripe, err error) {
 		// A copy padded for a smaller alignment than the drive's own is
 		// read through the page cache.
 		fd, size, err := d.open(name, d.direct && m.align%d.align == 0)
+		if errors.Is(err, fs.ErrNotExist) {
+			return sts, fmt.Errorf("%w: %w", err, ErrCorrupt)
+		}
 		if err != nil {
 			return sts, err
 		}
 		st := &stripe{d: d, fd: fd, name: filepath.Join(d.path, name)}
 		sts = append(sts, st)
 		if want := m.stripeLen(j); size != want {
-			return sts, fmt.Errorf("%s: %d bytes, its manifest says %d (truncated?): %w", st.name, size, want, ErrCorrupt)
+			return sts, fmt.Errorf("%s: %d bytes, its manifest says %d (truncated, or not this copy's): %w", st.name, size, want, ErrCorrupt)
 		}
 		for i := int64(j); i < int64(len(m.sums)); i += int64(len(m.stripes)) {
 			st.chunks = append(st.chunks, i)

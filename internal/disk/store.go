@@ -147,15 +147,25 @@ func Open(dirs []string, o Options) (*Store, error) {
 		s.log = slog.Default()
 	}
 	for _, p := range dirs {
-		d, err := openDir(p, o.buffered, s.log)
+		d, err := openDir(p, s.log)
+		if err == nil {
+			if other := s.same(d); other != nil {
+				err = fmt.Errorf("disk: %s and %s are the same directory", other.path, d.path)
+			} else {
+				err = d.ready(o.buffered)
+			}
+			if err != nil {
+				d.close()
+			}
+		}
 		if err != nil {
 			s.closeDirs()
 			return nil, err
 		}
-		if other := s.same(d); other != nil {
+		if other := s.byID[d.id]; other != nil {
 			d.close()
 			s.closeDirs()
-			return nil, fmt.Errorf("disk: %s and %s are the same directory", other.path, d.path)
+			return nil, fmt.Errorf("disk: %s and %s have the same id (%s): one was copied from the other; remove %s from the copy", other.path, d.path, d.id, idFile)
 		}
 		s.dirs = append(s.dirs, d)
 		s.byID[d.id] = d
@@ -184,7 +194,7 @@ func Open(dirs []string, o Options) (*Store, error) {
 // same returns the directory of s that d is, if any.
 func (s *Store) same(d *dir) *dir {
 	for _, o := range s.dirs {
-		if o.dev == d.dev && o.ino == d.ino || o.id == d.id {
+		if o.dev == d.dev && o.ino == d.ino {
 			return o
 		}
 	}
