@@ -54,6 +54,28 @@ func (l *lane) free() {
 	}
 }
 
+// warm makes every lane's buffers now, rather than on first use.
+func (s *Store) warm() error {
+	for _, d := range s.dirs {
+		var taken []*lane
+		var err error
+		for range s.streams {
+			l := <-d.lanes
+			taken = append(taken, l)
+			if err == nil {
+				err = l.ready(s.chunk, s.pin)
+			}
+		}
+		for _, l := range taken {
+			d.lanes <- l
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // A stripe is the part of one Write or Read in one directory: the chunks
 // j, j+n, j+2n, ... of a copy of n stripes, in one file.
 type stripe struct {

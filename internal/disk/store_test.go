@@ -1,7 +1,6 @@
 package disk
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -16,19 +15,6 @@ import (
 	"sync"
 	"testing"
 )
-
-// mem is host memory that is a Source and a Sink.
-type mem []byte
-
-func (m mem) ReadAt(p []byte, off int64) error {
-	copy(p, m[off:])
-	return nil
-}
-
-func (m mem) WriteAt(p []byte, off int64) error {
-	copy(m[off:], p)
-	return nil
-}
 
 // pattern is n bytes of seed's own.
 func pattern(n int64, seed uint64) mem {
@@ -387,5 +373,3 @@ func assertOnly(t *testing.T, dir string, copies ...Entry) {
 		t.Errorf("%s holds %q, want %q", dir, got, want)
 	}
 }
-
-var _ = bytes.Equal
