@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"testing"
 	"time"
+
+	"github.com/gpushm/gpushm/internal/crc32c"
 )
 
 func testManifest() *manifest {
@@ -72,6 +74,15 @@ func TestParseName(t *testing.T) {
 	} {
 		if got := parseName(tc.name).kind; got != tc.kind {
 			t.Errorf("parseName(%q) = %v, want %v", tc.name, got, tc.kind)
+		}
+	}
+}
+
+func TestChecksum(t *testing.T) {
+	for _, n := range []int64{0, 1, sumPiece, 2*sumPiece + 1, 64<<20 - 3} {
+		b := pattern(n, 5)
+		if got, want := checksum(b), crc32c.Checksum(b); got != want {
+			t.Errorf("checksum of %d bytes = %08x, want %08x", n, got, want)
 		}
 	}
 }

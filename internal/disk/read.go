@@ -8,7 +8,6 @@ import (
 	"io/fs"
 	"path/filepath"
 
-	"github.com/gpushm/gpushm/internal/crc32c"
 	"golang.org/x/sys/unix"
 )
 
@@ -64,7 +63,7 @@ func (s *Store) Read(ctx context.Context, key string, dst Sink) (Entry, error) {
 		return func(b []byte, i int64) error {
 			size, _ := m.chunkLen(i)
 			p := b[:size]
-			if sum := crc32c.Checksum(p); sum != m.sums[i] {
+			if sum := checksum(p); sum != m.sums[i] {
 				return fmt.Errorf("%s: chunk %d (bytes %d to %d of the copy) fails its checksum (crc32c %08x, recorded %08x): %w",
 					st.name, i, i*m.chunk, i*m.chunk+size, sum, m.sums[i], ErrCorrupt)
 			}

@@ -7,10 +7,10 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
+	"sync"
 	"syscall"
 	"time"
 
-	"github.com/gpushm/gpushm/internal/crc32c"
 	"golang.org/x/sys/unix"
 )
 
@@ -167,7 +167,7 @@ func (w *writer) write(ctx context.Context, src Source) error {
 		if err := src.ReadAt(p, i*m.chunk); err != nil {
 			return fmt.Errorf("the source's %d bytes at %d: %w", size, i*m.chunk, err)
 		}
-		m.sums[i] = crc32c.Checksum(p)
+		m.sums[i] = checksum(p)
 		clear(b[size:pad])
 		return nil
 	}
@@ -183,12 +183,25 @@ func (w *writer) write(ctx context.Context, src Source) error {
 	if err := s.runStripes(ctx, w.stripes, func(st *stripe) stages { return stages{fill, put(st)} }); err != nil {
 		return err
 	}
-	for _, st := range w.stripes {
-		if err := unix.Fsync(st.fd); err != nil {
-			return fmt.Errorf("%s: sync: %w", st.name, err)
+	// Each drive flushes on its own: synced one after the other, a
+	// copy over n drives would wait for n flushes.
+	return parallel(len(w.stripes), func(j int) error {
+		if err := unix.Fsync(w.stripes[j].fd); err != nil {
+			return fmt.Errorf("%s: sync: %w", w.stripes[j].name, err)
 		}
+		return nil
+	})
+}
+
+// parallel runs f(0) to f(n-1) at once, and returns their errors.
+func parallel(n int, f func(int) error) error {
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() { errs[i] = f(i) })
 	}
-	return nil
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 func (w *writer) closeFiles() {
@@ -201,20 +214,26 @@ func (w *writer) closeFiles() {
 }
 
 // commit writes the manifest into each stripe's directory, the commit's
-// (the first stripe's) last. Each rename is synced with its directory,
-// which also makes the data file's name there durable.
+// (the first stripe's) last, once the others are durable. Each rename is
+// synced with its directory, which also makes the data file's name there
+// durable.
 func (w *writer) commit() error {
 	m := w.m
 	b := m.encode()
 	name := manifestName(m.key, m.gen)
-	for j := len(m.stripes) - 1; j >= 0; j-- {
-		d := w.s.byID[m.stripes[j]]
-		w.made = append(w.made, made{d, name})
-		if err := d.writeFile(name+tmpExt, name, b); err != nil {
-			return err
-		}
+	dirs := make([]*dir, len(m.stripes))
+	for j := len(dirs) - 1; j >= 0; j-- {
+		// abort removes in reverse: the commit's manifest first.
+		dirs[j] = w.s.byID[m.stripes[j]]
+		w.made = append(w.made, made{dirs[j], name})
 	}
-	return nil
+	err := parallel(len(dirs)-1, func(j int) error {
+		return dirs[j+1].writeFile(name+tmpExt, name, b)
+	})
+	if err != nil {
+		return err
+	}
+	return dirs[0].writeFile(name+tmpExt, name, b)
 }
 
 // abort removes the files the write made, and gives back its bytes.
