@@ -664,6 +664,22 @@ func (c *Client) Evict(ctx context.Context, name string) (*SegmentInfo, error) {
 	return c.tierOp(ctx, &wire.Request{Op: wire.OpEvict, Name: name})
 }
 
+// EvictTo moves a segment that nobody holds open to "host" memory (as
+// Evict) or to "disk", the daemon's disk tier, freeing its memory; the
+// next open (or Load) brings it back to its device.
+func (c *Client) EvictTo(ctx context.Context, name, to string) (*SegmentInfo, error) {
+	if to == "host" {
+		to = "" // what every daemon takes
+	}
+	return c.tierOp(ctx, &wire.Request{Op: wire.OpEvict, Name: name, To: to})
+}
+
+// Sync writes a durable segment's bytes to disk now and returns once they
+// are durable (docs/disk.md says when a write is). Owner or root.
+func (c *Client) Sync(ctx context.Context, name string) (*SegmentInfo, error) {
+	return c.tierOp(ctx, &wire.Request{Op: wire.OpSync, Name: name})
+}
+
 // Load brings a segment evicted to host memory back to its device ahead
 // of an open, evicting others if the device's budget needs room. Read
 // access is enough; a segment on its device already is left there.
@@ -782,6 +798,11 @@ type CreateOptions struct {
 	// any more with ENOENT, and the version stays uncommitted. See
 	// docs/protocol.md, "Versions".
 	NextVersion bool
+	// Persist makes a durable segment (a daemon with a disk tier): its
+	// bytes go to disk after its commit and at each Client.Sync, and it is
+	// listed again after a reboot, its first open reading them back
+	// (docs/disk.md).
+	Persist bool
 	// Trace, when set, asks the daemon to time the create's steps, and
 	// receives them.
 	Trace *Trace
@@ -790,7 +811,7 @@ type CreateOptions struct {
 func (o *CreateOptions) request(name string, size int64, open bool) *wire.Request {
 	r := &wire.Request{Op: wire.OpCreate, Name: name, Size: size, Device: o.Device,
 		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: open, TTL: o.TTL.Seconds(),
-		Uncommitted: o.Uncommitted || o.NextVersion, NextVersion: o.NextVersion, Pin: o.Pin, Trace: o.Trace != nil}
+		Uncommitted: o.Uncommitted || o.NextVersion, NextVersion: o.NextVersion, Pin: o.Pin, Persist: o.Persist, Trace: o.Trace != nil}
 	if o.Temporary {
 		r.Lifetime = wire.LifetimeConnection
 	}

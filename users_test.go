@@ -173,6 +173,10 @@ func opsChild(ctx context.Context, c *gpushm.Client) error {
 			err = c.Chmod(ctx, name, 0o666)
 		case "evict":
 			_, err = c.Evict(ctx, name)
+		case "evict-disk":
+			_, err = c.EvictTo(ctx, name, "disk")
+		case "sync":
+			_, err = c.Sync(ctx, name)
 		case "load":
 			_, err = c.Load(ctx, name)
 		case "pin":
@@ -279,6 +283,8 @@ func TestOtherUsersEveryOperation(t *testing.T) {
 		{"chmod:shared-rw", "EPERM"},          // writing is not owning
 		{"evict:shared-ro", "EPERM"},          // moving what others read
 		{"pin:shared-ro", "EPERM"},            //
+		{"evict-disk:shared-rw", "EPERM"},     // nor to disk, before anything else is checked
+		{"sync:shared-rw", "EPERM"},           // writing is not owning: no disk writes of root's segments
 		{"unlink:shared-rw", "EPERM"},         //
 		{"load:private", "EACCES"},            // load needs read access
 	}

@@ -110,7 +110,10 @@ type PutOptions struct {
 	// Pin and TTL are gpushm.CreateOptions's: keep the bundle on its
 	// device; remove it once unopened this long.
 	Pin bool
-	TTL time.Duration
+	// Persist makes it durable: its bytes go to disk after the commit and
+	// it is listed again after a reboot (a daemon with --disk).
+	Persist bool
+	TTL     time.Duration
 }
 
 // Put creates name as one bundle segment holding the
@@ -135,7 +138,7 @@ func Put(ctx context.Context, c *gpushm.Client, name string, ck *Checkpoint, o *
 		return st, err
 	}
 	seg, err := c.Create(ctx, name, ck.p.Size, &gpushm.CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, Uncommitted: true, NextVersion: o.NextVersion,
-		Pin: o.Pin, TTL: o.TTL})
+		Pin: o.Pin, TTL: o.TTL, Persist: o.Persist})
 	if err != nil {
 		return st, err
 	}

@@ -9,7 +9,6 @@ import (
 	"strconv"
 	"testing"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -249,12 +248,12 @@ func TestPopulateSpeed(t *testing.T) {
 			start := time.Now()
 			err := inChunks(int(per)*files, threads, nil, nil, func(i int) error {
 				fd, off := fds[i%files], int64(i/files)*reserveChunk
-				ptr, err := unix.MmapPtr(fd, off, nil, reserveChunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+				b, err := unix.Mmap(fd, off, reserveChunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 				if err != nil {
 					return err
 				}
-				err = unix.Madvise(unsafe.Slice((*byte)(ptr), reserveChunk), unix.MADV_POPULATE_WRITE)
-				unix.MunmapPtr(ptr, reserveChunk)
+				err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
+				unix.Munmap(b)
 				return err
 			})
 			d := time.Since(start)

@@ -21,6 +21,7 @@ func createCmd() *cobra.Command {
 		meta    string
 		existOK bool
 		pin     bool
+		persist bool
 		ttl     time.Duration
 	)
 	cmd := &cobra.Command{
@@ -36,7 +37,7 @@ granularity.`,
 		Args:              cobra.ExactArgs(2),
 		ValidArgsFunction: cobra.NoFileCompletions,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return exitcode.Failed("create", args[0], create(cmd, args[0], args[1], device, mode, meta, existOK, pin, ttl))
+			return exitcode.Failed("create", args[0], create(cmd, args[0], args[1], device, mode, meta, existOK, pin, persist, ttl))
 		},
 	}
 	f := cmd.Flags()
@@ -45,13 +46,14 @@ granularity.`,
 	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
 	f.StringVar(&meta, "meta", "", "user metadata, a JSON value")
 	f.BoolVar(&existOK, "exist-ok", false, "succeed if the segment exists with the same size and device")
+	f.BoolVar(&persist, "persist", false, "make it durable: 'gpushm sync' writes its bytes to the daemon's disk tier, and it is listed again after a reboot (docs/disk.md)")
 	f.BoolVar(&pin, "pin", false, "keep the segment on its device: never evict it to host memory when the device's budget needs room ('gpushm unpin' lets it go)")
 	f.DurationVar(&ttl, "ttl", 0, "remove the segment once nobody has had it open for this long (e.g. 10m)")
 	addOutput(cmd, false)
 	return cmd
 }
 
-func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existOK, pin bool, ttl time.Duration) error {
+func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existOK, pin, persist bool, ttl time.Duration) error {
 	size, err := bytesize.Parse(sizeArg)
 	if err != nil {
 		return exitcode.Usagef(cmd, "create %s: %v", name, err)
@@ -61,7 +63,7 @@ func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existO
 		// holds nothing to map, and a size of 0 typed here is a mistake.
 		return exitcode.Usagef(cmd, "create %s: invalid size: 0 (must be positive; an empty file puts as an empty segment, which holds nothing to map)", name)
 	}
-	o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl, Pin: pin}
+	o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl, Pin: pin, Persist: persist}
 	if o.Mode, err = parseMode(cmd, mode); err != nil {
 		return err
 	}

@@ -22,17 +22,38 @@ open of an evicted segment brings it back before it returns
 (docs/architecture.md, "Tiers").`
 
 func evictCmd() *cobra.Command {
-	return tierCmd("evict NAME...", "Move segments nobody has open to host memory now, freeing their GPU memory",
+	var to string
+	cmd := tierCmd("evict NAME...", "Move segments nobody has open to host memory (or to disk) now, freeing their GPU memory",
 		tiersHelp+`
 
 'gpushm evict' does it now: the segment's bytes are copied to host memory
-and its device memory is freed. A segment open somewhere, pinned or a
-channel is refused (EBUSY); one in host memory already stays there. The
-owner or root may evict.`,
+and its device memory is freed. With --to disk they go to the daemon's
+disk tier (gpushm daemon --disk) instead, from the GPU or from host
+memory, and their memory is freed; an open reads them back into GPU
+memory. A segment open somewhere, pinned or a channel is refused (EBUSY);
+one in host memory already stays there. The owner or root may evict.`,
 		`  gpushm evict old-model
+  gpushm evict --to disk old-model
   gpushm evict $(gpushm ls -o name 'ckpt-*')`,
 		func(ctx context.Context, c *gpushm.Client, name string) (*gpushm.SegmentInfo, error) {
-			return c.Evict(ctx, name)
+			return c.EvictTo(ctx, name, to)
+		})
+	cmd.Flags().StringVar(&to, "to", "host", "where to: host (memory) or disk (the daemon's --disk directories)")
+	return cmd
+}
+
+func syncCmd() *cobra.Command {
+	return tierCmd("sync NAME...", "Write durable segments to disk now",
+		`A durable segment (gpushm create --persist, put --persist) keeps a copy in
+the daemon's disk tier (gpushm daemon --disk), which a daemon started after
+a reboot lists again. Its bytes go there in the background after each
+commit (a put, a next version); writes through a mapping reach the copy
+only at the next 'gpushm sync', which returns once the copy is durable
+(written aside, fsynced, renamed in). Writes made while it runs may or may
+not be in it. See docs/disk.md.`,
+		`  gpushm create --persist state 1GiB && ... && gpushm sync state`,
+		func(ctx context.Context, c *gpushm.Client, name string) (*gpushm.SegmentInfo, error) {
+			return c.Sync(ctx, name)
 		})
 }
 

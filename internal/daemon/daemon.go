@@ -44,6 +44,9 @@ type Options struct {
 	GPUBudget   string
 	HostBudget  string
 	HostReserve string
+	// Disk is the disk tier's directories, one per drive, separated by
+	// commas (none: no disk tier); DiskBudget bounds what it takes.
+	Disk, DiskBudget string
 	// Count limits: a number, "auto" or "0" (limits.go).
 	UserSegments, UserConnections string
 	MaxSegments, MaxConnections   string

@@ -19,7 +19,7 @@ import (
 // restore rebuilds the registry from what the supervisor held, checking
 // each descriptor with the backend, and adopts the connections a
 // predecessor parked.
-func restore(srv *server.Server, b backend.Backend, host *backend.Host, start *supervisor.Start, log *slog.Logger) {
+func restore(srv *server.Server, b backend.Backend, host *backend.Host, disk *diskTier, start *supervisor.Start, log *slog.Logger) error {
 	items := make([]segment.Restored, 0, len(start.Segments))
 	now := time.Now().UnixNano()
 	// An orphan without a record is dated now and owned by root (0600).
@@ -60,12 +60,42 @@ func restore(srv *server.Server, b backend.Backend, host *backend.Host, start *s
 			}
 			it.Memory = mem
 		}
+		if h.FD < 0 && it.Problem == "" && it.Record.Tier == segment.OnDisk.String() {
+			// Its bytes are on disk: the first open reads them back.
+			if disk == nil {
+				it.Problem = "its bytes are on disk, and this daemon has no disk tier (--disk)"
+			} else {
+				it.Memory = segment.DiskMemory(it.Record.Alloc)
+			}
+		}
 		if it.Record.Slots > 0 || h.CtlFD >= 0 {
 			it.Memory, it.Problem = restoreChannel(host, it, h.CtlFD)
 		}
 		items = append(items, it)
 	}
 	reg := srv.Registry()
+	if disk != nil && start.Reason == "start" {
+		// Nothing before this process served these directories in this
+		// supervisor: what is on disk is of a daemon that stopped, or of a
+		// machine that rebooted, and its durable segments come back.
+		if err := disk.open(); err != nil {
+			return err
+		}
+		ids := map[string]bool{}
+		names := map[string]bool{}
+		for _, it := range items {
+			ids[segment.DiskKey(it.Record.ID)] = true
+			if it.Record.Linked {
+				names[it.Record.Name] = true
+			}
+		}
+		known := func(k string) bool { return ids[k] }
+		back := disk.durable(known, func(n string) bool { return names[n] })
+		items = append(items, back...)
+		log.Info("durable segments back from disk", "segments", len(back))
+	} else if disk != nil {
+		disk.openLater()
+	}
 	orphans := reg.Restore(items, start.NextID, time.Until(start.GraceUntil))
 	for _, name := range orphans {
 		inf, _ := reg.Stat(name)
@@ -77,7 +107,11 @@ func restore(srv *server.Server, b backend.Backend, host *backend.Host, start *s
 		}
 	}
 	srv.RepairChannels()
+	if disk != nil {
+		go disk.leftovers(reg)
+	}
 	log.Info("restored", "reason", start.Reason, "segments", len(start.Segments), "connections", len(start.Conns), "orphans", len(orphans))
+	return nil
 }
 
 // restoreChannel puts a channel's memory together again: its slots and its

@@ -32,7 +32,8 @@ type serving struct {
 	spill   *backend.Spill
 	srv     *server.Server
 	lim     daemonLimits
-	reserve int64 // --host-reserve, in bytes
+	reserve int64     // --host-reserve, in bytes
+	disk    *diskTier // --disk; nil for none
 }
 
 // Serve serves clients: as the serving process of a supervisor
@@ -84,6 +85,12 @@ func Serve(ctx context.Context, log *slog.Logger, o Options, supervised bool) er
 		if lock != nil {
 			defer lock.Close()
 		}
+		if err == nil && s.disk != nil {
+			err = s.durable()
+		}
+	}
+	if s.disk != nil {
+		defer s.disk.close()
 	}
 	if err != nil {
 		return err
@@ -129,6 +136,17 @@ func (s *serving) build() error {
 		return err
 	}
 	tiers.Observe = s.srv.ObserveMove
+	dirs, budget, err := o.diskOptions()
+	if err != nil {
+		return err
+	}
+	if len(dirs) > 0 {
+		s.disk = newDiskTier(dirs, budget, s.log)
+		tiers.Disk = s.disk
+		tiers.Failed = func(op, name string, err error) {
+			s.log.Error("a durable segment's write to disk failed; it stays in memory", "op", op, "name", name, "err", err)
+		}
+	}
 	s.srv.Registry().SetTiers(tiers)
 	if s.reserve, err = o.reserveBytes(b, s.host, tiers); err != nil {
 		return err
@@ -164,7 +182,9 @@ func (s *serving) attach() (*net.UnixListener, *supervisor.Link, error) {
 		return nil, nil, err
 	}
 	srv.Registry().SetJournal(link)
-	restore(srv, s.b, s.host, start, s.log)
+	if err := restore(srv, s.b, s.host, s.disk, start, s.log); err != nil {
+		return nil, nil, err
+	}
 	srv.SetSupervisor(start.SupervisorPID, start.Restarts)
 	srv.StartGrace(start.GraceUntil)
 	if start.Heal {

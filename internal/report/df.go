@@ -167,6 +167,13 @@ func DFOf(inf *gpushm.Info) DF {
 		r.Tiers = append(r.Tiers, DFTier{Tier: "host", Size: h.HostBudget, Limit: "host_budget",
 			Used: h.HostBytes, Copies: h.CleanBytes, Avail: max(0, h.HostBudget-h.HostBytes),
 			shown: h.HostBudget > 0 && (evictable || h.HostBytes > 0)})
+		if d := h.Disk; d != nil {
+			t := DFTier{Tier: "disk", Size: d.Budget, Limit: "disk_budget", Used: d.Bytes, Segments: d.Segments, shown: true}
+			if d.Budget > 0 {
+				t.Avail = max(0, d.Budget-d.Bytes)
+			}
+			r.Tiers = append(r.Tiers, t)
+		}
 	}
 	return r
 }
@@ -194,8 +201,12 @@ func (r DF) Write(out io.Writer, backend string, sizes, wide bool) error {
 			dev, peak = strconv.Itoa(*t.Device), size(t.Peak)
 		}
 		name := Tier(backend, &gpushm.SegmentInfo{Tier: t.Tier})
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s", dev, name, size(t.Size), size(t.Used),
-			size(t.Avail), percent(t.Used, t.Size), peak, strings.ReplaceAll(t.Limit, "_", " "))
+		sz, avail, limit := size(t.Size), size(t.Avail), strings.ReplaceAll(t.Limit, "_", " ")
+		if t.Tier == "disk" && t.Size == 0 {
+			sz, avail, limit = "-", "-", "no budget" // what the disk has room for is df's of the directories
+		}
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s", dev, name, sz, size(t.Used),
+			avail, percent(t.Used, t.Size), peak, limit)
 		if wide {
 			segs, free := "-", "-"
 			if t.Device != nil {

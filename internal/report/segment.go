@@ -62,6 +62,9 @@ type Segment struct {
 	Tier        string             `json:"tier,omitempty"`
 	LastOpen    *time.Time         `json:"last_open,omitempty"`
 	Pinned      bool               `json:"pinned,omitempty"`
+	Persist     bool               `json:"persist,omitempty"`
+	Synced      *time.Time         `json:"synced,omitempty"`
+	Stale       bool               `json:"stale,omitempty"`
 	Version     uint64             `json:"version,omitempty"`
 	Versions    []wire.HeldVersion `json:"versions,omitempty"`
 }
@@ -74,6 +77,7 @@ func SegmentOf(s *gpushm.SegmentInfo) Segment {
 		Mode: fmt.Sprintf("%04o", s.Mode), Opens: s.Opens, Created: unixTime(s.Created), Meta: s.Meta,
 		Lifetime: s.Lifetime, TTL: s.TTL, IdleSince: optTime(s.Idle), Orphan: s.Orphan, Channel: s.Channel,
 		Uncommitted: s.Uncommitted, Tier: s.Tier, LastOpen: optTime(s.LastOpen), Pinned: s.Pinned,
+		Persist: s.Persist, Synced: optTime(s.Synced), Stale: s.Stale,
 		Version: s.Version, Versions: s.Versions,
 	}
 }
@@ -142,6 +146,17 @@ func Tier(backend string, s *gpushm.SegmentInfo) string {
 		return t + ", pinned"
 	}
 	return t
+}
+
+// Durable says where a durable segment's copy on disk stands.
+func Durable(s *gpushm.SegmentInfo) string {
+	switch {
+	case s.Synced == 0:
+		return "yes, not on disk yet"
+	case s.Stale:
+		return fmt.Sprintf("yes, on disk as of %s, opened to be written since (gpushm sync writes it again)", time.Unix(0, s.Synced).Format(time.RFC3339))
+	}
+	return fmt.Sprintf("yes, on disk as of %s", time.Unix(0, s.Synced).Format(time.RFC3339))
 }
 
 // opened is how long ago a segment was last opened ("-" if unknown).

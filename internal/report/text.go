@@ -67,6 +67,9 @@ func Stat(w io.Writer, s *gpushm.SegmentInfo, backend string) {
 		fmt.Fprintf(w, "held:        version %d (segment %d): %d opens%s\n", v.Version, v.ID, v.Opens, pids(v.PIDs))
 	}
 	fmt.Fprintf(w, "tier:        %s\n", Tier(backend, s))
+	if s.Persist {
+		fmt.Fprintf(w, "durable:     %s\n", Durable(s))
+	}
 	if s.LastOpen != 0 {
 		last := time.Unix(0, s.LastOpen)
 		fmt.Fprintf(w, "last open:   %s (%s ago)\n", last.Format(time.RFC3339), age(time.Since(last)))
@@ -155,6 +158,14 @@ func tiers(out io.Writer, t *gpushm.Tiers, backend string) {
 	if t.ReserveTarget > 0 {
 		fmt.Fprintf(out, "reserve:  %s of %s of host memory made ahead of evictions (--host-reserve); evictions served from it: %d\n",
 			bytesize.Format(t.ReserveBytes), bytesize.Format(t.ReserveTarget), t.ReserveTakes)
+	}
+	if d := t.Disk; d != nil {
+		budget := "no budget"
+		if d.Budget > 0 {
+			budget = "budget " + bytesize.Format(d.Budget)
+		}
+		fmt.Fprintf(out, "tier disk: %s in copies (%s); %d segments only there, %d durable; %d written (%s), %d read (%s)\n",
+			bytesize.Format(d.Bytes), budget, d.Segments, d.Durable, d.Writes, bytesize.Format(d.WrittenBytes), d.Reads, bytesize.Format(d.ReadBytes))
 	}
 }
 

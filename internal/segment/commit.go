@@ -91,6 +91,9 @@ func (r *Registry) Commit(c Cred, s *Segment, origin string, meta json.RawMessag
 		s.meta = append(json.RawMessage(nil), meta...)
 	}
 	r.noteLocked(s, -1)
+	if s.persist && r.tiers.cfg.Disk != nil {
+		r.syncLater(s)
+	}
 	// Clients' cached opens need no epoch move: nobody but the creator could
 	// open the name while it was uncommitted, and it named nothing else.
 	r.wakeLocked()

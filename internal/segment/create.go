@@ -68,6 +68,9 @@ type CreateOptions struct {
 	// Resident keeps the segment on its device: it is never evicted to
 	// host memory (tier.go).
 	Resident bool
+	// Persist makes the segment durable (disk.go): its bytes go to disk
+	// after its commit, and by Sync. It needs the registry's disk tier.
+	Persist bool
 	// Trace, when set, times the steps of the create: check (validation,
 	// the name, limits), alloc or alloc-pool, export (waiting for the
 	// memory's descriptor), journal.
@@ -177,6 +180,12 @@ func (r *Registry) checkCreate(o *CreateOptions) (mode uint32, err error) {
 	}
 	if o.Uncommitted && (!o.Open || o.ExistOK || o.Pin || o.Memory != nil || o.Slots != 0 || o.AllowEmpty) {
 		return 0, fmt.Errorf("%w: an uncommitted segment is created open, and not with exist_ok, as a channel or from published memory", ErrBadOption)
+	}
+	if o.Persist && (o.Slots != 0 || o.Memory != nil) {
+		return 0, fmt.Errorf("%w: a channel, or memory a client published, is never durable", ErrBadOption)
+	}
+	if o.Persist && !r.hasDisk() {
+		return 0, ErrNoDisk
 	}
 	if o.NextVersion && !o.Uncommitted {
 		return 0, fmt.Errorf("%w: a next version is created uncommitted: its writer fills it, then commits it to make it current", ErrBadOption)
@@ -327,6 +336,7 @@ func (r *Registry) addCreatingLocked(owner Cred, o CreateOptions, mode uint32) *
 		lastOpen:  now,
 		resident:  o.Resident,
 		published: o.Memory != nil,
+		persist:   o.Persist,
 
 		uncommitted: o.Uncommitted,
 	}

@@ -194,7 +194,7 @@ func (r *Registry) WriteAt(s *Segment, p []byte, off int64) (int, error) {
 	if end <= size {
 		s.modified = time.Now()
 	}
-	r.dirtyLocked(s)
+	r.writtenLocked(s)
 	r.forgetSourcesLocked(s, off, end-off)
 	r.mu.Unlock()
 	if end > size {
@@ -368,7 +368,7 @@ func (r *Registry) replace(s *Segment, mem Memory, keep, capacity, size int64, c
 		free(nm)
 		return nil, err
 	}
-	r.dirtyLocked(s)
+	r.writtenLocked(s)
 	s.changes.Add(1)
 	s.mem = nm
 	if nm != nil {
@@ -448,7 +448,7 @@ func (r *Registry) resizeInPlace(s *Segment, mem Memory, keep, capacity, size in
 		return nil, nil
 	}
 	// Even if it failed half way, the memory may have changed.
-	r.dirtyLocked(s)
+	r.writtenLocked(s)
 	s.changes.Add(1)
 	if err == nil {
 		_, _, err = r.resizableLocked(s)
@@ -512,7 +512,7 @@ func (r *Registry) Resize(s *Segment, size int64) error {
 	if _, _, err := r.resizableLocked(s); err != nil {
 		return err
 	}
-	r.dirtyLocked(s)
+	r.writtenLocked(s)
 	s.size = size
 	s.modified = time.Now()
 	s.changes.Add(1)

@@ -76,8 +76,15 @@ func (r *Registry) Pin(c Cred, s *Segment, want uint32) error {
 		// Its creator is still filling it through a mapping of its own.
 		return uncommittedError(s)
 	}
+	if s.tier == OnDisk || s.moving != nil && onDisk(s.mem) {
+		// The daemon reads and writes memory, never a file of the disk
+		// tier: the bytes come back to their device first, as for an open.
+		if err := r.onDeviceLocked(s); err != nil {
+			return err
+		}
+	}
 	if want&Write != 0 {
-		r.dirtyLocked(s)
+		r.writtenLocked(s)
 		r.grantWriteLocked(c, s)
 	}
 	s.pins++

@@ -58,6 +58,12 @@ type Info struct {
 	// created, or loaded); Resident that it is pinned to its device.
 	Tier     Tier
 	LastOpen time.Time
+	// Persist says the segment is durable (disk.go); Synced is when its
+	// copy on disk was written (zero: none yet), Stale that it was opened
+	// to be written since.
+	Persist  bool
+	Synced   time.Time
+	Stale    bool
 	Resident bool
 }
 
@@ -115,6 +121,11 @@ func (r *Registry) infoLocked(s *Segment) Info {
 		Tier:        s.tier,
 		LastOpen:    s.lastOpen,
 		Resident:    s.resident,
+		Persist:     s.persist,
+		Stale:       s.onDisk && !s.diskClean,
+	}
+	if s.onDisk {
+		inf.Synced = s.synced
 	}
 	if s.slots > 0 {
 		inf.Stride = channelStride(s.slotBytes)

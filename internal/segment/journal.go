@@ -70,6 +70,14 @@ type Record struct {
 	Pin       bool   `json:"pin,omitempty"`
 	Published bool   `json:"published,omitempty"`
 	LastOpen  int64  `json:"last_open,omitempty"`
+	// The disk tier (disk.go): Tier is "disk" for a segment whose bytes
+	// are only on disk. Persist makes it durable; DiskCopy says a copy is
+	// on disk, Stale that the segment was opened to be written since that
+	// copy was made, Synced when it was made (Unix nanoseconds).
+	Persist  bool  `json:"persist,omitempty"`
+	DiskCopy bool  `json:"disk_copy,omitempty"`
+	Stale    bool  `json:"stale,omitempty"`
+	Synced   int64 `json:"synced,omitempty"`
 	// Leases says the record carries the segment's leases: Holders, the
 	// processes holding some and how many each, and Anon, those of
 	// processes that could not be named. A record without it (an older
@@ -188,8 +196,12 @@ func (s *Segment) recordLocked() Record {
 		Pin: s.resident, Published: s.published, LastOpen: s.lastOpen.UnixNano(),
 		Sources: s.sources, Foreign: s.foreign,
 	}
-	if s.tier == OnHost {
-		rec.Tier = OnHost.String()
+	if s.tier != OnDevice {
+		rec.Tier = s.tier.String()
+	}
+	rec.Persist, rec.DiskCopy, rec.Stale = s.persist, s.onDisk, s.onDisk && !s.diskClean
+	if !s.synced.IsZero() {
+		rec.Synced = s.synced.UnixNano()
 	}
 	if s.next {
 		replaces := s.replaces
@@ -213,7 +225,14 @@ func (s *Segment) recordLocked() Record {
 // noteLocked tells the journal about s as it is now: a Put (with fd, when
 // its memory is new) while it lives, a Delete once it is gone.
 // Inside a batch (beginBatchLocked) the change is held for the batch.
+// A durable segment's copy on disk gets the record too, where what a
+// reboot serves of it changed (remetaLocked).
 func (r *Registry) noteLocked(s *Segment, fd int) {
+	r.remetaLocked(s)
+	r.journalLocked(s, fd)
+}
+
+func (r *Registry) journalLocked(s *Segment, fd int) {
 	if r.journal == nil {
 		return
 	}
@@ -299,6 +318,9 @@ type Restored struct {
 	// Problem, when not empty, makes the segment an orphan: listed, not
 	// openable, removable.
 	Problem string
+	// Fresh says the journal does not hold the record yet (a durable
+	// segment read back from disk after a reboot): Restore records it.
+	Fresh bool
 }
 
 // ErrOrphan: the segment survived a restart in a state the daemon cannot
@@ -379,9 +401,7 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			resident: rec.Pin, published: rec.Published, lastOpen: time.Unix(0, rec.LastOpen),
 			sources: slices.Clone(rec.Sources), foreign: rec.Foreign,
 		}
-		if rec.OnHost() {
-			s.tier = OnHost
-		}
+		s.restoreTier(&rec)
 		if rec.Replaces != nil {
 			s.replaces = *rec.Replaces
 		}
@@ -418,7 +438,7 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 		if s.next && rec.Replaces == nil {
 			unbound = append(unbound, s)
 		}
-		if problem != "" || rec.Size != s.size {
+		if problem != "" || rec.Size != s.size || it.Fresh {
 			r.noteLocked(s, -1)
 		}
 		if mem := r.detachLocked(s); mem != nil {

@@ -290,7 +290,7 @@ func (r *Registry) acquireLocked(c Cred, s *Segment, readOnly bool) error {
 		return err
 	}
 	if !readOnly {
-		r.dirtyLocked(s)
+		r.writtenLocked(s)
 	}
 	if !readOnly || r.readersWrite() {
 		r.grantWriteLocked(c, s)

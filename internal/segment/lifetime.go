@@ -83,6 +83,7 @@ func (r *Registry) detachLocked(s *Segment) Memory {
 	mem := s.mem
 	s.mem = nil
 	r.dirtyLocked(s)
+	r.retireDiskLocked(s)
 	r.noteLocked(s, -1)
 	return mem
 }

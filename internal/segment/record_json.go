@@ -99,6 +99,7 @@ func (rec *Record) AppendJSON(b []byte) []byte {
 	if rec.LastOpen != 0 {
 		b = appendIntMember(b, "last_open", rec.LastOpen)
 	}
+	b = rec.appendDisk(b)
 	if rec.Leases {
 		b = appendBoolMember(b, "leases", true)
 	}
@@ -123,6 +124,23 @@ func (rec *Record) AppendJSON(b []byte) []byte {
 		b = appendIntMember(b, "anon", int64(rec.Anon))
 	}
 	return append(rec.appendSources(b), '}')
+}
+
+// appendDisk appends Persist, DiskCopy, Stale and Synced (disk.go).
+func (rec *Record) appendDisk(b []byte) []byte {
+	if rec.Persist {
+		b = appendBoolMember(b, "persist", true)
+	}
+	if rec.DiskCopy {
+		b = appendBoolMember(b, "disk_copy", true)
+	}
+	if rec.Stale {
+		b = appendBoolMember(b, "stale", true)
+	}
+	if rec.Synced != 0 {
+		b = appendIntMember(b, "synced", rec.Synced)
+	}
+	return b
 }
 
 // appendSources appends Foreign and Sources (sources.go).

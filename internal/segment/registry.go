@@ -158,6 +158,20 @@ type Segment struct {
 	// since was read-only, so that evicting it again is a swap rather
 	// than a copy (tier.go). Not journaled: a cache.
 	clean Memory
+	// The disk tier and durability (disk.go): persist makes the segment
+	// durable; onDisk says a copy of it is on disk under DiskKey(id), and
+	// diskClean that the copy holds its bytes as they are (no writable
+	// open since it was written); synced is when it was written. heldBy is
+	// the durable next version that replaced it, whose copy must be on
+	// disk before this one's goes; supersedes are the keys of the copies
+	// this one removes once its own is.
+	persist    bool
+	diskFP     string // durablePrint of the record its copy has
+	onDisk     bool
+	diskClean  bool
+	synced     time.Time
+	heldBy     *Segment
+	supersedes []string
 	// sources are the ranges the daemon filled from files; foreign says
 	// that someone but its owner and root could write it (sources.go).
 	sources []Source
@@ -208,6 +222,8 @@ type Registry struct {
 	// path of the request that let it go (a restore's source: half a
 	// second at 4 GiB).
 	background sync.WaitGroup
+	// remeta orders the rewrites of durable copies' records (disk.go).
+	remeta sync.Mutex
 }
 
 // New returns an empty registry allocating through alloc. changed, if not

@@ -130,7 +130,7 @@ func trustedWriter(c Cred, s *Segment) bool { return c.UID == 0 || c.UID == s.ui
 func (r *Registry) Filling(c Cred, s *Segment) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.dirtyLocked(s)
+	r.writtenLocked(s)
 	r.grantWriteLocked(c, s)
 }
 

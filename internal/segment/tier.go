@@ -30,8 +30,11 @@ const (
 )
 
 func (t Tier) String() string {
-	if t == OnHost {
+	switch t {
+	case OnHost:
 		return "host"
+	case OnDisk:
+		return "disk"
 	}
 	return "gpu"
 }
@@ -67,9 +70,15 @@ type Tiers struct {
 	// Spill allocates host memory (device 0); Mover copies to and from it.
 	Spill Allocator
 	Mover Mover
-	// Observe, if set, is told of every move, outside the lock: "evict"
-	// or "restore", the segment's name, its bytes and how long it took.
+	// Observe, if set, is told of every move, outside the lock: "evict",
+	// "restore", "evict-disk", "restore-disk" or "sync", the segment's
+	// name, its bytes and how long it took.
 	Observe func(kind, name string, bytes int64, d time.Duration)
+	// Disk, if set, is the disk tier (disk.go); Failed is told of what
+	// failed in the background (a durable segment's write after its
+	// commit): the segment stays in memory.
+	Disk   Disk
+	Failed func(op, name string, err error)
 }
 
 // ErrNoRoom: the budget cannot hold what was asked, even after moving
@@ -96,6 +105,15 @@ type TierStats struct {
 	// EvictedBytes and RestoredBytes their bytes.
 	Evictions, Restores         uint64
 	EvictedBytes, RestoredBytes int64
+	// The disk tier: DiskBytes and DiskBudget are what its copies take and
+	// may take (0: none); DiskSegments the segments whose bytes are only
+	// there, Durable the durable segments; DiskWrites and DiskReads count
+	// copies written and read since the process started.
+	Disk                            bool
+	DiskBytes, DiskBudget           int64
+	DiskSegments, Durable           int
+	DiskWrites, DiskReads           uint64
+	DiskWrittenBytes, DiskReadBytes int64
 }
 
 // Reserve is host memory a spill allocator keeps made ahead of evictions
@@ -147,6 +165,18 @@ func (r *Registry) TierStats() TierStats {
 	}
 	if k, ok := r.tiers.cfg.Spill.(interface{ Reserved() Reserve }); ok {
 		st.Reserve = k.Reserved()
+	}
+	if d := r.tiers.cfg.Disk; d != nil {
+		st.Disk = true
+		st.DiskBytes, st.DiskBudget = d.Usage()
+		for _, s := range r.byID {
+			if s.tier == OnDisk {
+				st.DiskSegments++
+			}
+			if s.persist {
+				st.Durable++
+			}
+		}
 	}
 	devs := map[int]bool{}
 	for d := range r.tiers.cfg.Budgets {
@@ -465,18 +495,22 @@ func (r *Registry) evictLocked(s *Segment) error {
 	if why := r.unmovableLocked(s); why != "" {
 		return fmt.Errorf("%w: %q: %s", ErrPinned, s.name, why)
 	}
-	if s.tier == OnHost {
+	if s.tier != OnDevice {
 		return nil
 	}
 	cfg := r.tiers.cfg
 	size := memSize(s.mem)
+	if cfg.HostBudget <= 0 && cfg.Disk != nil || s.persist && s.onDisk && s.diskClean && s.clean == nil {
+		// No host tier, or its durable copy is current: straight to disk.
+		return r.toDiskLocked(s)
+	}
 	if cfg.HostBudget <= 0 || cfg.Spill == nil || cfg.Mover == nil {
 		return fmt.Errorf("%w: eviction to host memory is off (no host budget)", ErrNoRoom)
 	}
 	if s.clean != nil {
 		// Its bytes are in host memory already, counted there.
 		size = 0
-	} else if !r.hostRoomLocked(size) {
+	} else if !r.diskRoomLocked(size) {
 		used := r.hostUseLocked()
 		return fmt.Errorf("%w: evicting %q (%s) to host memory: %s of the host budget of %s in use",
 			ErrNoRoom, s.name, fmtBytes(memSize(s.mem)), fmtBytes(used), fmtBytes(cfg.HostBudget))
@@ -598,7 +632,13 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 	if err != nil {
 		return fmt.Errorf("allocate %s on %s: %w", fmtBytes(size), tierPlace(to, s.device), err)
 	}
-	if nm != clean {
+	fromDisk := onDisk(old)
+	switch {
+	case fromDisk && r.tiers.cfg.Disk == nil:
+		err = ErrNoDisk
+	case fromDisk:
+		err = r.tiers.cfg.Disk.Read(DiskKey(s.id), nm, min(size, memSize(nm), memSize(old)))
+	case nm != clean:
 		err = r.tiers.cfg.Mover.Move(nm, old, min(size, memSize(nm), memSize(old)))
 	}
 	fd := -1
@@ -616,17 +656,29 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 		return fmt.Errorf("%w: %q was removed while it moved", ErrNotFound, name)
 	}
 	s.mem, s.tier = nm, to
-	if to == OnDevice && r.hostUseLocked()+memSize(old) <= r.tiers.cfg.HostBudget {
+	if fromDisk {
+		old = nil
+		if !s.persist {
+			s.onDisk, s.diskClean = false, false
+			r.removeDiskLater(DiskKey(s.id))
+		}
+	}
+	if to == OnDevice && old != nil && r.hostUseLocked()+memSize(old) <= r.tiers.cfg.HostBudget {
 		// Kept while nobody writes, and while the host budget has room
 		// for it: the next eviction is a swap.
 		s.clean, old = old, nil
 	}
 	r.noteLocked(s, fd)
 	kind := "evict"
-	if to == OnHost {
+	switch {
+	case to == OnHost:
 		r.tiers.stats.Evictions++
 		r.tiers.stats.EvictedBytes += size
-	} else {
+	case fromDisk:
+		kind = "restore-disk"
+		r.tiers.stats.DiskReads++
+		r.tiers.stats.DiskReadBytes += size
+	default:
 		kind = "restore"
 		r.tiers.stats.Restores++
 		r.tiers.stats.RestoredBytes += size
@@ -655,15 +707,23 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 }
 
 func tierPlace(t Tier, d int) string {
-	if t == OnHost {
+	switch t {
+	case OnHost:
 		return "host memory"
+	case OnDisk:
+		return "disk"
 	}
 	return fmt.Sprintf("device %d", d)
 }
 
 // Evict moves the named segment to host memory now, and describes it
 // then. The owner or root may; a segment already on host is left there.
-func (r *Registry) Evict(c Cred, name string) (Info, error) {
+func (r *Registry) Evict(c Cred, name string) (Info, error) { return r.EvictTo(c, name, OnHost) }
+
+// EvictTo moves the named segment to host memory (a segment already
+// there, or on disk, is left there) or to disk (from its device or from
+// host memory), and describes it then. The owner or root may.
+func (r *Registry) EvictTo(c Cred, name string, to Tier) (Info, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	s, err := r.findOwned(c, name)
@@ -676,10 +736,14 @@ func (r *Registry) Evict(c Cred, name string) (Info, error) {
 	if s.gone {
 		return Info{}, fmt.Errorf("%w: %q was removed", ErrNotFound, name)
 	}
-	if s.tier == OnDevice {
-		if err := r.evictLocked(s); err != nil {
-			return Info{}, err
-		}
+	switch {
+	case to == OnDisk && s.tier != OnDisk:
+		err = r.toDiskLocked(s)
+	case to == OnHost && s.tier == OnDevice:
+		err = r.evictLocked(s)
+	}
+	if err != nil {
+		return Info{}, err
 	}
 	return r.infoLocked(s), nil
 }

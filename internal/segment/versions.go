@@ -100,6 +100,12 @@ func (r *Registry) makeCurrentLocked(c Cred, s *Segment, origin string, meta jso
 	r.beginBatchLocked()
 	if cur != nil {
 		s.version = max(cur.version, 1) + 1
+		// A durable name stays durable; its old copy goes once the new
+		// one is on disk.
+		s.persist = s.persist || cur.persist
+		if s.persist {
+			cur.heldBy = s
+		}
 		delete(r.byName, cur.name)
 		cur.linked = false
 		if mem := r.unlinkedLocked(cur); mem != nil {
@@ -114,6 +120,9 @@ func (r *Registry) makeCurrentLocked(c Cred, s *Segment, origin string, meta jso
 	r.byName[s.name] = s
 	r.noteLocked(s, -1)
 	r.endBatchLocked()
+	if s.persist && r.tiers.cfg.Disk != nil {
+		r.syncLater(s)
+	}
 	// Moves the epoch (clients' cached opens of the name are stale now)
 	// and wakes WaitVersion.
 	r.changed()

@@ -51,6 +51,7 @@ func init() {
 		wire.OpEvict:       func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
 		wire.OpLoad:        func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
 		wire.OpPin:         func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
+		wire.OpSync:        func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
 	}
 }
 
@@ -367,6 +368,7 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 		Mode: deref(req.Mode), UseMode: req.Mode != nil,
 		Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: req.ReadOnly,
 		Resident: req.Pin,
+		Persist:  req.Persist,
 		Session:  c.session,
 		Slots:    req.Slots, SlotBytes: req.SlotBytes,
 		Uncommitted: req.Uncommitted,

@@ -512,6 +512,10 @@ func (s *Server) toWire(inf segment.Info) *wire.Segment {
 		Uncommitted: inf.Uncommitted,
 		Tier:        inf.Tier.String(), LastOpen: inf.LastOpen.UnixNano(), Pinned: inf.Resident,
 		Version: inf.Version, RDMA: inf.RDMA,
+		Persist: inf.Persist, Stale: inf.Stale,
+	}
+	if !inf.Synced.IsZero() {
+		w.Synced = inf.Synced.UnixNano()
 	}
 	for _, v := range inf.Versions {
 		w.Versions = append(w.Versions, wire.HeldVersion{ID: v.ID, Version: v.Version, Opens: v.Opens, PIDs: v.PIDs})

@@ -2,6 +2,7 @@ package server
 
 import (
 	"fmt"
+	"syscall"
 	"time"
 
 	"github.com/gpushm/gpushm/internal/segment"
@@ -20,7 +21,16 @@ func (c *conn) tier(cred segment.Cred, req *wire.Request) (*wire.Reply, int) {
 	)
 	switch req.Op {
 	case wire.OpEvict:
-		inf, err = c.s.reg.Evict(cred, req.Name)
+		switch req.To {
+		case "", "host":
+			inf, err = c.s.reg.Evict(cred, req.Name)
+		case "disk":
+			inf, err = c.s.reg.EvictTo(cred, req.Name, segment.OnDisk)
+		default:
+			return fail(fmt.Errorf("evict: to %q: want host or disk: %w", req.To, syscall.EINVAL))
+		}
+	case wire.OpSync:
+		inf, err = c.s.reg.SyncDisk(cred, req.Name)
 	case wire.OpLoad:
 		inf, err = c.s.reg.Load(cred, req.Name)
 	case wire.OpPin:
@@ -44,6 +54,10 @@ func wireTiers(st segment.TierStats) *wire.Tiers {
 	}
 	for i, d := range st.Devices {
 		w.Devices[i] = wire.DeviceTier{Device: d.Device, Budget: d.Budget, Bytes: d.Bytes, Peak: d.Peak}
+	}
+	if st.Disk {
+		w.Disk = &wire.DiskTier{Bytes: st.DiskBytes, Budget: st.DiskBudget, Segments: st.DiskSegments, Durable: st.Durable,
+			Writes: st.DiskWrites, Reads: st.DiskReads, WrittenBytes: st.DiskWrittenBytes, ReadBytes: st.DiskReadBytes}
 	}
 	return w
 }

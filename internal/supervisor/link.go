@@ -523,7 +523,9 @@ func (l *Link) Put(rec segment.Record, fd, ctlFD int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.seq++
-	if fd < 0 && ctlFD < 0 && l.table != nil {
+	// A record of a segment on disk goes as a message: the supervisor lets
+	// go of the memory it held for it when it applies it (state.go).
+	if fd < 0 && ctlFD < 0 && l.table != nil && rec.Tier != segment.OnDisk.String() {
 		l.recBuf = rec.AppendJSON(l.recBuf[:0])
 		if l.table.put(rec.ID, l.seq, l.recBuf) {
 			return

@@ -82,7 +82,7 @@ func (st *State) set(id uint64, rec json.RawMessage, fd, ctl int) (e *entry, cha
 	if fd >= 0 {
 		closeFD(e.fd)
 		e.fd, changed = fd, true
-	} else if e.fd >= 0 && allocOf(rec) == 0 {
+	} else if e.fd >= 0 && !holdsMemory(rec) {
 		closeFD(e.fd)
 		closeFD(e.ctl)
 		e.fd, e.ctl, changed = -1, -1, true
@@ -205,13 +205,15 @@ func (st *State) ids() []uint64 {
 	return ids
 }
 
-// allocOf reads a record's "alloc": the bytes of memory it says it has.
-func allocOf(rec json.RawMessage) int64 {
+// holdsMemory reads whether a record says its segment has memory: bytes
+// ("alloc") that are not only on disk ("tier").
+func holdsMemory(rec json.RawMessage) bool {
 	var r struct {
-		Alloc int64 `json:"alloc"`
+		Alloc int64  `json:"alloc"`
+		Tier  string `json:"tier"`
 	}
 	json.Unmarshal(rec, &r)
-	return r.Alloc
+	return r.Alloc != 0 && r.Tier != "disk"
 }
 
 func closeFD(fd int) {

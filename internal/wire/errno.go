@@ -22,6 +22,7 @@ var codes = map[string]syscall.Errno{
 	"EMFILE":       syscall.EMFILE,
 	"ENODEV":       syscall.ENODEV,
 	"ENOSYS":       syscall.ENOSYS,
+	"EOPNOTSUPP":   syscall.EOPNOTSUPP,
 	"EPROTO":       syscall.EPROTO,
 	"EBADF":        syscall.EBADF,
 	"EIO":          syscall.EIO,

@@ -160,6 +160,15 @@ func appendSegment(b []byte, s *Segment) (_ []byte, ok bool) {
 	if s.Pinned {
 		b = append(b, `,"pinned":true`...)
 	}
+	if s.Persist {
+		b = append(b, `,"persist":true`...)
+	}
+	if s.Synced != 0 {
+		b = appendInt(b, "synced", s.Synced)
+	}
+	if s.Stale {
+		b = append(b, `,"stale":true`...)
+	}
 	if s.Version != 0 {
 		b = strconv.AppendUint(append(b, `,"version":`...), s.Version, 10)
 	}
@@ -600,6 +609,12 @@ func (s *hotScan) segment() *Segment {
 			g.Version, bit = s.uint64(), 1<<21
 		case "rdma":
 			g.RDMA, bit = s.bool(), 1<<22
+		case "persist":
+			g.Persist, bit = s.bool(), 1<<23
+		case "synced":
+			g.Synced, bit = s.int64(), 1<<24
+		case "stale":
+			g.Stale, bit = s.bool(), 1<<25
 		}
 		s.mark(&seen, bit)
 	}

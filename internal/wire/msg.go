@@ -86,6 +86,9 @@ type Request struct {
 	// NoReplace (rename) fails with EEXIST when the new name exists,
 	// instead of replacing it.
 	NoReplace bool `json:"no_replace,omitempty"`
+	// Persist (create) makes a durable segment: its bytes go to disk after
+	// its commit and at each sync, and come back after a reboot (docs/disk.md).
+	Persist bool `json:"persist,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -297,6 +300,12 @@ type Segment struct {
 	Tier     string `json:"tier,omitempty"`
 	LastOpen int64  `json:"last_open,omitempty"`
 	Pinned   bool   `json:"pinned,omitempty"`
+	// Persist says the segment is durable (docs/disk.md); Synced (Unix
+	// nanoseconds) is when its copy on disk was written, absent while it
+	// has none; Stale that it was opened to be written since.
+	Persist bool  `json:"persist,omitempty"`
+	Synced  int64 `json:"synced,omitempty"`
+	Stale   bool  `json:"stale,omitempty"`
 	// Version counts the segments the name has named, this one included
 	// (absent from older daemons: 1). Versions (stat only) are the
 	// name's earlier versions that are still held, oldest first.
@@ -375,6 +384,23 @@ type Tiers struct {
 	Restores      uint64 `json:"restores"`
 	EvictedBytes  int64  `json:"evicted_bytes"`
 	RestoredBytes int64  `json:"restored_bytes"`
+	// Disk is the disk tier, absent without one.
+	Disk *DiskTier `json:"disk,omitempty"`
+}
+
+// DiskTier is what info says of the disk tier: the bytes its copies take
+// and may take (0: no budget), the segments whose bytes are only there,
+// the durable segments, and the copies written and read since the daemon
+// started.
+type DiskTier struct {
+	Bytes        int64  `json:"bytes"`
+	Budget       int64  `json:"budget_bytes"`
+	Segments     int    `json:"segments"`
+	Durable      int    `json:"durable"`
+	Writes       uint64 `json:"writes"`
+	Reads        uint64 `json:"reads"`
+	WrittenBytes int64  `json:"written_bytes"`
+	ReadBytes    int64  `json:"read_bytes"`
 }
 
 // DeviceTier is one device's budget (0: none), the bytes on it now, and
@@ -551,6 +577,7 @@ const (
 	fNextVersion
 	fEmpty
 	fNoReplace
+	fPersist
 	fieldCount = iota
 )
 
@@ -558,7 +585,7 @@ var fieldNames = [fieldCount]string{
 	"version", "name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "segment",
 	"after", "limit", "lifetime", "ttl_seconds", "uid", "gid", "to", "session", "count", "slots",
 	"slot_bytes", "role", "uncommitted", "wait", "offset", "at", "trace", "pin", "next_version",
-	"empty", "no_replace",
+	"empty", "no_replace", "persist",
 }
 
 // setFields is the set of r's fields that hold something other than
@@ -602,6 +629,7 @@ func setFields(r *Request) uint32 {
 	set(fNextVersion, r.NextVersion)
 	set(fEmpty, r.Empty)
 	set(fNoReplace, r.NoReplace)
+	set(fPersist, r.Persist)
 	return m
 }
 

@@ -23,6 +23,7 @@ const (
 	OpEvict       = "evict"
 	OpLoad        = "load"
 	OpPin         = "pin"
+	OpSync        = "sync"
 )
 
 // An Operation is one operation of the protocol.
@@ -54,7 +55,7 @@ var Operations = []Operation{
 	{Name: OpInfo, Doc: "the daemon: its version, backend, devices, limits and usage",
 		fields: fTrace},
 	{Name: OpCreate, Doc: "a new segment, or a channel; with open, opened at once",
-		fields: fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted | fPin | fNextVersion | fEmpty},
+		fields: fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted | fPin | fNextVersion | fEmpty | fPersist},
 	{Name: OpOpen, Doc: "a lease on a segment by its name, and its descriptor",
 		fields: fTrace | fName | fReadOnly | fRole | fWait},
 	{Name: OpClose, Doc: "gives back a lease this connection holds",
@@ -83,12 +84,14 @@ var Operations = []Operation{
 		fields: fTrace | fSegment | fSize | fOffset | fAt},
 	{Name: OpDump, FD: true, Doc: "the daemon's copy engine copies a segment the client holds open into the file sent",
 		fields: fTrace | fSegment | fSize | fOffset | fAt},
-	{Name: OpEvict, Doc: "moves a segment nobody holds to host memory now",
-		fields: fTrace | fName},
+	{Name: OpEvict, Doc: "moves a segment nobody holds to host memory now, or (to \"disk\") to the disk tier",
+		fields: fTrace | fName | fTo},
 	{Name: OpLoad, Doc: "brings a segment back to its device ahead of an open",
 		fields: fTrace | fName},
 	{Name: OpPin, Doc: "keeps a segment on its device (pin true), or lets it move again",
 		fields: fTrace | fName | fPin},
+	{Name: OpSync, Doc: "writes a durable segment's bytes to disk now, and answers once they are durable",
+		fields: fTrace | fName},
 }
 
 // operations indexes Operations by name, for the decoder and CarriesFD.

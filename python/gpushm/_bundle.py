@@ -17,13 +17,15 @@ class Bundles:
     _abandon (gpushm._client composes them into Client)."""
 
     def put_tensors(self, name: str, tensors: dict, *, metadata: dict | None = None, device: int | None = None,
-                    mode: int | None = None, next_version: bool = False, commit: bool = True):
+                    mode: int | None = None, next_version: bool = False, commit: bool = True,
+                    persist: bool = False):
         """Stores many named tensors in one segment, in the safetensors
         layout, so that a model's weights cost one name and one mapping.
         metadata is safetensors' __metadata__ (str to str); mode as
         create's. next_version makes the bundle the name's next version
         (create's), current once every tensor is in it. commit=False returns it filled and not yet
         committed: its commit() names it (or makes the version current).
+        persist=True makes it durable, as create's: on disk once committed.
         Returns the bundle's Segment."""
         if not tensors:
             raise ValueError("gpushm: put_tensors needs at least one tensor")
@@ -41,7 +43,7 @@ class Bundles:
                     device = self._daemon_device(b.device_id)
             prefix, begins, total = encode_bundle(entries, metadata)
             seg = self._create(name, total, bundle_meta(len(prefix) - 8, len(entries)), device, mode, False,
-                               uncommitted=True, next_version=next_version)
+                               uncommitted=True, next_version=next_version, persist=persist)
             try:
                 m = seg._m
                 seg.write(prefix, 0)

@@ -769,12 +769,23 @@ class Core:
                 "grace_seconds": rep.get("grace_seconds", 0.0), "pool": rep.get("pool"),
                 "tiers": rep.get("tiers")}
 
-    def evict(self, name: str) -> SegmentInfo:
-        """Moves a segment nobody has open to host memory now, freeing its
-        GPU memory; the next open (or load) brings it back. Owner or root;
-        a segment open somewhere, pinned or a channel raises EBUSY
-        (docs/python.md, "More models than GPU memory")."""
-        rep, _ = self._call("evict", name=name)
+    def evict(self, name: str, to: str = "host") -> SegmentInfo:
+        """Moves a segment nobody has open to host memory now (to="disk":
+        to the daemon's disk tier), freeing its GPU memory; the next open
+        (or load) brings it back. Owner or root; a segment open somewhere,
+        pinned or a channel raises EBUSY (docs/python.md, "More models than
+        GPU memory")."""
+        fields = {"name": name}
+        if to != "host":
+            fields["to"] = to
+        rep, _ = self._call("evict", **fields)
+        return SegmentInfo.from_wire(rep["segment"])
+
+    def sync(self, name: str) -> SegmentInfo:
+        """Writes a durable segment (create or put_tensors with
+        persist=True) to the daemon's disk tier now, and returns once the
+        copy is durable (docs/disk.md). Owner or root."""
+        rep, _ = self._call("sync", name=name)
         return SegmentInfo.from_wire(rep["segment"])
 
     def load(self, name: str) -> SegmentInfo:
@@ -900,7 +911,7 @@ class Core:
     def create(self, name: str, nbytes: int | None = None, *, shape=None, dtype=None, device: int | None = None,
                mode: int | None = None, exist_ok: bool = False, temporary: bool = False,
                ttl: float | None = None, uncommitted: bool = False, pin: bool = False,
-               next_version: bool = False) -> Segment:
+               next_version: bool = False, persist: bool = False) -> Segment:
         """Creates a segment and opens it read-write.
 
         With shape and dtype it holds one tensor (nbytes defaults to what the
@@ -923,6 +934,10 @@ class Core:
 
         pin=True keeps it on its GPU: the daemon never evicts it to host
         memory to make room for others.
+
+        persist=True makes it durable (a daemon with --disk): its bytes go
+        to disk after its commit and at each sync(), and it is listed again
+        after a reboot (docs/disk.md).
 
         next_version=True makes the next version of the name (implies
         uncommitted): the new segment takes no name while this client fills
@@ -949,10 +964,10 @@ class Core:
         elif nbytes is None:
             raise TypeError("gpushm: create needs nbytes, or shape and dtype")
         return self._create(name, nbytes, lay.meta() if lay else None, device, mode, exist_ok, temporary, ttl,
-                            uncommitted, pin, next_version)
+                            uncommitted, pin, next_version, persist)
 
     def _create(self, name, nbytes, meta, device, mode, exist_ok, temporary=False, ttl=None,
-                uncommitted=False, pin=False, next_version=False) -> Segment:
+                uncommitted=False, pin=False, next_version=False, persist=False) -> Segment:
         fields = {"name": name, "size": int(nbytes), "open": True}
         if mode is not None:  # else 0o600, or a next version's current version's
             fields["mode"] = int(mode)
@@ -963,6 +978,8 @@ class Core:
             fields["next_version"] = True
         if pin:
             fields["pin"] = True
+        if persist:
+            fields["persist"] = True
         if device is not None:
             fields["device"] = int(device)
         if meta is not None:

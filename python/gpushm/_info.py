@@ -38,6 +38,12 @@ class SegmentInfo:
     # earlier versions that someone still holds, oldest first.
     version: int = 1
     versions: tuple = ()
+    # Durable segments (docs/disk.md): persist says it is one; synced is
+    # when its copy on disk was written (Unix nanoseconds, 0: none yet),
+    # stale that it was opened to be written since.
+    persist: bool = False
+    synced: int = 0
+    stale: bool = False
     # sources, in stat replies only: the ranges the daemon itself filled
     # from files, as Source (docs/protocol.md, "Sources").
     sources: tuple = ()
