@@ -60,9 +60,18 @@ func newDiskTier(dirs []string, budget int64, log *slog.Logger) *diskTier {
 	return &diskTier{dirs: dirs, o: disk.Options{Budget: budget, Log: log}, log: log, ready: make(chan struct{})}
 }
 
-// open opens the store now.
+// open opens the store now, waiting up to 10 s for a daemon that was
+// killed to let go of the directories (its exit tears its GPU mappings
+// down before it closes its descriptors).
 func (d *diskTier) open() error {
-	d.st, d.err = disk.Open(d.dirs, d.o)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		d.st, d.err = disk.Open(d.dirs, d.o)
+		if d.err == nil || !errors.Is(d.err, unix.EWOULDBLOCK) || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	close(d.ready)
 	if d.err != nil {
 		return fmt.Errorf("--disk: %w", d.err)

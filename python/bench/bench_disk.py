@@ -214,7 +214,7 @@ def main():
             c.close()
             daemon.stop()
             daemon = None
-        dropped = drop_caches()
+        dropped = False if a.smoke else drop_caches()
         p = subprocess.run([sys.executable, "-c", WORKER, str(model), a.backend], capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=str(REPO / "python")), timeout=1800)
         cold = None
