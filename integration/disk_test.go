@@ -15,12 +15,21 @@ import (
 // budgets, an open brings them back, durable segments come back after a
 // reboot, and nothing torn or stale is served.
 
-// diskDirs are two directories for a disk tier: one on the file system of
-// the test's temporary directory (ext4 on the CI machine) and one in
-// /dev/shm (tmpfs, which refuses O_DIRECT), so that both paths run.
+// diskDirs are two directories for a disk tier: one under /var/tmp (a disk
+// file system, ext4 on the CI machine, which takes O_DIRECT) and one in
+// /dev/shm (tmpfs, which refuses it), so that both paths run.
 func diskDirs(t *testing.T) []string {
 	t.Helper()
-	dirs := []string{filepath.Join(t.TempDir(), "disk0")}
+	root := "/var/tmp"
+	if st, err := os.Stat(root); err != nil || !st.IsDir() {
+		root = t.TempDir()
+	}
+	base, err := os.MkdirTemp(root, "gpushm-disk-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(base) })
+	dirs := []string{filepath.Join(base, "disk0")}
 	if st, err := os.Stat("/dev/shm"); err == nil && st.IsDir() {
 		shm, err := os.MkdirTemp("/dev/shm", "gpushm-disk-test-")
 		if err != nil {

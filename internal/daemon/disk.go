@@ -236,6 +236,9 @@ func (d *diskTier) durable(known func(key string) bool, names func(name string) 
 			continue
 		}
 		rec.Alloc = max(rec.Alloc, e.Size)
+		if rec.TTL > 0 {
+			rec.Idle = time.Now().UnixNano() // its clock starts again now
+		}
 		rec.Tier, rec.DiskCopy = segment.OnDisk.String(), true
 		it := segment.Restored{Record: rec, Memory: segment.DiskMemory(rec.Alloc), Fresh: true}
 		if i, ok := byName[rec.Name]; ok {

@@ -181,8 +181,8 @@ func (r *Registry) checkCreate(o *CreateOptions) (mode uint32, err error) {
 	if o.Uncommitted && (!o.Open || o.ExistOK || o.Pin || o.Memory != nil || o.Slots != 0 || o.AllowEmpty) {
 		return 0, fmt.Errorf("%w: an uncommitted segment is created open, and not with exist_ok, as a channel or from published memory", ErrBadOption)
 	}
-	if o.Persist && (o.Slots != 0 || o.Memory != nil) {
-		return 0, fmt.Errorf("%w: a channel, or memory a client published, is never durable", ErrBadOption)
+	if o.Persist && (o.Slots != 0 || o.Memory != nil || o.Bound) {
+		return 0, fmt.Errorf("%w: a channel, memory a client published, or a temporary segment is never durable", ErrBadOption)
 	}
 	if o.Persist && !r.hasDisk() {
 		return 0, ErrNoDisk

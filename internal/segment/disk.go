@@ -87,7 +87,8 @@ func (s *Segment) diskRecordLocked(synced time.Time, stale bool) []byte {
 	rec.Tier, rec.Holders, rec.Anon, rec.Leases = OnDisk.String(), nil, 0, true
 	rec.Bound, rec.Session, rec.CreatorPID, rec.CreatorStart = false, "", 0, 0
 	rec.DiskCopy, rec.Stale, rec.Synced = true, stale, synced.UnixNano()
-	rec.LastOpen, rec.TTL, rec.Idle, rec.InUse = 0, 0, 0, false
+	// A TTL's idle clock starts again when a daemon reads it back.
+	rec.LastOpen, rec.Idle, rec.InUse = 0, 0, false
 	b, _ := json.Marshal(rec)
 	s.diskFP = durablePrint(&rec)
 	return b
