@@ -7,6 +7,7 @@ import (
 	"os"
 	"runtime"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -269,4 +270,81 @@ func TestPopulateSpeed(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestHugeTmpfsSpeed times making the pages of files of a private tmpfs
+// mounted huge=always (root only), where shmem's own transparent huge
+// pages are off: a diagnostic, run only when GPUSHM_MOVE_SPEED is set.
+func TestHugeTmpfsSpeed(t *testing.T) {
+	mib, _ := strconv.Atoi(os.Getenv("GPUSHM_MOVE_SPEED"))
+	if mib <= 0 {
+		t.Skip("a diagnostic: set GPUSHM_MOVE_SPEED to a size in MiB")
+	}
+	dir := t.TempDir()
+	if err := unix.Mount("gpushm", dir, "tmpfs", 0, "huge=always,mode=0700"); err != nil {
+		t.Skipf("mount tmpfs huge=always: %v", err)
+	}
+	root, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(root)
+	// Detached: reachable only through root from here on.
+	if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	n := int64(mib) << 20
+	fmt.Printf("%d MiB in files of a private tmpfs, huge=always, %d cores\n", mib, runtime.NumCPU())
+	fmt.Printf("%8s %8s %10s %9s\n", "threads", "files", "ms", "GB/s")
+	for _, threads := range []int{1, 2, 4, 8, 16} {
+		for _, files := range []int{1, threads} {
+			fds := make([]int, files)
+			each := n / int64(files)
+			for i := range fds {
+				fd, err := unix.Openat(root, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := unix.Ftruncate(fd, each); err != nil {
+					t.Fatal(err)
+				}
+				fds[i] = fd
+			}
+			const chunk = 32 << 20
+			per := each / chunk
+			start := time.Now()
+			err := inChunks(int(per)*files, threads, nil, nil, func(i int) error {
+				b, err := unix.Mmap(fds[i%files], int64(i/files)*chunk, chunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+				if err != nil {
+					return err
+				}
+				err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
+				unix.Munmap(b)
+				return err
+			})
+			d := time.Since(start)
+			huge := meminfoLine("ShmemHugePages")
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			fmt.Printf("%8d %8d %10.1f %9.2f   ShmemHugePages %s\n", threads, files, d.Seconds()*1e3, float64(n)/d.Seconds()/1e9, huge)
+			if threads == 1 {
+				break
+			}
+		}
+	}
+}
+
+// meminfoLine is a line's value of /proc/meminfo, as written there.
+func meminfoLine(key string) string {
+	b, _ := os.ReadFile("/proc/meminfo")
+	for _, l := range strings.Split(string(b), "\n") {
+		if k, v, ok := strings.Cut(l, ":"); ok && k == key {
+			return strings.TrimSpace(v)
+		}
+	}
+	return "?"
 }
