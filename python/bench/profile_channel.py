@@ -242,16 +242,16 @@ def report(res, a):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bin", default=os.environ.get("GPUSHM_BIN") or ".gpu/gpushm")
-    p.add_argument("--count", type=int, default=20000)
+    p.add_argument("--count", type=int, help="messages back to back per pass (default 20000; smoke 200)")
     p.add_argument("--slots", type=int, default=SLOTS, help="slots of the channel (default 4, as bench_channel.py)")  # noqa
-    p.add_argument("--smoke", action="store_true", help="host backend, numpy, 200 messages")
+    p.add_argument("--smoke", action="store_true", help="host backend, numpy, 200 messages unless --count says")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
     globals()["SLOTS"] = a.slots
     a.backend = "host"
-    if a.smoke:
-        a.count = 200
-    else:
+    if a.count is None:
+        a.count = 200 if a.smoke else 20000
+    if not a.smoke:
         try:
             import torch
 
