@@ -17,7 +17,9 @@ ends' spin_us=50 (both poll 50 us before they sleep); (3) every step of
 each end timed with perf_counter_ns around the library's own calls (the
 wrappers cost about 0.2 us each, counted in the step they wrap). The
 table of pass 3 gives each step's mean per message on each end, and what
-the pieces cost alone (a primitive timed 20,000 times in a row).
+the pieces cost alone (a primitive timed 20,000 times in a row). Last,
+one thread holds both ends and hands each message over at once: each
+call's cost with nobody waiting or asleep, the channel's code alone.
 """
 
 from __future__ import annotations
@@ -163,6 +165,46 @@ def primitives(ch, mod, gpu, n=20000):
     return out
 
 
+def alone(sock, framework, gpu, n):
+    """The channel's own code per message, with nobody waiting or asleep:
+    one thread holds both ends (two clients) and hands each message over
+    at once, n times; ns per call of each end."""
+    import gpushm
+
+    kw = {"device": 0} if gpu else {}
+    c1, c2 = gpushm.connect(sock), gpushm.connect(sock)
+    out = {}
+    try:
+        tx = c1.channel("profile-alone", shape=(SIZE // 4,), dtype="float32", slots=SLOTS, framework=framework, **kw)
+        rx = c2.channel("profile-alone", framework=framework)
+        ns = {"send()": 0, "done() (producer)": 0, "recv()": 0, "done() (consumer)": 0}
+        for rnd in range(2):  # the first round warms up
+            for k in ns:
+                ns[k] = 0
+            for _ in range(n):
+                t0 = now()
+                m = tx.send()
+                t1 = now()
+                m.done()
+                t2 = now()
+                r = rx.recv()
+                t3 = now()
+                r.done()
+                t4 = now()
+                ns["send()"] += t1 - t0
+                ns["done() (producer)"] += t2 - t1
+                ns["recv()"] += t3 - t2
+                ns["done() (consumer)"] += t4 - t3
+        out = {k: v / n for k, v in ns.items()}
+        tx.close()
+        rx.close()
+        c1.unlink("profile-alone")
+    finally:
+        c1.close()
+        c2.close()
+    return out
+
+
 def run(a):
     import gpushm
     from gpushm import testing
@@ -213,6 +255,7 @@ def run(a):
                 results["primitives"] = primitives(tx, mod, gpu)
             tx.close()
             c.unlink(name)
+        results["alone"] = alone(d.socket, framework, gpu, a.count)
         parent.send(None)
         p.join(60)
     finally:
@@ -221,7 +264,7 @@ def run(a):
 
 
 def report(res, a):
-    ok = all(r["ok"] for k, r in res.items() if k != "primitives")
+    ok = all(r["ok"] for k, r in res.items() if k not in ("primitives", "alone"))
     print(f"channel messages from Python, {SIZE // 1024} KiB, {SLOTS} slots, {a.count} back to back; backend {a.backend}")
     print("\n| pass | messages/s | producer's loop per message |\n| --- | ---: | ---: |")
     for k in ("as is", "spin_us=50", "timed steps"):
@@ -234,6 +277,10 @@ def report(res, a):
             print(f"| {k} | {ns / max(n, 1) / 1e3:.2f} ({n / a.count:.2f} per message) |")
     print("\nthe pieces alone:\n\n| piece | us |\n| --- | ---: |")
     for k, v in res["primitives"].items():
+        print(f"| {k} | {v / 1e3:.2f} |")
+    print(f"\none thread holding both ends, each message handed over at once (nobody waits):\n\n"
+          f"| call | us |\n| --- | ---: |")
+    for k, v in res["alone"].items():
         print(f"| {k} | {v / 1e3:.2f} |")
     print(("PASS" if ok else "FAIL") + " every accumulator held the sum of what was sent")
     return 0 if ok else 1
