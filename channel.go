@@ -152,6 +152,9 @@ func (ch *Channel) attach(fd, ctlFD int, readOnly bool, devices []int) error {
 	if err == nil {
 		_, _, _, err = blk.Check()
 	}
+	if err == nil {
+		err = blk.CheckVersion()
+	}
 	if err == nil && m.dev != nil {
 		// The streams write and wait on the block: pin it, with an address
 		// on the GPU.
@@ -163,6 +166,7 @@ func (ch *Channel) attach(fd, ctlFD int, readOnly bool, devices []int) error {
 		return err
 	}
 	ch.m, ch.ctl, ch.blk = m, ctl, blk
+	blk.Awake(channel.Role(ch.role))
 	if ch.role == Producer {
 		ch.last = blk.Head()
 	} else {

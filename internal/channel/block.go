@@ -4,7 +4,8 @@
 //
 // The block is shared memory written by several processes (and by GPU
 // streams); every access is atomic, and the hand-off is the release store of
-// a counter followed by a futex wake. This package, internal/epoch and
+// a counter, a bump of the other end's event word and, if that end said it
+// may be asleep, a futex wake. This package, internal/epoch and
 // internal/cuda are the ones that use unsafe: atomics on shared memory need
 // pointers into it.
 package channel
@@ -27,6 +28,10 @@ const (
 	// Align is the slot stride's unit: a page, so that a slot of host
 	// memory can be mapped alone, and far above what any GPU access needs.
 	Align = 4096
+	// Version is the block's layout: 2 added the sleeping words, without
+	// which an end of version 1 would sleep unwoken (its peer wakes it
+	// only when it says it sleeps), so an end speaks one version only.
+	Version = 2
 )
 
 // Offsets in the block.
@@ -46,7 +51,9 @@ const (
 	offBrokenEnd = 336
 	offBreaks    = 344
 	offRxEvent   = 384
+	offRxSleep   = 388 // the consumer may be asleep on rx_event (version 2)
 	offTxEvent   = 448
+	offTxSleep   = 452
 	offFilled    = 1024
 	offDrained   = 1536
 )
@@ -101,16 +108,22 @@ func Map(b []byte) (*Block, error) {
 // Init writes a fresh block's header.
 func (k *Block) Init(slots int, slotBytes, stride int64) {
 	copy(k.b[offMagic:], magic)
-	binary.LittleEndian.PutUint32(k.b[offVersion:], 1)
+	binary.LittleEndian.PutUint32(k.b[offVersion:], Version)
 	binary.LittleEndian.PutUint32(k.b[offSlots:], uint32(slots))
 	binary.LittleEndian.PutUint64(k.b[offSlotBytes:], uint64(slotBytes))
 	binary.LittleEndian.PutUint64(k.b[offStride:], uint64(stride))
 }
 
-// Check verifies that the block is a channel's with this layout.
+// Check verifies that the block is a channel's with this layout, of a
+// version the daemon knows: version 1 differs only by words the daemon
+// never reads, so blocks made before an upgrade keep their channels. An
+// end checks the version too (CheckVersion).
 func (k *Block) Check() (slots int, slotBytes, stride int64, err error) {
-	if string(k.b[offMagic:offMagic+8]) != magic || binary.LittleEndian.Uint32(k.b[offVersion:]) != 1 {
-		return 0, 0, 0, errors.New("not a gpushm channel control block (bad magic or version)")
+	if string(k.b[offMagic:offMagic+8]) != magic {
+		return 0, 0, 0, errors.New("not a gpushm channel control block (bad magic)")
+	}
+	if v := k.Version(); v != 1 && v != Version {
+		return 0, 0, 0, fmt.Errorf("channel control block of version %d, newer than this daemon's %d", v, Version)
 	}
 	slots = int(binary.LittleEndian.Uint32(k.b[offSlots:]))
 	slotBytes = int64(binary.LittleEndian.Uint64(k.b[offSlotBytes:]))
@@ -119,6 +132,33 @@ func (k *Block) Check() (slots int, slotBytes, stride int64, err error) {
 		return 0, 0, 0, fmt.Errorf("control block says %d slots of %d bytes every %d: not a valid layout", slots, slotBytes, stride)
 	}
 	return slots, slotBytes, stride, nil
+}
+
+// Version is the block's layout version.
+func (k *Block) Version() uint32 { return k.u32(offVersion).Load() }
+
+// CheckVersion reports, for an end, a block of another version than its
+// own: ends of two versions must not share a channel, since one of them
+// would sleep unwoken.
+func (k *Block) CheckVersion() error {
+	if v := k.Version(); v != Version {
+		return fmt.Errorf("its control block is version %d, this client's is %d: the daemon or the channel's other end "+
+			"runs another gpushm version (a channel made before an upgrade takes the new version once neither end holds it)", v, Version)
+	}
+	return nil
+}
+
+// Upgrade brings a block of version 1 to this version when no end holds
+// it, so that a channel made before a daemon upgrade serves ends of the
+// new version. With an end of version 1 still attached it stays as it is,
+// and the new end refuses it (CheckVersion) rather than share it.
+func (k *Block) Upgrade() {
+	if k.Version() != 1 || k.Holder(Tx).State == StateAttached || k.Holder(Rx).State == StateAttached {
+		return
+	}
+	k.u32(offRxSleep).Store(0)
+	k.u32(offTxSleep).Store(0)
+	k.u32(offVersion).Store(Version)
 }
 
 func (k *Block) u64(off int) *atomic.Uint64 {
@@ -258,10 +298,35 @@ func (k *Block) wakeOther(r Role) {
 	}
 }
 
-// Wake bumps an event word and wakes whoever waits on it.
+// Wake bumps an event word and wakes whoever waits on it. The daemon
+// wakes so, whether the end says it sleeps or not: its wakes are rare.
 func (k *Block) Wake(off int) {
 	k.u32(off).Add(1)
 	futex(k.u32(off), futexWake, 0, nil)
+}
+
+// notify bumps the event word at off and wakes its end only if that end
+// says it may be asleep (the sleeping word beside it): a hand-off to an
+// end that polls costs no system call. The bump comes before the read of
+// the sleeping word, and the sleeper sets the word before it reads the
+// event word and its condition; both sequentially consistent, so either
+// the sleeper sees the bump, or this sees the sleeper (see wait).
+func (k *Block) notify(off int) {
+	ev := k.u32(off)
+	ev.Add(1)
+	if k.u32(off+4).Load() != 0 {
+		futex(ev, futexWake, 0, nil)
+	}
+}
+
+// Awake says that this end does not sleep (an end that opens the channel
+// clears what a predecessor of its role left).
+func (k *Block) Awake(r Role) {
+	if r == Tx {
+		k.u32(offTxSleep).Store(0)
+	} else {
+		k.u32(offRxSleep).Store(0)
+	}
 }
 
 // Detach ends r's holding. A producer that leaves cleanly ends the stream
@@ -422,7 +487,7 @@ func (k *Block) WaitSlot(needConsumer bool, timeout time.Duration, done <-chan s
 // Sent publishes message k (the producer, once its writes are ordered).
 func (k *Block) Sent(m uint64) {
 	k.u64(offHead).Store(m + 1)
-	k.Wake(offRxEvent)
+	k.notify(offRxEvent)
 }
 
 // WaitMessage waits (the consumer) for message Taken and takes it,
@@ -478,7 +543,7 @@ func (k *Block) WaitMessage(timeout time.Duration, done <-chan struct{}, host bo
 // its reads are ordered).
 func (k *Block) Released(m uint64) {
 	k.u64(offTail).Store(m + 1)
-	k.Wake(offTxEvent)
+	k.notify(offTxEvent)
 }
 
 // ErrCanceled: the wait's done channel closed.
@@ -487,8 +552,22 @@ var ErrCanceled = errors.New("channel: wait canceled")
 // wait polls cond, spinning briefly and then sleeping on the event word
 // at off, until cond holds or gives an error that waiting cannot cure
 // (ErrEOF), or timeout passes (then cond's last error), or done closes.
+//
+// Before it first sleeps it sets the sleeping word beside the event word
+// (so the other end's notify wakes it), then reads the event word and
+// cond again, and sleeps only if the event word still holds what it read:
+// a bump after the read makes the futex return at once, and one before it
+// is seen by cond. The word is cleared when the wait ends. A sleep lasts
+// 100 ms at most, so that a wake lost (to a dead process, or a peer that
+// cleared the word) delays but never hangs.
 func (k *Block) wait(off int, timeout time.Duration, done <-chan struct{}, cond func() (uint64, bool, error)) (uint64, error) {
-	ev := k.u32(off)
+	ev, sleep := k.u32(off), k.u32(off+4)
+	asleep := false
+	defer func() {
+		if asleep {
+			sleep.Store(0)
+		}
+	}()
 	var deadline time.Time
 	if timeout > 0 {
 		deadline = time.Now().Add(timeout)
@@ -518,17 +597,17 @@ func (k *Block) wait(off int, timeout time.Duration, done <-chan struct{}, cond 
 			return 0, ErrCanceled
 		default:
 		}
-		var ts *unix.Timespec
-		if !deadline.IsZero() {
-			t := unix.NsecToTimespec(int64(time.Until(deadline)))
-			ts = &t
-		} else {
-			// Wake now and then anyway: a wake lost to a dead process
-			// must not hang us.
-			t := unix.NsecToTimespec(int64(100 * time.Millisecond))
-			ts = &t
+		if !asleep {
+			asleep = true
+			sleep.Store(1)
+			continue // the event word and cond again, after the store
 		}
-		futex(ev, futexWait, seen, ts)
+		d := 100 * time.Millisecond
+		if !deadline.IsZero() {
+			d = min(d, time.Until(deadline))
+		}
+		ts := unix.NsecToTimespec(int64(d))
+		futex(ev, futexWait, seen, &ts)
 	}
 }
 

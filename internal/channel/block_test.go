@@ -2,7 +2,9 @@ package channel
 
 import (
 	"errors"
+	"strings"
 	"testing"
+	"time"
 )
 
 // The block's rules, one process playing every part: the producer's CPU
@@ -338,5 +340,113 @@ func TestRecutUndoesLateWrites(t *testing.T) {
 	k.Attach(Tx, 3, 3)
 	if k.Recut() {
 		t.Fatal("Recut = true with a producer holding the channel again")
+	}
+}
+
+// waitAsleep waits until the end that sleeps on the event word at off says
+// so in its sleeping word.
+func waitAsleep(t *testing.T, k *Block, off int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); k.u32(off+4).Load() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the waiter never said it sleeps (word at %d)", off+4)
+		}
+	}
+}
+
+// A waiter says that it sleeps before it sleeps, is woken by the hand-off,
+// and says it is awake once its wait ends; a hand-off to an end that does
+// not sleep leaves the word alone.
+func TestWaitSaysItSleeps(t *testing.T) {
+	k := newBlock(t, 4)
+	k.Attach(Rx, 2, 2)
+	k.Attach(Tx, 1, 1)
+	got := make(chan error, 1)
+	go func() {
+		m, _, err := k.WaitMessage(0, nil, false, 0)
+		if err == nil && m != 0 {
+			err = errors.New("took the wrong message")
+		}
+		got <- err
+	}()
+	waitAsleep(t, k, offRxEvent)
+	k.Sent(0)
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the consumer slept through the hand-off")
+	}
+	if w := k.u32(offRxSleep).Load(); w != 0 {
+		t.Errorf("after the wait, rx's sleeping word = %d, want 0", w)
+	}
+	k.Sent(1)
+	if w := k.u32(offRxSleep).Load(); w != 0 {
+		t.Errorf("after a hand-off to an end awake, rx's sleeping word = %d, want 0", w)
+	}
+}
+
+// The sleeping words are the ends' to write, a hostile end's too: one that
+// clears its peer's word (so that no wake comes) or fills it with garbage
+// delays its peer, never hangs it.
+func TestHostileSleepingWordsDelayNeverHang(t *testing.T) {
+	for _, word := range []uint32{0, 0xFFFFFFFF} {
+		k := newBlock(t, 1)
+		k.Attach(Rx, 2, 2)
+		k.Attach(Tx, 1, 1)
+		k.Sent(0) // the one slot is full: the producer waits for its release
+		got := make(chan error, 1)
+		go func() {
+			_, err := k.WaitSlot(true, 0, nil)
+			got <- err
+		}()
+		waitAsleep(t, k, offTxEvent)
+		k.u32(offTxSleep).Store(word)
+		k.MarkDrained(0, 1)
+		k.u64(offTail).Store(1) // released, and no wake unless the word asks
+		if word != 0 {
+			k.notify(offTxEvent)
+		}
+		select {
+		case err := <-got:
+			if err != nil {
+				t.Fatalf("word %#x: WaitSlot = %v", word, err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("word %#x: the producer never saw the free slot", word)
+		}
+	}
+}
+
+// Ends of one version only share a channel; the daemon keeps blocks of
+// version 1 and upgrades one that no end holds.
+func TestVersions(t *testing.T) {
+	k := newBlock(t, 4)
+	if err := k.CheckVersion(); err != nil {
+		t.Fatalf("a new block: CheckVersion = %v", err)
+	}
+	k.u32(offVersion).Store(1)
+	k.u32(offRxSleep).Store(1) // not a word of version 1: Upgrade must not trust it
+	if _, _, _, err := k.Check(); err != nil {
+		t.Fatalf("version 1: Check = %v, want the daemon to keep it", err)
+	}
+	if err := k.CheckVersion(); err == nil || !strings.Contains(err.Error(), "version 1") {
+		t.Fatalf("version 1: CheckVersion = %v, want an error naming the version", err)
+	}
+	k.Attach(Rx, 2, 2)
+	k.Upgrade()
+	if v := k.Version(); v != 1 {
+		t.Fatalf("Upgrade with a consumer of version 1 attached: version %d, want 1", v)
+	}
+	k.Detach(Rx, false)
+	k.Upgrade()
+	if v, w := k.Version(), k.u32(offRxSleep).Load(); v != Version || w != 0 {
+		t.Fatalf("Upgrade with no end attached: version %d, rx sleeping %d; want %d, 0", v, w, Version)
+	}
+	k.u32(offVersion).Store(Version + 1)
+	if _, _, _, err := k.Check(); err == nil {
+		t.Fatal("a block of a newer version: Check = nil, want an error")
 	}
 }

@@ -115,6 +115,9 @@ func (c *conn) claim(seg *segment.Segment, role channel.Role) error {
 				c.s.detach(seg, blk, role, true, h.PID)
 			}
 		}
+		// A channel made before the daemon was upgraded takes the
+		// new version once neither end holds it.
+		blk.Upgrade()
 		blk.Attach(role, pid, start)
 		return nil
 	})

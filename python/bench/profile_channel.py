@@ -12,12 +12,16 @@ backend), and runs back to back as bench_channel.py does: the producer
 fills each message with a kernel (t.fill_(k)), the consumer adds t[0] of
 each into an accumulator, checked at the end.
 
-Three passes: (1) as the library runs, the rate; (2) the same with the
-ends' spin_us=50 (both poll 50 us before they sleep); (3) every step of
+Three passes: (1) the rate with the ends' spin_us=0 (an end sleeps as
+soon as it must wait: every hand-off to it is a wake); (2) the same with
+spin_us=50, the library's default (both poll 50 us before they sleep); (3)
+with spin_us=0 again, every step of
 each end timed with perf_counter_ns around the library's own calls (the
 wrappers cost about 0.2 us each, counted in the step they wrap). The
 table of pass 3 gives each step's mean per message on each end, and what
-the pieces cost alone (a primitive timed 20,000 times in a row).
+the pieces cost alone (a primitive timed 20,000 times in a row). Last,
+one thread holds both ends and hands each message over at once: each
+call's cost with nobody waiting or asleep, the channel's code alone.
 """
 
 from __future__ import annotations
@@ -163,6 +167,46 @@ def primitives(ch, mod, gpu, n=20000):
     return out
 
 
+def alone(sock, framework, gpu, n):
+    """The channel's own code per message, with nobody waiting or asleep:
+    one thread holds both ends (two clients) and hands each message over
+    at once, n times; ns per call of each end."""
+    import gpushm
+
+    kw = {"device": 0} if gpu else {}
+    c1, c2 = gpushm.connect(sock), gpushm.connect(sock)
+    out = {}
+    try:
+        tx = c1.channel("profile-alone", shape=(SIZE // 4,), dtype="float32", slots=SLOTS, framework=framework, **kw)
+        rx = c2.channel("profile-alone", framework=framework)
+        ns = {"send()": 0, "done() (producer)": 0, "recv()": 0, "done() (consumer)": 0}
+        for rnd in range(2):  # the first round warms up
+            for k in ns:
+                ns[k] = 0
+            for _ in range(n):
+                t0 = now()
+                m = tx.send()
+                t1 = now()
+                m.done()
+                t2 = now()
+                r = rx.recv()
+                t3 = now()
+                r.done()
+                t4 = now()
+                ns["send()"] += t1 - t0
+                ns["done() (producer)"] += t2 - t1
+                ns["recv()"] += t3 - t2
+                ns["done() (consumer)"] += t4 - t3
+        out = {k: v / n for k, v in ns.items()}
+        tx.close()
+        rx.close()
+        c1.unlink("profile-alone")
+    finally:
+        c1.close()
+        c2.close()
+    return out
+
+
 def run(a):
     import gpushm
     from gpushm import testing
@@ -178,7 +222,7 @@ def run(a):
         p = ctx.Process(target=consumer, args=(d.socket, gpu, child))
         p.start()
         assert parent.recv() == "ready"
-        for label, spin, profile in (("as is", 0, False), ("spin_us=50", 50, False), ("timed steps", 0, True)):
+        for label, spin, profile in (("spin_us=0", 0, False), ("spin_us=50", 50, False), ("timed steps", 0, True)):
             name = f"profile-{label.replace(' ', '-').replace('=', '')}"
             kw = {"device": 0} if gpu else {}
             tx = c.channel(name, shape=(SIZE // 4,), dtype="float32", slots=SLOTS, framework=framework,
@@ -213,6 +257,7 @@ def run(a):
                 results["primitives"] = primitives(tx, mod, gpu)
             tx.close()
             c.unlink(name)
+        results["alone"] = alone(d.socket, framework, gpu, a.count)
         parent.send(None)
         p.join(60)
     finally:
@@ -221,10 +266,10 @@ def run(a):
 
 
 def report(res, a):
-    ok = all(r["ok"] for k, r in res.items() if k != "primitives")
+    ok = all(r["ok"] for k, r in res.items() if k not in ("primitives", "alone"))
     print(f"channel messages from Python, {SIZE // 1024} KiB, {SLOTS} slots, {a.count} back to back; backend {a.backend}")
     print("\n| pass | messages/s | producer's loop per message |\n| --- | ---: | ---: |")
-    for k in ("as is", "spin_us=50", "timed steps"):
+    for k in ("spin_us=0", "spin_us=50", "timed steps"):
         r = res[k]
         print(f"| {k} | {r['msgs_per_s']:,.0f} | {r['producer_per_msg_us']:.1f} us |")
     prof = res["timed steps"]
@@ -235,6 +280,10 @@ def report(res, a):
     print("\nthe pieces alone:\n\n| piece | us |\n| --- | ---: |")
     for k, v in res["primitives"].items():
         print(f"| {k} | {v / 1e3:.2f} |")
+    print(f"\none thread holding both ends, each message handed over at once (nobody waits):\n\n"
+          f"| call | us |\n| --- | ---: |")
+    for k, v in res["alone"].items():
+        print(f"| {k} | {v / 1e3:.2f} |")
     print(("PASS" if ok else "FAIL") + " every accumulator held the sum of what was sent")
     return 0 if ok else 1
 
@@ -242,16 +291,16 @@ def report(res, a):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bin", default=os.environ.get("GPUSHM_BIN") or ".gpu/gpushm")
-    p.add_argument("--count", type=int, default=20000)
+    p.add_argument("--count", type=int, help="messages back to back per pass (default 20000; smoke 200)")
     p.add_argument("--slots", type=int, default=SLOTS, help="slots of the channel (default 4, as bench_channel.py)")  # noqa
-    p.add_argument("--smoke", action="store_true", help="host backend, numpy, 200 messages")
+    p.add_argument("--smoke", action="store_true", help="host backend, numpy, 200 messages unless --count says")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
     globals()["SLOTS"] = a.slots
     a.backend = "host"
-    if a.smoke:
-        a.count = 200
-    else:
+    if a.count is None:
+        a.count = 200 if a.smoke else 20000
+    if not a.smoke:
         try:
             import torch
 

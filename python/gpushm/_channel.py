@@ -3,7 +3,8 @@ through slots both map once (docs/protocol.md, "Channels", is the protocol
 this follows to the letter; docs/python.md, "Channels", the API).
 
 A hand-off touches only shared memory: the producer publishes message k by
-storing head = k + 1 in the control block and waking the consumer's futex;
+storing head = k + 1 in the control block and bumping the consumer's event
+word, and wakes the consumer's futex only if it said that it may be asleep;
 on a GPU its stream first writes filled[k % slots] = k + 1 after the work
 that fills the slot (cuStreamWriteValue64), and the consumer's stream waits
 for that value (cuStreamWaitValue64) before the work that reads it. So no
@@ -18,15 +19,27 @@ through libatomic's sequentially consistent loads and stores.
 
 An event word is bumped with a plain load and store, not an atomic add: two
 bumps that race (the producer's and the daemon's) may count once, but each
-is followed by a wake, and a waiter checks its condition after it reads the
-word, so no wake is lost. A waiter also sleeps at most _TICK at a time, so
-that a peer that died between its store and its wake cannot hang it.
+is followed by a wake (or the check whether one is needed), and a waiter
+checks its condition after it reads the word, so no wake is lost.
+
+The sleeping words (version 2 of the block): a waiter about to sleep sets
+its end's word, then reads its event word and its condition again, and
+sleeps only while the event word holds what it read; a waker stores its
+counter, bumps the event word, then reads the sleeping word, and wakes
+only if it is set. Each side's store must be seen before its next load, or
+both could miss the other (a lost wake): x86 keeps stores in order but may
+let a load pass an earlier store, so both sides put a full barrier between
+(_fence: a locked instruction); libatomic's sequentially consistent loads
+and stores need none. A waiter also sleeps at most _TICK at a time, so that
+a peer that died between its store and its wake, or one that clears the
+sleeping word, delays it but cannot hang it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import platform
 import sys
@@ -45,11 +58,15 @@ from ._view import View
 BLOCK_BYTES = 4096
 MAX_SLOTS = 64
 _MAGIC = b"GPUSHMC1"
+# The block's layout version: an end of another one must not share the
+# channel (one of version 1 would sleep unwoken).
+_VERSION = 2
 _OFF_VERSION, _OFF_SLOTS, _OFF_SLOT_BYTES, _OFF_STRIDE = 8, 12, 16, 24
 _OFF_HEAD, _OFF_TAKEN, _OFF_TAIL = 64, 128, 192
 _OFF_TX, _OFF_RX = 256, 272  # u32 state, u32 pid, u64 start
 _OFF_BROKEN, _OFF_REMOVED, _OFF_BROKEN_END, _OFF_BREAKS = 320, 328, 336, 344
 _OFF_RX_EVENT, _OFF_TX_EVENT = 384, 448
+_OFF_RX_SLEEP, _OFF_TX_SLEEP = 388, 452  # an end's "I may be asleep" (version 2)
 _OFF_FILLED, _OFF_DRAINED = 1024, 1536
 _ATTACHED, _GONE = 1, 2
 # The mark of a filled flag the daemon wrote for a message its dead
@@ -132,6 +149,20 @@ def _futex_wake(addr):
     _syscall(_SYS_FUTEX, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
 
+def _notify(ev, sleep, addr):
+    """Bumps the event word ev (at addr) and wakes its end if it says that
+    it may be asleep: a hand-off to an end that polls makes no system call."""
+    ev.value = (ev.value + 1) & 0xFFFFFFFF
+    _fence()
+    if sleep.value:
+        _futex_wake(addr)
+
+
+def _notify_always(ev, sleep, addr):
+    ev.value = (ev.value + 1) & 0xFFFFFFFF
+    _futex_wake(addr)
+
+
 if _X86:
     def _u64(addr):
         return ctypes.c_uint64.from_address(addr)
@@ -141,6 +172,20 @@ if _X86:
 
     def _u64s(addr, n):
         return (ctypes.c_uint64 * n).from_address(addr)
+
+    # A full barrier: a locked instruction, which glibc's and musl's
+    # pthread_spin_trylock is (an exchange or a compare-and-exchange)
+    # whatever it finds. The lock is never unlocked; its instruction is
+    # what is wanted, at the cost of one ctypes call (0.1 us, against the
+    # 1 to 3 us of the wake it saves).
+    try:
+        _trylock = _libc.pthread_spin_trylock
+        _trylock.restype = ctypes.c_int
+        _spinlock = ctypes.c_int(0)
+        _fence = functools.partial(_trylock, ctypes.byref(_spinlock))
+    except AttributeError:
+        # No barrier to be had: every hand-off wakes, as in version 1.
+        _fence = None
 else:
     _atomic = None
     try:
@@ -192,6 +237,13 @@ else:
 
     def _u64s(addr, n):
         return _Words(addr, n)
+
+    def _fence():
+        """Sequentially consistent loads and stores order themselves."""
+
+
+if _fence is None:
+    _notify, _fence = _notify_always, lambda: None
 
 
 def _release_block(dev, ptr, registered, sync=True):
@@ -252,7 +304,7 @@ def _current_stream(framework, device):
         torch = _import("torch")
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
-            return lambda: raw(device)
+            return functools.partial(raw, device)  # no Python frame: it is on every hand-off
         return lambda: torch.cuda.current_stream(device).cuda_stream
     if framework == "cupy":
         cupy = _import("cupy")
@@ -565,7 +617,16 @@ class Channel:
         self._broken_end, self._breaks = _u64(ctl + _OFF_BROKEN_END), _u64(ctl + _OFF_BREAKS)
         self._rx_ev, self._tx_ev = _u32(ctl + _OFF_RX_EVENT), _u32(ctl + _OFF_TX_EVENT)
         self._rx_ev_addr, self._tx_ev_addr = ctl + _OFF_RX_EVENT, ctl + _OFF_TX_EVENT
+        self._rx_sleep, self._tx_sleep = _u32(ctl + _OFF_RX_SLEEP), _u32(ctl + _OFF_TX_SLEEP)
+        # What a predecessor of this role left there would only cost wakes.
+        (self._tx_sleep if role == TX else self._rx_sleep).value = 0
         self._filled, self._drained = _u64s(ctl + _OFF_FILLED, self.slots), _u64s(ctl + _OFF_DRAINED, self.slots)
+        # The hand-off's per-slot arguments, made once: the flags' addresses
+        # on the GPU.
+        self._host = m.dev is None
+        if m.dev is not None:
+            self._filled_dev = tuple(self._ctl_dev + _OFF_FILLED + 8 * i for i in range(self.slots))
+            self._drained_dev = tuple(self._ctl_dev + _OFF_DRAINED + 8 * i for i in range(self.slots))
 
         meta = self.info.meta
         if isinstance(meta, dict) and meta.get("kind") == "channel" and "dtype" in meta and "shape" in meta:
@@ -583,11 +644,17 @@ class Channel:
         # The consumer's: the last break it was told of. One whose messages
         # it has still to meet is news to it.
         self._seen = 0
+        # The consumer's: the break whose messages it has gone past (-1:
+        # none). While the block's break count says this one, recv takes a
+        # message ready without looking at the record.
+        self._clear = -1
         if role == TX:
             st.last = self._head.value
         else:
             first, end, count = self._break()
             self._seen = count - 1 if count and self._taken.value < end else count
+            if self._seen == count:
+                self._clear = count
         st.leased = True  # from here on, dropping the channel ends the role
         client._hold(self)  # reclaimed after a reconnection, closed with the client
         _ENDS.add(self)
@@ -597,8 +664,13 @@ class Channel:
         slots = int.from_bytes(raw[_OFF_SLOTS:_OFF_SLOTS + 4], "little")
         slot_bytes = int.from_bytes(raw[_OFF_SLOT_BYTES:_OFF_SLOT_BYTES + 8], "little")
         stride = int.from_bytes(raw[_OFF_STRIDE:_OFF_STRIDE + 8], "little")
-        if raw[:8] != _MAGIC or int.from_bytes(raw[_OFF_VERSION:_OFF_VERSION + 4], "little") != 1:
-            raise error("EPROTO", f"channel {self.name!r}: not a gpushm channel control block (bad magic or version)")
+        version = int.from_bytes(raw[_OFF_VERSION:_OFF_VERSION + 4], "little")
+        if raw[:8] != _MAGIC:
+            raise error("EPROTO", f"channel {self.name!r}: not a gpushm channel control block (bad magic)")
+        if version != _VERSION:
+            raise error("EPROTO", f"channel {self.name!r}: its control block is version {version}, this client's is "
+                                  f"{_VERSION}: the daemon or the channel's other end runs another gpushm version (a "
+                                  f"channel made before an upgrade takes the new version once neither end holds it)")
         if (slots, slot_bytes, stride) != (self.slots, self.slot_bytes, self._stride) or \
                 self._stride * self.slots > self.info.alloc_size:
             raise error("EPROTO", f"channel {self.name!r}: the control block says {slots} slots of {slot_bytes} bytes "
@@ -641,18 +713,24 @@ class Channel:
         if self.role != TX:
             raise ValueError(f"gpushm: channel {self.name!r}: send on the consumer's end")
         with self._lock:
-            self._usable()
-            k = self._wait_slot(timeout)
-            slot = k % self.slots
+            if self._out is not None or self._closed or self._lost:
+                self._usable()
+            # A slot free and a consumer there is the common case: the
+            # words read once, and the wait's loop only when not.
+            slots = self.slots
+            k = self._head.value
+            if self._removed.value or self._rx_state.value != _ATTACHED or k - self._tail.value >= slots:
+                k = self._wait_slot(timeout)
+            slot = k % slots
             s = None
-            if self._dev is not None:
+            if not self._host:
                 s = self._stream() if stream is None else stream_handle(stream)
-                if k >= self.slots:
-                    self._stream_wait(s, self._drained, _OFF_DRAINED, slot, k - self.slots + 1)
+                if k >= slots:
+                    self._stream_wait(s, self._drained, self._drained_dev, slot, k - slots + 1)
             msg = self._out = Message(self, k, slot, self._tensors[slot], s)
             return msg
 
-    def _stream_wait(self, s, flags, off, slot, want):
+    def _stream_wait(self, s, flags, addrs, slot, want):
         """Orders stream s after the other end's GPU work on slot: nothing
         to queue when the flag its stream writes last has landed already
         (read once, here, in the pinned block), else a stream wait for it.
@@ -662,37 +740,53 @@ class Channel:
         if _reached(flags[slot], want):
             return
         self._st.pending_wait = True
-        self._wait_value(s, self._ctl_dev + off + 8 * slot, want)
+        self._wait_value(s, addrs[slot], want)
 
     def _wait_slot(self, timeout):
         head_w, tail_w, rx_state, removed, ev = self._head, self._tail, self._rx_state, self._removed, self._tx_ev
-        slots, spin_until, deadline = self.slots, None, None
-        while True:
-            seen = ev.value
-            if removed.value:
-                raise _err(ChannelRemovedError, f"channel {self.name!r} was removed")
-            head = head_w.value
-            if rx_state.value != _ATTACHED:
-                if not self._wait_for_consumer:
-                    raise _err(NoConsumerError, f"channel {self.name!r}: no consumer is attached "
-                                                f"(opened with wait_for_consumer=False)")
-                why = "no consumer is attached"
-            elif head - tail_w.value < slots:
-                return head
-            else:
-                why = "every slot holds a message the consumer has not released"
-            if self._closed:
-                raise ValueError(f"gpushm: channel {self.name!r} was closed while send waited ({why})")
-            now = time.perf_counter_ns()
-            if spin_until is None:
-                spin_until = now + self._spin_ns
-                if timeout is not None:
-                    deadline = now + int(timeout * 1e9)
-            if deadline is not None and now >= deadline:
-                raise TimeoutError(f"gpushm: channel {self.name!r}: {why} (waited {timeout:g}s)")
-            if now < spin_until:
-                continue
-            _futex_wait(self._tx_ev_addr, seen, _TICK if deadline is None else min(_TICK, deadline - now))
+        slots, spin_until, deadline, asleep = self.slots, None, None, False
+        try:
+            while True:
+                seen = ev.value
+                if removed.value:
+                    raise _err(ChannelRemovedError, f"channel {self.name!r} was removed")
+                head = head_w.value
+                if rx_state.value != _ATTACHED:
+                    if not self._wait_for_consumer:
+                        raise _err(NoConsumerError, f"channel {self.name!r}: no consumer is attached "
+                                                    f"(opened with wait_for_consumer=False)")
+                    why = "no consumer is attached"
+                elif head - tail_w.value < slots:
+                    return head
+                else:
+                    why = "every slot holds a message the consumer has not released"
+                if self._closed:
+                    raise ValueError(f"gpushm: channel {self.name!r} was closed while send waited ({why})")
+                now = time.perf_counter_ns()
+                if spin_until is None:
+                    spin_until = now + self._spin_ns
+                    if timeout is not None:
+                        deadline = now + int(timeout * 1e9)
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError(f"gpushm: channel {self.name!r}: {why} (waited {timeout:g}s)")
+                if now < spin_until:
+                    continue
+                if not asleep:
+                    asleep = self._sleeping(self._tx_sleep)
+                    continue  # the event word and the words again, after the store
+                _futex_wait(self._tx_ev_addr, seen, _TICK if deadline is None else min(_TICK, deadline - now))
+        finally:
+            if asleep:
+                self._tx_sleep.value = 0
+
+    @staticmethod
+    def _sleeping(word):
+        """Says, in this end's sleeping word, that it may be asleep from
+        now on: the other end's hand-offs wake it (see the module's
+        docstring)."""
+        word.value = 1
+        _fence()
+        return True
 
     # ---- the consumer -----------------------------------------------------
 
@@ -717,19 +811,28 @@ class Channel:
         if self.role != RX:
             raise ValueError(f"gpushm: channel {self.name!r}: recv on the producer's end")
         with self._lock:
-            self._usable()
+            if self._out is not None or self._closed or self._lost:
+                self._usable()
+            slots, host = self.slots, self._host
             while True:
-                k, skip = self._wait_message(timeout)
+                # A message ready, and no break this end has not gone past
+                # (the count read last, as in _wait_message): taken at once.
+                k = self._taken.value
+                if self._head.value > k and (not host or _reached(self._filled[k % slots], k + 1)) \
+                        and self._breaks.value == self._clear:
+                    skip = False
+                else:
+                    k, skip = self._wait_message(timeout)
                 self._taken.value = k + 1
-                slot = k % self.slots
+                slot = k % slots
                 s = None
-                if self._dev is not None:
+                if not host:
                     s = self._stream() if stream is None else stream_handle(stream)
                 if skip:
                     self._release(k, slot, s)  # unread, in the order of the slot's other releases
                     continue
                 if s is not None:
-                    self._stream_wait(s, self._filled, _OFF_FILLED, slot, k + 1)
+                    self._stream_wait(s, self._filled, self._filled_dev, slot, k + 1)
                 msg = self._out = Message(self, k, slot, self._tensors[slot], s)
                 return msg
 
@@ -759,44 +862,53 @@ class Channel:
         """(k, skip): message k = taken is ready; with skip, it is one cut
         off by a break this consumer was told of."""
         head_w, taken_w, tx_state, removed, ev = self._head, self._taken, self._tx_state, self._removed, self._rx_ev
-        host, slots, filled = self._dev is None, self.slots, self._filled
-        spin_until, deadline = None, None
-        while True:
-            seen = ev.value
-            # The producer's end is read before the head: its last message
-            # is published before its end is recorded, so a head read after
-            # seeing it gone is final (the other order could turn a message
-            # sent in between into a spurious EOFError).
-            gone = tx_state.value == _GONE
-            taken = taken_w.value
-            head = head_w.value
-            # On host memory the CPU waits for the flag a stream would wait
-            # for; it is read before the break (the daemon records a break
-            # before it marks the flags).
-            ready = head > taken and (not host or _reached(filled[taken % slots], taken + 1))
-            first, end, count = self._untold(taken)
-            if head > taken and count and first <= taken < end:
-                return taken, True
-            if ready:
-                return taken, False
-            if head <= taken:
-                if removed.value:
-                    raise _err(ChannelRemovedError, f"channel {self.name!r} was removed")
-                if gone:
-                    raise EOFError(f"gpushm: channel {self.name!r}: the producer is gone and every message it sent "
-                                   f"was received")
-            if self._closed:
-                raise ValueError(f"gpushm: channel {self.name!r} was closed while recv waited")
-            now = time.perf_counter_ns()
-            if spin_until is None:
-                spin_until = now + self._spin_ns
-                if timeout is not None:
-                    deadline = now + int(timeout * 1e9)
-            if deadline is not None and now >= deadline:
-                raise TimeoutError(f"gpushm: channel {self.name!r}: no message within {timeout:g}s")
-            if now < spin_until:
-                continue
-            _futex_wait(self._rx_ev_addr, seen, _TICK if deadline is None else min(_TICK, deadline - now))
+        host, slots, filled = self._host, self.slots, self._filled
+        spin_until, deadline, asleep = None, None, False
+        try:
+            while True:
+                seen = ev.value
+                # The producer's end is read before the head: its last
+                # message is published before its end is recorded, so a head
+                # read after seeing it gone is final (the other order could
+                # turn a message sent in between into a spurious EOFError).
+                gone = tx_state.value == _GONE
+                taken = taken_w.value
+                head = head_w.value
+                # On host memory the CPU waits for the flag a stream would
+                # wait for; it is read before the break (the daemon records a
+                # break before it marks the flags).
+                ready = head > taken and (not host or _reached(filled[taken % slots], taken + 1))
+                first, end, count = self._untold(taken)
+                if count == self._seen and taken >= end:
+                    self._clear = count  # behind this end: recv need not look again until the next
+                if head > taken and count and first <= taken < end:
+                    return taken, True
+                if ready:
+                    return taken, False
+                if head <= taken:
+                    if removed.value:
+                        raise _err(ChannelRemovedError, f"channel {self.name!r} was removed")
+                    if gone:
+                        raise EOFError(f"gpushm: channel {self.name!r}: the producer is gone and every message it "
+                                       f"sent was received")
+                if self._closed:
+                    raise ValueError(f"gpushm: channel {self.name!r} was closed while recv waited")
+                now = time.perf_counter_ns()
+                if spin_until is None:
+                    spin_until = now + self._spin_ns
+                    if timeout is not None:
+                        deadline = now + int(timeout * 1e9)
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError(f"gpushm: channel {self.name!r}: no message within {timeout:g}s")
+                if now < spin_until:
+                    continue
+                if not asleep:
+                    asleep = self._sleeping(self._rx_sleep)
+                    continue  # the event word and the words again, after the store
+                _futex_wait(self._rx_ev_addr, seen, _TICK if deadline is None else min(_TICK, deadline - now))
+        finally:
+            if asleep:
+                self._rx_sleep.value = 0
 
     def __iter__(self):
         """The messages, until the producer is gone: each tensor is valid
@@ -816,39 +928,35 @@ class Channel:
         with self._lock:
             if self._out is not msg:
                 raise ValueError(f"gpushm: channel {self.name!r}: message {msg.seq} is not out")
-            k, slot, st = msg.seq, msg.slot, self._st
             msg._ch = self._out = None
+            k, slot, st = msg.seq, msg.slot, self._st
             st.pending_wait = False
-            if self.role == TX:
-                if self._dev is not None:
-                    self._write_value(s, self._ctl_dev + _OFF_FILLED + 8 * slot, k + 1)
-                else:
-                    # Not a stream's write: on host memory the CPU's stores
-                    # are done here, and the daemon's repair of a dead
-                    # producer reads filled to tell finished messages from
-                    # cut ones.
-                    self._filled[slot] = k + 1
-                self._head.value = k + 1
-                st.last = k + 1
-                ev = self._rx_ev
-                ev.value = (ev.value + 1) & 0xFFFFFFFF
-                _futex_wake(self._rx_ev_addr)
-            else:
+            if self.role == RX:
                 self._release(k, slot, s)
-                self._untold(k)
+                if self._breaks.value != self._seen:
+                    self._untold(k)
+                return
+            if self._host:
+                # Not a stream's write: on host memory the CPU's stores are
+                # done here, and the daemon's repair of a dead producer reads
+                # filled to tell finished messages from cut ones.
+                self._filled[slot] = k + 1
+            else:
+                self._write_value(s, self._filled_dev[slot], k + 1)
+            self._head.value = k + 1
+            st.last = k + 1
+            _notify(self._rx_ev, self._rx_sleep, self._rx_ev_addr)
 
     def _release(self, k, slot, s):
         """Gives message k's slot back to the producer (the consumer; the
         lock is held)."""
-        if self._dev is not None:
-            self._write_value(s, self._ctl_dev + _OFF_DRAINED + 8 * slot, k + 1)
-        else:
+        if self._host:
             self._drained[slot] = k + 1
+        else:
+            self._write_value(s, self._drained_dev[slot], k + 1)
         self._tail.value = k + 1
         self._st.last = k + 1
-        ev = self._tx_ev
-        ev.value = (ev.value + 1) & 0xFFFFFFFF
-        _futex_wake(self._tx_ev_addr)
+        _notify(self._tx_ev, self._tx_sleep, self._tx_ev_addr)
 
     def _abandon(self, msg):
         with self._lock:
