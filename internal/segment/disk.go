@@ -82,7 +82,10 @@ var ErrNoDisk = &Error{"no disk tier (start the daemon with --disk DIR)", syscal
 // started after a reboot serves again, the copy written at synced, stale
 // if the segment may have changed since. Leases and the creator's process
 // do not outlive a reboot.
-func (s *Segment) diskRecordLocked(synced time.Time, stale bool) []byte {
+// fp is its durablePrint, for s.diskFP once the record is on disk: not
+// before, since a write that fails, or that another write of the key
+// overtakes, leaves the disk with an older record.
+func (s *Segment) diskRecordLocked(synced time.Time, stale bool) (meta []byte, fp string) {
 	rec := s.recordLocked()
 	rec.Tier, rec.Holders, rec.Anon, rec.Leases = OnDisk.String(), nil, 0, true
 	rec.Bound, rec.Session, rec.CreatorPID, rec.CreatorStart = false, "", 0, 0
@@ -90,8 +93,7 @@ func (s *Segment) diskRecordLocked(synced time.Time, stale bool) []byte {
 	// A TTL's idle clock starts again when a daemon reads it back.
 	rec.LastOpen, rec.Idle, rec.InUse = 0, 0, false
 	b, _ := json.Marshal(rec)
-	s.diskFP = durablePrint(&rec)
-	return b
+	return b, durablePrint(&rec)
 }
 
 // durablePrint is what of a durable copy's record a change must be
@@ -113,6 +115,7 @@ func (r *Registry) remetaLocked(s *Segment) {
 		return
 	}
 	r.background.Add(1)
+	s.diskBeginLocked()
 	go func() {
 		defer r.background.Done()
 		// One at a time, each with the record as it is when it runs, so
@@ -120,28 +123,79 @@ func (r *Registry) remetaLocked(s *Segment) {
 		r.remeta.Lock()
 		defer r.remeta.Unlock()
 		r.mu.Lock()
+		defer r.mu.Unlock()
+		defer s.diskEndLocked()
 		if s.gone || !s.onDisk {
-			r.mu.Unlock()
 			return
 		}
-		meta, key := s.diskRecordLocked(s.synced, !s.diskClean), DiskKey(s.id)
+		meta, fp := s.diskRecordLocked(s.synced, !s.diskClean)
+		key, failed, name := DiskKey(s.id), r.tiers.cfg.Failed, s.name
 		r.mu.Unlock()
-		if err := d.SetMeta(key, meta); err != nil && r.tiers.cfg.Failed != nil {
-			r.tiers.cfg.Failed("record", s.name, err)
+		err := d.SetMeta(key, meta)
+		r.mu.Lock()
+		if err != nil {
+			if failed != nil {
+				failed("record", name, err)
+			}
+			return
 		}
+		s.diskFP = fp
 	}()
 }
 
-// removeDiskLater removes the copy of key off the caller's path.
-func (r *Registry) removeDiskLater(key string) {
+// diskBeginLocked counts a background write of s's record, or removal of
+// its copy, that those who change what a reboot would serve of s wait for
+// (waitDisk).
+func (s *Segment) diskBeginLocked() {
+	if s.diskOps == 0 {
+		s.diskIdle = make(chan struct{})
+	}
+	s.diskOps++
+}
+
+func (s *Segment) diskEndLocked() {
+	if s.diskOps--; s.diskOps == 0 {
+		close(s.diskIdle)
+	}
+}
+
+// waitDisk waits, mu not held, until the background writes of the records
+// of segs and removals of their copies are done: an unlink, a chmod or a
+// chown of a durable segment returns once a reboot would no longer serve
+// it as it was (its bytes back after rm, a mode it no longer has).
+func (r *Registry) waitDisk(segs ...*Segment) {
+	var idle []chan struct{}
+	r.mu.Lock()
+	for _, s := range segs {
+		if s != nil && s.diskOps > 0 {
+			idle = append(idle, s.diskIdle)
+		}
+	}
+	r.mu.Unlock()
+	for _, c := range idle {
+		<-c
+	}
+}
+
+// removeDiskLater removes the copy of key off the caller's path; of, if
+// not nil, is the segment the copy is of (waitDisk waits for it).
+func (r *Registry) removeDiskLater(of *Segment, key string) {
 	d := r.tiers.cfg.Disk
 	if d == nil {
 		return
 	}
 	r.background.Add(1)
+	if of != nil {
+		of.diskBeginLocked()
+	}
 	go func() {
 		defer r.background.Done()
 		d.Remove(key)
+		if of != nil {
+			r.mu.Lock()
+			of.diskEndLocked()
+			r.mu.Unlock()
+		}
 	}()
 }
 
@@ -158,7 +212,7 @@ func (r *Registry) retireDiskLocked(s *Segment) {
 		h.supersedes = append(h.supersedes, DiskKey(s.id))
 		return
 	}
-	r.removeDiskLater(DiskKey(s.id))
+	r.removeDiskLater(s, DiskKey(s.id))
 }
 
 // toDiskLocked moves s, on its device or on host, to disk: its bytes are
@@ -183,9 +237,12 @@ func (r *Registry) toDiskLocked(s *Segment) error {
 	}()
 	current := s.onDisk && s.diskClean
 	synced := time.Now()
-	var meta []byte
+	var (
+		meta []byte
+		fp   string
+	)
 	if s.persist {
-		meta = s.diskRecordLocked(synced, false)
+		meta, fp = s.diskRecordLocked(synced, false)
 	}
 	r.mu.Unlock()
 	start := time.Now()
@@ -201,13 +258,15 @@ func (r *Registry) toDiskLocked(s *Segment) error {
 		return fmt.Errorf("write %q (%s) to disk: %w", s.name, fmtBytes(size), err)
 	}
 	if s.gone || s.mem != old {
-		r.removeDiskLater(DiskKey(s.id))
+		r.removeDiskLater(s, DiskKey(s.id))
 		return fmt.Errorf("%w: %q was removed while it moved", ErrNotFound, s.name)
 	}
 	was := s.tier
 	s.mem, s.tier, s.onDisk, s.diskClean = &diskMemory{size: size}, OnDisk, true, true
 	if !current {
-		s.synced = synced
+		// The copy has the record as it was when the write began: a
+		// change meanwhile (noteLocked below) is written again.
+		s.synced, s.diskFP = synced, fp
 	}
 	if s.clean != nil {
 		r.dirtyLocked(s)
@@ -315,7 +374,8 @@ func (r *Registry) syncLocked(s *Segment) error {
 	s.pins++
 	s.diskClean = true // a writable open meanwhile makes it false again
 	start := time.Now()
-	meta, mem, size, name := s.diskRecordLocked(start, false), s.mem, memSize(s.mem), s.name
+	meta, fp := s.diskRecordLocked(start, false)
+	mem, size, name := s.mem, memSize(s.mem), s.name
 	observe := r.tiers.cfg.Observe
 	r.mu.Unlock()
 	s.io.RLock()
@@ -331,7 +391,11 @@ func (r *Registry) syncLocked(s *Segment) error {
 		r.detachLater(s)
 		return fmt.Errorf("write %q (%s) to disk: %w", name, fmtBytes(size), err)
 	}
-	s.onDisk, s.synced = true, start
+	// The copy has the record as it was when the write began. A change of
+	// record written meanwhile (remetaLocked) may have gone to the copy
+	// this one replaced, before this write took the key: noteLocked below
+	// writes the record again if it is not fp.
+	s.onDisk, s.synced, s.diskFP = true, start, fp
 	r.tiers.stats.DiskWrites++
 	r.tiers.stats.DiskWrittenBytes += size
 	// Opened to be written while the copy was made (it may hold some of
@@ -347,7 +411,7 @@ func (r *Registry) syncLocked(s *Segment) error {
 // being on disk now.
 func (r *Registry) supersedeLocked(s *Segment) {
 	for _, k := range s.supersedes {
-		r.removeDiskLater(k)
+		r.removeDiskLater(nil, k)
 	}
 	s.supersedes = nil
 }
@@ -369,7 +433,10 @@ func (r *Registry) detachLater(s *Segment) {
 // if current, is marked older than its bytes.
 func (r *Registry) writtenLocked(s *Segment) {
 	r.dirtyLocked(s)
-	if s.onDisk && s.diskClean && s.tier == OnDevice && !s.gone {
+	// diskClean without onDisk is a first sync in flight (syncLocked): the
+	// copy it makes is stale too once made, since writes after it may not
+	// be in it.
+	if s.diskClean && s.tier == OnDevice && !s.gone {
 		s.diskClean = false
 		r.noteLocked(s, -1) // and its copy's record says so (remetaLocked)
 	}

@@ -186,6 +186,7 @@ func (r *Registry) Rename(c Cred, from, to string, flags uint32) error {
 		r.noteLocked(dst, -1)
 		r.endBatchLocked()
 		r.mu.Unlock()
+		r.waitDisk(src, dst)
 		return nil
 	case dst != nil && flags&RenameNoReplace != 0:
 		r.mu.Unlock()
@@ -212,11 +213,15 @@ func (r *Registry) Rename(c Cred, from, to string, flags uint32) error {
 	r.noteLocked(src, -1)
 	r.endBatchLocked()
 	r.mu.Unlock()
+	var ferr error
 	if dst != nil {
 		r.channelRemoved(dst)
-		return dst.free(mem)
+		ferr = dst.free(mem)
 	}
-	return nil
+	// Durable copies' records say what the names are now, and the
+	// replaced target's copy is gone, before rename returns (Unlink).
+	r.waitDisk(src, dst)
+	return ferr
 }
 
 // SetMode changes s's permission bits. Only the owner or root may.
@@ -225,8 +230,8 @@ func (r *Registry) SetMode(c Cred, s *Segment, mode uint32) error {
 		return fmt.Errorf("%w: %#o (permission bits only)", ErrBadMode, mode)
 	}
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	if err := r.ownerLocked(c, s); err != nil {
+		r.mu.Unlock()
 		return err
 	}
 	if s.mode != mode {
@@ -236,6 +241,11 @@ func (r *Registry) SetMode(c Cred, s *Segment, mode uint32) error {
 		r.changed()
 		r.noteLocked(s, -1)
 	}
+	r.mu.Unlock()
+	// A durable copy's record has the new mode before chmod returns: a
+	// reboot must not serve the segment with the mode it was narrowed
+	// from.
+	r.waitDisk(s)
 	return nil
 }
 
@@ -247,7 +257,16 @@ func (r *Registry) SetOwner(c Cred, s *Segment, uid, gid int64) error {
 		return fmt.Errorf("%w: uid %d, gid %d (at most %d)", ErrBadOwner, uid, gid, ^uint32(0))
 	}
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	err := r.setOwnerLocked(c, s, uid, gid)
+	r.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	r.waitDisk(s) // as SetMode
+	return nil
+}
+
+func (r *Registry) setOwnerLocked(c Cred, s *Segment, uid, gid int64) error {
 	if s.gone {
 		return fmt.Errorf("%w: segment %d was removed", ErrNotFound, s.id)
 	}

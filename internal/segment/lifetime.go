@@ -130,7 +130,12 @@ func (r *Registry) Unlink(c Cred, name string) error {
 	mem := r.unlinkedLocked(s)
 	r.mu.Unlock()
 	r.channelRemoved(s)
-	return s.free(mem)
+	err = s.free(mem)
+	// A durable segment's copy (or, while it is open, its record saying
+	// it has no name) is off the disk before rm returns: a reboot right
+	// after it must not bring the name back.
+	r.waitDisk(s)
+	return err
 }
 
 // unlinkedLocked journals a segment whose name just went: freed now, or

@@ -172,6 +172,10 @@ type Segment struct {
 	synced     time.Time
 	heldBy     *Segment
 	supersedes []string
+	// diskOps counts the background writes of its record and removals of
+	// its copy in flight; diskIdle is closed when it falls to 0 (waitDisk).
+	diskOps  int
+	diskIdle chan struct{}
 	// sources are the ranges the daemon filled from files; foreign says
 	// that someone but its owner and root could write it (sources.go).
 	sources []Source

@@ -660,7 +660,7 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 		old = nil
 		if !s.persist {
 			s.onDisk, s.diskClean = false, false
-			r.removeDiskLater(DiskKey(s.id))
+			r.removeDiskLater(s, DiskKey(s.id))
 		}
 	}
 	if to == OnDevice && old != nil && r.hostUseLocked()+memSize(old) <= r.tiers.cfg.HostBudget {
