@@ -293,7 +293,7 @@ func TestDurableStale(t *testing.T) {
 		t.Fatalf("w after a write through a mapping: %+v, want stale", s)
 	}
 	d.Kill()
-	d = Start(t, Options{Socket: sock, Args: args})
+	Start(t, Options{Socket: sock, Args: args})
 	s := statOf(t, sock, "w")
 	if !s.Stale || s.Version != 1 {
 		t.Fatalf("w after a reboot: %+v, want stale, version 1", s)

@@ -92,6 +92,12 @@ func (s *Segment) diskRecordLocked(synced time.Time, stale bool) (meta []byte, f
 	rec.DiskCopy, rec.Stale, rec.Synced = true, stale, synced.UnixNano()
 	// A TTL's idle clock starts again when a daemon reads it back.
 	rec.LastOpen, rec.Idle, rec.InUse = 0, 0, false
+	if stale {
+		// The files it records filling may be of writes after the copy
+		// was made: the bytes on disk are not known to be theirs
+		// (docs/security.md, "Files served from bundles").
+		rec.Sources = nil
+	}
 	b, _ := json.Marshal(rec)
 	return b, durablePrint(&rec)
 }
@@ -107,6 +113,12 @@ func durablePrint(rec *Record) string {
 func (r *Registry) remetaLocked(s *Segment) {
 	d := r.tiers.cfg.Disk
 	if d == nil || !s.persist || !s.onDisk || s.gone {
+		return
+	}
+	if !s.linked && waitsFor(s.heldBy) {
+		// Replaced by a durable next version not on disk yet, and held
+		// open: its copy keeps naming it, so that a reboot finds the name
+		// (the newer version wins once both are on disk).
 		return
 	}
 	rec := s.recordLocked()
@@ -204,16 +216,41 @@ func (r *Registry) removeDiskLater(of *Segment, key string) {
 // that version removes it once it is), and the copies of the versions it
 // replaced that waited for its own.
 func (r *Registry) retireDiskLocked(s *Segment) {
-	r.supersedeLocked(s)
+	h := s.heldBy
+	if !waitsFor(h) {
+		r.supersedeLocked(s)
+	} else {
+		// s never reached disk (its write failed, or had not run) and a
+		// durable next version replaced it: the copies of the versions s
+		// replaced stay until that one is on disk, the name's last whole
+		// version meanwhile.
+		h.supersedes = append(h.supersedes, s.supersedes...)
+		s.supersedes = nil
+	}
+	if s.persist {
+		// The versions s replaced that are still held kept naming the
+		// name while s was not on disk (remetaLocked): their copies say
+		// now that they are unnamed.
+		for _, o := range r.byID {
+			if o.heldBy == s && !o.gone {
+				r.remetaLocked(o)
+			}
+		}
+	}
 	if !s.onDisk && s.tier != OnDisk {
 		return
 	}
-	if h := s.heldBy; h != nil && !h.gone && h.persist && !h.onDisk {
+	if waitsFor(h) {
 		h.supersedes = append(h.supersedes, DiskKey(s.id))
 		return
 	}
 	r.removeDiskLater(s, DiskKey(s.id))
 }
+
+// waitsFor says whether h, the durable next version that replaced a
+// segment, is not on disk yet: the replaced segment's copy must stay, as
+// it is, until it is.
+func waitsFor(h *Segment) bool { return h != nil && !h.gone && h.persist && !h.onDisk }
 
 // toDiskLocked moves s, on its device or on host, to disk: its bytes are
 // written (unless its durable copy is current) and its memory freed. mu

@@ -22,6 +22,8 @@ type fakeDisk struct {
 	// beforeRemove by Remove before it removes.
 	beforeWrite  func(key string)
 	beforeRemove func(key string)
+	// writeErr, if set, fails every Write.
+	writeErr error
 }
 
 func newFakeDisk() *fakeDisk {
@@ -54,8 +56,17 @@ func (d *fakeDisk) Write(key string, _ Memory, _ int64, meta []byte) error {
 	defer d.lock(key)()
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if d.writeErr != nil {
+		return d.writeErr
+	}
 	d.copies[key] = append([]byte(nil), meta...)
 	return nil
+}
+
+func (d *fakeDisk) setWriteErr(err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.writeErr = err
 }
 
 func (d *fakeDisk) Read(key string, _ Memory, _ int64) error {

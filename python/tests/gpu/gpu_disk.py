@@ -235,8 +235,14 @@ def main():
     finally:
         kill_all(d)
         shutil.rmtree(work, ignore_errors=True)
-    time.sleep(1)
+    # A killed process's GPU memory is freed after it is gone from /proc's
+    # listing of commands: wait for it.
     used = used_mib()
+    for _ in range(150):
+        if used is None or used0 is None or used <= used0 + 64:
+            break
+        time.sleep(0.1)
+        used = used_mib()
     if used is not None and used0 is not None:
         check(used <= used0 + 64, "gpu-memory", f"{used} MiB in use at the end, {used0} at the start")
     print("all passed" if not failed else f"FAILED: {failed}")
