@@ -118,4 +118,3 @@ func (r *Registry) WouldRestore(name string) bool {
 	s := r.byName[name]
 	return s != nil && (s.tier == OnHost || s.moving != nil)
 }
-
