@@ -183,6 +183,9 @@ func (c *conn) serve(ctx context.Context, wg *sync.WaitGroup, m *message) {
 		hctx, cancel := context.WithTimeout(ctx, left)
 		defer cancel()
 		resp, err := c.n.handle(hctx, c.s.peer, m.Op, m.Body)
+		if m.MS > 0 && errors.Is(hctx.Err(), context.DeadlineExceeded) {
+			return // the caller gave up first, and says so itself
+		}
 		c.reply(m.ID, resp, err)
 	}()
 }

@@ -226,7 +226,7 @@ func (n *Node) Call(ctx context.Context, peer, op string, req, resp any) error {
 	start := time.Now()
 	r, err := c.call(ctx, op, body)
 	switch {
-	case errors.Is(err, context.DeadlineExceeded):
+	case errors.Is(err, context.DeadlineExceeded) || (err == nil && r.Err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded)):
 		return fmt.Errorf("peer %s: %s: %w within %v", who, op, ErrTimeout, time.Since(start).Round(time.Millisecond))
 	case err != nil:
 		return fmt.Errorf("peer %s: %s: %w", who, op, err)
