@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // The handshake's and the first authenticated message's places in each
@@ -68,7 +70,7 @@ func TestTamper(t *testing.T) {
 			b.Call(context.Background(), "a", "echo", nil, nil)
 			l := map[string]*logBuf{"a": la, "b": lb}[tc.who]
 			waitLog(t, l, "peer lost", tc.log)
-			waitConnected(t, b, "a")
+			waitLogs(t, lb, 2, "peer connected")
 			callEcho(t, b, "a", "a")
 		})
 	}
@@ -79,7 +81,7 @@ func TestTamper(t *testing.T) {
 // keepalives then find the connection dead, and the dialer connects again
 // once the partition heals.
 func TestPartition(t *testing.T) {
-	a, _ := start(t, Config{Node: "a", Listen: "127.0.0.1:0", KeepAlive: 500 * time.Millisecond})
+	a, la := start(t, Config{Node: "a", Listen: "127.0.0.1:0", KeepAlive: 500 * time.Millisecond})
 	p := newProxy(t, a.Addr().String())
 	b, lb := start(t, Config{Node: "b", Peers: []string{p.addr()}, KeepAlive: 500 * time.Millisecond,
 		CallTimeout: time.Second, HandshakeTimeout: time.Second})
@@ -94,7 +96,12 @@ func TestPartition(t *testing.T) {
 	if d := time.Since(t0); d > 10*time.Second {
 		t.Errorf("Call to a partitioned peer took %v, CallTimeout is 1s", d)
 	}
-	waitLog(t, lb, "peer lost", "taken for dead")
+	// Whichever side's keepalive fires first closes the connection; the
+	// proxy passes the close on to the other.
+	testutil.WaitFor(t, "a keepalive to find the connection dead", func() bool {
+		return la.has("peer lost", "taken for dead") || lb.has("peer lost", "taken for dead")
+	})
+	waitLog(t, lb, "peer lost")
 	p.frozen.Store(false)
 	waitConnected(t, b, "a")
 	callEcho(t, b, "a", "a")

@@ -36,26 +36,35 @@ func (l *logBuf) String() string {
 	return l.b.String()
 }
 
-// has says whether one line of the log holds every one of parts.
-func (l *logBuf) has(parts ...string) bool {
+// count says how many lines of the log hold every one of parts.
+func (l *logBuf) count(parts ...string) int {
+	n := 0
 	for line := range strings.Lines(l.String()) {
 		all := true
 		for _, p := range parts {
 			all = all && strings.Contains(line, p)
 		}
 		if all {
-			return true
+			n++
 		}
 	}
-	return false
+	return n
 }
+
+func (l *logBuf) has(parts ...string) bool { return l.count(parts...) > 0 }
 
 // waitLog waits until the log has a line holding every one of parts.
 func waitLog(t *testing.T, l *logBuf, parts ...string) {
 	t.Helper()
-	for deadline := time.Now().Add(20 * time.Second); !l.has(parts...); time.Sleep(5 * time.Millisecond) {
+	waitLogs(t, l, 1, parts...)
+}
+
+// waitLogs waits until the log has n lines holding every one of parts.
+func waitLogs(t *testing.T, l *logBuf, n int, parts ...string) {
+	t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); l.count(parts...) < n; time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("no log line with %q within 20s; the log:\n%s", parts, l)
+			t.Fatalf("not %d log lines with %q within 20s; the log:\n%s", n, parts, l)
 		}
 	}
 }
