@@ -158,9 +158,6 @@ func strictJSON(b []byte, v any) error {
 	if err := d.Decode(v); err != nil {
 		return err
 	}
-	if d.More() {
-		return errors.New("data after the message")
-	}
 	if _, err := d.Token(); err != io.EOF {
 		return errors.New("data after the message")
 	}
