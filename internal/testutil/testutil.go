@@ -4,7 +4,8 @@
 // copy of the test binary that other users can run (BinaryForOthers),
 // safetensors shards (WriteShard) and files (SafetensorsFile, SparseFile),
 // and a daemon's processes found and killed (DaemonProcs, KillDaemon), its
-// socket's directory (SocketDir) and its log (DumpDaemonLog). Only tests
+// socket's directory (SocketDir) and its log (DumpDaemonLog), and a
+// network of namespaces for nodes that talk over TCP (NetNamespaces). Only tests
 // import it; a daemon to test against is internal/testdaemon's, or, as
 // processes, integration/'s Start.
 package testutil
