@@ -12,22 +12,8 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
-	"time"
 	"unsafe"
 )
-
-// The shape of a Get: chunks of getChunk bytes, getDepth of them in flight.
-// Variables so that tests can make many small chunks of a small buffer.
-var (
-	getChunk = 1 << 20
-	getDepth = 16
-)
-
-// cancelGrace is how long a cancelled Get waits for its chunks in flight
-// to finish before it closes the endpoint by force: UCX cannot cancel a
-// get once issued, and the destination must not be written after Get
-// returns.
-const cancelGrace = time.Second
 
 // An Endpoint is a connection to a peer's worker, made with UCX's peer
 // error handling: when the peer dies, its operations fail instead of

@@ -3,6 +3,7 @@ package ucx
 import (
 	"errors"
 	"fmt"
+	"time"
 )
 
 // Library is the file Load opens.
@@ -16,6 +17,19 @@ var ErrNoLibrary = errors.New("ucx: " + Library + " not found (install UCX's run
 // ErrClosed is returned by operations on a closed Context, Worker, Endpoint
 // or Region, and by a Get that its Endpoint's Close ended.
 var ErrClosed = errors.New("ucx: closed")
+
+// The shape of a Get: chunks of getChunk bytes, getDepth of them in flight.
+// Variables so that tests can make many small chunks of a small buffer.
+var (
+	getChunk = 1 << 20
+	getDepth = 16
+)
+
+// cancelGrace is how long a cancelled Get waits for its chunks in flight
+// to finish before it closes the endpoint by force: UCX cannot cancel a
+// get once issued, and the destination must not be written after Get
+// returns.
+const cancelGrace = time.Second
 
 // Status is a ucs_status_t, UCX's result code: 0 is UCS_OK, 1
 // UCS_INPROGRESS, negative values are errors.

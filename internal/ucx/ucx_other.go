@@ -13,11 +13,6 @@ const cgoBuild = false
 // library mirrors the cgo build so that tests compile in both.
 var library = Library
 
-var (
-	getChunk = 1 << 20
-	getDepth = 16
-)
-
 var errUnavailable = fmt.Errorf("%w: this build has no cgo or is not for linux", ErrNoLibrary)
 
 // Load always fails: without cgo on Linux the library cannot be loaded.
