@@ -1,6 +1,7 @@
-// Package cuda is the project's only cgo package: a thin layer over the CUDA
-// driver API for sharing GPU memory between processes through the virtual
-// memory management (VMM) calls cuMemCreate, cuMemExportToShareableHandle,
+// Package cuda is a thin layer over the CUDA driver API, one of the
+// project's two cgo packages (internal/ucx is the other), for sharing GPU
+// memory between processes through the virtual memory management (VMM)
+// calls cuMemCreate, cuMemExportToShareableHandle,
 // cuMemImportFromShareableHandle, cuMemMap and cuMemSetAccess.
 //
 // Invariants the rest of the project relies on:
