@@ -680,6 +680,23 @@ func (c *Client) Sync(ctx context.Context, name string) (*SegmentInfo, error) {
 	return c.tierOp(ctx, &wire.Request{Op: wire.OpSync, Name: name})
 }
 
+// Offer offers a segment to the daemon's peers on other nodes (on), or
+// takes it back. Owner or root; nothing is offered unless its owner says
+// so (docs/peers.md).
+func (c *Client) Offer(ctx context.Context, name string, on bool) (*SegmentInfo, error) {
+	return c.tierOp(ctx, &wire.Request{Op: wire.OpOffer, Name: name, Offer: on})
+}
+
+// Peers reports the daemon's peers on other nodes and what each offers;
+// nil when the daemon has none configured.
+func (c *Client) Peers(ctx context.Context) (*wire.PeersReport, error) {
+	rep, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpPeers})
+	if err != nil {
+		return nil, fmt.Errorf("gpushm: peers: %w", err)
+	}
+	return rep.Peers, nil
+}
+
 // Load brings a segment evicted to host memory back to its device ahead
 // of an open, evicting others if the device's budget needs room. Read
 // access is enough; a segment on its device already is left there.
@@ -798,6 +815,9 @@ type CreateOptions struct {
 	// any more with ENOENT, and the version stays uncommitted. See
 	// docs/protocol.md, "Versions".
 	NextVersion bool
+	// Offer offers the segment to the daemon's peers on other nodes
+	// (docs/peers.md).
+	Offer bool
 	// Persist makes a durable segment (a daemon with a disk tier): its
 	// bytes go to disk after its commit and at each Client.Sync, and it is
 	// listed again after a reboot, its first open reading them back
@@ -811,7 +831,7 @@ type CreateOptions struct {
 func (o *CreateOptions) request(name string, size int64, open bool) *wire.Request {
 	r := &wire.Request{Op: wire.OpCreate, Name: name, Size: size, Device: o.Device,
 		Mode: o.Mode, Meta: o.Meta, ExistOK: o.ExistOK, Open: open, TTL: o.TTL.Seconds(),
-		Uncommitted: o.Uncommitted || o.NextVersion, NextVersion: o.NextVersion, Pin: o.Pin, Persist: o.Persist, Trace: o.Trace != nil}
+		Uncommitted: o.Uncommitted || o.NextVersion, NextVersion: o.NextVersion, Pin: o.Pin, Persist: o.Persist, Offer: o.Offer, Trace: o.Trace != nil}
 	if o.Temporary {
 		r.Lifetime = wire.LifetimeConnection
 	}

@@ -177,6 +177,8 @@ func opsChild(ctx context.Context, c *gpushm.Client) error {
 			_, err = c.EvictTo(ctx, name, "disk")
 		case "sync":
 			_, err = c.Sync(ctx, name)
+		case "offer":
+			_, err = c.Offer(ctx, name, true)
 		case "load":
 			_, err = c.Load(ctx, name)
 		case "pin":
@@ -284,9 +286,10 @@ func TestOtherUsersEveryOperation(t *testing.T) {
 		{"evict:shared-ro", "EPERM"},          // moving what others read
 		{"pin:shared-ro", "EPERM"},            //
 		{"evict-disk:shared-rw", "EPERM"},     // nor to disk, before anything else is checked
-		{"sync:shared-rw", "EPERM"},           // writing is not owning: no disk writes of root's segments
-		{"unlink:shared-rw", "EPERM"},         //
-		{"load:private", "EACCES"},            // load needs read access
+		{"sync:shared-rw", "EPERM"},
+		{"offer:shared-rw", "EPERM"},  // nor offer it to other nodes           // writing is not owning: no disk writes of root's segments
+		{"unlink:shared-rw", "EPERM"}, //
+		{"load:private", "EACCES"},    // load needs read access
 	}
 	var ops, want []string
 	for _, tc := range tests {

@@ -113,7 +113,9 @@ type PutOptions struct {
 	// Persist makes it durable: its bytes go to disk after the commit and
 	// it is listed again after a reboot (a daemon with --disk).
 	Persist bool
-	TTL     time.Duration
+	// Offer offers it to the daemon's peers on other nodes.
+	Offer bool
+	TTL   time.Duration
 }
 
 // Put creates name as one bundle segment holding the
@@ -138,7 +140,7 @@ func Put(ctx context.Context, c *gpushm.Client, name string, ck *Checkpoint, o *
 		return st, err
 	}
 	seg, err := c.Create(ctx, name, ck.p.Size, &gpushm.CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, Uncommitted: true, NextVersion: o.NextVersion,
-		Pin: o.Pin, TTL: o.TTL, Persist: o.Persist})
+		Pin: o.Pin, TTL: o.TTL, Persist: o.Persist, Offer: o.Offer})
 	if err != nil {
 		return st, err
 	}

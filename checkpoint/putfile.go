@@ -252,7 +252,7 @@ func PutFile(ctx context.Context, c *gpushm.Client, name string, f *File, o *Put
 			return res, err
 		}
 	}
-	co := &gpushm.CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, NextVersion: o.NextVersion, Pin: o.Pin, TTL: o.TTL, Persist: o.Persist}
+	co := &gpushm.CreateOptions{Device: o.Device, Mode: o.Mode, Meta: meta, NextVersion: o.NextVersion, Pin: o.Pin, TTL: o.TTL, Persist: o.Persist, Offer: o.Offer}
 	var err error
 	res.Stats, res.Copier, err = put(ctx, c, name, f, co, o)
 	if err != nil {
@@ -370,7 +370,7 @@ func putEmpty(ctx context.Context, c *gpushm.Client, name string, f *File, po *P
 	if po.ReadOnlyDefault {
 		return fmt.Errorf("checkpoint: read-only by default is for tensor bundles, and %s is empty", f.path)
 	}
-	o := &gpushm.CreateOptions{Device: po.Device, Mode: po.Mode, Meta: po.Meta, Pin: po.Pin, TTL: po.TTL, Persist: po.Persist}
+	o := &gpushm.CreateOptions{Device: po.Device, Mode: po.Mode, Meta: po.Meta, Pin: po.Pin, TTL: po.TTL, Persist: po.Persist, Offer: po.Offer}
 	target := name
 	var cur *gpushm.SegmentInfo
 	if po.NextVersion {

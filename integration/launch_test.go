@@ -33,6 +33,9 @@ type Options struct {
 	// NoFile, if not 0, is the descriptor limit the daemon runs under
 	// (ulimit -n), for tests of its limits.
 	NoFile int
+	// Wrap, if set, makes the command that runs the daemon (a network
+	// namespace's ip netns exec: testutil.Net.Command).
+	Wrap func(name string, args ...string) *exec.Cmd
 }
 
 // Start runs 'gpushm daemon' as users do, a supervisor and its serving
@@ -53,6 +56,9 @@ func Start(t *testing.T, o Options) *Daemon {
 	d := &Daemon{socket: o.Socket, log: newDaemonLog(t), done: make(chan struct{})}
 	args := append([]string{"daemon", "--socket", o.Socket, "--backend", "host"}, o.Args...)
 	d.cmd = exec.Command(o.Exe, args...)
+	if o.Wrap != nil {
+		d.cmd = o.Wrap(o.Exe, args...)
+	}
 	if o.NoFile != 0 {
 		script := "ulimit -n " + strconv.Itoa(o.NoFile) + ` && exec "$0" "$@"`
 		d.cmd = exec.Command("sh", append([]string{"-c", script, o.Exe}, args...)...)

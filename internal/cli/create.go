@@ -22,6 +22,7 @@ func createCmd() *cobra.Command {
 		existOK bool
 		pin     bool
 		persist bool
+		offer   bool
 		ttl     time.Duration
 	)
 	cmd := &cobra.Command{
@@ -37,7 +38,7 @@ granularity.`,
 		Args:              cobra.ExactArgs(2),
 		ValidArgsFunction: cobra.NoFileCompletions,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return exitcode.Failed("create", args[0], create(cmd, args[0], args[1], device, mode, meta, existOK, pin, persist, ttl))
+			return exitcode.Failed("create", args[0], create(cmd, args[0], args[1], device, mode, meta, existOK, pin, persist, offer, ttl))
 		},
 	}
 	f := cmd.Flags()
@@ -46,6 +47,7 @@ granularity.`,
 	f.StringVar(&mode, "mode", "", "permission bits in octal (default 0600)")
 	f.StringVar(&meta, "meta", "", "user metadata, a JSON value")
 	f.BoolVar(&existOK, "exist-ok", false, "succeed if the segment exists with the same size and device")
+	f.BoolVar(&offer, "offer", false, "offer it to the daemon's peers on other nodes (docs/peers.md)")
 	f.BoolVar(&persist, "persist", false, "make it durable: 'gpushm sync' writes its bytes to the daemon's disk tier, and it is listed again after a reboot (docs/disk.md)")
 	f.BoolVar(&pin, "pin", false, "keep the segment on its device: never evict it to host memory when the device's budget needs room ('gpushm unpin' lets it go)")
 	f.DurationVar(&ttl, "ttl", 0, "remove the segment once nobody has had it open for this long (e.g. 10m)")
@@ -53,7 +55,7 @@ granularity.`,
 	return cmd
 }
 
-func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existOK, pin, persist bool, ttl time.Duration) error {
+func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existOK, pin, persist, offer bool, ttl time.Duration) error {
 	size, err := bytesize.Parse(sizeArg)
 	if err != nil {
 		return exitcode.Usagef(cmd, "create %s: %v", name, err)
@@ -63,7 +65,7 @@ func create(cmd *cobra.Command, name, sizeArg, device, mode, meta string, existO
 		// holds nothing to map, and a size of 0 typed here is a mistake.
 		return exitcode.Usagef(cmd, "create %s: invalid size: 0 (must be positive; an empty file puts as an empty segment, which holds nothing to map)", name)
 	}
-	o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl, Pin: pin, Persist: persist}
+	o := &gpushm.CreateOptions{ExistOK: existOK, TTL: ttl, Pin: pin, Persist: persist, Offer: offer}
 	if o.Mode, err = parseMode(cmd, mode); err != nil {
 		return err
 	}

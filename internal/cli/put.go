@@ -148,6 +148,7 @@ func putCmd() *cobra.Command {
 	f.BoolVar(&o.NextVersion, "new-version", false, "the same as --force")
 	f.StringVar(&meta, "meta", "", "user metadata, a JSON value (not for a tensor bundle, whose meta is its layout)")
 	f.BoolVar(&o.Pin, "pin", false, "keep the segment on its device: never evict it to host memory ('gpushm unpin' lets it go)")
+	f.BoolVar(&o.Offer, "offer", false, "offer it to the daemon's peers on other nodes (docs/peers.md)")
 	f.BoolVar(&o.Persist, "persist", false, "make it durable: its bytes go to the daemon's disk tier once the copy is committed, and it is listed again after a reboot (docs/disk.md)")
 	f.DurationVar(&o.TTL, "ttl", 0, "remove the segment once nobody has had it open for this long (e.g. 10m)")
 	copyOpts.register(cmd)

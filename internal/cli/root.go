@@ -85,7 +85,7 @@ an error is one object on standard error too. docs/cli.md says more.
 	daemon, bench, demo, child, systemd := daemonCmd(), bench.Command(), bench.DemoCommand(), bench.ChildCommand(), installSystemdCmd()
 	root.AddCommand(
 		daemon, infoCmd(), versionCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(), dfCmd(),
-		chmodCmd(), chownCmd(), mvCmd(), evictCmd(), syncCmd(), loadCmd(), pinCmd(true), pinCmd(false),
+		chmodCmd(), chownCmd(), mvCmd(), evictCmd(), syncCmd(), offerCmd(true), offerCmd(false), peersCmd(), loadCmd(), pinCmd(true), pinCmd(false),
 		putCmd(), getCmd(), catCmd(), bench, demo, child, systemd, manCmd(),
 	)
 	// internal/bench's commands, given their examples here, where the

@@ -47,6 +47,11 @@ type Options struct {
 	// Disk is the disk tier's directories, one per drive, separated by
 	// commas (none: no disk tier); DiskBudget bounds what it takes.
 	Disk, DiskBudget string
+	// Peers (peers.go): ListenPeers is the address peers dial, Peers the
+	// addresses this daemon dials (comma-separated), PeerSecret the file
+	// of the secret they share, Node this node's name (default: the
+	// host's).
+	ListenPeers, Peers, PeerSecret, Node string
 	// Count limits: a number, "auto" or "0" (limits.go).
 	UserSegments, UserConnections string
 	MaxSegments, MaxConnections   string

@@ -65,6 +65,8 @@ type extras struct {
 	gpus func() *wire.GPUReport // NVML's figures, for metrics
 	mln  net.Listener           // the metrics port, bound at start; nil once used
 
+	peers *peers // nil: no peers configured
+
 	mu       sync.Mutex
 	http     *http.Server
 	view     *fusefs.Server
@@ -100,12 +102,24 @@ func (e *extras) start() error {
 		go e.http.Serve(mln)
 		e.log.Info("metrics", "url", "http://"+mln.Addr().String()+"/metrics")
 	}
+	if e.peers != nil {
+		if err := e.peers.start(e.srv); err != nil {
+			if e.http != nil {
+				e.http.Close()
+				e.http = nil
+			}
+			return err
+		}
+	}
 	if e.o.Mount != "" && e.view == nil {
 		view, err := fusefs.Mount(e.o.Mount, e.srv.Registry(), e.b, e.log)
 		if err != nil {
 			if e.http != nil {
 				e.http.Close()
 				e.http = nil
+			}
+			if e.peers != nil {
+				e.peers.stop()
 			}
 			return err
 		}
@@ -127,5 +141,8 @@ func (e *extras) stop() {
 	if e.http != nil {
 		e.http.Close()
 		e.http = nil
+	}
+	if e.peers != nil {
+		e.peers.stop()
 	}
 }

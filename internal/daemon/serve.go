@@ -16,6 +16,7 @@ import (
 	"github.com/gpushm/gpushm/internal/backend"
 	"github.com/gpushm/gpushm/internal/cuda"
 	"github.com/gpushm/gpushm/internal/epoch"
+	"github.com/gpushm/gpushm/internal/peer"
 	"github.com/gpushm/gpushm/internal/server"
 	"github.com/gpushm/gpushm/internal/supervisor"
 )
@@ -32,8 +33,9 @@ type serving struct {
 	spill   *backend.Spill
 	srv     *server.Server
 	lim     daemonLimits
-	reserve int64     // --host-reserve, in bytes
-	disk    *diskTier // --disk; nil for none
+	reserve int64        // --host-reserve, in bytes
+	disk    *diskTier    // --disk; nil for none
+	peers   *peer.Config // --listen-peers, --peers; nil for none
 }
 
 // Serve serves clients: as the serving process of a supervisor
@@ -96,6 +98,9 @@ func Serve(ctx context.Context, log *slog.Logger, o Options, supervised bool) er
 		return err
 	}
 	ex := &extras{o: o, log: log, srv: s.srv, b: b, gpus: gpus.Report, mln: mln}
+	if s.peers != nil {
+		ex.peers = &peers{cfg: *s.peers, reg: s.srv.Registry()}
+	}
 	if err := ex.start(); err != nil {
 		ln.Close()
 		if !supervised {
@@ -136,6 +141,9 @@ func (s *serving) build() error {
 		return err
 	}
 	tiers.Observe = s.srv.ObserveMove
+	if s.peers, err = o.peerConfig(s.log); err != nil {
+		return err
+	}
 	dirs, budget, err := o.diskOptions()
 	if err != nil {
 		return err

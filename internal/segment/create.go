@@ -71,6 +71,8 @@ type CreateOptions struct {
 	// Persist makes the segment durable (disk.go): its bytes go to disk
 	// after its commit, and by Sync. It needs the registry's disk tier.
 	Persist bool
+	// Offer offers the segment to the daemon's peers (peers.go).
+	Offer bool
 	// Trace, when set, times the steps of the create: check (validation,
 	// the name, limits), alloc or alloc-pool, export (waiting for the
 	// memory's descriptor), journal.
@@ -337,6 +339,7 @@ func (r *Registry) addCreatingLocked(owner Cred, o CreateOptions, mode uint32) *
 		resident:  o.Resident,
 		published: o.Memory != nil,
 		persist:   o.Persist,
+		offer:     o.Offer,
 
 		uncommitted: o.Uncommitted,
 	}

@@ -540,7 +540,7 @@ func (s *Segment) restoreTier(rec *Record) {
 	case OnDisk.String():
 		s.tier = OnDisk
 	}
-	s.persist, s.onDisk = rec.Persist, rec.DiskCopy || s.tier == OnDisk
+	s.persist, s.onDisk, s.offer = rec.Persist, rec.DiskCopy || s.tier == OnDisk, rec.Offer
 	s.diskClean = s.onDisk && !rec.Stale
 	if rec.Synced != 0 {
 		s.synced = time.Unix(0, rec.Synced)

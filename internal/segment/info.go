@@ -65,6 +65,8 @@ type Info struct {
 	Synced   time.Time
 	Stale    bool
 	Resident bool
+	// Offer says the daemon offers it to its peers (peers.go).
+	Offer bool
 }
 
 // Stat describes the named segment.
@@ -122,6 +124,7 @@ func (r *Registry) infoLocked(s *Segment) Info {
 		LastOpen:    s.lastOpen,
 		Resident:    s.resident,
 		Persist:     s.persist,
+		Offer:       s.offer,
 		Stale:       s.onDisk && !s.diskClean,
 	}
 	if s.onDisk {

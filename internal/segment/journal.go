@@ -78,6 +78,8 @@ type Record struct {
 	DiskCopy bool  `json:"disk_copy,omitempty"`
 	Stale    bool  `json:"stale,omitempty"`
 	Synced   int64 `json:"synced,omitempty"`
+	// Offer: the daemon offers the segment to its peers (peers.go).
+	Offer bool `json:"offer,omitempty"`
 	// Leases says the record carries the segment's leases: Holders, the
 	// processes holding some and how many each, and Anon, those of
 	// processes that could not be named. A record without it (an older
@@ -199,7 +201,7 @@ func (s *Segment) recordLocked() Record {
 	if s.tier != OnDevice {
 		rec.Tier = s.tier.String()
 	}
-	rec.Persist, rec.DiskCopy, rec.Stale = s.persist, s.onDisk, s.onDisk && !s.diskClean
+	rec.Persist, rec.DiskCopy, rec.Stale, rec.Offer = s.persist, s.onDisk, s.onDisk && !s.diskClean, s.offer
 	if !s.synced.IsZero() {
 		rec.Synced = s.synced.UnixNano()
 	}

@@ -140,6 +140,9 @@ func (rec *Record) appendDisk(b []byte) []byte {
 	if rec.Synced != 0 {
 		b = appendIntMember(b, "synced", rec.Synced)
 	}
+	if rec.Offer {
+		b = appendBoolMember(b, "offer", true)
+	}
 	return b
 }
 

@@ -166,6 +166,7 @@ type Segment struct {
 	// disk before this one's goes; supersedes are the keys of the copies
 	// this one removes once its own is.
 	persist    bool
+	offer      bool   // offered to the daemon's peers (peers.go)
 	diskFP     string // durablePrint of the record its copy has
 	onDisk     bool
 	diskClean  bool

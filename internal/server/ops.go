@@ -52,6 +52,8 @@ func init() {
 		wire.OpLoad:        func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
 		wire.OpPin:         func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
 		wire.OpSync:        func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
+		wire.OpOffer:       func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
+		wire.OpPeers:       func(c *conn, _ *wire.Request, _ int) (*wire.Reply, int) { return c.opPeers() },
 	}
 }
 
@@ -369,6 +371,7 @@ func (c *conn) createOptions(req *wire.Request, dev int) (segment.CreateOptions,
 		Meta: req.Meta, ExistOK: req.ExistOK, Open: req.Open, ReadOnly: req.ReadOnly,
 		Resident: req.Pin,
 		Persist:  req.Persist,
+		Offer:    req.Offer,
 		Session:  c.session,
 		Slots:    req.Slots, SlotBytes: req.SlotBytes,
 		Uncommitted: req.Uncommitted,

@@ -55,6 +55,7 @@ type Server struct {
 	maxSpinners int32
 	obs         Observer
 	gpus        func(uid uint32) *wire.GPUReport
+	peers       func(ctx context.Context) *wire.PeersReport
 	// uuids names each device by its GPU's UUID, which clients map by:
 	// a client in a container may number the same GPU differently.
 	uuids map[int]string
@@ -242,6 +243,10 @@ func (nopObserver) Connected(int)                         {}
 
 // SetObserver installs o; call before Serve.
 func (s *Server) SetObserver(o Observer) { s.obs = o }
+
+// SetPeers makes the peers operation answer with what f reports (nil,
+// the default: the daemon has no peers).
+func (s *Server) SetPeers(f func(ctx context.Context) *wire.PeersReport) { s.peers = f }
 
 // SetGPUReport makes info replies carry what f reports of the node's GPUs
 // to a client of the given uid; call before Serve.
@@ -512,7 +517,7 @@ func (s *Server) toWire(inf segment.Info) *wire.Segment {
 		Uncommitted: inf.Uncommitted,
 		Tier:        inf.Tier.String(), LastOpen: inf.LastOpen.UnixNano(), Pinned: inf.Resident,
 		Version: inf.Version, RDMA: inf.RDMA,
-		Persist: inf.Persist, Stale: inf.Stale,
+		Persist: inf.Persist, Stale: inf.Stale, Offer: inf.Offer,
 	}
 	if !inf.Synced.IsZero() {
 		w.Synced = inf.Synced.UnixNano()

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"fmt"
 	"syscall"
 	"time"
@@ -31,6 +32,8 @@ func (c *conn) tier(cred segment.Cred, req *wire.Request) (*wire.Reply, int) {
 		}
 	case wire.OpSync:
 		inf, err = c.s.reg.SyncDisk(cred, req.Name)
+	case wire.OpOffer:
+		inf, err = c.s.reg.SetOffer(cred, req.Name, req.Offer)
 	case wire.OpLoad:
 		inf, err = c.s.reg.Load(cred, req.Name)
 	case wire.OpPin:
@@ -93,4 +96,17 @@ func (s *Server) ObserveMove(kind, name string, bytes int64, d time.Duration) {
 	if m, ok := s.obs.(MoveObserver); ok {
 		m.ObserveMove(kind, bytes, d)
 	}
+}
+
+// opPeers answers peers: what the peers' node reports, asking connected
+// peers what they offer, which takes a round trip to each; the request
+// leaves the workers first.
+func (c *conn) opPeers() (*wire.Reply, int) {
+	if c.s.peers == nil {
+		return &wire.Reply{}, -1
+	}
+	c.s.setAside(c.w)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	return &wire.Reply{Peers: c.s.peers(ctx)}, -1
 }

@@ -133,8 +133,8 @@ func operationNames() []string {
 }
 
 // usedFields is the fields each operation reads, from Operations.
-func usedFields() map[string]uint32 {
-	m := map[string]uint32{}
+func usedFields() map[string]uint64 {
+	m := map[string]uint64{}
 	for _, o := range Operations {
 		m[o.Name] = o.fields
 	}

@@ -56,7 +56,8 @@ func appendReply(b []byte, r *Reply) (_ []byte, ok bool) {
 	if r.Version != 0 || r.Server != "" || r.Epoch || r.Backend != "" || r.Devices != nil || r.Usage != nil ||
 		r.Pool != nil || r.Tiers != nil || r.PID != 0 || r.SupervisorPID != 0 || r.Restarts != nil ||
 		r.Grace != 0 || r.GPU != nil || r.Users != nil || r.Quotas != nil || r.Segments != nil || r.Next != "" ||
-		r.Bytes != 0 || r.CopySeconds != 0 || r.Copiers != 0 || r.Direct != 0 || r.CRC32C != "" || r.Peer != nil {
+		r.Bytes != 0 || r.CopySeconds != 0 || r.Copiers != 0 || r.Direct != 0 || r.CRC32C != "" || r.Peer != nil ||
+		r.Peers != nil {
 		return b, false
 	}
 	start := len(b)
@@ -168,6 +169,9 @@ func appendSegment(b []byte, s *Segment) (_ []byte, ok bool) {
 	}
 	if s.Stale {
 		b = append(b, `,"stale":true`...)
+	}
+	if s.Offer {
+		b = append(b, `,"offer":true`...)
 	}
 	if s.Version != 0 {
 		b = strconv.AppendUint(append(b, `,"version":`...), s.Version, 10)
@@ -615,6 +619,8 @@ func (s *hotScan) segment() *Segment {
 			g.Synced, bit = s.int64(), 1<<24
 		case "stale":
 			g.Stale, bit = s.bool(), 1<<25
+		case "offer":
+			g.Offer, bit = s.bool(), 1<<26
 		}
 		s.mark(&seen, bit)
 	}

@@ -89,6 +89,9 @@ type Request struct {
 	// Persist (create) makes a durable segment: its bytes go to disk after
 	// its commit and at each sync, and come back after a reboot (docs/disk.md).
 	Persist bool `json:"persist,omitempty"`
+	// Offer (create, offer) offers the segment to the daemon's peers on
+	// other nodes (docs/peers.md); in offer, absent or false takes it back.
+	Offer bool `json:"offer,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -136,6 +139,9 @@ type Reply struct {
 
 	// Trace answers a request that asked for one (create, open).
 	Trace *Trace `json:"trace,omitempty"`
+
+	// peers: absent when the daemon has no peers configured.
+	Peers *PeersReport `json:"peers,omitempty"`
 
 	// create, open, stat
 	Segment *Segment `json:"segment,omitempty"`
@@ -306,6 +312,8 @@ type Segment struct {
 	Persist bool  `json:"persist,omitempty"`
 	Synced  int64 `json:"synced,omitempty"`
 	Stale   bool  `json:"stale,omitempty"`
+	// Offer says the daemon offers the segment to its peers.
+	Offer bool `json:"offer,omitempty"`
 	// Version counts the segments the name has named, this one included
 	// (absent from older daemons: 1). Versions (stat only) are the
 	// name's earlier versions that are still held, oldest first.
@@ -546,7 +554,7 @@ func scanRequest(b []byte) scanned {
 // The request's fields beyond id and op, one bit each; fieldNames has
 // their names on the wire.
 const (
-	fVersion uint32 = 1 << iota
+	fVersion uint64 = 1 << iota
 	fName
 	fSize
 	fDevice
@@ -578,6 +586,7 @@ const (
 	fEmpty
 	fNoReplace
 	fPersist
+	fOffer
 	fieldCount = iota
 )
 
@@ -585,15 +594,15 @@ var fieldNames = [fieldCount]string{
 	"version", "name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "segment",
 	"after", "limit", "lifetime", "ttl_seconds", "uid", "gid", "to", "session", "count", "slots",
 	"slot_bytes", "role", "uncommitted", "wait", "offset", "at", "trace", "pin", "next_version",
-	"empty", "no_replace", "persist",
+	"empty", "no_replace", "persist", "offer",
 }
 
 // setFields is the set of r's fields that hold something other than
 // their zero value. Straight tests, no list: decoding is on every round
 // trip.
-func setFields(r *Request) uint32 {
-	var m uint32
-	set := func(f uint32, nonzero bool) {
+func setFields(r *Request) uint64 {
+	var m uint64
+	set := func(f uint64, nonzero bool) {
 		if nonzero {
 			m |= f
 		}
@@ -630,6 +639,7 @@ func setFields(r *Request) uint32 {
 	set(fEmpty, r.Empty)
 	set(fNoReplace, r.NoReplace)
 	set(fPersist, r.Persist)
+	set(fOffer, r.Offer)
 	return m
 }
 
@@ -639,7 +649,7 @@ func checkUnused(r *Request) error {
 		return nil // an unknown op is the server's to refuse (ENOSYS)
 	}
 	if extra := setFields(r) &^ o.fields; extra != 0 {
-		return fmt.Errorf("%w: %s does not take %q", ErrProto, r.Op, fieldNames[bits.TrailingZeros32(extra)])
+		return fmt.Errorf("%w: %s does not take %q", ErrProto, r.Op, fieldNames[bits.TrailingZeros64(extra)])
 	}
 	return nil
 }
@@ -708,4 +718,38 @@ func AppendEncode(dst []byte, v any) ([]byte, error) {
 		return dst[:start], fmt.Errorf("%w: message is %d bytes, limit %d", ErrProto, n, MaxMessage)
 	}
 	return b, nil
+}
+
+// PeersReport is what the peers operation says: this node's name, the
+// address it listens on for peers (empty: none), and each peer.
+type PeersReport struct {
+	Node   string     `json:"node"`
+	Listen string     `json:"listen,omitempty"`
+	Peers  []PeerNode `json:"peers"`
+}
+
+// PeerNode is a peer: its node name once a handshake told it, its address,
+// whether it is one this node dials (outbound) or one that dialed it,
+// whether it is connected (since when, or failing since when, and why),
+// and, when connected, what it offers, or why that could not be asked.
+type PeerNode struct {
+	Name      string      `json:"name,omitempty"`
+	Addr      string      `json:"addr"`
+	Outbound  bool        `json:"outbound"`
+	Connected bool        `json:"connected"`
+	Since     int64       `json:"since,omitempty"` // Unix nanoseconds
+	LastError string      `json:"last_error,omitempty"`
+	Offers    []PeerOffer `json:"offers,omitempty"`
+	Error     string      `json:"error,omitempty"`
+}
+
+// PeerOffer is a segment a peer offers: its name, size, owner and group
+// (user names, as the peer knows them), mode and version.
+type PeerOffer struct {
+	Name    string `json:"name"`
+	Size    int64  `json:"size"`
+	Owner   string `json:"owner"`
+	Group   string `json:"group,omitempty"`
+	Mode    uint32 `json:"mode"`
+	Version uint64 `json:"version"`
 }

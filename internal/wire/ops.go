@@ -24,6 +24,8 @@ const (
 	OpLoad        = "load"
 	OpPin         = "pin"
 	OpSync        = "sync"
+	OpOffer       = "offer"
+	OpPeers       = "peers"
 )
 
 // An Operation is one operation of the protocol.
@@ -39,7 +41,7 @@ type Operation struct {
 	// must be absent or zero, so that a client that sends one by mistake
 	// (a size with open, a mode with stat) learns that the daemon would
 	// ignore it. Every operation takes trace.
-	fields uint32
+	fields uint64
 }
 
 // Operations is the one list of the protocol's operations, in the order
@@ -55,7 +57,7 @@ var Operations = []Operation{
 	{Name: OpInfo, Doc: "the daemon: its version, backend, devices, limits and usage",
 		fields: fTrace},
 	{Name: OpCreate, Doc: "a new segment, or a channel; with open, opened at once",
-		fields: fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted | fPin | fNextVersion | fEmpty | fPersist},
+		fields: fTrace | fName | fSize | fDevice | fMode | fMeta | fExistOK | fOpen | fReadOnly | fLifetime | fTTL | fSlots | fSlotBytes | fRole | fUncommitted | fPin | fNextVersion | fEmpty | fPersist | fOffer},
 	{Name: OpOpen, Doc: "a lease on a segment by its name, and its descriptor",
 		fields: fTrace | fName | fReadOnly | fRole | fWait},
 	{Name: OpClose, Doc: "gives back a lease this connection holds",
@@ -92,6 +94,10 @@ var Operations = []Operation{
 		fields: fTrace | fName | fPin},
 	{Name: OpSync, Doc: "writes a durable segment's bytes to disk now, and answers once they are durable",
 		fields: fTrace | fName},
+	{Name: OpOffer, Doc: "offers a segment to the daemon's peers on other nodes (offer true), or takes it back",
+		fields: fTrace | fName | fOffer},
+	{Name: OpPeers, Doc: "the daemon's peers on other nodes: whether each is connected, and what it offers",
+		fields: fTrace},
 }
 
 // operations indexes Operations by name, for the decoder and CarriesFD.

@@ -420,7 +420,7 @@ func TestDialTimeout(t *testing.T) {
 // added: each of Request's fields but id and op has a bit, set when it
 // holds something, and at least one operation that uses it.
 func TestEveryFieldIsChecked(t *testing.T) {
-	var all uint32
+	var all uint64
 	for _, fields := range usedFields() {
 		all |= fields
 	}
@@ -448,7 +448,7 @@ func TestEveryFieldIsChecked(t *testing.T) {
 			v.Set(reflect.ValueOf(1).Convert(v.Type()))
 		}
 		got := setFields(&r)
-		if bits.OnesCount32(got) != 1 || fieldNames[bits.TrailingZeros32(got)] != name {
+		if bits.OnesCount64(got) != 1 || fieldNames[bits.TrailingZeros64(got)] != name {
 			t.Errorf("with %s set, setFields = %#b", name, got)
 		}
 		if got&all == 0 {

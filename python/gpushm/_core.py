@@ -781,6 +781,21 @@ class Core:
         rep, _ = self._call("evict", **fields)
         return SegmentInfo.from_wire(rep["segment"])
 
+    def offer(self, name: str, on: bool = True) -> SegmentInfo:
+        """Offers a segment to the daemon's peers on other nodes, or with
+        on=False takes it back (docs/peers.md). Owner or root."""
+        fields = {"name": name}
+        if on:
+            fields["offer"] = True
+        rep, _ = self._call("offer", **fields)
+        return SegmentInfo.from_wire(rep["segment"])
+
+    def peers(self):
+        """The daemon's peers on other nodes and what each offers, as the
+        protocol's peers report (a dict), or None when it has none."""
+        rep, _ = self._call("peers")
+        return rep.get("peers")
+
     def sync(self, name: str) -> SegmentInfo:
         """Writes a durable segment (create or put_tensors with
         persist=True) to the daemon's disk tier now, and returns once the

@@ -44,6 +44,8 @@ class SegmentInfo:
     persist: bool = False
     synced: int = 0
     stale: bool = False
+    # offer: offered to the daemon's peers on other nodes (docs/peers.md).
+    offer: bool = False
     # sources, in stat replies only: the ranges the daemon itself filled
     # from files, as Source (docs/protocol.md, "Sources").
     sources: tuple = ()

@@ -92,3 +92,15 @@ def test_durable_segments_survive_a_reboot(disk_dir):
         assert np.array_equal(np.asarray(b["w"]), w)
     finally:
         d.stop()
+
+
+def test_offer_and_peers_without_peers(disk_dir):
+    d = Daemon("host")
+    try:
+        c = gpushm.connect(d.socket)
+        c.create("o", MIB).close()
+        assert c.offer("o").offer
+        assert not c.offer("o", False).offer
+        assert c.peers() is None
+    finally:
+        d.stop()

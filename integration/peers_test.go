@@ -1,0 +1,160 @@
+package integration
+
+import (
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gpushm/gpushm/internal/testutil"
+	"github.com/gpushm/gpushm/internal/wire"
+)
+
+// peersOf is what 'gpushm peers -o json' says of the daemon at sock.
+func peersOf(t *testing.T, sock string) *wire.PeersReport {
+	t.Helper()
+	var r *wire.PeersReport
+	if err := json.Unmarshal([]byte(mustRun(t, nil, "--socket", sock, "peers", "-o", "json")), &r); err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// waitPeers waits until ok takes the report of the daemon at sock.
+func waitPeers(t *testing.T, sock, what string, ok func(*wire.PeersReport) bool) *wire.PeersReport {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		r := peersOf(t, sock)
+		if ok(r) {
+			return r
+		}
+		if time.Now().After(deadline) {
+			out, _ := json.Marshal(r)
+			t.Fatalf("%s: not within 30s: %s", what, out)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func peerNamed(r *wire.PeersReport, name string) *wire.PeerNode {
+	for i := range r.Peers {
+		if r.Peers[i].Name == name {
+			return &r.Peers[i]
+		}
+	}
+	return nil
+}
+
+func offerNames(p *wire.PeerNode) []string {
+	if p == nil {
+		return nil
+	}
+	var names []string
+	for _, o := range p.Offers {
+		names = append(names, o.Name)
+	}
+	slices.Sort(names)
+	return names
+}
+
+// writeSecret writes a peers' secret file of the daemon's user.
+func writeSecret(t *testing.T, secret string) string {
+	t.Helper()
+	f := filepath.Join(t.TempDir(), "peer-secret")
+	if err := os.WriteFile(f, []byte(secret), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// TestPeers: three daemons, each in a network namespace of its own on a
+// network nothing else reaches: b dials a, and each sees what the other
+// offers, only what its owner offered; c, with another secret, is refused
+// by a, which says so in its log, and learns nothing.
+func TestPeers(t *testing.T) {
+	net := testutil.NetNamespaces(t, 3)
+	good := writeSecret(t, strings.Repeat("s3cret-of-the-cluster-", 3))
+	bad := writeSecret(t, strings.Repeat("not-the-cluster-secret-", 3))
+	start := func(i int, node, secret string, args ...string) *Daemon {
+		sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
+		args = append([]string{"--node", node, "--peer-secret", secret}, args...)
+		return Start(t, Options{Socket: sock, Args: args, Wrap: func(name string, args ...string) *exec.Cmd {
+			return net.Command(i, name, args...)
+		}})
+	}
+	a := start(0, "a", good, "--listen-peers", net.IP(0)+":7946")
+	b := start(1, "b", good, "--listen-peers", net.IP(1)+":7946", "--peers", net.IP(0)+":7946")
+	c := start(2, "c", bad, "--peers", net.IP(0)+":7946")
+
+	putFile(t, a.Socket(), "model", tierPattern(1, 1<<20), "--offer")
+	putFile(t, a.Socket(), "private", tierPattern(2, 1<<20))
+	mustRun(t, nil, "--socket", b.Socket(), "create", "--offer", "kv", "64K")
+
+	r := waitPeers(t, b.Socket(), "b sees a offering model", func(r *wire.PeersReport) bool {
+		return slices.Equal(offerNames(peerNamed(r, "a")), []string{"model"})
+	})
+	if o := peerNamed(r, "a").Offers[0]; o.Size != 1<<20 || o.Owner != "root" || o.Version != 1 {
+		t.Fatalf("b's view of a's model: %+v", o)
+	}
+	waitPeers(t, a.Socket(), "a sees b (which dialed it) offering kv", func(r *wire.PeersReport) bool {
+		p := peerNamed(r, "b")
+		return p != nil && p.Connected && !p.Outbound && slices.Equal(offerNames(p), []string{"kv"})
+	})
+	if p := peerNamed(peersOf(t, a.Socket()), "c"); p != nil {
+		t.Fatalf("a lists c, whose secret is another: %+v", p)
+	}
+	cr := waitPeers(t, c.Socket(), "c refused", func(r *wire.PeersReport) bool {
+		return len(r.Peers) == 1 && !r.Peers[0].Connected && r.Peers[0].LastError != ""
+	})
+	if len(cr.Peers[0].Offers) != 0 {
+		t.Fatalf("c, refused, learned of offers: %+v", cr.Peers[0])
+	}
+	for deadline := time.Now().Add(20 * time.Second); !strings.Contains(a.log.String(), "refused"); {
+		if time.Now().After(deadline) {
+			t.Fatal("a's log does not say it refused c")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+
+	// Taken back, the name is no longer offered; the text output says so.
+	mustRun(t, nil, "--socket", a.Socket(), "unoffer", "model")
+	waitPeers(t, b.Socket(), "b sees a offer nothing", func(r *wire.PeersReport) bool {
+		p := peerNamed(r, "a")
+		return p != nil && p.Connected && len(p.Offers) == 0
+	})
+	if out := mustRun(t, nil, "--socket", b.Socket(), "peers"); !strings.Contains(out, "node b") || !strings.Contains(out, "(none)") {
+		t.Fatalf("gpushm peers on b:\n%s", out)
+	}
+	// Cut off, a is reported as not connected, with why.
+	net.Cut(0)
+	waitPeers(t, b.Socket(), "b sees a gone after the link is cut", func(r *wire.PeersReport) bool {
+		for _, p := range r.Peers {
+			if p.Outbound && !p.Connected && p.LastError != "" {
+				return true
+			}
+		}
+		return false
+	})
+}
+
+// TestPeersNeedASecret: peers without a secret, or with one others may
+// read, stop the daemon at its start, saying what to do.
+func TestPeersNeedASecret(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
+	r := cli(t, nil, "daemon", "--socket", sock, "--backend", "host", "--listen-peers", "127.0.0.1:0")
+	if r.code == 0 || !strings.Contains(r.stderr, "--peer-secret") {
+		t.Fatalf("daemon --listen-peers without a secret: exit %d, %q", r.code, r.stderr)
+	}
+	open := filepath.Join(dir, "secret")
+	os.WriteFile(open, []byte(strings.Repeat("x", 40)), 0o644)
+	r = cli(t, nil, "daemon", "--socket", sock, "--backend", "host", "--listen-peers", "127.0.0.1:0", "--peer-secret", open)
+	if r.code == 0 || !strings.Contains(r.stderr, "peer-secret") {
+		t.Fatalf("daemon with a secret others may read: exit %d, %q", r.code, r.stderr)
+	}
+
+}

@@ -1,0 +1,121 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/gpushm/gpushm"
+	"github.com/gpushm/gpushm/internal/complete"
+	"github.com/gpushm/gpushm/internal/exitcode"
+)
+
+const peersHelp = `A daemon started with --listen-peers or --peers (and --peer-secret) keeps
+authenticated connections to the daemons of other nodes, which tell each
+other the segments their owners offer (docs/peers.md). Nothing is offered
+unless its owner says so.`
+
+func offerCmd(on bool) *cobra.Command {
+	use, short, long, example := "offer NAME...", "Offer segments to the daemon's peers on other nodes",
+		peersHelp+"\n\n'gpushm offer' lists a segment to the peers until 'gpushm unoffer'. The owner\nor root may.",
+		"  gpushm offer llama"
+	if !on {
+		use, short, long, example = "unoffer NAME...", "Stop offering segments to the daemon's peers",
+			peersHelp+"\n\n'gpushm unoffer' undoes 'gpushm offer' (or 'create --offer'). The owner or\nroot may.",
+			"  gpushm unoffer llama"
+	}
+	verb, _, _ := strings.Cut(use, " ")
+	return &cobra.Command{
+		Use: use, Short: short, Long: long, Example: example,
+		Args:              cobra.MinimumNArgs(1),
+		ValidArgsFunction: complete.Names(dial),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return eachName(cmd.Context(), verb, args, func(c *gpushm.Client, name string) error {
+				s, err := c.Offer(cmd.Context(), name, on)
+				if err != nil {
+					return err
+				}
+				state := "offered to peers"
+				if !s.Offer {
+					state = "not offered"
+				}
+				fmt.Fprintf(Stdout, "%s: %s\n", s.Name, state)
+				return nil
+			})
+		},
+	}
+}
+
+func peersCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "peers",
+		Short: "List the daemon's peers on other nodes and what each offers",
+		Long: peersHelp + `
+
+'gpushm peers' prints each peer (the addresses this daemon dials, and the
+daemons that dialed it): whether it is connected, since when, the last
+error if not, and the segments it offers. -o json prints the report.`,
+		Example: "  gpushm peers\n  gpushm peers -o json",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx, cancel := context.WithTimeout(cmd.Context(), 30*time.Second)
+			defer cancel()
+			c, err := dial(ctx)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			r, err := c.Peers(ctx)
+			if err != nil {
+				return exitcode.Failed("peers", "", err)
+			}
+			if structured() {
+				return printValue(r)
+			}
+			if r == nil {
+				fmt.Fprintln(Stdout, "no peers: the daemon was started without --listen-peers or --peers")
+				return nil
+			}
+			listen := r.Listen
+			if listen == "" {
+				listen = "-"
+			}
+			fmt.Fprintf(Stdout, "node %s, listening for peers on %s\n", r.Node, listen)
+			w := tabwriter.NewWriter(Stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "PEER\tADDRESS\tSTATE\tOFFERS")
+			for _, p := range r.Peers {
+				name, state := p.Name, "connected"
+				if name == "" {
+					name = "-"
+				}
+				if !p.Connected {
+					state = "not connected"
+					if p.LastError != "" {
+						state += ": " + p.LastError
+					}
+				}
+				var offers []string
+				for _, o := range p.Offers {
+					offers = append(offers, o.Name)
+				}
+				what := strings.Join(offers, ",")
+				switch {
+				case p.Error != "":
+					what = "? (" + p.Error + ")"
+				case what == "" && p.Connected:
+					what = "(none)"
+				case what == "":
+					what = "-"
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\n", name, p.Addr, state, what)
+			}
+			return w.Flush()
+		},
+	}
+	addOutput(cmd, true)
+	return cmd
+}
