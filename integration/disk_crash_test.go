@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // TestDurableKills: a durable name's next version is written to disk in
@@ -135,4 +137,28 @@ func TestDiskFull(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// TestDiskSystemdStore: under systemd with its file descriptor store, a
+// segment on disk and a durable one come back whole after the whole
+// service dies (the store holds descriptors, the disk the rest): the one
+// on disk has no descriptor in the store, and needs none.
+func TestDiskSystemdStore(t *testing.T) {
+	dir := testutil.SocketDir(t)
+	sock := filepath.Join(dir, "gpushm.sock")
+	disk := diskDirs(t)[0]
+	m := newFakeManager(t, dir)
+	svc := m.start(sock, "--grace", "1s", "--disk", disk)
+	a, p := tierPattern(31, 3<<20), tierPattern(32, 2<<20)
+	putFile(t, sock, "a", a)
+	putFile(t, sock, "p", p, "--persist")
+	waitSynced(t, sock, "p", 1)
+	mustRun(t, nil, "--socket", sock, "evict", "--to", "disk", "a")
+	crash(t, svc, sock)
+	m.start(sock, "--grace", "1s", "--disk", disk)
+	if got := tiersOf(t, sock); got["a"] != "disk" || got["p"] == "" {
+		t.Fatalf("after the service died: %v; want a on disk and p", got)
+	}
+	checkBytes(t, sock, "a", a)
+	checkBytes(t, sock, "p", p)
 }
