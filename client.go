@@ -687,6 +687,14 @@ func (c *Client) Offer(ctx context.Context, name string, on bool) (*SegmentInfo,
 	return c.tierOp(ctx, &wire.Request{Op: wire.OpOffer, Name: name, Offer: on})
 }
 
+// Pull has the daemon copy a segment a peer on another node offers (from,
+// when not empty; else any connected peer that offers it) into a new
+// segment of the same name here, committed once every chunk checked
+// (docs/peers.md). Root, or the user the segment belongs to here, may.
+func (c *Client) Pull(ctx context.Context, name, from string) (*SegmentInfo, error) {
+	return c.tierOp(ctx, &wire.Request{Op: wire.OpPull, Name: name, From: from})
+}
+
 // Peers reports the daemon's peers on other nodes and what each offers;
 // nil when the daemon has none configured.
 func (c *Client) Peers(ctx context.Context) (*wire.PeersReport, error) {

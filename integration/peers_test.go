@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -157,4 +158,94 @@ func TestPeersNeedASecret(t *testing.T) {
 		t.Fatalf("daemon with a secret others may read: exit %d, %q", r.code, r.stderr)
 	}
 
+}
+
+// TestPull: b pulls what a offers over UCX, between helper processes,
+// every byte checked, 20 rounds; what nobody offers is not found; a peer
+// that serves a wrong byte (c, told to by a test switch) is caught by the
+// checksums and leaves nothing behind; with a gone, a pull without --from
+// gets the name from a peer that still offers it and sends it whole (d),
+// whatever c does.
+func TestPull(t *testing.T) {
+	if _, err := exec.LookPath("ldconfig"); err == nil {
+		if out, _ := exec.Command("ldconfig", "-p").Output(); !strings.Contains(string(out), "libucp.so.0") {
+			t.Skip("no libucp.so.0 (the libucx0 package): pulls move bytes over UCX")
+		}
+	}
+	net := testutil.NetNamespaces(t, 4)
+	secret := writeSecret(t, strings.Repeat("s3cret-of-the-cluster-", 3))
+	start := func(i int, node string, env []string, args ...string) *Daemon {
+		sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
+		args = append([]string{"--node", node, "--peer-secret", secret, "--listen-peers", net.IP(i) + ":7946"}, args...)
+		return Start(t, Options{Socket: sock, Args: args, Wrap: func(name string, args ...string) *exec.Cmd {
+			cmd := net.Command(i, name, args...)
+			cmd.Env = append(os.Environ(), env...)
+			return cmd
+		}})
+	}
+	a := start(0, "a", nil)
+	c := start(2, "c", []string{"GPUSHM_TEST_LEND_CORRUPT=1"})
+	d := start(3, "d", nil)
+	b := start(1, "b", nil, "--peers", net.IP(0)+":7946,"+net.IP(2)+":7946,"+net.IP(3)+":7946")
+	m := tierPattern(7, 20<<20+12345) // two chunks and a bit
+	for _, x := range []*Daemon{a, c, d} {
+		putFile(t, x.Socket(), "m", m, "--offer", "--mode", "0640")
+	}
+	waitPeers(t, b.Socket(), "b connected to a, c and d", func(r *wire.PeersReport) bool {
+		n := 0
+		for _, p := range r.Peers {
+			if p.Connected && slices.Equal(offerNames(&p), []string{"m"}) {
+				n++
+			}
+		}
+		return n == 3
+	})
+	for round := range 20 {
+		mustRun(t, nil, "--socket", b.Socket(), "pull", "m", "--from", "a")
+		checkBytes(t, b.Socket(), "m", m)
+		if s := statOf(t, b.Socket(), "m"); s.Mode != "0640" {
+			t.Fatalf("round %d: the pulled segment's mode %s, want a's 0640", round, s.Mode)
+		}
+		mustRun(t, nil, "--socket", b.Socket(), "rm", "m")
+	}
+	mustFail(t, "no connected peer offers it", "--socket", b.Socket(), "pull", "nothing")
+	mustFail(t, "checksum", "--socket", b.Socket(), "pull", "m", "--from", "c")
+	if got := tiersOf(t, b.Socket()); got["m"] != "" {
+		t.Fatalf("a failed pull left %v", got)
+	}
+	// The lender killed mid-transfer: the pull goes on at the next peer
+	// that offers the name (c lies, d does not), and nothing partial is
+	// ever served.
+	big := tierPattern(8, 256<<20)
+	for _, x := range []*Daemon{a, c, d} {
+		putFile(t, x.Socket(), "big", big, "--offer")
+	}
+	pulled := make(chan result, 1)
+	go func() {
+		cmd := exec.Command(gpushmBin, "--socket", b.Socket(), "pull", "big")
+		out, err := cmd.CombinedOutput()
+		code := 0
+		if err != nil {
+			code = 1
+		}
+		pulled <- result{stdout: string(out), code: code}
+	}()
+	killed := false
+	for deadline := time.Now().Add(20 * time.Second); !killed && time.Now().Before(deadline); {
+		for _, pid := range testutil.PidsNamed("gpushm-lend") {
+			syscall.Kill(pid, syscall.SIGKILL)
+			killed = true
+		}
+		time.Sleep(time.Millisecond)
+	}
+	r := <-pulled
+	if !killed || r.code != 0 {
+		t.Fatalf("pull with its first lender killed: killed %v, exit %d: %s", killed, r.code, r.stdout)
+	}
+	checkBytes(t, b.Socket(), "big", big)
+
+	// a gone: a pull of m finds it at c, which lies, and at d.
+	a.Kill()
+	mustRun(t, nil, "--socket", b.Socket(), "pull", "m")
+	checkBytes(t, b.Socket(), "m", m)
 }

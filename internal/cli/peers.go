@@ -119,3 +119,41 @@ error if not, and the segments it offers. -o json prints the report.`,
 	addOutput(cmd, true)
 	return cmd
 }
+
+func pullCmd() *cobra.Command {
+	var from string
+	cmd := &cobra.Command{
+		Use:   "pull NAME",
+		Short: "Copy a segment a peer on another node offers into this node's memory",
+		Long: peersHelp + `
+
+'gpushm pull NAME' has the daemon copy NAME from a peer that offers it
+(--from PEER, or any connected peer that lists it) into a new segment of
+the same name here: the owner where that user name exists here, with its
+mode, else root's and 0600. The bytes move over UCX between helper
+processes that hold only the segment, each chunk checked against the
+lender's CRC-32C; the segment is committed only when every chunk checked,
+and a failure leaves nothing behind and tries the next peer that offers
+it. Root, or the user the segment will belong to, may pull. Host memory
+only for now: a GPU segment is refused by its peer.`,
+		Example: "  gpushm pull llama\n  gpushm pull llama --from node2",
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := dial(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			start := time.Now()
+			s, err := c.Pull(cmd.Context(), args[0], from)
+			if err != nil {
+				return exitcode.Failed("pull", args[0], err)
+			}
+			d := time.Since(start)
+			fmt.Fprintf(Stdout, "pulled %s: %d bytes in %.3fs (%.2f GB/s)\n", s.Name, s.Size, d.Seconds(), float64(s.Size)/d.Seconds()/1e9)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&from, "from", "", "the peer to pull from (a node name or HOST:PORT; default: any that offers it)")
+	return cmd
+}

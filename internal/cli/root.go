@@ -15,6 +15,7 @@ import (
 	"github.com/gpushm/gpushm/internal/bench"
 	"github.com/gpushm/gpushm/internal/complete"
 	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/pull"
 )
 
 // socketFlag is the global --socket; empty means gpushm.SocketCandidates
@@ -83,10 +84,11 @@ an error is one object on standard error too. docs/cli.md says more.
 	root.PersistentFlags().StringVar(&socketFlag, "socket", "", "daemon socket path (default "+defaultSockets()+")")
 	// Not a client of the daemon: their failures exit 1 (exitcode.NotClient).
 	daemon, bench, demo, child, systemd := daemonCmd(), bench.Command(), bench.DemoCommand(), bench.ChildCommand(), installSystemdCmd()
+	pullHelpers := pull.Command()
 	root.AddCommand(
 		daemon, infoCmd(), versionCmd(), createCmd(), lsCmd(), statCmd(), rmCmd(), dfCmd(),
-		chmodCmd(), chownCmd(), mvCmd(), evictCmd(), syncCmd(), offerCmd(true), offerCmd(false), peersCmd(), loadCmd(), pinCmd(true), pinCmd(false),
-		putCmd(), getCmd(), catCmd(), bench, demo, child, systemd, manCmd(),
+		chmodCmd(), chownCmd(), mvCmd(), evictCmd(), syncCmd(), offerCmd(true), offerCmd(false), peersCmd(), pullCmd(), loadCmd(), pinCmd(true), pinCmd(false),
+		putCmd(), getCmd(), catCmd(), bench, demo, child, pullHelpers, systemd, manCmd(),
 	)
 	// internal/bench's commands, given their examples here, where the
 	// CLI's help is written.

@@ -57,10 +57,11 @@ func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 
 // peers is the running peer node of a serving process.
 type peers struct {
-	cfg  peer.Config
-	reg  *segment.Registry
-	mu   sync.Mutex
-	node *peer.Node
+	cfg   peer.Config
+	reg   *segment.Registry
+	mu    sync.Mutex
+	node  *peer.Node
+	loans loans
 }
 
 // start starts the node, waiting up to a second for a predecessor in an
@@ -86,6 +87,7 @@ func (p *peers) start(srv *server.Server) error {
 		return fmt.Errorf("--listen-peers %s: %w", cfg.Listen, err)
 	}
 	srv.SetPeers(p.report)
+	srv.SetPull(p.pull)
 	cfg.Log.Info("peers", "node", cfg.Node, "listen", cfg.Listen, "peers", cfg.Peers)
 	return nil
 }
@@ -97,11 +99,23 @@ func (p *peers) stop() {
 		p.node.Close()
 		p.node = nil
 	}
+	p.endLoans()
 }
 
 // serve answers a peer's call: list, the segments offered.
 func (p *peers) serve(ctx context.Context, from, op string, req json.RawMessage) (any, error) {
-	if op != peer.OpList {
+	switch op {
+	case opPull:
+		return p.lend(req)
+	case opPullDone:
+		var r struct {
+			Token string `json:"token"`
+		}
+		json.Unmarshal(req, &r)
+		p.endLoan(r.Token)
+		return struct{}{}, nil
+	case peer.OpList:
+	default:
 		return nil, peer.Errorf(peer.CodeUnknownOp, "%s: no such operation", op)
 	}
 	var r peer.ListRequest

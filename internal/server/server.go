@@ -56,6 +56,7 @@ type Server struct {
 	obs         Observer
 	gpus        func(uid uint32) *wire.GPUReport
 	peers       func(ctx context.Context) *wire.PeersReport
+	pull        func(ctx context.Context, c segment.Cred, name, from string) (segment.Info, error)
 	// uuids names each device by its GPU's UUID, which clients map by:
 	// a client in a container may number the same GPU differently.
 	uuids map[int]string
@@ -243,6 +244,11 @@ func (nopObserver) Connected(int)                         {}
 
 // SetObserver installs o; call before Serve.
 func (s *Server) SetObserver(o Observer) { s.obs = o }
+
+// SetPull makes the pull operation call f (nil, the default: no peers).
+func (s *Server) SetPull(f func(ctx context.Context, c segment.Cred, name, from string) (segment.Info, error)) {
+	s.pull = f
+}
 
 // SetPeers makes the peers operation answer with what f reports (nil,
 // the default: the daemon has no peers).

@@ -110,3 +110,22 @@ func (c *conn) opPeers() (*wire.Reply, int) {
 	defer cancel()
 	return &wire.Reply{Peers: c.s.peers(ctx)}, -1
 }
+
+// opPull answers pull: the daemon's peers copy the segment here, which
+// takes the transfer's time; the request leaves the workers first.
+func (c *conn) opPull(cred segment.Cred, req *wire.Request) (*wire.Reply, int) {
+	if err := segment.ValidName(req.Name); err != nil {
+		return fail(fmt.Errorf("pull: %w", err))
+	}
+	if c.s.pull == nil {
+		return fail(fmt.Errorf("pull: %w: the daemon has no peers (--listen-peers, --peers)", syscall.EOPNOTSUPP))
+	}
+	c.s.setAside(c.w)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+	inf, err := c.s.pull(ctx, cred, req.Name, req.From)
+	if err != nil {
+		return fail(err)
+	}
+	return &wire.Reply{Segment: c.toWire(inf)}, -1
+}

@@ -68,6 +68,27 @@ func DaemonProcs(socket string) []int {
 	return out
 }
 
+// PidsNamed lists the live processes whose first argument is name (a
+// helper the daemon starts, gpushm-lend).
+func PidsNamed(name string) []int {
+	ents, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if err != nil {
+			continue
+		}
+		if arg0, _, _ := strings.Cut(string(b), "\x00"); arg0 == name && Alive(pid) {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
 // KillDaemon ends every process of the daemon on socket at once, as a
 // crash of the machine would, and reaps cmd (if not nil), the one the
 // test started.

@@ -92,6 +92,9 @@ type Request struct {
 	// Offer (create, offer) offers the segment to the daemon's peers on
 	// other nodes (docs/peers.md); in offer, absent or false takes it back.
 	Offer bool `json:"offer,omitempty"`
+	// From (pull) names the peer to pull from (absent: any that offers
+	// the name).
+	From string `json:"from,omitempty"`
 }
 
 // Reply answers the Request with the same ID. Exactly one of Error or the
@@ -587,6 +590,7 @@ const (
 	fNoReplace
 	fPersist
 	fOffer
+	fFrom
 	fieldCount = iota
 )
 
@@ -594,7 +598,7 @@ var fieldNames = [fieldCount]string{
 	"version", "name", "size", "device", "mode", "meta", "exist_ok", "open", "readonly", "segment",
 	"after", "limit", "lifetime", "ttl_seconds", "uid", "gid", "to", "session", "count", "slots",
 	"slot_bytes", "role", "uncommitted", "wait", "offset", "at", "trace", "pin", "next_version",
-	"empty", "no_replace", "persist", "offer",
+	"empty", "no_replace", "persist", "offer", "from",
 }
 
 // setFields is the set of r's fields that hold something other than
@@ -640,6 +644,7 @@ func setFields(r *Request) uint64 {
 	set(fNoReplace, r.NoReplace)
 	set(fPersist, r.Persist)
 	set(fOffer, r.Offer)
+	set(fFrom, r.From != "")
 	return m
 }
 

@@ -26,6 +26,7 @@ const (
 	OpSync        = "sync"
 	OpOffer       = "offer"
 	OpPeers       = "peers"
+	OpPull        = "pull"
 )
 
 // An Operation is one operation of the protocol.
@@ -98,6 +99,8 @@ var Operations = []Operation{
 		fields: fTrace | fName | fOffer},
 	{Name: OpPeers, Doc: "the daemon's peers on other nodes: whether each is connected, and what it offers",
 		fields: fTrace},
+	{Name: OpPull, Doc: "copies a segment a peer offers into a new one of the same name here, committed once every chunk checked",
+		fields: fTrace | fName | fFrom},
 }
 
 // operations indexes Operations by name, for the decoder and CarriesFD.

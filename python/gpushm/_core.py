@@ -790,6 +790,17 @@ class Core:
         rep, _ = self._call("offer", **fields)
         return SegmentInfo.from_wire(rep["segment"])
 
+    def pull(self, name: str, peer: str | None = None) -> SegmentInfo:
+        """Has the daemon copy a segment a peer on another node offers into
+        a new segment of the same name here (from peer, or any connected
+        peer that offers it), committed once every chunk checked
+        (docs/peers.md). Root, or the user it belongs to here."""
+        fields = {"name": name}
+        if peer:
+            fields["from"] = peer
+        rep, _ = self._call("pull", **fields)
+        return SegmentInfo.from_wire(rep["segment"])
+
     def peers(self):
         """The daemon's peers on other nodes and what each offers, as the
         protocol's peers report (a dict), or None when it has none."""

@@ -104,3 +104,13 @@ def test_offer_and_peers_without_peers(disk_dir):
         assert c.peers() is None
     finally:
         d.stop()
+
+
+def test_pull_without_peers(disk_dir):
+    d = Daemon("host")
+    try:
+        c = gpushm.connect(d.socket)
+        with pytest.raises(gpushm.Error, match="no peers"):
+            c.pull("x", "node2")
+    finally:
+        d.stop()
