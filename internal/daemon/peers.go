@@ -106,13 +106,13 @@ func (p *peers) stop() {
 func (p *peers) serve(ctx context.Context, from, op string, req json.RawMessage) (any, error) {
 	switch op {
 	case opPull:
-		return p.lend(req)
+		return p.lend(from, req)
 	case opPullDone:
 		var r struct {
 			Token string `json:"token"`
 		}
 		json.Unmarshal(req, &r)
-		p.endLoan(r.Token)
+		p.endLoan(r.Token, from)
 		return struct{}{}, nil
 	case peer.OpList:
 	default:

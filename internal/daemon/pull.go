@@ -34,6 +34,23 @@ const (
 // loanTime bounds a loan a peer never says it is done with.
 const loanTime = 10 * time.Minute
 
+// Each loan is a lender process that maps the whole segment and a lease
+// that keeps it, for as long as loanTime when the peer never says it is
+// done: what a peer, or a local user who asks the peer to pull, can make
+// this daemon hold is bounded by these caps, a peer's own below the
+// daemon's, so that one peer cannot take every loan from the others. They
+// are variables for tests.
+var (
+	maxLoansPerPeer = 8
+	maxLoans        = 64
+)
+
+// pullCallTime bounds the wait for a peer's answer to a pull (its lender
+// started and checksummed the segment), so that a peer that never answers
+// does not hold the request for the whole pull's time. A variable for
+// tests.
+var pullCallTime = 2 * time.Minute
+
 type pullRequest struct {
 	Name string `json:"name"`
 }
@@ -49,22 +66,54 @@ type pullReply struct {
 }
 
 type loan struct {
+	from   string // the peer it was lent to: only it may end it
 	lender *pull.Lender
 	seg    *segment.Segment
 	timer  *time.Timer
 }
 
-// loans are the segments this daemon lends now, by token.
+// loans are the segments this daemon lends now, by token, and how many
+// each peer holds, counted from before its lender starts.
 type loans struct {
-	mu sync.Mutex
-	m  map[string]*loan
+	mu     sync.Mutex
+	m      map[string]*loan
+	n      int
+	byPeer map[string]int
+}
+
+// reserve counts a loan to from, or says why not.
+func (ls *loans) reserve(from string) error {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	switch {
+	case ls.byPeer[from] >= maxLoansPerPeer:
+		return peer.Errorf(peer.CodeBusy, "pull: %s holds %d loans, the most a peer may; end one (pull-done) first", from, maxLoansPerPeer)
+	case ls.n >= maxLoans:
+		return peer.Errorf(peer.CodeBusy, "pull: this node lends %d segments, the most it lends at once; try later", maxLoans)
+	}
+	if ls.byPeer == nil {
+		ls.byPeer = map[string]int{}
+	}
+	ls.n++
+	ls.byPeer[from]++
+	return nil
+}
+
+// unreserve gives back a loan to from that reserve counted.
+func (ls *loans) unreserve(from string) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	ls.n--
+	if ls.byPeer[from]--; ls.byPeer[from] == 0 {
+		delete(ls.byPeer, from)
+	}
 }
 
 var root = segment.Cred{}
 
 // lend answers a peer's pull of name: only a segment its owner offered,
 // held by a lease of the daemon's own for as long as the loan lasts.
-func (p *peers) lend(req json.RawMessage) (any, error) {
+func (p *peers) lend(from string, req json.RawMessage) (any, error) {
 	var r pullRequest
 	if err := json.Unmarshal(req, &r); err != nil {
 		return nil, peer.Errorf(peer.CodeBadRequest, "pull: %v", err)
@@ -73,12 +122,19 @@ func (p *peers) lend(req json.RawMessage) (any, error) {
 	if inf, err := reg.Stat(r.Name); err != nil || !inf.Offer || inf.Uncommitted || inf.Slots > 0 || inf.Orphan != "" {
 		return nil, peer.Errorf(peer.CodeNotFound, "pull: %q is not offered here", r.Name)
 	}
+	if err := p.loans.reserve(from); err != nil {
+		return nil, err
+	}
 	s, err := reg.Acquire(root, r.Name, true)
 	if err != nil {
+		p.loans.unreserve(from)
 		return nil, peer.Errorf(peer.CodeNotFound, "pull: %q: %v", r.Name, err)
 	}
 	inf := reg.Info(s)
-	release := func() { reg.Release(s) }
+	release := func() {
+		reg.Release(s)
+		p.loans.unreserve(from)
+	}
 	if !inf.Offer {
 		release() // taken back meanwhile
 		return nil, peer.Errorf(peer.CodeNotFound, "pull: %q is not offered here", r.Name)
@@ -109,38 +165,42 @@ func (p *peers) lend(req json.RawMessage) (any, error) {
 	if p.loans.m == nil {
 		p.loans.m = map[string]*loan{}
 	}
-	ln := &loan{lender: l, seg: s}
-	ln.timer = time.AfterFunc(loanTime, func() { p.endLoan(token) })
+	ln := &loan{from: from, lender: l, seg: s}
+	ln.timer = time.AfterFunc(loanTime, func() { p.endLoan(token, from) })
 	p.loans.m[token] = ln
 	p.loans.mu.Unlock()
 	return pullReply{Token: token, Grant: l.Grant, Owner: ownerName(inf.UID), Group: groupName(inf.GID),
 		Mode: inf.Mode, Version: inf.Version, Meta: inf.Meta}, nil
 }
 
-// endLoan ends the loan token: its lender exits, its lease goes.
-func (p *peers) endLoan(token string) {
+// endLoan ends the loan token to the peer from: its lender exits, its
+// lease goes. A token is secret to its peer, but another peer's word is
+// not taken even so: a loan is ended only by the peer it was lent to.
+func (p *peers) endLoan(token, from string) {
 	p.loans.mu.Lock()
 	ln := p.loans.m[token]
-	delete(p.loans.m, token)
-	p.loans.mu.Unlock()
-	if ln == nil {
+	if ln == nil || ln.from != from {
+		p.loans.mu.Unlock()
 		return
 	}
+	delete(p.loans.m, token)
+	p.loans.mu.Unlock()
 	ln.timer.Stop()
 	ln.lender.Close()
 	p.reg.Release(ln.seg)
+	p.loans.unreserve(from)
 }
 
 // endLoans ends every loan (the peers stop).
 func (p *peers) endLoans() {
 	p.loans.mu.Lock()
-	var tokens []string
-	for t := range p.loans.m {
-		tokens = append(tokens, t)
+	lent := map[string]string{}
+	for t, ln := range p.loans.m {
+		lent[t] = ln.from
 	}
 	p.loans.mu.Unlock()
-	for _, t := range tokens {
-		p.endLoan(t)
+	for t, from := range lent {
+		p.endLoan(t, from)
 	}
 }
 
@@ -244,8 +304,16 @@ func contains(l []string, s string) bool {
 
 // pullFrom pulls name from the peer who.
 func (p *peers) pullFrom(ctx context.Context, n *peer.Node, c segment.Cred, name, who string) (segment.Info, error) {
+	// A name taken here fails the create below whatever the peer says:
+	// the peer is not asked to start a lender for nothing.
+	if _, err := p.reg.Stat(name); err == nil {
+		return segment.Info{}, fmt.Errorf("pull %q: %w: the name is taken here", name, syscall.EEXIST)
+	}
 	var r pullReply
-	if err := n.Call(ctx, who, opPull, pullRequest{Name: name}, &r); err != nil {
+	call, cancel := context.WithTimeout(ctx, pullCallTime)
+	err := n.Call(call, who, opPull, pullRequest{Name: name}, &r)
+	cancel()
+	if err != nil {
 		return segment.Info{}, err
 	}
 	defer func() {
@@ -259,6 +327,11 @@ func (p *peers) pullFrom(ctx context.Context, n *peer.Node, c segment.Cred, name
 	if c.UID != 0 && c.UID != owner.UID {
 		return segment.Info{}, fmt.Errorf("pull %q: %w: it would be uid %d's here (%q on %s), and only that user or root may pull it",
 			name, syscall.EPERM, owner.UID, r.Owner, who)
+	}
+	// The meta is the peer's word: no more of it than a local client may
+	// set, which is what the journal and the disk tier are built to hold.
+	if len(r.Meta) > wire.MaxMeta {
+		return segment.Info{}, fmt.Errorf("pull %q: %w: %s sent meta of %d bytes, limit %d", name, syscall.EINVAL, who, len(r.Meta), wire.MaxMeta)
 	}
 	s, _, err := p.reg.Create(owner, segment.CreateOptions{Name: name, Size: r.Grant.Size, Open: true, Uncommitted: true,
 		Mode: mode, UseMode: true, Meta: r.Meta})

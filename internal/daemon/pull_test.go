@@ -1,0 +1,316 @@
+package daemon
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/user"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/peer"
+	"github.com/gpushm/gpushm/internal/pull"
+	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/testutil"
+)
+
+// TestMain runs the pull helpers when the test binary is started as one
+// (pull starts os.Executable as 'gpushm __pull VERB').
+func TestMain(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == "__pull" {
+		cmd := pull.Command()
+		cmd.SetArgs(os.Args[2:])
+		if err := cmd.Execute(); err != nil {
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+var testSecret = []byte("0123456789abcdef0123456789abcdef-test")
+
+func newRegistry(t *testing.T) *segment.Registry {
+	t.Helper()
+	host, err := backend.NewHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := segment.New(host, nil)
+	t.Cleanup(func() { reg.Close() })
+	return reg
+}
+
+func needUCX(t *testing.T) {
+	t.Helper()
+	if out, err := exec.Command("ldconfig", "-p").Output(); err == nil && !strings.Contains(string(out), "libucp.so.0") {
+		t.Skip("no libucp.so.0 (the libucx0 package): lenders serve over UCX")
+	}
+}
+
+// TestLoanCaps: a peer that asks for pulls and never says it is done gets
+// at most maxLoansPerPeer lenders, all peers together maxLoans, each
+// refused as busy before a lender starts; another peer's pull-done, even
+// with the right token, ends no loan; each lender holds the segment as
+// its descriptor 3, read-only, and no other memory of the daemon's; all
+// end with the peers, leases and processes.
+func TestLoanCaps(t *testing.T) {
+	needUCX(t)
+	defer func(a, b int) { maxLoansPerPeer, maxLoans = a, b }(maxLoansPerPeer, maxLoans)
+	maxLoansPerPeer, maxLoans = 2, 3
+
+	reg := newRegistry(t)
+	if _, _, err := reg.Create(segment.Root, segment.CreateOptions{Name: "m", Size: 64 << 10, Offer: true}); err != nil {
+		t.Fatal(err)
+	}
+	// A decoy the lenders must not hold: another segment of the daemon's.
+	if _, _, err := reg.Create(segment.Root, segment.CreateOptions{Name: "private", Size: 64 << 10}); err != nil {
+		t.Fatal(err)
+	}
+	p := &peers{reg: reg}
+	defer p.endLoans()
+	ctx := context.Background()
+	lend := func(from string) (pullReply, error) {
+		v, err := p.serve(ctx, from, opPull, json.RawMessage(`{"name":"m"}`))
+		if err != nil {
+			return pullReply{}, err
+		}
+		return v.(pullReply), nil
+	}
+	busy := &peer.Error{Code: peer.CodeBusy}
+	x1, err := lend("x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lend("x"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lend("x"); !errors.Is(err, busy) {
+		t.Fatalf("a third loan to x, over maxLoansPerPeer 2: %v", err)
+	}
+	if _, err := lend("y"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lend("z"); !errors.Is(err, busy) {
+		t.Fatalf("a fourth loan, over maxLoans 3: %v", err)
+	}
+	if _, err := p.serve(ctx, "x", opPull, json.RawMessage(`{"name":"private"}`)); !errors.Is(err, &peer.Error{Code: peer.CodeNotFound}) {
+		t.Fatalf("pull of a segment not offered: %v", err)
+	}
+	lenders := testutil.PidsNamed("gpushm-lend")
+	if len(lenders) != 3 {
+		t.Fatalf("%d lenders, want 3", len(lenders))
+	}
+	for _, pid := range lenders {
+		checkLenderFDs(t, pid)
+	}
+
+	// y's word ends none of x's loans, even with x's token.
+	p.serve(ctx, "y", opPullDone, json.RawMessage(fmt.Sprintf(`{"token":%q}`, x1.Token)))
+	if _, err := lend("x"); !errors.Is(err, busy) {
+		t.Fatalf("after y ended x's loan: %v", err)
+	}
+	p.serve(ctx, "x", opPullDone, json.RawMessage(fmt.Sprintf(`{"token":%q}`, x1.Token)))
+	if _, err := lend("x"); err != nil {
+		t.Fatalf("after x ended its loan: %v", err)
+	}
+
+	p.endLoans()
+	for deadline := time.Now().Add(10 * time.Second); len(testutil.PidsNamed("gpushm-lend")) > 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("lenders left after the loans ended: %v", testutil.PidsNamed("gpushm-lend"))
+		}
+	}
+	if inf, _ := reg.Stat("m"); inf.Opens != 0 {
+		t.Fatalf("leases left after the loans ended: %d", inf.Opens)
+	}
+	if p.loans.n != 0 || len(p.loans.byPeer) != 0 {
+		t.Fatalf("loans counted after they ended: %d, %v", p.loans.n, p.loans.byPeer)
+	}
+}
+
+// checkLenderFDs: every memory descriptor of the lender is of the segment
+// it lends, and read-only.
+func checkLenderFDs(t *testing.T, pid int) {
+	t.Helper()
+	// UCX may open the memory it registers again (read-only, through
+	// /proc): the same segment is fine, any other memory is not.
+	var seg syscall.Stat_t
+	if err := syscall.Stat(fmt.Sprintf("/proc/%d/fd/3", pid), &seg); err != nil {
+		t.Fatal(err)
+	}
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		path := fmt.Sprintf("/proc/%d/fd/%s", pid, e.Name())
+		target, _ := os.Readlink(path)
+		var st syscall.Stat_t
+		if !strings.HasPrefix(target, "/memfd:") || syscall.Stat(path, &st) != nil {
+			continue
+		}
+		if st.Ino != seg.Ino || st.Dev != seg.Dev {
+			t.Errorf("lender %d: descriptor %s is memory other than the segment it lends: %s", pid, e.Name(), target)
+		}
+		info, _ := os.ReadFile(fmt.Sprintf("/proc/%d/fdinfo/%s", pid, e.Name()))
+		if !strings.Contains(string(info), "flags:") || !readOnly(string(info)) {
+			t.Errorf("lender %d: descriptor %s of the segment is not read-only: %s", pid, e.Name(), info)
+		}
+	}
+}
+
+// readOnly says whether an fdinfo's flags open the file read-only.
+func readOnly(fdinfo string) bool {
+	for line := range strings.Lines(fdinfo) {
+		if f, ok := strings.CutPrefix(line, "flags:"); ok {
+			flags, err := strconv.ParseUint(strings.TrimSpace(f), 8, 64)
+			return err == nil && flags&syscall.O_ACCMODE == syscall.O_RDONLY
+		}
+	}
+	return false
+}
+
+// hostile is a peer that holds the secret and answers pull as a test
+// says.
+type hostile struct {
+	mu    sync.Mutex
+	pulls int
+	done  []string
+	reply func(ctx context.Context) (any, error)
+}
+
+func (h *hostile) serve(ctx context.Context, from, op string, req json.RawMessage) (any, error) {
+	switch op {
+	case opPull:
+		h.mu.Lock()
+		h.pulls++
+		reply := h.reply
+		h.mu.Unlock()
+		return reply(ctx)
+	case opPullDone:
+		var r struct {
+			Token string `json:"token"`
+		}
+		json.Unmarshal(req, &r)
+		h.mu.Lock()
+		h.done = append(h.done, r.Token)
+		h.mu.Unlock()
+		return struct{}{}, nil
+	}
+	return peer.ListReply{}, nil
+}
+
+// TestHostilePeer: a peer that holds the secret and lies in its answer
+// to a pull: a segment that would be root's, pulled by a user; meta
+// beyond what a client may set; a size beyond the owner's quota; no
+// answer at all; and a name already taken here. Each is refused before a
+// fetcher starts, leaves nothing behind, and ends the peer's loan.
+func TestHostilePeer(t *testing.T) {
+	log := slog.New(slog.DiscardHandler)
+	h := &hostile{}
+	evil, err := peer.Start(context.Background(), peer.Config{Node: "evil", Secret: testSecret, Listen: "127.0.0.1:0", Handler: h.serve, Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer evil.Close()
+	n, err := peer.Start(context.Background(), peer.Config{Node: "here", Secret: testSecret, Peers: []string{evil.Addr().String()}, Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if ps := n.Peers(); len(ps) == 1 && ps[0].Connected {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("not connected to the hostile peer within 10s")
+		}
+	}
+	reg := newRegistry(t)
+	p := &peers{reg: reg, node: n}
+	nobody, err := user.Lookup("nobody")
+	if err != nil {
+		t.Skip("no user nobody")
+	}
+	uid, _ := strconv.ParseUint(nobody.Uid, 10, 32)
+	gid, _ := strconv.ParseUint(nobody.Gid, 10, 32)
+	asNobody := segment.Cred{UID: uint32(uid), GID: uint32(gid)}
+
+	grant := func(size int64) pull.Grant {
+		g := pull.Grant{Worker: []byte("w"), RKey: []byte("k"), Addr: 4096, Size: size, Chunk: pull.Chunk}
+		g.CRCs = make([]uint32, (size+pull.Chunk-1)/pull.Chunk)
+		return g
+	}
+	meta := json.RawMessage(`{"pad":"` + strings.Repeat("x", 40<<10) + `"}`)
+	reg.SetLimits(segment.Limits{UserBytes: 1 << 20})
+
+	for _, tc := range []struct {
+		what  string
+		cred  segment.Cred
+		reply pullReply
+		want  error
+	}{
+		{"root's, mode 07777, pulled by nobody", asNobody, pullReply{Token: "t1", Grant: grant(4096), Owner: "root", Group: "root", Mode: 0o7777}, syscall.EPERM},
+		{"another user's, pulled by nobody", asNobody, pullReply{Token: "t2", Grant: grant(4096), Owner: "daemon", Mode: 0o666}, syscall.EPERM},
+		{"an owner unknown here, pulled by nobody", asNobody, pullReply{Token: "t3", Grant: grant(4096), Owner: "no-such-user-here", Mode: 0o666}, syscall.EPERM},
+		{"meta of 40 KiB", segment.Root, pullReply{Token: "t4", Grant: grant(4096), Owner: "nobody", Mode: 0o600, Meta: meta}, syscall.EINVAL},
+		{"64 MiB for an owner allowed 1 MiB", asNobody, pullReply{Token: "t5", Grant: grant(64 << 20), Owner: "nobody", Mode: 0o600}, syscall.ENOSPC},
+	} {
+		h.mu.Lock()
+		h.reply = func(context.Context) (any, error) { return tc.reply, nil }
+		h.done = nil
+		h.mu.Unlock()
+		_, err := p.pull(context.Background(), tc.cred, "x", "evil")
+		if !errors.Is(err, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.what, err, tc.want)
+		}
+		if _, err := reg.Stat("x"); err == nil {
+			t.Errorf("%s: the segment was left behind", tc.what)
+		}
+		h.mu.Lock()
+		if len(h.done) != 1 || h.done[0] != tc.reply.Token {
+			t.Errorf("%s: pull-done with %q, want the loan's %q", tc.what, h.done, tc.reply.Token)
+		}
+		h.mu.Unlock()
+	}
+
+	// No answer: the pull is given up within pullCallTime.
+	defer func(d time.Duration) { pullCallTime = d }(pullCallTime)
+	pullCallTime = 300 * time.Millisecond
+	h.mu.Lock()
+	h.reply = func(ctx context.Context) (any, error) { <-ctx.Done(); return nil, ctx.Err() }
+	h.mu.Unlock()
+	start := time.Now()
+	if _, err := p.pull(context.Background(), segment.Root, "x", "evil"); !errors.Is(err, peer.ErrTimeout) {
+		t.Errorf("a peer that never answers: %v", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("a peer that never answers held the pull %v", d)
+	}
+
+	// A name taken here: the peer is not asked to lend.
+	if _, _, err := reg.Create(segment.Root, segment.CreateOptions{Name: "taken", Size: 4096}); err != nil {
+		t.Fatal(err)
+	}
+	h.mu.Lock()
+	h.pulls = 0
+	h.mu.Unlock()
+	if _, err := p.pull(context.Background(), segment.Root, "taken", "evil"); !errors.Is(err, syscall.EEXIST) {
+		t.Errorf("pull over a name taken here: %v", err)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.pulls != 0 {
+		t.Errorf("pull over a name taken here asked the peer to lend %d times", h.pulls)
+	}
+}
