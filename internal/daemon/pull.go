@@ -309,6 +309,21 @@ func (p *peers) pullFrom(ctx context.Context, n *peer.Node, c segment.Cred, name
 	if _, err := p.reg.Stat(name); err == nil {
 		return segment.Info{}, fmt.Errorf("pull %q: %w: the name is taken here", name, syscall.EEXIST)
 	}
+	// A user's pull of what would not be theirs is refused on the peer's
+	// list, before the peer starts a lender and checksums the segment
+	// for nothing; its answer to the pull is checked again below.
+	if c.UID != 0 {
+		offers, err := n.List(ctx, who, peer.ListRequest{Prefix: name})
+		if err != nil {
+			return segment.Info{}, err
+		}
+		for _, o := range offers {
+			if owner, _ := localOwner(&pullReply{Owner: o.Owner, Group: o.Group}); o.Name == name && owner.UID != c.UID {
+				return segment.Info{}, fmt.Errorf("pull %q: %w: it would be uid %d's here (%q on %s), and only that user or root may pull it",
+					name, syscall.EPERM, owner.UID, o.Owner, who)
+			}
+		}
+	}
 	var r pullReply
 	call, cancel := context.WithTimeout(ctx, pullCallTime)
 	err := n.Call(call, who, opPull, pullRequest{Name: name}, &r)

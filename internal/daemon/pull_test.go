@@ -183,10 +183,11 @@ func readOnly(fdinfo string) bool {
 // hostile is a peer that holds the secret and answers pull as a test
 // says.
 type hostile struct {
-	mu    sync.Mutex
-	pulls int
-	done  []string
-	reply func(ctx context.Context) (any, error)
+	mu     sync.Mutex
+	pulls  int
+	done   []string
+	offers []peer.Offer
+	reply  func(ctx context.Context) (any, error)
 }
 
 func (h *hostile) serve(ctx context.Context, from, op string, req json.RawMessage) (any, error) {
@@ -207,14 +208,18 @@ func (h *hostile) serve(ctx context.Context, from, op string, req json.RawMessag
 		h.mu.Unlock()
 		return struct{}{}, nil
 	}
-	return peer.ListReply{}, nil
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return peer.ListReply{Offers: h.offers}, nil
 }
 
 // TestHostilePeer: a peer that holds the secret and lies in its answer
 // to a pull: a segment that would be root's, pulled by a user; meta
 // beyond what a client may set; a size beyond the owner's quota; no
 // answer at all; and a name already taken here. Each is refused before a
-// fetcher starts, leaves nothing behind, and ends the peer's loan.
+// fetcher starts, leaves nothing behind, and ends the peer's loan; a pull
+// by a user of what the peer lists as another's is refused before the
+// peer is asked to lend.
 func TestHostilePeer(t *testing.T) {
 	log := slog.New(slog.DiscardHandler)
 	h := &hostile{}
@@ -283,6 +288,21 @@ func TestHostilePeer(t *testing.T) {
 		}
 		h.mu.Unlock()
 	}
+
+	// Listed as root's: nobody's pull is refused without asking the peer
+	// to lend.
+	h.mu.Lock()
+	h.offers, h.pulls = []peer.Offer{{Name: "x", Size: 4096, Owner: "root", Mode: 0o666}}, 0
+	h.mu.Unlock()
+	if _, err := p.pull(context.Background(), asNobody, "x", "evil"); !errors.Is(err, syscall.EPERM) {
+		t.Errorf("nobody's pull of what the peer lists as root's: %v", err)
+	}
+	h.mu.Lock()
+	if h.pulls != 0 {
+		t.Errorf("nobody's pull of what the peer lists as root's asked it to lend %d times", h.pulls)
+	}
+	h.offers = nil
+	h.mu.Unlock()
 
 	// No answer: the pull is given up within pullCallTime.
 	defer func(d time.Duration) { pullCallTime = d }(pullCallTime)
