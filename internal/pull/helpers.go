@@ -52,18 +52,11 @@ func runLend(size int64) error {
 	if os.Getenv(corruptEnv) != "" {
 		b[size/2] ^= 0x40
 	}
-	if err := ucx.Load(); err != nil {
-		return err
-	}
-	c, err := ucx.NewContext()
+	c, w, err := worker()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	w, err := c.NewWorker()
-	if err != nil {
-		return err
-	}
 	defer w.Close()
 	r, err := c.Map(b)
 	if err != nil {
@@ -119,18 +112,11 @@ func fetch() error {
 		return fmt.Errorf("fetch: map the segment: %w", err)
 	}
 	defer unix.Munmap(b)
-	if err := ucx.Load(); err != nil {
-		return err
-	}
-	c, err := ucx.NewContext()
+	c, w, err := worker()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	w, err := c.NewWorker()
-	if err != nil {
-		return err
-	}
 	defer w.Close()
 	ep, err := w.Connect(g.Worker)
 	if err != nil {
@@ -149,4 +135,22 @@ func fetch() error {
 		}
 	}
 	return nil
+}
+
+// worker loads UCX and makes a context and its worker; the caller closes
+// both, the worker first.
+func worker() (*ucx.Context, *ucx.Worker, error) {
+	if err := ucx.Load(); err != nil {
+		return nil, nil, err
+	}
+	c, err := ucx.NewContext()
+	if err != nil {
+		return nil, nil, err
+	}
+	w, err := c.NewWorker()
+	if err != nil {
+		c.Close()
+		return nil, nil, err
+	}
+	return c, w, nil
 }

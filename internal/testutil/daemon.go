@@ -48,6 +48,13 @@ func Alive(pid int) bool {
 // DaemonProcs lists the live 'gpushm daemon' processes on socket: its
 // supervisor and serving processes, whoever started them.
 func DaemonProcs(socket string) []int {
+	return procsWhose(func(args []string) bool {
+		return slices.Contains(args, "daemon") && slices.Contains(args, socket)
+	})
+}
+
+// procsWhose lists the live processes whose arguments ok takes, by pid.
+func procsWhose(ok func(args []string) bool) []int {
 	ents, _ := os.ReadDir("/proc")
 	var out []int
 	for _, e := range ents {
@@ -59,8 +66,7 @@ func DaemonProcs(socket string) []int {
 		if err != nil {
 			continue
 		}
-		args := strings.Split(string(b), "\x00")
-		if slices.Contains(args, "daemon") && slices.Contains(args, socket) && Alive(pid) {
+		if ok(strings.Split(string(b), "\x00")) && Alive(pid) {
 			out = append(out, pid)
 		}
 	}
@@ -71,22 +77,7 @@ func DaemonProcs(socket string) []int {
 // PidsNamed lists the live processes whose first argument is name (a
 // helper the daemon starts, gpushm-lend).
 func PidsNamed(name string) []int {
-	ents, _ := os.ReadDir("/proc")
-	var out []int
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-		if err != nil {
-			continue
-		}
-		if arg0, _, _ := strings.Cut(string(b), "\x00"); arg0 == name && Alive(pid) {
-			out = append(out, pid)
-		}
-	}
-	return out
+	return procsWhose(func(args []string) bool { return args[0] == name })
 }
 
 // KillDaemon ends every process of the daemon on socket at once, as a
