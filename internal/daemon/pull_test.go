@@ -106,7 +106,7 @@ func TestLoanCaps(t *testing.T) {
 	if _, err := p.serve(ctx, "x", opPull, json.RawMessage(`{"name":"private"}`)); !errors.Is(err, &peer.Error{Code: peer.CodeNotFound}) {
 		t.Fatalf("pull of a segment not offered: %v", err)
 	}
-	lenders := testutil.PidsNamed("gpushm-lend")
+	lenders := testutil.ChildrenNamed("gpushm-lend")
 	if len(lenders) != 3 {
 		t.Fatalf("%d lenders, want 3", len(lenders))
 	}
@@ -125,9 +125,9 @@ func TestLoanCaps(t *testing.T) {
 	}
 
 	p.endLoans()
-	for deadline := time.Now().Add(10 * time.Second); len(testutil.PidsNamed("gpushm-lend")) > 0; time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(10 * time.Second); len(testutil.ChildrenNamed("gpushm-lend")) > 0; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("lenders left after the loans ended: %v", testutil.PidsNamed("gpushm-lend"))
+			t.Fatalf("lenders left after the loans ended: %v", testutil.ChildrenNamed("gpushm-lend"))
 		}
 	}
 	if inf, _ := reg.Stat("m"); inf.Opens != 0 {

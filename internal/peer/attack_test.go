@@ -63,7 +63,10 @@ func TestTamper(t *testing.T) {
 			waitConnected(t, b, "a")
 			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 			defer cancel()
-			if err := b.Call(ctx, "a", "echo", nil, nil); err == nil {
+			// A replayed call's first copy is the genuine call, which a may
+			// answer before it reads the copy and ends the connection: the
+			// call may succeed, the replay never does (the log below).
+			if err := b.Call(ctx, "a", "echo", nil, nil); err == nil && tc.name != "replay a call" {
 				t.Fatalf("Call through the attacker = nil, want an error")
 			}
 			// A dropped message shows at the next one.

@@ -80,6 +80,36 @@ func PidsNamed(name string) []int {
 	return procsWhose(func(args []string) bool { return args[0] == name })
 }
 
+// ChildrenNamed is PidsNamed of this process's children alone: a test's
+// own helpers, not those of tests of other packages running beside it.
+func ChildrenNamed(name string) []int {
+	var out []int
+	for _, pid := range PidsNamed(name) {
+		if parent(pid) == os.Getpid() {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// parent is pid's parent's pid, or 0.
+func parent(pid int) int {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 2 {
+		return 0
+	}
+	ppid, _ := strconv.Atoi(f[1])
+	return ppid
+}
+
 // KillDaemon ends every process of the daemon on socket at once, as a
 // crash of the machine would, and reaps cmd (if not nil), the one the
 // test started.
