@@ -67,8 +67,9 @@ class Daemon:
                 return
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
+                    logs = self.logs()  # stop removes the log's directory
                     self.stop()
-                    raise RuntimeError(f"gpushm daemon --backend {backend} did not start:\n{self.logs()}")
+                    raise RuntimeError(f"gpushm daemon --backend {backend} did not start:\n{logs}")
                 time.sleep(0.02)
 
     def logs(self) -> str:
