@@ -9,7 +9,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -274,9 +273,12 @@ func (d *diskTier) leftovers(reg *segment.Registry) {
 	if err != nil {
 		return
 	}
-	known := keysOf(reg)
+	held := map[string]bool{}
+	for _, k := range reg.DiskKeys() {
+		held[k] = true
+	}
 	for _, e := range st.List() {
-		if known(e.Key) {
+		if held[e.Key] {
 			continue
 		}
 		var rec segment.Record
@@ -297,23 +299,6 @@ func (d *diskTier) drop(st *disk.Store, key, why string) {
 }
 
 var _ segment.Disk = (*diskTier)(nil)
-
-// keysOf says which disk keys the registry's segments hold.
-func keysOf(reg *segment.Registry) func(string) bool {
-	var mu sync.Mutex
-	var held map[string]bool
-	return func(key string) bool {
-		mu.Lock()
-		defer mu.Unlock()
-		if held == nil {
-			held = map[string]bool{}
-			for _, id := range reg.DiskKeys() {
-				held[id] = true
-			}
-		}
-		return held[key]
-	}
-}
 
 // durable serves, in a daemon without a supervisor, the durable segments
 // on disk: every start of one is afresh.

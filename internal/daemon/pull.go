@@ -8,12 +8,14 @@ import (
 	"errors"
 	"fmt"
 	"os/user"
+	"slices"
 	"strconv"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/gpushm/gpushm/internal/memfd"
+	"github.com/gpushm/gpushm/internal/owner"
 	"github.com/gpushm/gpushm/internal/peer"
 	"github.com/gpushm/gpushm/internal/pull"
 	"github.com/gpushm/gpushm/internal/segment"
@@ -169,7 +171,7 @@ func (p *peers) lend(from string, req json.RawMessage) (any, error) {
 	ln.timer = time.AfterFunc(loanTime, func() { p.endLoan(token, from) })
 	p.loans.m[token] = ln
 	p.loans.mu.Unlock()
-	return pullReply{Token: token, Grant: l.Grant, Owner: ownerName(inf.UID), Group: groupName(inf.GID),
+	return pullReply{Token: token, Grant: l.Grant, Owner: owner.User(inf.UID), Group: owner.Group(inf.GID),
 		Mode: inf.Mode, Version: inf.Version, Meta: inf.Meta}, nil
 }
 
@@ -202,20 +204,6 @@ func (p *peers) endLoans() {
 	for t, from := range lent {
 		p.endLoan(t, from)
 	}
-}
-
-func ownerName(uid uint32) string {
-	if u, err := user.LookupId(strconv.FormatUint(uint64(uid), 10)); err == nil {
-		return u.Username
-	}
-	return ""
-}
-
-func groupName(gid uint32) string {
-	if g, err := user.LookupGroupId(strconv.FormatUint(uint64(gid), 10)); err == nil {
-		return g.Name
-	}
-	return ""
 }
 
 // localOwner is who a pulled segment belongs to here: the user of the
@@ -285,21 +273,12 @@ func (p *peers) offering(ctx context.Context, n *peer.Node, name, from string) [
 			continue
 		}
 		for _, o := range offers {
-			if o.Name == name && !contains(out, who) {
+			if o.Name == name && !slices.Contains(out, who) {
 				out = append(out, who)
 			}
 		}
 	}
 	return out
-}
-
-func contains(l []string, s string) bool {
-	for _, x := range l {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }
 
 // pullFrom pulls name from the peer who.

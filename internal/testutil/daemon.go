@@ -22,15 +22,7 @@ import (
 // ProcStat reads a process's state letter and, for a zombie, its wait
 // status; ok is false when there is no such process.
 func ProcStat(pid int) (state string, status syscall.WaitStatus, ok bool) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return "", 0, false
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return "", 0, false
-	}
-	f := strings.Fields(string(b[i+1:]))
+	f := statFields(pid)
 	if len(f) < 50 {
 		return "", 0, false
 	}
@@ -94,20 +86,27 @@ func ChildrenNamed(name string) []int {
 
 // parent is pid's parent's pid, or 0.
 func parent(pid int) int {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0
-	}
-	f := strings.Fields(string(b[i+1:]))
+	f := statFields(pid)
 	if len(f) < 2 {
 		return 0
 	}
 	ppid, _ := strconv.Atoi(f[1])
 	return ppid
+}
+
+// statFields are the fields of /proc/PID/stat after the command's name
+// (which may hold spaces and parentheses): the state first; nil when
+// unreadable.
+func statFields(pid int) []string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return nil
+	}
+	return strings.Fields(string(b[i+1:]))
 }
 
 // KillDaemon ends every process of the daemon on socket at once, as a

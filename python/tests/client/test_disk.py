@@ -5,15 +5,12 @@ read back whole, by a new daemon on the same directories after every
 process of the old one was killed (a reboot, as far as memory goes)."""
 
 import os
-import signal
 import tempfile
-import time
 
 import numpy as np
 import pytest
 
 import gpushm
-import gpushm.testing
 
 from conftest import Daemon, child
 
@@ -26,42 +23,6 @@ def disk_dir():
     yield os.path.join(d, "disk")
     import shutil
     shutil.rmtree(d, ignore_errors=True)
-
-
-def daemon_procs(sock):
-    """The live processes whose command line names the socket: the
-    supervisor and serving processes, whoever started them."""
-    pids = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if sock.encode() in cmd and gpushm.testing.start_time(int(p)) is not None:
-            pids.append(int(p))
-    return pids
-
-
-def kill_all(d):
-    """Every process of the daemon, as a crash of the machine would end
-    them: each stopped first, so that none starts another when it sees
-    another die, then killed, until none is left; nothing it held stays."""
-    for _ in range(1000):
-        pids = daemon_procs(d.socket)
-        if not pids:
-            break
-        for sig in (signal.SIGSTOP, signal.SIGKILL):
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        time.sleep(0.01)
-    d.proc.wait()
-    d.stop()
 
 
 READ = """
@@ -107,7 +68,7 @@ def test_durable_segments_survive_a_reboot(disk_dir):
         c.create("scratch", MIB).close()
         c.close()
     finally:
-        kill_all(d)
+        d.crash()
     d = Daemon("host", "--disk", disk_dir)
     try:
         c = gpushm.connect(d.socket)

@@ -90,44 +90,6 @@ def run_worker(sock, *args):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def daemon_procs(sock):
-    """The processes whose command line names the socket (supervisors and
-    serving processes, however they were started), zombies left out."""
-    pids = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if sock.encode() in cmd and testing.start_time(int(p)) is not None:
-            pids.append(int(p))
-    return pids
-
-
-def kill_all(d):
-    """Every process of the daemon: stopped first, so that none starts
-    another, then SIGKILLed; returns once they are gone."""
-    for _ in range(1000):
-        pids = daemon_procs(d.socket)
-        if not pids:
-            break
-        for sig in (signal.SIGSTOP, signal.SIGKILL):
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        time.sleep(0.02)
-    try:
-        d.proc.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
-    d.stop()
-
-
 def start(gbin, dirs, log):
     return testing.Daemon("cuda", "--disk", ",".join(dirs), "--grace", "1s", binary=gbin, log=log,
                           new_session=True, timeout=120)
@@ -168,7 +130,7 @@ def main():
         check(inf.synced > 0, "sync", f"{a.size} bytes GPU -> disk, durable, in {w:.2f} s ({a.size / w / 1e9:.2f} GB/s)")
         c.close()
 
-        kill_all(d)
+        d.crash()
         d = start(a.gpushm, dirs, log + ".2")
         c = gpushm.connect(d.socket, timeout=1800)
         st = c.stat("big")
@@ -207,7 +169,7 @@ def main():
             elif how == "supervisor":
                 os.kill(info["supervisor_pid"], signal.SIGKILL)
             else:
-                kill_all(d)
+                d.crash()
                 d = start(a.gpushm, dirs, log + f".{k + 2}")
             deadline = time.monotonic() + 60
             while True:
@@ -233,7 +195,7 @@ def main():
         c.unlink("k")
         c.close()
     finally:
-        kill_all(d)
+        d.crash()
         shutil.rmtree(work, ignore_errors=True)
     # A killed process's GPU memory is freed after it is gone from /proc's
     # listing of commands: wait for it.
