@@ -698,7 +698,26 @@ func (c *Client) Pull(ctx context.Context, name, from string) (*SegmentInfo, err
 // Peers reports the daemon's peers on other nodes and what each offers;
 // nil when the daemon has none configured.
 func (c *Client) Peers(ctx context.Context) (*wire.PeersReport, error) {
-	rep, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpPeers})
+	return c.peers(ctx, "")
+}
+
+// PullProgress reports the pull of name in progress here, if any: the peer
+// that lends it, its size and the bytes checked so far.
+func (c *Client) PullProgress(ctx context.Context, name string) (*wire.PeerPull, error) {
+	r, err := c.peers(ctx, name)
+	if err != nil || r == nil {
+		return nil, err
+	}
+	for i := range r.Pulls {
+		if r.Pulls[i].Name == name {
+			return &r.Pulls[i], nil
+		}
+	}
+	return nil, nil
+}
+
+func (c *Client) peers(ctx context.Context, pull string) (*wire.PeersReport, error) {
+	rep, _, err := c.roundTrip(ctx, &wire.Request{Op: wire.OpPeers, Name: pull})
 	if err != nil {
 		return nil, fmt.Errorf("gpushm: peers: %w", err)
 	}

@@ -1,7 +1,9 @@
 package integration
 
 import (
+	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/testutil"
 	"github.com/gpushm/gpushm/internal/wire"
 )
@@ -248,4 +251,184 @@ func TestPull(t *testing.T) {
 	a.Kill()
 	mustRun(t, nil, "--socket", b.Socket(), "pull", "m")
 	checkBytes(t, b.Socket(), "m", m)
+}
+
+// needUCX skips a test whose daemons move bytes over UCX where
+// libucp.so.0 is missing (scripts/test installs libucx0).
+func needUCX(t *testing.T) {
+	t.Helper()
+	if out, err := exec.Command("ldconfig", "-p").Output(); err == nil && !strings.Contains(string(out), "libucp.so.0") {
+		t.Skip("no libucp.so.0 (the libucx0 package): pulls move bytes over UCX")
+	}
+}
+
+// pullNodes starts n daemons in namespaces of their own, each dialing all
+// the others, with the args given to all.
+func pullNodes(t *testing.T, n int, args ...string) ([]*Daemon, *testutil.Net) {
+	t.Helper()
+	net := testutil.NetNamespaces(t, n)
+	secret := writeSecret(t, strings.Repeat("s3cret-of-the-cluster-", 3))
+	var ds []*Daemon
+	for i := range n {
+		var others []string
+		for j := range n {
+			if j != i {
+				others = append(others, net.IP(j)+":7946")
+			}
+		}
+		sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
+		a := append([]string{"--node", string(rune('a' + i)), "--peer-secret", secret, "--listen-peers", net.IP(i) + ":7946",
+			"--peers", strings.Join(others, ",")}, args...)
+		ds = append(ds, Start(t, Options{Socket: sock, Args: a, Wrap: func(name string, args ...string) *exec.Cmd {
+			return net.Command(i, name, args...)
+		}}))
+	}
+	for i, d := range ds {
+		waitPeers(t, d.Socket(), fmt.Sprintf("node %d connected to all", i), func(r *wire.PeersReport) bool {
+			n := 0
+			for _, p := range r.Peers {
+				if p.Connected {
+					n++
+				}
+			}
+			return n >= len(ds)-1
+		})
+	}
+	return ds, net
+}
+
+// pullAll has each of the daemons pull name at once, and says how long
+// the last took.
+func pullAll(t *testing.T, ds []*Daemon, name string) time.Duration {
+	t.Helper()
+	start := time.Now()
+	errs := make(chan error, len(ds))
+	for _, d := range ds {
+		go func() {
+			out, err := exec.Command(gpushmBin, "--socket", d.Socket(), "pull", name).CombinedOutput()
+			if err != nil {
+				err = fmt.Errorf("%v: %s", err, out)
+			}
+			errs <- err
+		}()
+	}
+	for range ds {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	return time.Since(start)
+}
+
+// TestPullFanOut: three nodes pull the same name from one at once. The
+// source lends it to the first to ask and sends the others along a
+// chain, each lending the chunks it has checked to the next; every node
+// ends with every byte, and at least one of them got it from another
+// receiver. Then a chain whose middle node dies: the node after it
+// finishes from the source.
+func TestPullFanOut(t *testing.T) {
+	needUCX(t)
+	ds, _ := pullNodes(t, 4)
+	w := tierPattern(11, 96<<20+777) // six chunks and a bit
+	putFile(t, ds[0].Socket(), "w", w, "--offer", "--mode", "0644")
+	for _, d := range ds[1:] {
+		waitPeers(t, d.Socket(), "w offered", func(r *wire.PeersReport) bool { return slices.Contains(offerNames(peerNamed(r, "a")), "w") })
+	}
+	pullAll(t, ds[1:], "w")
+	chained := 0
+	for _, d := range ds[1:] {
+		checkBytes(t, d.Socket(), "w", w)
+		if strings.Contains(d.log.String(), "source=a") && !strings.Contains(d.log.String(), "from=a source=a") {
+			chained++
+		}
+	}
+	if chained == 0 {
+		t.Errorf("no node pulled w along a chain; logs:\n%s\n%s\n%s", ds[1].log.String(), ds[2].log.String(), ds[3].log.String())
+	}
+	t.Logf("%d of 3 nodes pulled w from another receiver", chained)
+
+	// A chain's middle node killed mid-transfer: the others still end
+	// with every byte, from the source or another copy.
+	big := tierPattern(12, 384<<20)
+	putFile(t, ds[0].Socket(), "big", big, "--offer")
+	for _, d := range ds[1:] {
+		waitPeers(t, d.Socket(), "big offered", func(r *wire.PeersReport) bool { return slices.Contains(offerNames(peerNamed(r, "a")), "big") })
+	}
+	errs := make(chan error, 2)
+	for _, d := range []*Daemon{ds[1], ds[3]} {
+		go func() {
+			out, err := exec.Command(gpushmBin, "--socket", d.Socket(), "pull", "big").CombinedOutput()
+			if err != nil {
+				err = fmt.Errorf("%v: %s", err, out)
+			}
+			errs <- err
+		}()
+	}
+	// Node c joins once a pull is under way, and is killed while it
+	// fetches.
+	time.Sleep(100 * time.Millisecond)
+	go exec.Command(gpushmBin, "--socket", ds[2].Socket(), "pull", "big").Run()
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if strings.Contains(ds[2].log.String(), "big") || len(testutil.PidsNamed("gpushm-fetch")) >= 3 {
+			break
+		}
+	}
+	ds[2].Kill()
+	for range 2 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	checkBytes(t, ds[1].Socket(), "big", big)
+	checkBytes(t, ds[3].Socket(), "big", big)
+}
+
+// TestPullPartition: the link to the lending node is cut mid-transfer;
+// the pull fails within the stall time with an error that names the peer
+// and says it sent nothing, and nothing is left behind.
+func TestPullPartition(t *testing.T) {
+	needUCX(t)
+	ds, net := pullNodes(t, 2, "--pull-stall", "3s")
+	big := tierPattern(13, 512<<20)
+	putFile(t, ds[0].Socket(), "big", big, "--offer")
+	waitPeers(t, ds[1].Socket(), "big offered", func(r *wire.PeersReport) bool { return slices.Contains(offerNames(peerNamed(r, "a")), "big") })
+	c, err := gpushm.Dial(context.Background(), ds[1].Socket())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	done := make(chan error, 1)
+	go func() {
+		out, err := exec.Command(gpushmBin, "--socket", ds[1].Socket(), "pull", "big").CombinedOutput()
+		if err == nil {
+			done <- nil
+			return
+		}
+		done <- fmt.Errorf("%s", out)
+	}()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(time.Millisecond) {
+		if p, _ := c.PullProgress(context.Background(), "big"); p != nil && p.Done > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the pull made no progress within 30s")
+		}
+	}
+	net.Cut(0)
+	start := time.Now()
+	err = <-done
+	if err == nil {
+		t.Skip("the pull finished before the link was cut")
+	}
+	d := time.Since(start)
+	if msg := err.Error(); !strings.Contains(msg, "from a") || !strings.Contains(msg, "3s") {
+		t.Errorf("the pull's error names no peer or stall: %s", msg)
+	}
+	if d > 60*time.Second {
+		t.Errorf("the pull failed %v after the cut, with a stall time of 3s", d)
+	}
+	t.Logf("%v after the cut: %v", d, err)
+	if got := tiersOf(t, ds[1].Socket()); got["big"] != "" {
+		t.Fatalf("a partitioned pull left %v", got)
+	}
 }

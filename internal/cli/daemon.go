@@ -12,6 +12,7 @@ import (
 
 	"github.com/gpushm/gpushm/internal/daemon"
 	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/pull"
 )
 
 func daemonCmd() *cobra.Command {
@@ -97,6 +98,7 @@ func daemonCmd() *cobra.Command {
 	f.StringVar(&o.Peers, "peers", "", "daemons on other nodes to connect to, HOST:PORT separated by commas, authenticated by --peer-secret")
 	f.StringVar(&o.PeerSecret, "peer-secret", "", "the file (mode 0600, at least 32 bytes) of the secret this node's peers share; needed with --listen-peers or --peers")
 	f.StringVar(&o.Node, "node", "", "this node's name to its peers (default: the host's name)")
+	f.DurationVar(&o.PullStall, "pull-stall", pull.DefaultStall, "how long a pull waits for a peer that sends nothing (a partition, a peer stopped) before it fails, naming the peer, and tries the next that offers the name")
 	f.StringVar(&o.Metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
 	f.StringVar(&o.Mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
 	f.StringVar(&o.RDMA, "rdma", "auto", "make GPU memory that RDMA engines (NIXL, UCX, Mooncake) can register: auto (on devices that allow it with VMM allocations) or off")

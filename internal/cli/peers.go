@@ -3,6 +3,7 @@ package cli
 import (
 	"context"
 	"fmt"
+	"os"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -12,6 +13,8 @@ import (
 	"github.com/gpushm/gpushm"
 	"github.com/gpushm/gpushm/internal/complete"
 	"github.com/gpushm/gpushm/internal/exitcode"
+	"github.com/gpushm/gpushm/internal/progress"
+	"github.com/gpushm/gpushm/internal/terminal"
 )
 
 const peersHelp = `A daemon started with --listen-peers or --peers (and --peer-secret) keeps
@@ -134,8 +137,11 @@ mode, else root's and 0600. The bytes move over UCX between helper
 processes that hold only the segment, each chunk checked against the
 lender's CRC-32C; the segment is committed only when every chunk checked,
 and a failure leaves nothing behind and tries the next peer that offers
-it. Root, or the user the segment will belong to, may pull. Host memory
-only for now: a GPU segment is refused by its peer.`,
+it. Root, or the user the segment will belong to, may pull. GPU memory
+is staged through pinned buffers at each end. While other nodes pull the
+same name, the peer may send this one along a chain: to the last node it
+lent the name to, which lends each chunk on as it arrives. On a terminal,
+a bar shows the bytes checked so far.`,
 		Example: "  gpushm pull llama\n  gpushm pull llama --from node2",
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -145,7 +151,9 @@ only for now: a GPU segment is refused by its peer.`,
 			}
 			defer c.Close()
 			start := time.Now()
+			stop := pullBar(cmd.Context(), args[0])
 			s, err := c.Pull(cmd.Context(), args[0], from)
+			stop(err)
 			if err != nil {
 				return exitcode.Failed("pull", args[0], err)
 			}
@@ -156,4 +164,48 @@ only for now: a GPU segment is refused by its peer.`,
 	}
 	cmd.Flags().StringVar(&from, "from", "", "the peer to pull from (a node name or HOST:PORT; default: any that offers it)")
 	return cmd
+}
+
+// pullBar draws the pull of name on a terminal, asking the daemon on a
+// connection of its own how far it got; the function returned ends it.
+func pullBar(ctx context.Context, name string) func(error) {
+	if !terminal.Is(os.Stderr) {
+		return func(error) {}
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan *progress.Bar)
+	go func() {
+		var bar *progress.Bar
+		defer func() { done <- bar }()
+		c, err := dial(ctx)
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		var last int64
+		for t := time.NewTicker(200 * time.Millisecond); ; {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			p, err := c.PullProgress(ctx, name)
+			if err != nil || p == nil {
+				continue
+			}
+			if bar == nil {
+				if bar = progress.New("pull "+name, p.Size); bar == nil {
+					return // too small for a bar
+				}
+			}
+			bar.Add(p.Done - last)
+			last = p.Done
+		}
+	}()
+	return func(err error) {
+		cancel()
+		if bar := <-done; bar != nil {
+			bar.Done(err)
+		}
+	}
 }

@@ -52,6 +52,9 @@ type Options struct {
 	// of the secret they share, Node this node's name (default: the
 	// host's).
 	ListenPeers, Peers, PeerSecret, Node string
+	// PullStall is how long a pull waits for a peer that sends nothing
+	// (0: pull.DefaultStall).
+	PullStall time.Duration
 	// Count limits: a number, "auto" or "0" (limits.go).
 	UserSegments, UserConnections string
 	MaxSegments, MaxConnections   string

@@ -52,6 +52,9 @@ func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 			return nil, fmt.Errorf("--node: none given, and the host's name: %w", err)
 		}
 	}
+	if o.PullStall > 0 {
+		pullStall = o.PullStall // one daemon a process
+	}
 	return &peer.Config{Node: node, Secret: secret, Listen: o.ListenPeers, Peers: addrs, Log: log}, nil
 }
 
@@ -62,6 +65,8 @@ type peers struct {
 	mu    sync.Mutex
 	node  *peer.Node
 	loans loans
+	// pulling are the pulls in progress here, by name (pull.go).
+	pulling map[string]*pulling
 }
 
 // start starts the node, waiting up to a second for a predecessor in an
@@ -135,12 +140,22 @@ func (p *peers) serve(ctx context.Context, from, op string, req json.RawMessage)
 
 // report is the peers operation's answer: each peer, and what each
 // connected one offers, asked of them all at once.
-func (p *peers) report(ctx context.Context) *wire.PeersReport {
+func (p *peers) report(ctx context.Context, pulling string) *wire.PeersReport {
 	p.mu.Lock()
 	n := p.node
-	p.mu.Unlock()
 	r := &wire.PeersReport{Node: p.cfg.Node, Listen: p.cfg.Listen, Peers: []wire.PeerNode{}}
-	if n == nil {
+	for name, pl := range p.pulling {
+		if pulling != "" && name != pulling {
+			continue
+		}
+		pl.mu.Lock()
+		if pl.seg != nil {
+			r.Pulls = append(r.Pulls, wire.PeerPull{Name: name, From: pl.from, Size: pl.info.Size, Done: pl.done.Load()})
+		}
+		pl.mu.Unlock()
+	}
+	p.mu.Unlock()
+	if n == nil || pulling != "" {
 		return r
 	}
 	if a := n.Addr(); a != nil {
@@ -176,4 +191,12 @@ func (p *peers) report(ctx context.Context) *wire.PeersReport {
 	}
 	wg.Wait()
 	return r
+}
+
+// log is the peers' logger (none in tests that build a peers by hand).
+func (p *peers) log() *slog.Logger {
+	if p.cfg.Log != nil {
+		return p.cfg.Log
+	}
+	return slog.New(slog.DiscardHandler)
 }

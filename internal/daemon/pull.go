@@ -11,8 +11,11 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/gpushm/gpushm/internal/memfd"
 	"github.com/gpushm/gpushm/internal/owner"
@@ -53,11 +56,20 @@ var (
 // tests.
 var pullCallTime = 2 * time.Minute
 
+// pullRequest asks a peer to lend Name. Chain asks a peer that is itself
+// pulling Name to lend what it has so far (the source redirected the
+// asker there); Direct asks the source not to redirect.
 type pullRequest struct {
-	Name string `json:"name"`
+	Name   string `json:"name"`
+	Chain  bool   `json:"chain,omitempty"`
+	Direct bool   `json:"direct,omitempty"`
 }
 
+// pullReply is a loan (a token to end it, the lender's grant, and what the
+// segment is), or a redirect: Via is the peer to ask instead, the last
+// one this node lent Name to, which lends it on as it arrives.
 type pullReply struct {
+	Via     string          `json:"via,omitempty"`
 	Token   string          `json:"token"`
 	Grant   pull.Grant      `json:"grant"`
 	Owner   string          `json:"owner"`
@@ -69,18 +81,68 @@ type pullReply struct {
 
 type loan struct {
 	from   string // the peer it was lent to: only it may end it
+	name   string
 	lender *pull.Lender
-	seg    *segment.Segment
+	seg    *segment.Segment // nil for a chain's loan of a pull in progress
 	timer  *time.Timer
 }
 
 // loans are the segments this daemon lends now, by token, and how many
-// each peer holds, counted from before its lender starts.
+// each peer holds, counted from before its lender starts; and, by name,
+// the last peer a segment was lent or redirected to while loans of it
+// last: the tail of its chain.
 type loans struct {
 	mu     sync.Mutex
 	m      map[string]*loan
 	n      int
 	byPeer map[string]int
+	tails  map[string]string
+}
+
+// redirect says which peer from should pull name from instead of this
+// node, and makes from the chain's tail: the last peer that asked for
+// name while loans of it last, unless that is from itself. "" lends here.
+// The tail is taken at the ask, not once the loan is made, so that asks
+// that come together form a chain too.
+func (ls *loans) redirect(name, from string) string {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if ls.tails == nil {
+		ls.tails = map[string]string{}
+	}
+	tail := ls.tails[name]
+	ls.tails[name] = from
+	if tail == from {
+		return ""
+	}
+	return tail
+}
+
+// untail drops from as name's tail: its loan failed before it was made.
+func (ls *loans) untail(name, from string) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if ls.tails[name] == from {
+		delete(ls.tails, name)
+	}
+}
+
+// lent records a loan of name to from, under ls.mu.
+func (ls *loans) lent(name, from string) {
+	if ls.tails == nil {
+		ls.tails = map[string]string{}
+	}
+	ls.tails[name] = from
+}
+
+// forget drops name's chain once no loan of it is left, under ls.mu.
+func (ls *loans) forget(name string) {
+	for _, ln := range ls.m {
+		if ln.name == name {
+			return
+		}
+	}
+	delete(ls.tails, name)
 }
 
 // reserve counts a loan to from, or says why not.
@@ -114,7 +176,9 @@ func (ls *loans) unreserve(from string) {
 var root = segment.Cred{}
 
 // lend answers a peer's pull of name: only a segment its owner offered,
-// held by a lease of the daemon's own for as long as the loan lasts.
+// held by a lease of the daemon's own for as long as the loan lasts; or,
+// while another peer borrows it, a redirect to that peer (a chain); or,
+// asked as part of a chain, what this node is pulling of it so far.
 func (p *peers) lend(from string, req json.RawMessage) (any, error) {
 	var r pullRequest
 	if err := json.Unmarshal(req, &r); err != nil {
@@ -122,44 +186,80 @@ func (p *peers) lend(from string, req json.RawMessage) (any, error) {
 	}
 	reg := p.reg
 	if inf, err := reg.Stat(r.Name); err != nil || !inf.Offer || inf.Uncommitted || inf.Slots > 0 || inf.Orphan != "" {
+		if r.Chain {
+			return p.lendPulling(from, r.Name)
+		}
 		return nil, peer.Errorf(peer.CodeNotFound, "pull: %q is not offered here", r.Name)
 	}
+	if !r.Chain {
+		if via := p.loans.redirect(r.Name, from); via != "" && !r.Direct {
+			return pullReply{Via: via}, nil
+		}
+	}
 	if err := p.loans.reserve(from); err != nil {
+		p.loans.untail(r.Name, from)
 		return nil, err
 	}
 	s, err := reg.Acquire(root, r.Name, true)
 	if err != nil {
 		p.loans.unreserve(from)
+		p.loans.untail(r.Name, from)
 		return nil, peer.Errorf(peer.CodeNotFound, "pull: %q: %v", r.Name, err)
 	}
 	inf := reg.Info(s)
 	release := func() {
 		reg.Release(s)
 		p.loans.unreserve(from)
+		p.loans.untail(r.Name, from)
 	}
 	if !inf.Offer {
 		release() // taken back meanwhile
 		return nil, peer.Errorf(peer.CodeNotFound, "pull: %q is not offered here", r.Name)
 	}
-	if inf.HandleType != wire.HandleMemfd {
+	l, err := lendMemory(s, inf, -1)
+	if err != nil {
 		release()
-		return nil, peer.Errorf(peer.CodeFailed, "pull: %q is GPU memory; pulls of GPU segments are not built yet (host memory only)", r.Name)
+		return nil, peer.Errorf(peer.CodeFailed, "pull: %q: %v", r.Name, err)
+	}
+	return p.loanOut(from, r.Name, l, s, pullReply{Owner: owner.User(inf.UID), Group: owner.Group(inf.GID),
+		Mode: inf.Mode, Version: inf.Version, Meta: inf.Meta}), nil
+}
+
+// memoryOf says what a segment's descriptor is, for the helpers.
+func memoryOf(inf segment.Info) (pull.Memory, error) {
+	switch inf.HandleType {
+	case wire.HandleMemfd:
+		return pull.Host, nil
+	case wire.HandleCUDA:
+		return pull.Memory{CUDA: true, Device: inf.Device, Alloc: inf.AllocSize}, nil
+	}
+	return pull.Memory{}, fmt.Errorf("memory of kind %q cannot be lent", inf.HandleType)
+}
+
+// lendMemory starts a lender of s: a read-only descriptor of a memfd (a
+// CUDA descriptor cannot be made read-only: the lender maps it so), and
+// the board of the fetch still filling it, if any.
+func lendMemory(s *segment.Segment, inf segment.Info, board int) (*pull.Lender, error) {
+	m, err := memoryOf(inf)
+	if err != nil {
+		return nil, err
 	}
 	fd, err := s.FD()
-	var ro int
-	if err == nil {
-		ro, err = memfd.ReadOnly(fd)
-	}
 	if err != nil {
-		release()
-		return nil, peer.Errorf(peer.CodeFailed, "pull: %q: %v", r.Name, err)
+		return nil, err
 	}
-	l, err := pull.Lend(ro, inf.Size)
-	syscall.Close(ro)
-	if err != nil {
-		release()
-		return nil, peer.Errorf(peer.CodeFailed, "pull: %q: %v", r.Name, err)
+	if !m.CUDA {
+		if fd, err = memfd.ReadOnly(fd); err != nil {
+			return nil, err
+		}
+		defer syscall.Close(fd)
 	}
+	return pull.Lend(fd, inf.Size, m, board)
+}
+
+// loanOut records a loan of name to from, ended by from's pull-done or
+// after loanTime, and answers with its token and grant.
+func (p *peers) loanOut(from, name string, l *pull.Lender, s *segment.Segment, r pullReply) pullReply {
 	tok := make([]byte, 16)
 	rand.Read(tok)
 	token := hex.EncodeToString(tok)
@@ -167,12 +267,54 @@ func (p *peers) lend(from string, req json.RawMessage) (any, error) {
 	if p.loans.m == nil {
 		p.loans.m = map[string]*loan{}
 	}
-	ln := &loan{from: from, lender: l, seg: s}
+	ln := &loan{from: from, name: name, lender: l, seg: s}
 	ln.timer = time.AfterFunc(loanTime, func() { p.endLoan(token, from) })
 	p.loans.m[token] = ln
+	p.loans.lent(name, from)
 	p.loans.mu.Unlock()
-	return pullReply{Token: token, Grant: l.Grant, Owner: owner.User(inf.UID), Group: owner.Group(inf.GID),
-		Mode: inf.Mode, Version: inf.Version, Meta: inf.Meta}, nil
+	r.Token, r.Grant = token, l.Grant
+	return r
+}
+
+// lendPulling answers a chain's ask for name, which this node is pulling:
+// a lender of the segment as it fills, which serves each chunk once this
+// node's fetch has checked it. The answer says what the source said of
+// the segment, not what this node made of it.
+func (p *peers) lendPulling(from, name string) (any, error) {
+	p.mu.Lock()
+	pl := p.pulling[name]
+	p.mu.Unlock()
+	if pl == nil {
+		return nil, peer.Errorf(peer.CodeNotFound, "pull: %q is neither offered nor being pulled here", name)
+	}
+	// Asked of this node right after it asked its own peer: wait for
+	// that peer's grant.
+	select {
+	case <-pl.ready:
+	case <-time.After(pullCallTime):
+	}
+	pl.mu.Lock()
+	defer pl.mu.Unlock()
+	if pl.gone || pl.seg == nil {
+		return nil, peer.Errorf(peer.CodeNotFound, "pull: %q is not being pulled here any more", name)
+	}
+	if err := p.loans.reserve(from); err != nil {
+		return nil, err
+	}
+	board, err := memfd.ReadOnly(pl.board)
+	if err != nil {
+		p.loans.unreserve(from)
+		return nil, peer.Errorf(peer.CodeFailed, "pull: %q: %v", name, err)
+	}
+	defer syscall.Close(board)
+	l, err := lendMemory(pl.seg, pl.info, board)
+	if err != nil {
+		p.loans.unreserve(from)
+		return nil, peer.Errorf(peer.CodeFailed, "pull: %q: %v", name, err)
+	}
+	r := pl.reply
+	r.Meta = append(json.RawMessage(nil), r.Meta...)
+	return p.loanOut(from, name, l, nil, r), nil
 }
 
 // endLoan ends the loan token to the peer from: its lender exits, its
@@ -186,11 +328,31 @@ func (p *peers) endLoan(token, from string) {
 		return
 	}
 	delete(p.loans.m, token)
+	p.loans.forget(ln.name)
 	p.loans.mu.Unlock()
 	ln.timer.Stop()
 	ln.lender.Close()
-	p.reg.Release(ln.seg)
+	if ln.seg != nil {
+		p.reg.Release(ln.seg)
+	}
 	p.loans.unreserve(from)
+}
+
+// endChainLoans ends the chain's loans of name, made while this node
+// pulled it: the pull failed, and the peers that borrow from it must fail
+// now, not after their stall time.
+func (p *peers) endChainLoans(name string) {
+	p.loans.mu.Lock()
+	lent := map[string]string{}
+	for t, ln := range p.loans.m {
+		if ln.name == name && ln.seg == nil {
+			lent[t] = ln.from
+		}
+	}
+	p.loans.mu.Unlock()
+	for t, from := range lent {
+		p.endLoan(t, from)
+	}
 }
 
 // endLoans ends every loan (the peers stop).
@@ -281,7 +443,27 @@ func (p *peers) offering(ctx context.Context, n *peer.Node, name, from string) [
 	return out
 }
 
-// pullFrom pulls name from the peer who.
+// pullStall is how long a fetch waits for a lender that sends nothing
+// before it fails, naming the peer (a partition). A variable for tests.
+var pullStall = pull.DefaultStall
+
+// A pulling is a pull in progress here: its segment, uncommitted, the
+// board its fetch publishes (for a chain's next node), what the peer said
+// of the segment, and the bytes checked so far.
+type pulling struct {
+	ready chan struct{} // closed once the fields below are set, or the pull ended
+	mu    sync.Mutex    // held while a chain's lender starts, and while the pull ends
+	gone  bool
+	seg   *segment.Segment
+	info  segment.Info
+	board int
+	reply pullReply
+	from  string
+	done  atomic.Int64
+}
+
+// pullFrom pulls name from the peer who: from the peer who redirects it
+// to the tail of a chain, if any, and from who itself when that fails.
 func (p *peers) pullFrom(ctx context.Context, n *peer.Node, c segment.Cred, name, who string) (segment.Info, error) {
 	// A name taken here fails the create below whatever the peer says:
 	// the peer is not asked to start a lender for nothing.
@@ -303,51 +485,167 @@ func (p *peers) pullFrom(ctx context.Context, n *peer.Node, c segment.Cred, name
 			}
 		}
 	}
-	var r pullReply
-	call, cancel := context.WithTimeout(ctx, pullCallTime)
-	err := n.Call(call, who, opPull, pullRequest{Name: name}, &r)
-	cancel()
-	if err != nil {
-		return segment.Info{}, err
+	inf, via, err := p.pullOnce(ctx, n, c, name, who, false)
+	if err != nil && via != "" && !errors.Is(err, syscall.EPERM) && !errors.Is(err, syscall.EEXIST) {
+		p.log().Info("pull through a chain failed; pulling from the source", "name", name, "via", via, "source", who, "err", err)
+		inf, _, err = p.pullOnce(ctx, n, c, name, who, true)
 	}
-	defer func() {
-		done, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	return inf, err
+}
+
+// borrow asks who to lend name (direct: with no redirect), following a
+// redirect to the tail of a chain once; it says which peer lends.
+func (p *peers) borrow(ctx context.Context, n *peer.Node, name, who string, direct bool) (pullReply, string, error) {
+	call := func(who string, req pullRequest) (pullReply, error) {
+		var r pullReply
+		call, cancel := context.WithTimeout(ctx, pullCallTime)
 		defer cancel()
-		n.Call(done, who, opPullDone, struct {
-			Token string `json:"token"`
-		}{r.Token}, nil)
+		err := n.Call(call, who, opPull, req, &r)
+		return r, err
+	}
+	r, err := call(who, pullRequest{Name: name, Direct: direct})
+	if err != nil || r.Via == "" {
+		return r, who, err
+	}
+	via := r.Via
+	if r, err = call(via, pullRequest{Name: name, Chain: true}); err == nil && r.Via == "" {
+		return r, via, nil
+	}
+	p.log().Info("a chain's peer would not lend; pulling from the source", "name", name, "via", via, "source", who, "err", err)
+	r, err = call(who, pullRequest{Name: name, Direct: true})
+	return r, who, err
+}
+
+// pullOnce borrows name from who (or the chain it redirects to) and
+// fetches it into a new segment; via is the chain's peer it came from,
+// if not who. The pull is listed here from the ask on, so that a chain's
+// next node that asks before this one has its grant waits for it.
+func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name, who string, direct bool) (_ segment.Info, via string, _ error) {
+	pl := &pulling{board: -1, ready: make(chan struct{})}
+	p.mu.Lock()
+	if p.pulling[name] != nil {
+		p.mu.Unlock()
+		return segment.Info{}, "", fmt.Errorf("pull %q: %w: it is being pulled here already", name, syscall.EEXIST)
+	}
+	if p.pulling == nil {
+		p.pulling = map[string]*pulling{}
+	}
+	p.pulling[name] = pl
+	p.mu.Unlock()
+	started := false
+	// end takes the pull off the list; chain loans of it go on only if
+	// it succeeded. pl.mu keeps a chain's lender from starting on a
+	// segment discarded or a board closed meanwhile.
+	end := func(s *segment.Segment, owner segment.Cred, ok bool) {
+		p.mu.Lock()
+		delete(p.pulling, name)
+		p.mu.Unlock()
+		pl.mu.Lock()
+		pl.gone = true
+		if !started {
+			close(pl.ready)
+		}
+		if pl.board >= 0 {
+			syscall.Close(pl.board)
+		}
+		if s != nil && !ok {
+			p.reg.ReleaseBy(s, owner)
+			p.reg.Discard(s)
+		}
+		pl.mu.Unlock()
+		if !ok {
+			p.endChainLoans(name)
+		}
+	}
+
+	r, lender, err := p.borrow(ctx, n, name, who, direct)
+	if err != nil {
+		end(nil, root, false)
+		return segment.Info{}, "", err
+	}
+	if lender != who {
+		via = lender
+	}
+	// The loan ends in the background: a peer cut off must not hold the
+	// answer for the call's time.
+	defer func() {
+		go func() {
+			done, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			n.Call(done, lender, opPullDone, struct {
+				Token string `json:"token"`
+			}{r.Token}, nil)
+		}()
 	}()
 	owner, mode := localOwner(&r)
 	if c.UID != 0 && c.UID != owner.UID {
-		return segment.Info{}, fmt.Errorf("pull %q: %w: it would be uid %d's here (%q on %s), and only that user or root may pull it",
-			name, syscall.EPERM, owner.UID, r.Owner, who)
+		end(nil, root, false)
+		return segment.Info{}, via, fmt.Errorf("pull %q: %w: it would be uid %d's here (%q on %s), and only that user or root may pull it",
+			name, syscall.EPERM, owner.UID, r.Owner, lender)
 	}
 	// The meta is the peer's word: no more of it than a local client may
 	// set, which is what the journal and the disk tier are built to hold.
 	if len(r.Meta) > wire.MaxMeta {
-		return segment.Info{}, fmt.Errorf("pull %q: %w: %s sent meta of %d bytes, limit %d", name, syscall.EINVAL, who, len(r.Meta), wire.MaxMeta)
+		end(nil, root, false)
+		return segment.Info{}, via, fmt.Errorf("pull %q: %w: %s sent meta of %d bytes, limit %d", name, syscall.EINVAL, lender, len(r.Meta), wire.MaxMeta)
 	}
+	// Offered here too: its owner offered it to the cluster, and the
+	// next node pulls it from the nearest copy.
 	s, _, err := p.reg.Create(owner, segment.CreateOptions{Name: name, Size: r.Grant.Size, Open: true, Uncommitted: true,
-		Mode: mode, UseMode: true, Meta: r.Meta})
+		Mode: mode, UseMode: true, Meta: r.Meta, Offer: true})
 	if err != nil {
-		return segment.Info{}, err
+		end(nil, root, false)
+		return segment.Info{}, via, err
 	}
-	fail := func(err error) (segment.Info, error) {
-		p.reg.ReleaseBy(s, owner)
-		p.reg.Discard(s)
-		return segment.Info{}, err
+	fail := func(err error) (segment.Info, string, error) {
+		end(s, owner, false)
+		return segment.Info{}, via, err
+	}
+	info := p.reg.Info(s)
+	m, err := memoryOf(info)
+	if err != nil {
+		return fail(err)
 	}
 	fd, err := s.FD()
 	if err != nil {
 		return fail(err)
 	}
-	if err := pull.Fetch(ctx, fd, r.Grant.Size, r.Grant); err != nil {
+	board, err := newBoard(name, r.Grant.Size)
+	if err != nil {
+		return fail(err)
+	}
+	pl.mu.Lock()
+	pl.seg, pl.info, pl.board, pl.reply, pl.from = s, info, board, r, lender
+	started = true
+	close(pl.ready)
+	pl.mu.Unlock()
+	err = pull.Fetch(ctx, fd, r.Grant.Size, r.Grant, pull.FetchOptions{Memory: m, Board: board, Stall: pullStall,
+		Progress: func(d int64) { pl.done.Store(d) }})
+	if err != nil {
+		if via != "" {
+			err = fmt.Errorf("via %s: %w", via, err)
+		}
 		return fail(err)
 	}
 	if err := p.reg.Commit(owner, s, "", nil); err != nil {
 		return fail(err)
 	}
+	end(s, owner, true)
 	inf := p.reg.Info(s)
 	p.reg.ReleaseBy(s, owner)
-	return inf, nil
+	p.log().Info("pulled", "name", name, "bytes", inf.Size, "from", lender, "source", who)
+	return inf, via, nil
+}
+
+// newBoard makes the memfd a fetch publishes its progress on.
+func newBoard(name string, size int64) (int, error) {
+	fd, err := unix.MemfdCreate("gpushm-board:"+name, unix.MFD_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("pull: a board: %w", err)
+	}
+	if err := unix.Ftruncate(fd, pull.BoardSize(size)); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("pull: a board: %w", err)
+	}
+	return fd, nil
 }

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"os/user"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -80,7 +81,7 @@ func TestLoanCaps(t *testing.T) {
 	defer p.endLoans()
 	ctx := context.Background()
 	lend := func(from string) (pullReply, error) {
-		v, err := p.serve(ctx, from, opPull, json.RawMessage(`{"name":"m"}`))
+		v, err := p.serve(ctx, from, opPull, json.RawMessage(`{"name":"m","direct":true}`))
 		if err != nil {
 			return pullReply{}, err
 		}
@@ -90,6 +91,14 @@ func TestLoanCaps(t *testing.T) {
 	x1, err := lend("x")
 	if err != nil {
 		t.Fatal(err)
+	}
+	// While x borrows m, others asking are sent along a chain: y to x,
+	// z to y; a redirect holds nothing here.
+	for _, c := range [][2]string{{"y", "x"}, {"z", "y"}} {
+		v, err := p.serve(ctx, c[0], opPull, json.RawMessage(`{"name":"m"}`))
+		if r, _ := v.(pullReply); err != nil || r.Via != c[1] || r.Token != "" {
+			t.Fatalf("%s's pull while x borrows: %+v, %v; want a redirect to %s", c[0], v, err, c[1])
+		}
 	}
 	if _, err := lend("x"); err != nil {
 		t.Fatal(err)
@@ -252,9 +261,7 @@ func TestHostilePeer(t *testing.T) {
 	asNobody := segment.Cred{UID: uint32(uid), GID: uint32(gid)}
 
 	grant := func(size int64) pull.Grant {
-		g := pull.Grant{Worker: []byte("w"), RKey: []byte("k"), Addr: 4096, Size: size, Chunk: pull.Chunk}
-		g.CRCs = make([]uint32, (size+pull.Chunk-1)/pull.Chunk)
-		return g
+		return pull.Grant{Worker: []byte("w"), RKey: []byte("k"), BoardKey: []byte("b"), Addr: 4096, Size: size, Chunk: pull.Chunk}
 	}
 	meta := json.RawMessage(`{"pad":"` + strings.Repeat("x", 40<<10) + `"}`)
 	reg.SetLimits(segment.Limits{UserBytes: 1 << 20})
@@ -282,11 +289,19 @@ func TestHostilePeer(t *testing.T) {
 		if _, err := reg.Stat("x"); err == nil {
 			t.Errorf("%s: the segment was left behind", tc.what)
 		}
-		h.mu.Lock()
-		if len(h.done) != 1 || h.done[0] != tc.reply.Token {
-			t.Errorf("%s: pull-done with %q, want the loan's %q", tc.what, h.done, tc.reply.Token)
+		// The loan is ended in the background.
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+			h.mu.Lock()
+			done := slices.Clone(h.done)
+			h.mu.Unlock()
+			if len(done) == 1 && done[0] == tc.reply.Token {
+				break
+			}
+			if len(done) > 1 || time.Now().After(deadline) {
+				t.Errorf("%s: pull-done with %q, want the loan's %q", tc.what, done, tc.reply.Token)
+				break
+			}
 		}
-		h.mu.Unlock()
 	}
 
 	// Listed as root's: nobody's pull is refused without asking the peer
@@ -302,6 +317,24 @@ func TestHostilePeer(t *testing.T) {
 		t.Errorf("nobody's pull of what the peer lists as root's asked it to lend %d times", h.pulls)
 	}
 	h.offers = nil
+	h.mu.Unlock()
+
+	// A redirect to itself, again and again, even when asked directly:
+	// followed once, then the source asked directly, then given up.
+	h.mu.Lock()
+	h.reply = func(context.Context) (any, error) { return pullReply{Via: "evil"}, nil }
+	h.pulls = 0
+	h.mu.Unlock()
+	if _, err := p.pull(context.Background(), segment.Root, "x", "evil"); err == nil {
+		t.Error("a peer that only redirects: the pull succeeded")
+	}
+	if _, err := reg.Stat("x"); err == nil {
+		t.Error("a peer that only redirects: the segment was left behind")
+	}
+	h.mu.Lock()
+	if h.pulls > 6 {
+		t.Errorf("a peer that only redirects was asked %d times", h.pulls)
+	}
 	h.mu.Unlock()
 
 	// No answer: the pull is given up within pullCallTime.

@@ -2,9 +2,12 @@ package pull
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -15,18 +18,42 @@ import (
 )
 
 // Command is the hidden __pull command: the helpers' halves, run in
-// processes of their own with the segment as descriptor 3.
+// processes of their own with the segment as descriptor 3 and, where
+// --board is given, a board as descriptor 4.
 func Command() *cobra.Command {
 	cmd := &cobra.Command{Use: "__pull", Hidden: true, Args: cobra.NoArgs}
-	var size int64
+	var (
+		size     int64
+		m        Memory
+		hasBoard bool
+		stall    time.Duration
+		uid, gid int
+	)
 	lend := &cobra.Command{
 		Use: "lend", Args: cobra.NoArgs, SilenceUsage: true,
-		RunE: func(*cobra.Command, []string) error { return runLend(size) },
+		RunE: func(*cobra.Command, []string) error {
+			if err := harden(uid, gid); err != nil {
+				return err
+			}
+			m.CUDA = m.Device >= 0
+			return runLend(size, m, hasBoard)
+		},
 	}
 	lend.Flags().Int64Var(&size, "size", 0, "bytes to lend")
 	fetch := &cobra.Command{
 		Use: "fetch", Args: cobra.NoArgs, SilenceUsage: true,
-		RunE: func(*cobra.Command, []string) error { return runFetch() },
+		RunE: func(*cobra.Command, []string) error {
+			m.CUDA = m.Device >= 0
+			return runFetch(m, hasBoard, stall, uid, gid)
+		},
+	}
+	fetch.Flags().DurationVar(&stall, "stall", DefaultStall, "how long the lender may send nothing")
+	for _, c := range []*cobra.Command{lend, fetch} {
+		c.Flags().IntVar(&m.Device, "device", -1, "the CUDA device of descriptor 3 (-1: a memfd)")
+		c.Flags().Int64Var(&m.Alloc, "alloc", 0, "descriptor 3's allocation size, on a device")
+		c.Flags().BoolVar(&hasBoard, "board", false, "descriptor 4 is a board")
+		c.Flags().IntVar(&uid, "uid", -1, "the user to drop to")
+		c.Flags().IntVar(&gid, "gid", -1, "the group to drop to")
 	}
 	cmd.AddCommand(lend, fetch)
 	return cmd
@@ -36,70 +63,184 @@ func Command() *cobra.Command {
 // segment's: the fetcher must catch it.
 const corruptEnv = "GPUSHM_TEST_LEND_CORRUPT"
 
-// runLend maps descriptor 3 copy-on-write (UCX may touch what it
-// registers; the segment stays as it is), checksums it, serves gets until
-// stdin closes, and says how to reach it on stdout.
-func runLend(size int64) error {
-	b, err := unix.Mmap(3, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE)
+// harden drops this helper to uid and gid (when not -1), with no
+// supplementary groups, and makes it a process that other processes of
+// that user cannot trace or read (/proc/PID/mem), and that gains no
+// privilege by exec: whoever takes it over through UCX gets this one
+// segment.
+func harden(uid, gid int) error {
+	if gid >= 0 {
+		if err := syscall.Setgroups(nil); err != nil {
+			return fmt.Errorf("drop the groups: %w", err)
+		}
+		if err := syscall.Setresgid(gid, gid, gid); err != nil {
+			return fmt.Errorf("drop to gid %d: %w", gid, err)
+		}
+	}
+	if uid >= 0 {
+		if err := syscall.Setresuid(uid, uid, uid); err != nil {
+			return fmt.Errorf("drop to uid %d: %w", uid, err)
+		}
+	}
+	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+		return fmt.Errorf("prctl(PR_SET_DUMPABLE): %w", err)
+	}
+	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("prctl(PR_SET_NO_NEW_PRIVS): %w", err)
+	}
+	return nil
+}
+
+// mapBoard maps descriptor 4, a board of size bytes' chunks.
+func mapBoard(size int64, writable bool) (board, error) {
+	prot := unix.PROT_READ
+	if writable {
+		prot |= unix.PROT_WRITE
+	}
+	b, err := unix.Mmap(4, 0, int(BoardSize(size)), prot, unix.MAP_SHARED)
 	if err != nil {
-		return fmt.Errorf("lend: map the segment: %w", err)
+		return nil, fmt.Errorf("map the board: %w", err)
 	}
-	defer unix.Munmap(b)
-	g := Grant{Size: size, Chunk: Chunk}
-	for off := int64(0); off < size; off += Chunk {
-		g.CRCs = append(g.CRCs, crc32c.Checksum(b[off:min(off+Chunk, size)]))
+	return board(b), nil
+}
+
+// poll is how often a helper looks again at a board that did not move.
+const poll = 200 * time.Microsecond
+
+// runLend serves descriptor 3 until stdin closes, and says how to reach it
+// on stdout: a Grant. A loop stages each chunk where the fetcher gets it
+// (in place for a memfd; through the ring for GPU memory), with its CRC-32C
+// (computed here, or from the board of the fetch still filling it), then
+// counts it on the board the fetcher reads.
+func runLend(size int64, m Memory, hasBoard bool) error {
+	var in board // the fetch's board, in a chain
+	if hasBoard {
+		var err error
+		if in, err = mapBoard(size, false); err != nil {
+			return err
+		}
+		defer unix.Munmap(in)
 	}
-	if os.Getenv(corruptEnv) != "" {
-		b[size/2] ^= 0x40
+	var src source
+	var err error
+	if !m.CUDA {
+		src, err = newHostSource(size)
+	} else {
+		src, err = newGPUSource(m)
 	}
+	if err != nil {
+		return err
+	}
+	defer src.close()
+	out, err := unix.Mmap(-1, 0, int(BoardSize(size)), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return fmt.Errorf("lend: the board: %w", err)
+	}
+	defer unix.Munmap(out)
+
 	c, w, err := worker()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
 	defer w.Close()
-	r, err := c.Map(b)
+	g := Grant{Size: size, Chunk: Chunk, Ring: src.ring()}
+	data, err := c.Map(src.region())
 	if err != nil {
 		return err
 	}
-	defer r.Free()
-	if g.RKey, err = r.PackKey(); err != nil {
+	defer data.Free()
+	bd, err := c.Map(out)
+	if err != nil {
+		return err
+	}
+	defer bd.Free()
+	if g.RKey, err = data.PackKey(); err != nil {
+		return err
+	}
+	if g.BoardKey, err = bd.PackKey(); err != nil {
 		return err
 	}
 	if g.Worker, err = w.Address(); err != nil {
 		return err
 	}
-	g.Addr = r.Addr()
+	g.Addr, g.Board = data.Addr(), bd.Addr()
 	if err := json.NewEncoder(os.Stdout).Encode(g); err != nil {
 		return err
 	}
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancelCause(context.Background())
 	go func() {
 		var buf [1]byte
 		os.Stdin.Read(buf[:]) // EOF: the daemon is done with this loan
-		cancel()
+		cancel(nil)
+	}()
+	// The stager reads the memory unmapped on return: it ends first.
+	staged := make(chan struct{})
+	defer func() { cancel(nil); <-staged }()
+	go func() {
+		defer close(staged)
+		if err := stageAll(ctx, src, board(out), in, size); err != nil {
+			fmt.Fprintln(os.Stderr, "gpushm-lend:", err)
+			cancel(err)
+		}
 	}()
 	err = w.Serve(ctx)
-	if ctx.Err() != nil {
-		return nil
+	if ctx.Err() != nil && !errors.Is(context.Cause(ctx), context.Canceled) {
+		return context.Cause(ctx)
 	}
 	return err
 }
 
+// stageAll stages every chunk in order and counts it on out: when the
+// fetch's board in says the chunk is there, and the ring has room.
+func stageAll(ctx context.Context, src source, out, in board, size int64) error {
+	corrupt := os.Getenv(corruptEnv) != ""
+	n := (size + Chunk - 1) / Chunk
+	for i := int64(0); i < n; i++ {
+		for (in != nil && in.ready() <= i) || (src.ring() > 0 && i-out.taken() >= int64(src.ring())) {
+			if ctx.Err() != nil {
+				return nil
+			}
+			time.Sleep(poll)
+		}
+		off, end := i*Chunk, min((i+1)*Chunk, size)
+		b, err := src.stage(i, off, end)
+		if err != nil {
+			return err
+		}
+		var sum uint32
+		if in != nil {
+			sum = in.crc(i)
+		} else {
+			sum = crc32c.Checksum(b)
+		}
+		if corrupt && off <= size/2 && size/2 < end {
+			b[size/2-off] ^= 0x40
+		}
+		out.setCRC(i, sum)
+		out.setReady(i + 1)
+	}
+	return nil
+}
+
 // runFetch reads a Grant on stdin, gets every chunk into descriptor 3,
-// checks each, and writes {"error": ...} (empty for none) on stdout.
-func runFetch() error {
-	err := fetch()
+// checks each, publishes them on the board (descriptor 4) if any, and
+// writes {"done": bytes} lines on stdout as it goes, then {"error": ...}
+// (empty for none).
+func runFetch(m Memory, hasBoard bool, stall time.Duration, uid, gid int) error {
+	enc := json.NewEncoder(os.Stdout)
+	err := harden(uid, gid)
+	if err == nil {
+		err = fetch(m, hasBoard, stall, func(done int64) { enc.Encode(fetchLine{Done: done}) })
+	}
 	msg := ""
 	if err != nil {
 		msg = err.Error()
 	}
-	return json.NewEncoder(os.Stdout).Encode(struct {
-		Error string `json:"error"`
-	}{msg})
+	return enc.Encode(fetchLine{Error: &msg})
 }
 
-func fetch() error {
+func fetch(m Memory, hasBoard bool, stall time.Duration, progress func(int64)) error {
 	var g Grant
 	if err := json.NewDecoder(os.Stdin).Decode(&g); err != nil {
 		return fmt.Errorf("fetch: the grant: %w", err)
@@ -107,11 +248,25 @@ func fetch() error {
 	if err := g.check(g.Size); err != nil {
 		return fmt.Errorf("fetch: %w", err)
 	}
-	b, err := unix.Mmap(3, 0, int(g.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		return fmt.Errorf("fetch: map the segment: %w", err)
+	var pub board // for the next lender of a chain
+	if hasBoard {
+		var err error
+		if pub, err = mapBoard(g.Size, true); err != nil {
+			return err
+		}
+		defer unix.Munmap(pub)
 	}
-	defer unix.Munmap(b)
+	var dst sink
+	var err error
+	if !m.CUDA {
+		dst, err = newHostSink(g.Size)
+	} else {
+		dst, err = newGPUSink(m)
+	}
+	if err != nil {
+		return err
+	}
+	defer dst.close()
 	c, w, err := worker()
 	if err != nil {
 		return err
@@ -123,15 +278,130 @@ func fetch() error {
 		return err
 	}
 	defer ep.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
-	for i, off := 0, int64(0); off < g.Size; i, off = i+1, off+g.Chunk {
-		end := min(off+g.Chunk, g.Size)
-		if err := ep.Get(ctx, b[off:end], g.Addr+uint64(off), g.RKey); err != nil {
-			return fmt.Errorf("fetch: bytes %d to %d: %w", off, end, err)
+	f := &fetcher{ep: ep, g: g, stall: stall, crcs: make([]uint32, g.chunks())}
+	landed := func(k int64) {
+		if pub != nil && k > 0 {
+			pub.setReady(k)
 		}
-		if got := crc32c.Checksum(b[off:end]); got != g.CRCs[i] {
-			return fmt.Errorf("fetch: chunk %d (bytes %d to %d) fails its checksum (crc32c %08x, the lender's %08x): the peer sent wrong bytes", i, off, end, got, g.CRCs[i])
+	}
+	last := time.Now()
+	for i := int64(0); i < g.chunks(); i++ {
+		off, end := i*g.Chunk, min((i+1)*g.Chunk, g.Size)
+		if err := f.staged(i); err != nil {
+			return err
+		}
+		b, err := dst.buf(i, end-off)
+		if err != nil {
+			return err
+		}
+		if err := f.get(b, i, off, end); err != nil {
+			return err
+		}
+		if pub != nil {
+			pub.setCRC(i, f.crcs[i])
+		}
+		k, err := dst.put(i, off, b)
+		if err != nil {
+			return err
+		}
+		landed(k)
+		if time.Since(last) > 100*time.Millisecond {
+			progress(end)
+			last = time.Now()
+		}
+	}
+	k, err := dst.flush()
+	if err != nil {
+		return err
+	}
+	landed(k)
+	progress(g.Size)
+	return nil
+}
+
+// A fetcher reads a lender's board and chunks.
+type fetcher struct {
+	ep     *ucx.Endpoint
+	g      Grant
+	stall  time.Duration
+	ready  int64    // chunks the lender's board counted, when last read
+	crcs   []uint32 // their checksums
+	header [boardHeader]byte
+}
+
+// staged waits until the lender's board counts chunk i, reading the
+// checksums it adds; a lender that adds none for the stall time fails it.
+func (f *fetcher) staged(i int64) error {
+	since := time.Now()
+	for f.ready <= i {
+		if err := f.read(f.header[:], f.g.Board, "its board"); err != nil {
+			return err
+		}
+		r := int64(binary.LittleEndian.Uint64(f.header[:8]))
+		if r > f.g.chunks() || r < f.ready {
+			return fmt.Errorf("fetch: the lender's board counts %d chunks of %d (before: %d): the peer sent wrong bytes", r, f.g.chunks(), f.ready)
+		}
+		if r > f.ready {
+			b := make([]byte, 4*(r-f.ready))
+			if err := f.read(b, f.g.Board+boardHeader+4*uint64(f.ready), "its checksums"); err != nil {
+				return err
+			}
+			for k := range r - f.ready {
+				f.crcs[f.ready+k] = binary.LittleEndian.Uint32(b[4*k:])
+			}
+			f.ready = r
+			break
+		}
+		if time.Since(since) > f.stall {
+			return fmt.Errorf("fetch: the lender staged nothing for %v (chunk %d of %d): %w", f.stall, i, f.g.chunks(), errStalled)
+		}
+		time.Sleep(poll)
+	}
+	return nil
+}
+
+var errStalled = errors.New("it stopped sending")
+
+// read gets len(b) bytes at addr of the lender's board, within the stall
+// time.
+func (f *fetcher) read(b []byte, addr uint64, what string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), f.stall)
+	defer cancel()
+	if err := f.ep.Get(ctx, b, addr, f.g.BoardKey); err != nil {
+		if ctx.Err() != nil {
+			return fmt.Errorf("fetch: reading %s: no answer in %v: %w", what, f.stall, errStalled)
+		}
+		return fmt.Errorf("fetch: reading %s: %w", what, err)
+	}
+	return nil
+}
+
+// get reads chunk i, bytes [off, end), into b, checks it, and tells a
+// lender with a ring that its slot is free.
+func (f *fetcher) get(b []byte, i, off, end int64) error {
+	addr := f.g.Addr + uint64(off)
+	if f.g.Ring > 0 {
+		addr = f.g.Addr + uint64((i%int64(f.g.Ring))*f.g.Chunk)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), f.stall)
+	err := f.ep.Get(ctx, b, addr, f.g.RKey)
+	timedOut := ctx.Err() != nil
+	cancel()
+	switch {
+	case err != nil && timedOut:
+		return fmt.Errorf("fetch: bytes %d to %d: none for %v: %w", off, end, f.stall, errStalled)
+	case err != nil:
+		return fmt.Errorf("fetch: bytes %d to %d: %w", off, end, err)
+	}
+	if got := crc32c.Checksum(b); got != f.crcs[i] {
+		return fmt.Errorf("fetch: chunk %d (bytes %d to %d) fails its checksum (crc32c %08x, the lender's %08x): the peer sent wrong bytes", i, off, end, got, f.crcs[i])
+	}
+	if f.g.Ring > 0 {
+		taken := binary.LittleEndian.AppendUint64(nil, uint64(i+1))
+		ctx, cancel := context.WithTimeout(context.Background(), f.stall)
+		defer cancel()
+		if err := f.ep.Put(ctx, taken, f.g.Board+8, f.g.BoardKey); err != nil {
+			return fmt.Errorf("fetch: telling the lender chunk %d is taken: %w", i, err)
 		}
 	}
 	return nil

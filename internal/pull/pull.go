@@ -2,14 +2,20 @@
 // daemon on another over UCX (internal/ucx), in two helper processes the
 // daemons exec: a lender that holds only the segment it lends, read-only,
 // and a fetcher that holds only the segment it fills. UCX over tcp checks
-// neither the key nor the range of a get (docs/architecture.md, "Peers:
-// the data path"), so neither daemon runs a worker itself: a peer that
+// neither the key nor the range of a get or a put (docs/architecture.md,
+// "Peers: the data path"), so neither daemon runs a worker itself, and the
+// helpers run as an unprivileged user that cannot be traced: a peer that
 // reaches a helper's port can read the one segment its owner offered, and
-// nothing else.
+// at worst take over a process that holds nothing else.
 //
-// The lender computes a CRC-32C of each chunk of what it lends; the
-// fetcher checks every chunk it gets against them, so that a peer that
-// sends wrong bytes, or a wrong size, is caught.
+// Beside the bytes a lender serves a board (board.go): how many chunks are
+// ready and the CRC-32C of each. The fetcher reads it as it goes, so that
+// a lender starts serving before it has read the whole segment, a GPU
+// segment can be lent through a small ring of pinned buffers, and a node
+// that is still fetching a segment can lend what it has so far to the next
+// (a chain: fan-out at the cost of one transfer). The fetcher checks every
+// chunk against the CRCs, so that a peer that sends wrong bytes, or a
+// wrong size, is caught.
 package pull
 
 import (
@@ -21,38 +27,72 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"os/user"
+	"strconv"
 	"syscall"
 	"time"
 )
 
-// Chunk is the unit of checksums and of gets.
+// Chunk is the unit of checksums, of gets and of a ring's slots.
 const Chunk = 16 << 20
 
+// ringSlots is a GPU lender's ring: pinned buffers of a Chunk each (128
+// MiB), so that the copy from the GPU runs ahead of the wire.
+const ringSlots = 8
+
 // Grant is what a lender tells the fetcher, through the daemons' control
-// plane: its worker's address, the address and key of what it lends, the
-// size, and each chunk's CRC-32C.
+// plane: its worker's address, the address and key of what it lends and
+// of its board, the size, the chunk, and the ring's slots (0: the segment
+// is lent in place, chunk i at Addr + i*Chunk; else chunk i is at slot
+// i % Ring while the board says it is staged).
 type Grant struct {
-	Worker []byte   `json:"worker"`
-	Addr   uint64   `json:"addr"`
-	RKey   []byte   `json:"rkey"`
-	Size   int64    `json:"size"`
-	Chunk  int64    `json:"chunk"`
-	CRCs   []uint32 `json:"crcs"`
+	Worker   []byte `json:"worker"`
+	Addr     uint64 `json:"addr"`
+	RKey     []byte `json:"rkey"`
+	Board    uint64 `json:"board"`
+	BoardKey []byte `json:"board_key"`
+	Size     int64  `json:"size"`
+	Chunk    int64  `json:"chunk"`
+	Ring     int    `json:"ring,omitempty"`
 }
+
+// chunks is how many chunks the grant's segment has.
+func (g *Grant) chunks() int64 { return (g.Size + g.Chunk - 1) / g.Chunk }
 
 // check says what is wrong with g for size bytes, or nil.
 func (g *Grant) check(size int64) error {
 	switch {
 	case g.Size != size:
 		return fmt.Errorf("the lender offers %d bytes, the segment has %d", g.Size, size)
+	case g.Size <= 0:
+		return fmt.Errorf("the lender offers %d bytes", g.Size)
 	case g.Chunk <= 0 || g.Chunk > 1<<30:
 		return fmt.Errorf("a chunk of %d bytes", g.Chunk)
-	case int64(len(g.CRCs)) != (g.Size+g.Chunk-1)/g.Chunk:
-		return fmt.Errorf("%d checksums for %d bytes in chunks of %d", len(g.CRCs), g.Size, g.Chunk)
-	case len(g.Worker) == 0 || len(g.RKey) == 0:
+	case g.Ring < 0 || g.Ring > 64:
+		return fmt.Errorf("a ring of %d slots", g.Ring)
+	case len(g.Worker) == 0 || len(g.RKey) == 0 || len(g.BoardKey) == 0:
 		return errors.New("no worker address or key")
 	}
 	return nil
+}
+
+// Memory says what a helper's descriptor 3 is: host memory (a memfd; the
+// zero Memory) or a CUDA allocation exported as a POSIX descriptor, of
+// Alloc bytes (its size rounded to the device's granularity) on Device.
+type Memory struct {
+	CUDA   bool
+	Device int
+	Alloc  int64
+}
+
+// Host is host memory.
+var Host = Memory{}
+
+func (m Memory) args() []string {
+	if !m.CUDA {
+		return nil
+	}
+	return []string{"--device", strconv.Itoa(m.Device), "--alloc", strconv.FormatInt(m.Alloc, 10)}
 }
 
 // self is the gpushm binary the helpers run.
@@ -63,19 +103,52 @@ func self() string {
 	return "/proc/self/exe"
 }
 
-// helper starts 'gpushm __pull VERB' with fd as its descriptor 3; the
-// helper dies with the thread that started it (PR_SET_PDEATHSIG), so a
-// daemon killed leaves none behind.
-func helper(verb string, fd int, args ...string) (*exec.Cmd, io.WriteCloser, *bufio.Reader, error) {
-	dup, err := syscall.Dup(fd)
-	if err != nil {
-		return nil, nil, nil, fmt.Errorf("dup: %w", err)
+// HelperUser is the user the helpers run as when the daemon is root: UCX
+// over tcp lets whoever reaches a helper's port write anywhere in its
+// memory, so a helper must be worth nothing more than the one segment it
+// was given. Empty keeps the daemon's user (as when it is not root).
+var HelperUser = "nobody"
+
+// helperIDs are the --uid and --gid arguments that make a helper drop to
+// HelperUser, or none where the daemon is not root.
+func helperIDs() ([]string, error) {
+	if os.Geteuid() != 0 || HelperUser == "" {
+		return nil, nil
 	}
-	f := os.NewFile(uintptr(dup), "segment")
-	defer f.Close()
-	cmd := exec.Command(self(), append([]string{"__pull", verb}, args...)...)
+	u, err := user.Lookup(HelperUser)
+	if err != nil {
+		return nil, fmt.Errorf("the helpers' user: %w", err)
+	}
+	uid, err1 := strconv.ParseUint(u.Uid, 10, 31)
+	_, err2 := strconv.ParseUint(u.Gid, 10, 31)
+	if err := errors.Join(err1, err2); err != nil || uid == 0 {
+		return nil, fmt.Errorf("the helpers' user %q: uid %s, gid %s: not a user to run as", HelperUser, u.Uid, u.Gid)
+	}
+	return []string{"--uid", u.Uid, "--gid", u.Gid}, nil
+}
+
+// helper starts 'gpushm __pull VERB' with fds as its descriptors 3, 4, ...;
+// the helper dies with the thread that started it (PR_SET_PDEATHSIG), so a
+// daemon killed leaves none behind. It starts as the daemon's user and
+// drops to HelperUser first thing (harden): a binary root may run need not
+// be one nobody may, and a process that was root until it dropped cannot
+// be traced by the user it drops to.
+func helper(verb string, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, *bufio.Reader, error) {
+	ids, err := helperIDs()
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	cmd := exec.Command(self(), append(append([]string{"__pull", verb}, ids...), args...)...)
 	cmd.Args[0] = "gpushm-" + verb
-	cmd.ExtraFiles = []*os.File{f}
+	for _, fd := range fds {
+		dup, err := syscall.Dup(fd)
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("dup: %w", err)
+		}
+		f := os.NewFile(uintptr(dup), "segment")
+		defer f.Close()
+		cmd.ExtraFiles = append(cmd.ExtraFiles, f)
+	}
 	cmd.Stderr = os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	in, err := cmd.StdinPipe()
@@ -101,12 +174,19 @@ type Lender struct {
 
 // Lend starts a lender of size bytes of the memory fd (the helper gets a
 // descriptor of its own; a read-only one is the caller's to give), and
-// returns once it serves, with its Grant.
-func Lend(fd int, size int64) (*Lender, error) {
+// returns once it serves, with its Grant. board, when not -1, is the board
+// of a fetch still filling fd (a chain): the lender serves each chunk once
+// that board says it is there, with the CRC-32C found there; otherwise the
+// lender computes them as it goes.
+func Lend(fd int, size int64, m Memory, board int) (*Lender, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("lend: %d bytes: nothing to lend", size)
 	}
-	cmd, in, out, err := helper("lend", fd, "--size", fmt.Sprint(size))
+	fds, args := []int{fd}, append([]string{"--size", strconv.FormatInt(size, 10)}, m.args()...)
+	if board >= 0 {
+		fds, args = append(fds, board), append(args, "--board")
+	}
+	cmd, in, out, err := helper("lend", fds, args...)
 	if err != nil {
 		return nil, err
 	}
@@ -136,13 +216,40 @@ func (l *Lender) Close() error {
 	}
 }
 
+// FetchOptions are a fetch's: what descriptor 3 is, the board the fetcher
+// publishes its progress on (a memfd of BoardSize bytes, for a chain's
+// next lender; -1 for none), how long the lender may send nothing before
+// the fetch fails, and a function told the bytes checked so far.
+type FetchOptions struct {
+	Memory   Memory
+	Board    int
+	Stall    time.Duration
+	Progress func(done int64)
+}
+
+// DefaultStall is how long a fetch waits for a lender that sends nothing.
+const DefaultStall = 30 * time.Second
+
+// fetchLine is what a fetcher writes on stdout: progress, then the end.
+type fetchLine struct {
+	Done  int64   `json:"done"`
+	Error *string `json:"error,omitempty"`
+}
+
 // Fetch fills size bytes of the memory fd from a lender's grant, in a
 // fetcher helper, every chunk checked; ctx ends it (the helper is killed).
-func Fetch(ctx context.Context, fd int, size int64, g Grant) error {
+func Fetch(ctx context.Context, fd int, size int64, g Grant, o FetchOptions) error {
 	if err := g.check(size); err != nil {
 		return fmt.Errorf("fetch: %w", err)
 	}
-	cmd, in, out, err := helper("fetch", fd)
+	if o.Stall <= 0 {
+		o.Stall = DefaultStall
+	}
+	fds, args := []int{fd}, append([]string{"--stall", o.Stall.String()}, o.Memory.args()...)
+	if o.Board >= 0 {
+		fds, args = append(fds, o.Board), append(args, "--board")
+	}
+	cmd, in, out, err := helper("fetch", fds, args...)
 	if err != nil {
 		return err
 	}
@@ -150,21 +257,22 @@ func Fetch(ctx context.Context, fd int, size int64, g Grant) error {
 	defer stop()
 	err = json.NewEncoder(in).Encode(g)
 	in.Close()
-	var res struct {
-		Error string `json:"error"`
-	}
-	if err == nil {
+	var res fetchLine
+	for err == nil && res.Error == nil {
 		var line []byte
 		if line, err = out.ReadBytes('\n'); err == nil {
-			err = json.Unmarshal(line, &res)
+			res = fetchLine{}
+			if err = json.Unmarshal(line, &res); err == nil && res.Error == nil && o.Progress != nil {
+				o.Progress(res.Done)
+			}
 		}
 	}
 	werr := cmd.Wait()
 	switch {
 	case ctx.Err() != nil:
 		return fmt.Errorf("fetch: %w", context.Cause(ctx))
-	case res.Error != "":
-		return errors.New(res.Error)
+	case res.Error != nil && *res.Error != "":
+		return errors.New(*res.Error)
 	case err != nil:
 		return fmt.Errorf("fetch: the helper failed: %v (%v)", err, werr)
 	}

@@ -53,7 +53,7 @@ func init() {
 		wire.OpPin:         func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
 		wire.OpSync:        func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
 		wire.OpOffer:       func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.tier(c.leaseCred(), req) },
-		wire.OpPeers:       func(c *conn, _ *wire.Request, _ int) (*wire.Reply, int) { return c.opPeers() },
+		wire.OpPeers:       func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opPeers(req.Name) },
 		wire.OpPull:        func(c *conn, req *wire.Request, _ int) (*wire.Reply, int) { return c.opPull(c.leaseCred(), req) },
 	}
 }

@@ -55,7 +55,7 @@ type Server struct {
 	maxSpinners int32
 	obs         Observer
 	gpus        func(uid uint32) *wire.GPUReport
-	peers       func(ctx context.Context) *wire.PeersReport
+	peers       func(ctx context.Context, pull string) *wire.PeersReport
 	pull        func(ctx context.Context, c segment.Cred, name, from string) (segment.Info, error)
 	// uuids names each device by its GPU's UUID, which clients map by:
 	// a client in a container may number the same GPU differently.
@@ -251,8 +251,9 @@ func (s *Server) SetPull(f func(ctx context.Context, c segment.Cred, name, from 
 }
 
 // SetPeers makes the peers operation answer with what f reports (nil,
-// the default: the daemon has no peers).
-func (s *Server) SetPeers(f func(ctx context.Context) *wire.PeersReport) { s.peers = f }
+// the default: the daemon has no peers); pull, when not empty, asks only
+// for that name's pull in progress.
+func (s *Server) SetPeers(f func(ctx context.Context, pull string) *wire.PeersReport) { s.peers = f }
 
 // SetGPUReport makes info replies carry what f reports of the node's GPUs
 // to a client of the given uid; call before Serve.

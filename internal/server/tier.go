@@ -99,16 +99,20 @@ func (s *Server) ObserveMove(kind, name string, bytes int64, d time.Duration) {
 }
 
 // opPeers answers peers: what the peers' node reports, asking connected
-// peers what they offer, which takes a round trip to each; the request
-// leaves the workers first.
-func (c *conn) opPeers() (*wire.Reply, int) {
+// peers what they offer, which takes a round trip to each, so the request
+// leaves the workers first; or, for a name, only its pull in progress
+// here (a pull's progress bar asks several times a second).
+func (c *conn) opPeers(pull string) (*wire.Reply, int) {
 	if c.s.peers == nil {
 		return &wire.Reply{}, -1
+	}
+	if pull != "" {
+		return &wire.Reply{Peers: c.s.peers(context.Background(), pull)}, -1
 	}
 	c.s.setAside(c.w)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	return &wire.Reply{Peers: c.s.peers(ctx)}, -1
+	return &wire.Reply{Peers: c.s.peers(ctx, "")}, -1
 }
 
 // opPull answers pull: the daemon's peers copy the segment here, which

@@ -135,23 +135,35 @@ func (e *Endpoint) Close() error {
 // that dies makes Get fail with the error UCX reports (connection reset,
 // endpoint timeout), and the endpoint stays failed.
 func (e *Endpoint) Get(ctx context.Context, dst []byte, remoteAddr uint64, rkey []byte) error {
-	if err := e.get(ctx, dst, remoteAddr, rkey); err != nil {
+	if err := e.rma(ctx, dst, remoteAddr, rkey, false); err != nil {
 		return fmt.Errorf("ucx: get %d bytes at %#x: %w", len(dst), remoteAddr, err)
 	}
 	return nil
 }
 
-func (e *Endpoint) get(ctx context.Context, dst []byte, raddr uint64, rkey []byte) error {
-	if len(dst) == 0 {
+// Put writes src to remoteAddr in the peer's memory, described by rkey, as
+// Get reads, and returns once UCX is done with src (which over some
+// transports is before the peer has the bytes: a peer learns of a put by
+// seeing its bytes change).
+func (e *Endpoint) Put(ctx context.Context, src []byte, remoteAddr uint64, rkey []byte) error {
+	if err := e.rma(ctx, src, remoteAddr, rkey, true); err != nil {
+		return fmt.Errorf("ucx: put %d bytes at %#x: %w", len(src), remoteAddr, err)
+	}
+	return nil
+}
+
+func (e *Endpoint) rma(ctx context.Context, buf []byte, raddr uint64, rkey []byte, put bool) error {
+	if len(buf) == 0 {
 		return nil
 	}
 	if len(rkey) == 0 {
 		return errors.New("empty remote key")
 	}
-	// UCX writes into dst after ucp_get_nbx returns, which cgo allows
-	// only for pinned Go memory (memory outside Go's heap needs nothing).
+	// UCX uses buf after ucp_get_nbx or ucp_put_nbx returns, which cgo
+	// allows only for pinned Go memory (memory outside Go's heap needs
+	// nothing).
 	var pin runtime.Pinner
-	pin.Pin(&dst[0])
+	pin.Pin(&buf[0])
 	defer pin.Unpin()
 	ckey := C.CBytes(rkey)
 	defer C.free(ckey)
@@ -174,7 +186,7 @@ func (e *Endpoint) get(ctx context.Context, dst []byte, raddr uint64, rkey []byt
 	defer cancel(nil)
 	stop := context.AfterFunc(e.done, func() { cancel(ErrClosed) })
 	defer stop()
-	op := &getOp{e: e, dst: dst, raddr: raddr, rkey: rk}
+	op := &rmaOp{e: e, buf: buf, raddr: raddr, rkey: rk, put: put}
 	err := op.run(ctx)
 
 	c.mu.Lock()
@@ -188,21 +200,29 @@ func (e *Endpoint) get(ctx context.Context, dst []byte, raddr uint64, rkey []byt
 	return err
 }
 
-// A getOp is one Get's chunks: those issued and still in flight, and the
-// offset of the next.
-type getOp struct {
+// An rmaOp is one Get's or Put's chunks: those issued and still in
+// flight, and the offset of the next.
+type rmaOp struct {
 	e       *Endpoint
-	dst     []byte
+	buf     []byte
 	raddr   uint64
 	rkey    C.ucp_rkey_h
+	put     bool
 	next    int
 	pending []unsafe.Pointer
 	err     error
 }
 
+func (g *rmaOp) call() string {
+	if g.put {
+		return "ucp_put_nbx"
+	}
+	return "ucp_get_nbx"
+}
+
 // run issues the chunks and waits for them, or, once ctx is done, for no
 // chunk to be in flight.
-func (g *getOp) run(ctx context.Context) error {
+func (g *rmaOp) run(ctx context.Context) error {
 	w := g.e.w
 	err := w.wait(ctx, func() bool {
 		g.reap()
@@ -210,7 +230,7 @@ func (g *getOp) run(ctx context.Context) error {
 			g.err = g.e.failure()
 		}
 		g.issue()
-		return len(g.pending) == 0 && (g.err != nil || g.next == len(g.dst))
+		return len(g.pending) == 0 && (g.err != nil || g.next == len(g.buf))
 	})
 	if err == nil {
 		return g.err
@@ -245,7 +265,7 @@ func (g *getOp) run(ctx context.Context) error {
 
 // reap releases the chunks that finished, under the lock, keeping the
 // first failure.
-func (g *getOp) reap() {
+func (g *rmaOp) reap() {
 	kept := g.pending[:0]
 	for _, r := range g.pending {
 		s := C.gs_ucp_request_check_status(r)
@@ -255,7 +275,7 @@ func (g *getOp) reap() {
 		}
 		C.gs_ucp_request_free(r)
 		if s != C.GSUCX_OK && g.err == nil {
-			g.err = fmt.Errorf("ucp_get_nbx: %w", Status(s))
+			g.err = fmt.Errorf("%s: %w", g.call(), Status(s))
 		}
 	}
 	clear(g.pending[len(kept):])
@@ -263,17 +283,22 @@ func (g *getOp) reap() {
 }
 
 // issue starts chunks, under the lock, until getDepth are in flight.
-func (g *getOp) issue() {
-	for g.err == nil && len(g.pending) < getDepth && g.next < len(g.dst) {
-		n := min(getChunk, len(g.dst)-g.next)
+func (g *rmaOp) issue() {
+	for g.err == nil && len(g.pending) < getDepth && g.next < len(g.buf) {
+		n := min(getChunk, len(g.buf)-g.next)
 		var req unsafe.Pointer
-		s := C.gs_ucp_get(g.e.h, unsafe.Pointer(&g.dst[g.next]), C.size_t(n), C.uint64_t(g.raddr+uint64(g.next)), g.rkey, &req)
+		var s C.ucs_status_t
+		if g.put {
+			s = C.gs_ucp_put(g.e.h, unsafe.Pointer(&g.buf[g.next]), C.size_t(n), C.uint64_t(g.raddr+uint64(g.next)), g.rkey, &req)
+		} else {
+			s = C.gs_ucp_get(g.e.h, unsafe.Pointer(&g.buf[g.next]), C.size_t(n), C.uint64_t(g.raddr+uint64(g.next)), g.rkey, &req)
+		}
 		switch s {
 		case C.GSUCX_OK:
 		case C.GSUCX_INPROGRESS:
 			g.pending = append(g.pending, req)
 		default:
-			g.err = fmt.Errorf("ucp_get_nbx: %w", Status(s))
+			g.err = fmt.Errorf("%s: %w", g.call(), Status(s))
 		}
 		g.next += n
 	}

@@ -39,19 +39,20 @@ func pattern(b []byte, off int) {
 	}
 }
 
-// serveChild is the serving process: it maps SIZE bytes outside Go's heap,
-// fills them with pattern, prints "region-address rkey worker-address" (hex)
+// serveChild is the serving process: it maps SIZE bytes outside Go's heap
+// and a page past them that it does not register, fills them with pattern, prints "region-address rkey worker-address" (hex)
 // on a line, and serves its worker until its standard input closes.
 func serveChild() error {
 	size, err := strconv.Atoi(os.Getenv("SIZE"))
 	if err != nil {
 		return err
 	}
-	b, err := unix.Mmap(-1, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	all, err := unix.Mmap(-1, 0, size+4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		return err
 	}
-	pattern(b, 0)
+	pattern(all, 0)
+	b := all[:size]
 	c, err := NewContext()
 	if err != nil {
 		return err
@@ -276,6 +277,41 @@ func TestPeerBadRequests(t *testing.T) {
 		t.Error("Get on a failed endpoint succeeded")
 	} else if ctx.Err() != nil {
 		t.Errorf("Get on a failed endpoint waited for its context: %v", err)
+	}
+}
+
+// TestPeerPut writes into the serving process's region and reads it back;
+// then it writes to the page past the region, which was never registered:
+// over tcp UCX checks no range for puts either, which is why a lender runs
+// as a process of its own, as nobody (docs/architecture.md, "Peers: the
+// data path").
+func TestPeerPut(t *testing.T) {
+	requireUCX(t)
+	const size = 1 << 20
+	p := startPeer(t, size)
+	ep := connect(t, p)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, off := range []uint64{64, size - 8, size + 64} {
+		word := binary.LittleEndian.AppendUint64(nil, 0xfeedface0000+off)
+		if err := ep.Put(ctx, word, p.addr+off, p.key); err != nil {
+			t.Fatalf("Put at %d: %v", off, err)
+		}
+		got := make([]byte, 8)
+		if err := ep.Get(ctx, got, p.addr+off, p.key); err != nil {
+			t.Fatalf("Get at %d: %v", off, err)
+		}
+		if !bytes.Equal(got, word) {
+			t.Errorf("at offset %d of a region of %d: read back %x after a put of %x", off, size, got, word)
+		} else if off >= size {
+			t.Logf("a put %d bytes past the registered region landed: tcp checks no range", off-size)
+		}
+	}
+	before := make([]byte, 8)
+	pattern(before, 56)
+	got := make([]byte, 8)
+	if err := ep.Get(ctx, got, p.addr+56, p.key); err != nil || !bytes.Equal(got, before) {
+		t.Errorf("the word before the put: %x (%v), want %x untouched", got, err, before)
 	}
 }
 

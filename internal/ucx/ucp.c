@@ -32,6 +32,7 @@ static const struct gsucx_sym gsucx_syms[] = {
 	GSUCX_SYM(ucp_ep_rkey_unpack),
 	GSUCX_SYM(ucp_rkey_destroy),
 	GSUCX_SYM(ucp_get_nbx),
+	GSUCX_SYM(ucp_put_nbx),
 	GSUCX_SYM(ucp_request_check_status),
 	GSUCX_SYM(ucp_request_cancel),
 	GSUCX_SYM(ucp_request_free),

@@ -158,6 +158,7 @@ struct gsucx_fns {
 	ucs_status_t (*ucp_ep_rkey_unpack)(ucp_ep_h, const void *, ucp_rkey_h *);
 	void (*ucp_rkey_destroy)(ucp_rkey_h);
 	ucs_status_ptr_t (*ucp_get_nbx)(ucp_ep_h, void *, size_t, uint64_t, ucp_rkey_h, const gsucx_request_param_t *);
+	ucs_status_ptr_t (*ucp_put_nbx)(ucp_ep_h, const void *, size_t, uint64_t, ucp_rkey_h, const gsucx_request_param_t *);
 	ucs_status_t (*ucp_request_check_status)(void *);
 	void (*ucp_request_cancel)(ucp_worker_h, void *);
 	void (*ucp_request_free)(void *);
@@ -293,6 +294,12 @@ static inline ucs_status_t gs_ucp_get(ucp_ep_h ep, void *buf, size_t len, uint64
 	gsucx_request_param_t p;
 	memset(&p, 0, sizeof p);
 	return gsucx_status_ptr(gsucx.ucp_get_nbx(ep, buf, len, raddr, k, &p), req);
+}
+
+static inline ucs_status_t gs_ucp_put(ucp_ep_h ep, const void *buf, size_t len, uint64_t raddr, ucp_rkey_h k, void **req) {
+	gsucx_request_param_t p;
+	memset(&p, 0, sizeof p);
+	return gsucx_status_ptr(gsucx.ucp_put_nbx(ep, buf, len, raddr, k, &p), req);
 }
 
 static inline ucs_status_t gs_ucp_request_check_status(void *r) { return gsucx.ucp_request_check_status(r); }

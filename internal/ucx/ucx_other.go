@@ -64,6 +64,9 @@ func (e *Endpoint) Close() error { return errUnavailable }
 // Get fails in this build.
 func (e *Endpoint) Get(context.Context, []byte, uint64, []byte) error { return errUnavailable }
 
+// Put fails in this build.
+func (e *Endpoint) Put(context.Context, []byte, uint64, []byte) error { return errUnavailable }
+
 // A Region is registered memory; none can be made in this build.
 type Region struct{}
 

@@ -731,6 +731,16 @@ type PeersReport struct {
 	Node   string     `json:"node"`
 	Listen string     `json:"listen,omitempty"`
 	Peers  []PeerNode `json:"peers"`
+	Pulls  []PeerPull `json:"pulls,omitempty"`
+}
+
+// PeerPull is a pull in progress here: the name, the peer that lends it,
+// its size and the bytes checked so far.
+type PeerPull struct {
+	Name string `json:"name"`
+	From string `json:"from"`
+	Size int64  `json:"size"`
+	Done int64  `json:"done"`
 }
 
 // PeerNode is a peer: its node name once a handshake told it, its address,

@@ -97,8 +97,8 @@ var Operations = []Operation{
 		fields: fTrace | fName},
 	{Name: OpOffer, Doc: "offers a segment to the daemon's peers on other nodes (offer true), or takes it back",
 		fields: fTrace | fName | fOffer},
-	{Name: OpPeers, Doc: "the daemon's peers on other nodes: whether each is connected, and what it offers",
-		fields: fTrace},
+	{Name: OpPeers, Doc: "the daemon's peers on other nodes: whether each is connected, and what it offers; with a name, only that name's pull in progress here",
+		fields: fTrace | fName},
 	{Name: OpPull, Doc: "copies a segment a peer offers into a new one of the same name here, committed once every chunk checked",
 		fields: fTrace | fName | fFrom},
 }

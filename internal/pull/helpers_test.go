@@ -1,0 +1,251 @@
+package pull
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/ucx"
+)
+
+// TestMain runs the helpers when the test binary is started as one (the
+// package's helpers exec os.Executable with __pull).
+func TestMain(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == "__pull" {
+		cmd := Command()
+		cmd.SetArgs(os.Args[2:])
+		if err := cmd.Execute(); err != nil {
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	// Two nodes talk over tcp; here, over loopback.
+	os.Setenv("UCX_TLS", "tcp")
+	os.Setenv("UCX_NET_DEVICES", "lo")
+	os.Exit(m.Run())
+}
+
+func requireUCX(t *testing.T) {
+	t.Helper()
+	if err := ucx.Load(); err != nil {
+		t.Skipf("UCX not usable: %v", err)
+	}
+}
+
+// memfd makes a memfd of size bytes, filled with data when not nil, and
+// closes it at the test's end.
+func memfd(t *testing.T, size int64, data []byte) int {
+	t.Helper()
+	fd, err := unix.MemfdCreate("pull-test", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	if err := unix.Ftruncate(fd, size); err != nil {
+		t.Fatal(err)
+	}
+	if data != nil {
+		if _, err := unix.Pwrite(fd, data, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return fd
+}
+
+func contents(t *testing.T, fd int, size int64) []byte {
+	t.Helper()
+	b := make([]byte, size)
+	if _, err := unix.Pread(fd, b, 0); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func random(t *testing.T, n int64) []byte {
+	b := make([]byte, n)
+	rand.Read(b)
+	return b
+}
+
+func lend(t *testing.T, fd int, size int64, board int) *Lender {
+	t.Helper()
+	l, err := Lend(fd, size, Host, board)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+// TestLendFetch moves a segment of three chunks and a bit between two
+// helper processes, every byte compared, the progress reported up to the
+// size.
+func TestLendFetch(t *testing.T) {
+	requireUCX(t)
+	size := int64(3*Chunk + 4097)
+	want := random(t, size)
+	l := lend(t, memfd(t, size, want), size, -1)
+	dst := memfd(t, size, nil)
+	var last int64
+	if err := Fetch(context.Background(), dst, size, l.Grant, FetchOptions{Board: -1, Progress: func(d int64) { last = d }}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(contents(t, dst, size), want) {
+		t.Fatal("the fetched bytes differ from the lent ones")
+	}
+	if last != size {
+		t.Errorf("the last progress said %d bytes, want %d", last, size)
+	}
+}
+
+// TestChain: a node still fetching a segment lends what it has to the
+// next, which gets every chunk only once its own lender's fetch has it.
+// Three fetches in a chain, started together, end equal to the source.
+func TestChain(t *testing.T) {
+	requireUCX(t)
+	size := int64(5*Chunk + 12345)
+	want := random(t, size)
+	src := lend(t, memfd(t, size, want), size, -1)
+	var (
+		wg   sync.WaitGroup
+		errs = make([]error, 3)
+		dsts []int
+	)
+	grant := src.Grant
+	for k := range 3 {
+		dst, bd := memfd(t, size, nil), memfd(t, BoardSize(size), nil)
+		dsts = append(dsts, dst)
+		g := grant
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[k] = Fetch(context.Background(), dst, size, g, FetchOptions{Board: bd})
+		}()
+		// The next node lends this one's segment as it fills.
+		grant = lend(t, dst, size, bd).Grant
+	}
+	wg.Wait()
+	for k, dst := range dsts {
+		if errs[k] != nil {
+			t.Fatalf("node %d: %v", k+1, errs[k])
+		}
+		if !bytes.Equal(contents(t, dst, size), want) {
+			t.Fatalf("node %d's bytes differ from the source's", k+1)
+		}
+	}
+}
+
+// TestFetchCatchesWrongBytes: a lender that serves one wrong byte fails
+// the fetch, naming the chunk.
+func TestFetchCatchesWrongBytes(t *testing.T) {
+	requireUCX(t)
+	t.Setenv(corruptEnv, "1")
+	size := int64(2*Chunk + 1)
+	l := lend(t, memfd(t, size, random(t, size)), size, -1)
+	err := Fetch(context.Background(), memfd(t, size, nil), size, l.Grant, FetchOptions{Board: -1})
+	if err == nil || !strings.Contains(err.Error(), "fails its checksum") {
+		t.Fatalf("Fetch from a lender of a wrong byte = %v, want a checksum failure", err)
+	}
+}
+
+// TestFetchStall: a lender that stops (SIGSTOP, as a partitioned node
+// whose packets no longer arrive) fails the fetch after the stall time
+// with an error that says so; and a chain whose upstream fetch stalls
+// does too.
+func TestFetchStall(t *testing.T) {
+	requireUCX(t)
+	size := int64(4 * Chunk)
+	l := lend(t, memfd(t, size, random(t, size)), size, -1)
+	syscall.Kill(l.cmd.Process.Pid, syscall.SIGSTOP)
+	defer syscall.Kill(l.cmd.Process.Pid, syscall.SIGCONT)
+	start := time.Now()
+	err := Fetch(context.Background(), memfd(t, size, nil), size, l.Grant, FetchOptions{Board: -1, Stall: 2 * time.Second})
+	if err == nil || !strings.Contains(err.Error(), "2s") {
+		t.Fatalf("Fetch from a stopped lender = %v, want a stall after 2s", err)
+	}
+	t.Logf("after %v: %v", time.Since(start), err)
+
+	// A chain's lender whose board never moves: nothing is staged.
+	mid := memfd(t, size, nil)
+	cl := lend(t, mid, size, memfd(t, BoardSize(size), nil))
+	err = Fetch(context.Background(), memfd(t, size, nil), size, cl.Grant, FetchOptions{Board: -1, Stall: time.Second})
+	if err == nil || !strings.Contains(err.Error(), "staged nothing") {
+		t.Fatalf("Fetch from a chain that never fills = %v, want a stall", err)
+	}
+}
+
+// TestHelpersDrop: run as root, a helper drops to HelperUser, with no
+// supplementary groups, cannot be traced by that user's other processes
+// (not dumpable), and gains nothing by exec (no_new_privs). UCX over tcp
+// lets whoever reaches its port write anywhere in it (internal/ucx's
+// TestPeerPut): this is what they would take over.
+func TestHelpersDrop(t *testing.T) {
+	requireUCX(t)
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: a helper drops privileges only from root")
+	}
+	size := int64(Chunk)
+	l := lend(t, memfd(t, size, random(t, size)), size, -1)
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", l.cmd.Process.Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids, err := helperIDs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	uid := ids[1]
+	for _, want := range []string{"Uid: " + uid + " " + uid + " " + uid + " " + uid, "Groups:", "NoNewPrivs: 1", "CapEff: 0000000000000000"} {
+		found := false
+		for line := range strings.Lines(string(status)) {
+			found = found || strings.Join(strings.Fields(line), " ") == want
+		}
+		if !found {
+			t.Errorf("the lender's /proc/PID/status has no line %q:\n%s", want, status)
+		}
+	}
+	// Not dumpable: /proc/PID/mem and the descriptors are root's.
+	var st syscall.Stat_t
+	if err := syscall.Stat(fmt.Sprintf("/proc/%d/fd", l.cmd.Process.Pid), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Uid != 0 {
+		t.Errorf("the lender's /proc/PID/fd belongs to uid %d: it is dumpable, so its user's processes can take its segment", st.Uid)
+	}
+}
+
+// TestFetchLenderDies: a lender killed mid-fetch fails it at once, not
+// after the stall time.
+func TestFetchLenderDies(t *testing.T) {
+	requireUCX(t)
+	size := int64(16 * Chunk)
+	l := lend(t, memfd(t, size, random(t, size)), size, -1)
+	done := make(chan error, 1)
+	go func() {
+		done <- Fetch(context.Background(), memfd(t, size, nil), size, l.Grant, FetchOptions{Board: -1, Stall: time.Minute, Progress: func(d int64) {
+			if d > 0 {
+				l.cmd.Process.Kill()
+			}
+		}})
+	}()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Log("the fetch finished before the kill took effect")
+		} else if errors.Is(err, context.DeadlineExceeded) || strings.Contains(err.Error(), "1m0s") {
+			t.Fatalf("a dead lender was found only after the stall time: %v", err)
+		}
+	case <-time.After(50 * time.Second):
+		t.Fatal("the fetch from a killed lender did not end")
+	}
+}

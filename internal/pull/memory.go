@@ -1,0 +1,214 @@
+package pull
+
+import (
+	"fmt"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gpushm/gpushm/internal/cuda"
+)
+
+// A source is what a lender serves: the memory UCX registers, and a way
+// to put chunk [off, end) there.
+type source interface {
+	region() []byte
+	ring() int // 0: the segment in place
+	stage(i, off, end int64) ([]byte, error)
+	close()
+}
+
+// A sink is what a fetcher fills: where chunk i is got to, and what to do
+// with it once checked; flush waits for every chunk handed to put, and
+// says how many chunks are in the segment for good.
+type sink interface {
+	buf(i, n int64) ([]byte, error)
+	put(i, off int64, b []byte) (landed int64, err error)
+	flush() (landed int64, err error)
+	close()
+}
+
+// hostSource lends a memfd in place, mapped copy-on-write: UCX may touch
+// what it registers, and a peer's put lands in this process's copy alone.
+type hostSource struct{ b []byte }
+
+func newHostSource(size int64) (*hostSource, error) {
+	b, err := unix.Mmap(3, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE)
+	if err != nil {
+		return nil, fmt.Errorf("lend: map the segment: %w", err)
+	}
+	return &hostSource{b}, nil
+}
+
+func (h *hostSource) region() []byte                          { return h.b }
+func (h *hostSource) ring() int                               { return 0 }
+func (h *hostSource) stage(_, off, end int64) ([]byte, error) { return h.b[off:end], nil }
+func (h *hostSource) close()                                  { unix.Munmap(h.b) }
+
+// hostSink fills a memfd in place.
+type hostSink struct{ b []byte }
+
+func newHostSink(size int64) (*hostSink, error) {
+	b, err := unix.Mmap(3, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("fetch: map the segment: %w", err)
+	}
+	return &hostSink{b}, nil
+}
+
+func (h *hostSink) buf(i, n int64) ([]byte, error)          { return h.b[i*Chunk : i*Chunk+n], nil }
+func (h *hostSink) put(i, _ int64, _ []byte) (int64, error) { return i + 1, nil }
+func (h *hostSink) flush() (int64, error)                   { return -1, nil }
+func (h *hostSink) close()                                  { unix.Munmap(h.b) }
+
+// gpuMemory is a CUDA allocation imported from descriptor 3 and mapped.
+type gpuMemory struct {
+	dev   *cuda.Device
+	h     cuda.Handle
+	ptr   uint64
+	alloc int64
+}
+
+func openGPU(m Memory, readOnly bool) (*gpuMemory, error) {
+	if err := cuda.Init(); err != nil {
+		return nil, err
+	}
+	dev, err := cuda.GetDevice(m.Device)
+	if err != nil {
+		return nil, err
+	}
+	h, err := dev.ImportFD(3)
+	if err != nil {
+		return nil, err
+	}
+	ptr, err := dev.Map(h, m.Alloc, readOnly, dev)
+	if err != nil {
+		dev.Release(h)
+		return nil, err
+	}
+	return &gpuMemory{dev: dev, h: h, ptr: ptr, alloc: m.Alloc}, nil
+}
+
+func (g *gpuMemory) close() {
+	g.dev.Unmap(g.ptr, g.alloc)
+	g.dev.Release(g.h)
+}
+
+// gpuSource lends GPU memory through a ring of pinned buffers: chunk i is
+// copied from the GPU to slot i % ringSlots once the fetcher has taken
+// chunk i - ringSlots.
+type gpuSource struct {
+	*gpuMemory
+	pinned []byte
+}
+
+func newGPUSource(m Memory) (*gpuSource, error) {
+	g, err := openGPU(m, true)
+	if err != nil {
+		return nil, fmt.Errorf("lend: %w", err)
+	}
+	p, err := g.dev.AllocHost(ringSlots * Chunk)
+	if err != nil {
+		g.close()
+		return nil, fmt.Errorf("lend: the ring: %w", err)
+	}
+	return &gpuSource{g, p}, nil
+}
+
+func (s *gpuSource) region() []byte { return s.pinned }
+func (s *gpuSource) ring() int      { return ringSlots }
+
+func (s *gpuSource) stage(i, off, end int64) ([]byte, error) {
+	slot := s.pinned[(i%ringSlots)*Chunk:][:end-off]
+	if err := s.dev.CopyDtoH(slot, s.ptr+uint64(off)); err != nil {
+		return nil, fmt.Errorf("lend: chunk %d from the GPU: %w", i, err)
+	}
+	return slot, nil
+}
+
+func (s *gpuSource) close() {
+	s.dev.FreeHost(s.pinned)
+	s.gpuMemory.close()
+}
+
+// gpuSink fills GPU memory through two pinned buffers, each with a stream
+// of its own: chunk i is got into buffer i % 2, checked, and copied up
+// while chunk i + 1 is on the wire.
+type gpuSink struct {
+	*gpuMemory
+	pinned  []byte
+	streams [2]*cuda.Stream
+	queued  [2]int64 // the chunk each stream copies, or -1
+	landed  int64
+}
+
+func newGPUSink(m Memory) (*gpuSink, error) {
+	g, err := openGPU(m, false)
+	if err != nil {
+		return nil, fmt.Errorf("fetch: %w", err)
+	}
+	s := &gpuSink{gpuMemory: g, queued: [2]int64{-1, -1}}
+	if s.pinned, err = g.dev.AllocHost(2 * Chunk); err != nil {
+		s.close()
+		return nil, fmt.Errorf("fetch: staging buffers: %w", err)
+	}
+	for k := range s.streams {
+		if s.streams[k], err = g.dev.NewStream(); err != nil {
+			s.close()
+			return nil, fmt.Errorf("fetch: %w", err)
+		}
+	}
+	return s, nil
+}
+
+// wait waits for buffer k's copy, if any, to land.
+func (s *gpuSink) wait(k int) error {
+	if s.queued[k] < 0 {
+		return nil
+	}
+	if err := s.streams[k].Synchronize(); err != nil {
+		return fmt.Errorf("fetch: chunk %d to the GPU: %w", s.queued[k], err)
+	}
+	s.landed = max(s.landed, s.queued[k]+1)
+	s.queued[k] = -1
+	return nil
+}
+
+func (s *gpuSink) buf(i, n int64) ([]byte, error) {
+	// The buffer's last copy must be done before the next get writes it.
+	if err := s.wait(int(i % 2)); err != nil {
+		return nil, err
+	}
+	return s.pinned[(i%2)*Chunk:][:n], nil
+}
+
+func (s *gpuSink) put(i, off int64, b []byte) (int64, error) {
+	k := int(i % 2)
+	if err := s.streams[k].CopyHtoDAsync(s.ptr+uint64(off), b); err != nil {
+		return s.landed, fmt.Errorf("fetch: chunk %d to the GPU: %w", i, err)
+	}
+	s.queued[k] = i
+	// Chunks land in order: the other buffer's, one behind, first.
+	return s.landed, s.wait(1 - k)
+}
+
+func (s *gpuSink) flush() (int64, error) {
+	for k := range s.queued {
+		if err := s.wait(k); err != nil {
+			return s.landed, err
+		}
+	}
+	return s.landed, nil
+}
+
+func (s *gpuSink) close() {
+	for _, st := range s.streams {
+		if st != nil {
+			st.Synchronize()
+			st.Close()
+		}
+	}
+	if s.pinned != nil {
+		s.dev.FreeHost(s.pinned)
+	}
+	s.gpuMemory.close()
+}
