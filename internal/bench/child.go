@@ -24,7 +24,7 @@ func ChildCommand() *cobra.Command {
 		Hidden: true,
 		Args:   cobra.NoArgs,
 	}
-	cmd.AddCommand(verifyChildCmd(), openChildCmd(), idleChildCmd(), echoChildCmd(), channelChildCmd())
+	cmd.AddCommand(verifyChildCmd(), openChildCmd(), idleChildCmd(), echoChildCmd(), channelChildCmd(), ucxServeChildCmd(), ucxGetChildCmd())
 	return cmd
 }
 
@@ -67,6 +67,9 @@ func verifyChildCmd() *cobra.Command {
 				return fmt.Errorf("verify %s: %w", name, err)
 			}
 			r.VerifyNS = time.Since(t).Nanoseconds()
+			if writeSeed == 0 {
+				return emit(r)
+			}
 			t = time.Now()
 			if _, err := m.ReadFrom(newPatternReader(writeSeed, m.Size())); err != nil {
 				return fmt.Errorf("write %s: %w", name, err)
@@ -77,7 +80,7 @@ func verifyChildCmd() *cobra.Command {
 	}
 	cmd.Flags().StringVar(&name, "name", "", "segment")
 	cmd.Flags().Uint64Var(&seed, "seed", 0, "pattern to expect")
-	cmd.Flags().Uint64Var(&writeSeed, "write-seed", 0, "pattern to write back")
+	cmd.Flags().Uint64Var(&writeSeed, "write-seed", 0, "pattern to write back (0: none)")
 	return cmd
 }
 

@@ -23,7 +23,7 @@ func Command() *cobra.Command {
 		Use:   "bench",
 		Short: "Benchmarks that print tables",
 	}
-	cmd.AddCommand(benchOpenCmd(), benchPeerCmd(), benchIdleCmd(), benchFilesCmd(), benchChannelCmd())
+	cmd.AddCommand(benchOpenCmd(), benchPeerCmd(), benchIdleCmd(), benchFilesCmd(), benchChannelCmd(), benchPullCmd())
 	return cmd
 }
 

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -284,31 +285,66 @@ func fetch(m Memory, hasBoard bool, stall time.Duration, progress func(int64)) e
 			pub.setReady(k)
 		}
 	}
-	last := time.Now()
-	for i := int64(0); i < g.chunks(); i++ {
-		off, end := i*g.Chunk, min((i+1)*g.Chunk, g.Size)
-		if err := f.staged(i); err != nil {
-			return err
+	// Two stages: this loop waits for each chunk on the lender's board
+	// and gets it; a checker checks it, hands it to the sink and
+	// publishes it, while the next is on the wire.
+	type fetched struct {
+		i, off, end int64
+		b           []byte
+	}
+	work := make(chan fetched, 1)
+	var checkErr atomic.Pointer[error]
+	checked := make(chan struct{})
+	go func() {
+		defer close(checked)
+		last := time.Now()
+		for c := range work {
+			if checkErr.Load() != nil {
+				continue
+			}
+			if err := f.check(c.b, c.i, c.off, c.end); err != nil {
+				checkErr.Store(&err)
+				continue
+			}
+			if pub != nil {
+				pub.setCRC(c.i, f.crcs[c.i])
+			}
+			k, err := dst.put(c.i, c.off, c.b)
+			if err != nil {
+				checkErr.Store(&err)
+				continue
+			}
+			landed(k)
+			if time.Since(last) > 100*time.Millisecond {
+				progress(c.end)
+				last = time.Now()
+			}
 		}
-		b, err := dst.buf(i, end-off)
-		if err != nil {
-			return err
+	}()
+	err = func() error {
+		defer close(work)
+		for i := int64(0); i < g.chunks() && checkErr.Load() == nil; i++ {
+			off, end := i*g.Chunk, min((i+1)*g.Chunk, g.Size)
+			if err := f.staged(i); err != nil {
+				return err
+			}
+			b, err := dst.buf(i, end-off)
+			if err != nil {
+				return err
+			}
+			if err := f.get(b, i, off, end); err != nil {
+				return err
+			}
+			work <- fetched{i, off, end, b}
 		}
-		if err := f.get(b, i, off, end); err != nil {
-			return err
-		}
-		if pub != nil {
-			pub.setCRC(i, f.crcs[i])
-		}
-		k, err := dst.put(i, off, b)
-		if err != nil {
-			return err
-		}
-		landed(k)
-		if time.Since(last) > 100*time.Millisecond {
-			progress(end)
-			last = time.Now()
-		}
+		return nil
+	}()
+	<-checked
+	if e := checkErr.Load(); e != nil {
+		return *e
+	}
+	if err != nil {
+		return err
 	}
 	k, err := dst.flush()
 	if err != nil {
@@ -376,8 +412,8 @@ func (f *fetcher) read(b []byte, addr uint64, what string) error {
 	return nil
 }
 
-// get reads chunk i, bytes [off, end), into b, checks it, and tells a
-// lender with a ring that its slot is free.
+// get reads chunk i, bytes [off, end), into b, and tells a lender with a
+// ring that its slot is free.
 func (f *fetcher) get(b []byte, i, off, end int64) error {
 	addr := f.g.Addr + uint64(off)
 	if f.g.Ring > 0 {
@@ -393,9 +429,6 @@ func (f *fetcher) get(b []byte, i, off, end int64) error {
 	case err != nil:
 		return fmt.Errorf("fetch: bytes %d to %d: %w", off, end, err)
 	}
-	if got := crc32c.Checksum(b); got != f.crcs[i] {
-		return fmt.Errorf("fetch: chunk %d (bytes %d to %d) fails its checksum (crc32c %08x, the lender's %08x): the peer sent wrong bytes", i, off, end, got, f.crcs[i])
-	}
 	if f.g.Ring > 0 {
 		taken := binary.LittleEndian.AppendUint64(nil, uint64(i+1))
 		ctx, cancel := context.WithTimeout(context.Background(), f.stall)
@@ -403,6 +436,15 @@ func (f *fetcher) get(b []byte, i, off, end int64) error {
 		if err := f.ep.Put(ctx, taken, f.g.Board+8, f.g.BoardKey); err != nil {
 			return fmt.Errorf("fetch: telling the lender chunk %d is taken: %w", i, err)
 		}
+	}
+	return nil
+}
+
+// check checks chunk i, bytes [off, end), in b, against the lender's
+// checksum.
+func (f *fetcher) check(b []byte, i, off, end int64) error {
+	if got := crc32c.Checksum(b); got != f.crcs[i] {
+		return fmt.Errorf("fetch: chunk %d (bytes %d to %d) fails its checksum (crc32c %08x, the lender's %08x): the peer sent wrong bytes", i, off, end, got, f.crcs[i])
 	}
 	return nil
 }

@@ -2,6 +2,7 @@ package pull
 
 import (
 	"fmt"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -130,24 +131,33 @@ func (s *gpuSource) close() {
 	s.gpuMemory.close()
 }
 
-// gpuSink fills GPU memory through two pinned buffers, each with a stream
-// of its own: chunk i is got into buffer i % 2, checked, and copied up
-// while chunk i + 1 is on the wire.
+// gpuSink fills GPU memory through pinned buffers, each with a stream of
+// its own: chunk i is got into buffer i % sinkSlots, checked, and copied
+// up while the next is on the wire. The fetcher's getter (buf) and its
+// checker (put) call it from two goroutines.
 type gpuSink struct {
 	*gpuMemory
 	pinned  []byte
-	streams [2]*cuda.Stream
-	queued  [2]int64 // the chunk each stream copies, or -1
-	landed  int64
+	streams [sinkSlots]*cuda.Stream
+	mu      sync.Mutex
+	queued  [sinkSlots]int64 // the chunk each stream copies, or -1
+	landed  int64            // chunks in order on the GPU
+	done    map[int64]bool   // chunks on the GPU past landed
 }
+
+// sinkSlots: one chunk on the wire, one being checked, one copying up.
+const sinkSlots = 3
 
 func newGPUSink(m Memory) (*gpuSink, error) {
 	g, err := openGPU(m, false)
 	if err != nil {
 		return nil, fmt.Errorf("fetch: %w", err)
 	}
-	s := &gpuSink{gpuMemory: g, queued: [2]int64{-1, -1}}
-	if s.pinned, err = g.dev.AllocHost(2 * Chunk); err != nil {
+	s := &gpuSink{gpuMemory: g, done: map[int64]bool{}}
+	for k := range s.queued {
+		s.queued[k] = -1
+	}
+	if s.pinned, err = g.dev.AllocHost(sinkSlots * Chunk); err != nil {
 		s.close()
 		return nil, fmt.Errorf("fetch: staging buffers: %w", err)
 	}
@@ -162,41 +172,62 @@ func newGPUSink(m Memory) (*gpuSink, error) {
 
 // wait waits for buffer k's copy, if any, to land.
 func (s *gpuSink) wait(k int) error {
-	if s.queued[k] < 0 {
+	s.mu.Lock()
+	i := s.queued[k]
+	s.mu.Unlock()
+	if i < 0 {
 		return nil
 	}
 	if err := s.streams[k].Synchronize(); err != nil {
-		return fmt.Errorf("fetch: chunk %d to the GPU: %w", s.queued[k], err)
+		return fmt.Errorf("fetch: chunk %d to the GPU: %w", i, err)
 	}
-	s.landed = max(s.landed, s.queued[k]+1)
-	s.queued[k] = -1
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.queued[k] == i {
+		s.queued[k] = -1
+		s.done[i] = true
+		for s.done[s.landed] {
+			delete(s.done, s.landed)
+			s.landed++
+		}
+	}
 	return nil
 }
 
 func (s *gpuSink) buf(i, n int64) ([]byte, error) {
 	// The buffer's last copy must be done before the next get writes it.
-	if err := s.wait(int(i % 2)); err != nil {
+	k := int(i % sinkSlots)
+	if err := s.wait(k); err != nil {
 		return nil, err
 	}
-	return s.pinned[(i%2)*Chunk:][:n], nil
+	return s.pinned[int64(k)*Chunk:][:n], nil
 }
 
 func (s *gpuSink) put(i, off int64, b []byte) (int64, error) {
-	k := int(i % 2)
+	k := int(i % sinkSlots)
 	if err := s.streams[k].CopyHtoDAsync(s.ptr+uint64(off), b); err != nil {
-		return s.landed, fmt.Errorf("fetch: chunk %d to the GPU: %w", i, err)
+		return 0, fmt.Errorf("fetch: chunk %d to the GPU: %w", i, err)
 	}
+	s.mu.Lock()
 	s.queued[k] = i
-	// Chunks land in order: the other buffer's, one behind, first.
-	return s.landed, s.wait(1 - k)
+	s.mu.Unlock()
+	// The one before has had a chunk's time on the wire to land.
+	if err := s.wait(int((i + sinkSlots - 1) % sinkSlots)); err != nil {
+		return 0, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.landed, nil
 }
 
 func (s *gpuSink) flush() (int64, error) {
 	for k := range s.queued {
 		if err := s.wait(k); err != nil {
-			return s.landed, err
+			return 0, err
 		}
 	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	return s.landed, nil
 }
 
