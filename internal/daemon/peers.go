@@ -24,8 +24,8 @@ import (
 // tell each other what they offer; the data path (internal/ucx) is not
 // wired yet.
 
-// peerConfig reads --listen-peers, --peers, --peer-secret and --node;
-// nil when no peer is configured.
+// peerConfig reads --listen-peers, --peers, --peer-service, --peer-secret
+// and --node; nil when no peer is configured.
 func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 	var addrs []string
 	for _, a := range strings.Split(o.Peers, ",") {
@@ -33,14 +33,14 @@ func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 			addrs = append(addrs, a)
 		}
 	}
-	if o.ListenPeers == "" && len(addrs) == 0 {
+	if o.ListenPeers == "" && len(addrs) == 0 && o.PeerService == "" {
 		if o.PeerSecret != "" {
-			return nil, errors.New("--peer-secret needs --listen-peers or --peers")
+			return nil, errors.New("--peer-secret needs --listen-peers, --peers or --peer-service")
 		}
 		return nil, nil
 	}
 	if o.PeerSecret == "" {
-		return nil, errors.New("--listen-peers and --peers need --peer-secret FILE: the secret the node's daemons share (docs/peers.md)")
+		return nil, errors.New("--listen-peers, --peers and --peer-service need --peer-secret FILE: the secret the node's daemons share (docs/peers.md)")
 	}
 	secret, err := peer.LoadSecret(o.PeerSecret)
 	if err != nil {
@@ -52,7 +52,8 @@ func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 			return nil, fmt.Errorf("--node: none given, and the host's name: %w", err)
 		}
 	}
-	return &peer.Config{Node: node, Secret: secret, Listen: o.ListenPeers, Peers: addrs, Log: log}, nil
+	return &peer.Config{Node: node, Secret: secret, Listen: o.ListenPeers, Peers: addrs,
+		Service: o.PeerService, ResolveEvery: o.PeerServiceEvery, Log: log}, nil
 }
 
 // peers is the running peer node of a serving process.
@@ -88,7 +89,7 @@ func (p *peers) start(srv *server.Server) error {
 	}
 	srv.SetPeers(p.report)
 	srv.SetPull(p.pull)
-	cfg.Log.Info("peers", "node", cfg.Node, "listen", cfg.Listen, "peers", cfg.Peers)
+	cfg.Log.Info("peers", "node", cfg.Node, "listen", cfg.Listen, "peers", cfg.Peers, "service", cfg.Service)
 	return nil
 }
 
@@ -139,12 +140,15 @@ func (p *peers) report(ctx context.Context) *wire.PeersReport {
 	p.mu.Lock()
 	n := p.node
 	p.mu.Unlock()
-	r := &wire.PeersReport{Node: p.cfg.Node, Listen: p.cfg.Listen, Peers: []wire.PeerNode{}}
+	r := &wire.PeersReport{Node: p.cfg.Node, Listen: p.cfg.Listen, Service: p.cfg.Service, Peers: []wire.PeerNode{}}
 	if n == nil {
 		return r
 	}
 	if a := n.Addr(); a != nil {
 		r.Listen = a.String()
+	}
+	if err := n.ServiceErr(); err != nil {
+		r.ServiceError = err.Error()
 	}
 	infos := n.Peers()
 	r.Peers = make([]wire.PeerNode, len(infos))

@@ -726,11 +726,15 @@ func AppendEncode(dst []byte, v any) ([]byte, error) {
 }
 
 // PeersReport is what the peers operation says: this node's name, the
-// address it listens on for peers (empty: none), and each peer.
+// address it listens on for peers (empty: none), the name whose addresses
+// are its peers (--peer-service) and why its last resolution failed, and
+// each peer.
 type PeersReport struct {
-	Node   string     `json:"node"`
-	Listen string     `json:"listen,omitempty"`
-	Peers  []PeerNode `json:"peers"`
+	Node         string     `json:"node"`
+	Listen       string     `json:"listen,omitempty"`
+	Service      string     `json:"service,omitempty"`
+	ServiceError string     `json:"service_error,omitempty"`
+	Peers        []PeerNode `json:"peers"`
 }
 
 // PeerNode is a peer: its node name once a handshake told it, its address,
