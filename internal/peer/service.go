@@ -24,6 +24,12 @@ type Resolver interface {
 // resolveTimeout bounds one resolution of Config.Service.
 const resolveTimeout = 10 * time.Second
 
+// maxService bounds the addresses of an answer that are dialed (the
+// first, sorted): a node per address, more than a mesh of daemons
+// should be, and an answer cannot make this node hold a redialer and a
+// connection for every address it names.
+const maxService = 1024
+
 // watch resolves Config.Service now and every ResolveEvery until ctx is
 // done, and keeps a redialer (dialer) for each address of the answer. An
 // address gone from an answer is dropped, its connection closed. A
@@ -94,7 +100,12 @@ func (n *Node) resolve(ctx context.Context, host, port string) ([]string, error)
 		addrs = append(addrs, net.JoinHostPort(s, port))
 	}
 	slices.Sort(addrs)
-	return slices.Compact(addrs), nil
+	addrs = slices.Compact(addrs)
+	if len(addrs) > maxService {
+		n.log.Warn("peer service: too many addresses", "service", n.cfg.Service, "addresses", len(addrs), "dialed", maxService)
+		addrs = addrs[:maxService]
+	}
+	return addrs, nil
 }
 
 // own says whether an address at port is this node's listener: its

@@ -2,6 +2,7 @@ package peer
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"slices"
 	"strconv"
@@ -123,5 +124,33 @@ func TestServiceConfig(t *testing.T) {
 			n.Close()
 			t.Errorf("Start with service %q: no error", s)
 		}
+	}
+}
+
+// TestServiceForged: a forged answer naming mallory, who holds another
+// secret, and 5000 other addresses (loopback ones where nothing listens)
+// makes a node dial 1024 of them, saying so, and trust none: mallory is
+// refused, as a peer configured by address would be.
+func TestServiceForged(t *testing.T) {
+	m, lm := start(t, Config{Node: "mallory", Secret: secretB, Listen: "127.0.0.5:0"})
+	port := strconv.Itoa(m.Addr().(*net.TCPAddr).Port)
+	d := &dns{name: "peers.test"}
+	many := []string{"127.0.0.5"}
+	for i := range 5000 {
+		many = append(many, fmt.Sprintf("127.1.%d.%d", i/250, 1+i%250))
+	}
+	d.set(many...)
+	n, l := start(t, Config{Node: "a", Service: "peers.test:" + port, Resolver: d, ResolveEvery: time.Hour})
+	waitLog(t, l, "too many addresses", "addresses=5001", "dialed=1024")
+	waitLog(t, l, "peer refused", m.Addr().String())
+	waitLog(t, lm, "peer refused", "proof does not match")
+	testutil.WaitFor(t, "1024 dialed", func() bool { return len(n.Peers()) == 1024 })
+	for _, p := range n.Peers() {
+		if p.Connected || p.Name != "" {
+			t.Fatalf("a peer of a forged answer: %+v", p)
+		}
+	}
+	if connected(m, "a") {
+		t.Fatal("mallory connected to a")
 	}
 }
