@@ -25,9 +25,10 @@ type Resolver interface {
 const resolveTimeout = 10 * time.Second
 
 // maxService bounds the addresses of an answer that are dialed (the
-// first, sorted): a node per address, more than a mesh of daemons
-// should be, and an answer cannot make this node hold a redialer and a
-// connection for every address it names.
+// first, sorted): more nodes than a mesh of daemons, each connected to
+// every other, should have, and few enough that an answer (a forged one,
+// say) cannot make this node hold a redialer and a connection for every
+// address it could name.
 const maxService = 1024
 
 // watch resolves Config.Service now and every ResolveEvery until ctx is
