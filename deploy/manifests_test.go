@@ -3,6 +3,7 @@ package deploy_test
 import (
 	"encoding/json"
 	"fmt"
+	"net"
 	"os"
 	"path"
 	"path/filepath"
@@ -151,18 +152,21 @@ func one[T any](t *testing.T, all map[string][]any, file string) T {
 // the daemon is set up as docs/kubernetes.md says.
 func TestManifests(t *testing.T) {
 	all := manifests(t)
-	for _, f := range []string{"namespace.yaml", "daemonset.yaml", "daemonset-fuse.yaml", "service.yaml", "servicemonitor.yaml", "example-workload.yaml"} {
+	for _, f := range []string{"namespace.yaml", "daemonset.yaml", "daemonset-fuse.yaml", "daemonset-peers.yaml", "service.yaml", "servicemonitor.yaml", "example-workload.yaml"} {
 		if len(all[f]) == 0 {
 			t.Errorf("kubernetes/%s: missing or empty", f)
 		}
 	}
 	plain := one[*appsv1.DaemonSet](t, all, "daemonset.yaml")
 	fuse := one[*appsv1.DaemonSet](t, all, "daemonset-fuse.yaml")
-	for name, ds := range map[string]*appsv1.DaemonSet{"daemonset.yaml": plain, "daemonset-fuse.yaml": fuse} {
+	peers := one[*appsv1.DaemonSet](t, all, "daemonset-peers.yaml")
+	for name, ds := range map[string]*appsv1.DaemonSet{"daemonset.yaml": plain, "daemonset-fuse.yaml": fuse, "daemonset-peers.yaml": peers} {
 		t.Run(name, func(t *testing.T) { checkDaemonSet(t, ds) })
 	}
-	if plain.Name != fuse.Name || plain.Namespace != fuse.Namespace {
-		t.Error("the FUSE DaemonSet must replace the plain one: same name and namespace")
+	for name, ds := range map[string]*appsv1.DaemonSet{"daemonset-fuse.yaml": fuse, "daemonset-peers.yaml": peers} {
+		if plain.Name != ds.Name || plain.Namespace != ds.Namespace {
+			t.Errorf("%s's DaemonSet must replace the plain one: same name and namespace", name)
+		}
 	}
 	// The plain daemon runs non-root, with nothing extra.
 	c := plain.Spec.Template.Spec.Containers[0]
@@ -191,6 +195,9 @@ func TestManifests(t *testing.T) {
 		t.Errorf("service.yaml: want one port targeting the daemon's metrics port: %+v", svc.Spec.Ports)
 	}
 	sm := one[*monitoringv1.ServiceMonitor](t, all, "servicemonitor.yaml")
+	if ps := one[*corev1.Service](t, all, "daemonset-peers.yaml"); matches(sm.Spec.Selector.MatchLabels, ps.Labels) {
+		t.Errorf("servicemonitor.yaml: selector %v selects the peers' Service %v, which has no metrics port", sm.Spec.Selector.MatchLabels, ps.Labels)
+	}
 	if !matches(sm.Spec.Selector.MatchLabels, svc.Labels) {
 		t.Errorf("servicemonitor.yaml: selector %v does not select the Service %v", sm.Spec.Selector.MatchLabels, svc.Labels)
 	}
@@ -217,6 +224,133 @@ func TestManifests(t *testing.T) {
 			t.Errorf("example-workload.yaml: container %s has GPUSHM_DAEMON_UID=%q; the daemon runs as uid %s", c.Name, env(c, "GPUSHM_DAEMON_UID"), daemon)
 		}
 	}
+}
+
+// TestPeersManifest: daemonset-peers.yaml is daemonset.yaml with peers
+// (docs/peers.md, "Kubernetes"): a headless Service over every daemon's
+// pod, ready or not; one port for --listen-peers, the container, the
+// Service and --peer-service, whose name is the Service's; --node the
+// pod's node; the secret a copy in memory that the daemon's uid owns,
+// made from the Secret by an init container (the daemon refuses the
+// Secret volume's files, symbolic links owned by root); and nothing else
+// changed.
+func TestPeersManifest(t *testing.T) {
+	all := manifests(t)
+	plain := one[*appsv1.DaemonSet](t, all, "daemonset.yaml")
+	ds := one[*appsv1.DaemonSet](t, all, "daemonset-peers.yaml")
+	svc := one[*corev1.Service](t, all, "daemonset-peers.yaml")
+	spec := &ds.Spec.Template.Spec
+	c := spec.Containers[0]
+
+	if svc.Spec.ClusterIP != corev1.ClusterIPNone || !svc.Spec.PublishNotReadyAddresses ||
+		!matches(svc.Spec.Selector, ds.Spec.Template.Labels) || svc.Namespace != ds.Namespace {
+		t.Errorf("the peers' Service must be headless (clusterIP: None), publish pods not ready, and select the daemon's pods in its namespace: %+v", svc.Spec)
+	}
+	_, listen, _ := strings.Cut(argValue(c.Args, "--listen-peers"), ":")
+	var named int32
+	for _, p := range c.Ports {
+		if p.Name == "peers" {
+			named = p.ContainerPort
+		}
+	}
+	if listen == "" || strconv.Itoa(int(named)) != listen || len(svc.Spec.Ports) != 1 ||
+		svc.Spec.Ports[0].TargetPort.StrVal != "peers" || strconv.Itoa(int(svc.Spec.Ports[0].Port)) != listen {
+		t.Errorf("--listen-peers %q, port named peers %d, Service ports %+v: want one port throughout", argValue(c.Args, "--listen-peers"), named, svc.Spec.Ports)
+	}
+	// A headless Service's addresses are the pods': the port is theirs.
+	host, port, err := net.SplitHostPort(argValue(c.Args, "--peer-service"))
+	name := svc.Name + "." + svc.Namespace + ".svc"
+	if err != nil || port != listen || host != name && !strings.HasPrefix(host, name+".") {
+		t.Errorf("--peer-service %q: want %s:%s", argValue(c.Args, "--peer-service"), name, listen)
+	}
+	var nodeName string
+	for _, e := range c.Env {
+		if e.Name == "NODE_NAME" && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
+			nodeName = e.ValueFrom.FieldRef.FieldPath
+		}
+	}
+	if argValue(c.Args, "--node") != "$(NODE_NAME)" || nodeName != "spec.nodeName" {
+		t.Errorf("--node %q, NODE_NAME from %q: want the pod's spec.nodeName", argValue(c.Args, "--node"), nodeName)
+	}
+
+	// The secret: a file in a tmpfs emptyDir, written by an init container
+	// from the Secret, which the daemon does not mount.
+	file := argValue(c.Args, "--peer-secret")
+	key := mountedVolume(spec, c, path.Dir(file))
+	if key == nil || key.EmptyDir == nil || key.EmptyDir.Medium != corev1.StorageMediumMemory {
+		t.Fatalf("--peer-secret %q: want a file in an emptyDir of medium Memory, not the Secret's volume (symbolic links, root's): %+v", file, key)
+	}
+	var copier *corev1.Container
+	var secret *corev1.Volume
+	for _, ic := range spec.InitContainers {
+		if v := mountedVolume(spec, ic, path.Dir(file)); v != nil && v.Name == key.Name {
+			copier = &ic
+			for _, m := range ic.VolumeMounts {
+				if v := volumeNamed(spec, m.Name); v != nil && v.Secret != nil {
+					secret = v
+				}
+			}
+		}
+	}
+	uid := fmt.Sprint(*c.SecurityContext.RunAsUser)
+	if copier == nil || secret == nil {
+		t.Fatalf("no init container writes %s from a Secret", file)
+	}
+	cmd := strings.Join(copier.Command, " ")
+	if !strings.Contains(cmd, " "+file) || !strings.Contains(cmd, "chown "+uid+":") || !strings.Contains(cmd, "chmod 0400 "+file) {
+		t.Errorf("init container %s: %q: want it to copy the secret to %s, mode 0400, owned by the daemon's uid %s", copier.Name, cmd, file, uid)
+	}
+	if secret.Secret.SecretName != "gpushm-peer-secret" || secret.Secret.DefaultMode == nil || *secret.Secret.DefaultMode&0o077 != 0 {
+		t.Errorf("Secret volume %+v: want gpushm-peer-secret, readable by its owner alone", secret.Secret)
+	}
+	for _, m := range c.VolumeMounts {
+		if m.Name == secret.Name {
+			t.Errorf("the daemon mounts the Secret's volume at %s: it is the init container's", m.MountPath)
+		}
+	}
+
+	// Nothing else: without the peers' parts, it is daemonset.yaml.
+	bare := ds.DeepCopy()
+	bs := &bare.Spec.Template.Spec
+	bc := &bs.Containers[0]
+	bc.Args = slices.DeleteFunc(bc.Args, func(a string) bool {
+		f, _, _ := strings.Cut(a, "=")
+		return slices.Contains([]string{"--listen-peers", "--peer-service", "--peer-secret", "--node"}, f)
+	})
+	bc.Env = slices.DeleteFunc(bc.Env, func(e corev1.EnvVar) bool { return e.Name == "NODE_NAME" })
+	bc.Ports = slices.DeleteFunc(bc.Ports, func(p corev1.ContainerPort) bool { return p.Name == "peers" })
+	bc.VolumeMounts = slices.DeleteFunc(bc.VolumeMounts, func(m corev1.VolumeMount) bool { return m.Name == key.Name })
+	bs.InitContainers = slices.DeleteFunc(bs.InitContainers, func(ic corev1.Container) bool { return ic.Name == copier.Name })
+	bs.Volumes = slices.DeleteFunc(bs.Volumes, func(v corev1.Volume) bool { return v.Name == key.Name || v.Name == secret.Name })
+	got, _ := json.Marshal(bare)
+	want, _ := json.Marshal(plain)
+	if string(got) != string(want) {
+		i := 0
+		for i < min(len(got), len(want)) && got[i] == want[i] {
+			i++
+		}
+		t.Errorf("daemonset-peers.yaml differs from daemonset.yaml beyond the peers, at\n  %s\nwhere daemonset.yaml has\n  %s",
+			got[max(0, i-80):min(len(got), i+80)], want[max(0, i-80):min(len(want), i+80)])
+	}
+}
+
+// mountedVolume is the pod's volume that c mounts at dir, or nil.
+func mountedVolume(spec *corev1.PodSpec, c corev1.Container, dir string) *corev1.Volume {
+	for _, m := range c.VolumeMounts {
+		if m.MountPath == dir {
+			return volumeNamed(spec, m.Name)
+		}
+	}
+	return nil
+}
+
+func volumeNamed(spec *corev1.PodSpec, name string) *corev1.Volume {
+	for i := range spec.Volumes {
+		if spec.Volumes[i].Name == name {
+			return &spec.Volumes[i]
+		}
+	}
+	return nil
 }
 
 func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {

@@ -432,3 +432,77 @@ func TestPullPartition(t *testing.T) {
 		t.Fatalf("a partitioned pull left %v", got)
 	}
 }
+
+// TestPeerService: three daemons in network namespaces of their own, each
+// given one name whose every address is a peer (--peer-service), as a
+// Kubernetes headless Service's is: /etc/hosts in each namespace gives it
+// the three addresses. The name does not resolve at first (a Service
+// with no endpoints yet): the daemons start anyway and say why. Then each
+// connects to the other two, not to itself, and lists each once though
+// each also dials it; a node gone from the name is dropped by the others
+// at their next resolution (it still dials them: they list it as a node
+// that dialed in).
+func TestPeerService(t *testing.T) {
+	net := testutil.NetNamespaces(t, 3)
+	secret := writeSecret(t, strings.Repeat("s3cret-of-the-cluster-", 3))
+	names := []string{"a", "b", "c"}
+	var lines []string
+	for i := range names {
+		lines = append(lines, net.IP(i)+" gpushm-peers.test")
+		net.Hosts(i) // no such name yet
+	}
+	const service = "gpushm-peers.test:7946"
+	var ds []*Daemon
+	for i, node := range names {
+		sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
+		args := []string{"--node", node, "--peer-secret", secret, "--listen-peers", ":7946",
+			"--peer-service", service, "--peer-service-every", "100ms"}
+		ds = append(ds, Start(t, Options{Socket: sock, Args: args, Wrap: func(name string, args ...string) *exec.Cmd {
+			return net.Command(i, name, args...)
+		}}))
+	}
+	r := waitPeers(t, ds[0].Socket(), "a says the service does not resolve", func(r *wire.PeersReport) bool {
+		return r.ServiceError != ""
+	})
+	if r.Service != service || !strings.Contains(r.ServiceError, "no such host") || len(r.Peers) != 0 {
+		t.Fatalf("a, its service not resolving: %+v", r)
+	}
+	if out := mustRun(t, nil, "--socket", ds[0].Socket(), "peers"); !strings.Contains(out, "every address of "+service+", not resolved") {
+		t.Fatalf("gpushm peers on a:\n%s", out)
+	}
+
+	// dialing says what a node's report must be: its peers, by name, each
+	// once, connected, and whether it dials them.
+	want := func(what string, i int, dialing map[string]bool) {
+		t.Helper()
+		waitPeers(t, ds[i].Socket(), what, func(r *wire.PeersReport) bool {
+			if len(r.Peers) != len(dialing) || r.ServiceError != "" {
+				return false
+			}
+			for _, p := range r.Peers {
+				if out, ok := dialing[p.Name]; !ok || !p.Connected || p.Outbound != out {
+					return false
+				}
+			}
+			return true
+		})
+	}
+	for i := range names {
+		net.Hosts(i, lines...)
+	}
+	want("a dials b and c", 0, map[string]bool{"b": true, "c": true})
+	want("b dials a and c", 1, map[string]bool{"a": true, "c": true})
+	want("c dials a and b", 2, map[string]bool{"a": true, "b": true})
+	for i, d := range ds {
+		if strings.Contains(d.log.String(), "this node's name") {
+			t.Errorf("%s dialed itself:\n%s", names[i], d.log.String())
+		}
+	}
+
+	// c leaves the name as a and b resolve it.
+	net.Hosts(0, lines[:2]...)
+	net.Hosts(1, lines[:2]...)
+	want("a drops c, which still dials it", 0, map[string]bool{"b": true, "c": false})
+	want("b drops c, which still dials it", 1, map[string]bool{"a": true, "c": false})
+	want("c still dials a and b", 2, map[string]bool{"a": true, "b": true})
+}

@@ -96,7 +96,12 @@ func daemonCmd() *cobra.Command {
 	f.StringVar(&o.DiskBudget, "disk-budget", "", "bound the bytes the disk tier's files take: a size (500GiB); none by default (a full disk is an error that keeps the segment in memory)")
 	f.StringVar(&o.ListenPeers, "listen-peers", "", "let daemons on other nodes connect here (HOST:PORT or :PORT), authenticated by --peer-secret (docs/peers.md)")
 	f.StringVar(&o.Peers, "peers", "", "daemons on other nodes to connect to, HOST:PORT separated by commas, authenticated by --peer-secret")
-	f.StringVar(&o.PeerSecret, "peer-secret", "", "the file (mode 0600, at least 32 bytes) of the secret this node's peers share; needed with --listen-peers or --peers")
+	f.StringVar(&o.PeerService, "peer-service", "", "daemons on other nodes to connect to: every address of this HOST:PORT (a Kubernetes headless Service's name), resolved every 30s, this node's own skipped, authenticated by --peer-secret")
+	f.DurationVar(&o.PeerServiceEvery, "peer-service-every", 0, "how often --peer-service is resolved again (default 30s)")
+	// A node that joins dials the others at once and they see it then;
+	// this sets how soon they dial it back, which tests shorten.
+	f.MarkHidden("peer-service-every")
+	f.StringVar(&o.PeerSecret, "peer-secret", "", "the file (mode 0600, at least 32 bytes) of the secret this node's peers share; needed with --listen-peers, --peers or --peer-service")
 	f.StringVar(&o.Node, "node", "", "this node's name to its peers (default: the host's name)")
 	f.DurationVar(&o.PullStall, "pull-stall", pull.DefaultStall, "how long a pull waits for a peer that sends nothing (a partition, a peer stopped) before it fails, naming the peer, and tries the next that offers the name")
 	f.StringVar(&o.Metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")

@@ -17,10 +17,10 @@ import (
 	"github.com/gpushm/gpushm/internal/terminal"
 )
 
-const peersHelp = `A daemon started with --listen-peers or --peers (and --peer-secret) keeps
-authenticated connections to the daemons of other nodes, which tell each
-other the segments their owners offer (docs/peers.md). Nothing is offered
-unless its owner says so.`
+const peersHelp = `A daemon started with --listen-peers, --peers or --peer-service (and
+--peer-secret) keeps authenticated connections to the daemons of other
+nodes, which tell each other the segments their owners offer
+(docs/peers.md). Nothing is offered unless its owner says so.`
 
 func offerCmd(on bool) *cobra.Command {
 	use, short, long, example := "offer NAME...", "Offer segments to the daemon's peers on other nodes",
@@ -80,7 +80,7 @@ error if not, and the segments it offers. -o json prints the report.`,
 				return printValue(r)
 			}
 			if r == nil {
-				fmt.Fprintln(Stdout, "no peers: the daemon was started without --listen-peers or --peers")
+				fmt.Fprintln(Stdout, "no peers: the daemon was started without --listen-peers, --peers or --peer-service")
 				return nil
 			}
 			listen := r.Listen
@@ -88,6 +88,13 @@ error if not, and the segments it offers. -o json prints the report.`,
 				listen = "-"
 			}
 			fmt.Fprintf(Stdout, "node %s, listening for peers on %s\n", r.Node, listen)
+			if r.Service != "" {
+				fmt.Fprintf(Stdout, "peers: every address of %s", r.Service)
+				if r.ServiceError != "" {
+					fmt.Fprintf(Stdout, ", not resolved: %s", r.ServiceError)
+				}
+				fmt.Fprintln(Stdout)
+			}
 			w := tabwriter.NewWriter(Stdout, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "PEER\tADDRESS\tSTATE\tOFFERS")
 			for _, p := range r.Peers {

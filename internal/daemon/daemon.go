@@ -48,10 +48,12 @@ type Options struct {
 	// commas (none: no disk tier); DiskBudget bounds what it takes.
 	Disk, DiskBudget string
 	// Peers (peers.go): ListenPeers is the address peers dial, Peers the
-	// addresses this daemon dials (comma-separated), PeerSecret the file
-	// of the secret they share, Node this node's name (default: the
-	// host's).
-	ListenPeers, Peers, PeerSecret, Node string
+	// addresses this daemon dials (comma-separated), PeerService a
+	// HOST:PORT whose every address is a peer, resolved again every
+	// PeerServiceEvery, PeerSecret the file of the secret they share,
+	// Node this node's name (default: the host's).
+	ListenPeers, Peers, PeerService, PeerSecret, Node string
+	PeerServiceEvery                                  time.Duration
 	// PullStall is how long a pull waits for a peer that sends nothing
 	// (0: pull.DefaultStall).
 	PullStall time.Duration

@@ -24,8 +24,8 @@ import (
 // tell each other what they offer; the data path (internal/ucx) is not
 // wired yet.
 
-// peerConfig reads --listen-peers, --peers, --peer-secret and --node;
-// nil when no peer is configured.
+// peerConfig reads --listen-peers, --peers, --peer-service, --peer-secret
+// and --node; nil when no peer is configured.
 func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 	var addrs []string
 	for _, a := range strings.Split(o.Peers, ",") {
@@ -33,14 +33,14 @@ func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 			addrs = append(addrs, a)
 		}
 	}
-	if o.ListenPeers == "" && len(addrs) == 0 {
+	if o.ListenPeers == "" && len(addrs) == 0 && o.PeerService == "" {
 		if o.PeerSecret != "" {
-			return nil, errors.New("--peer-secret needs --listen-peers or --peers")
+			return nil, errors.New("--peer-secret needs --listen-peers, --peers or --peer-service")
 		}
 		return nil, nil
 	}
 	if o.PeerSecret == "" {
-		return nil, errors.New("--listen-peers and --peers need --peer-secret FILE: the secret the node's daemons share (docs/peers.md)")
+		return nil, errors.New("--listen-peers, --peers and --peer-service need --peer-secret FILE: the secret the node's daemons share (docs/peers.md)")
 	}
 	secret, err := peer.LoadSecret(o.PeerSecret)
 	if err != nil {
@@ -55,7 +55,8 @@ func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 	if o.PullStall > 0 {
 		pullStall = o.PullStall // one daemon a process
 	}
-	return &peer.Config{Node: node, Secret: secret, Listen: o.ListenPeers, Peers: addrs, Log: log}, nil
+	return &peer.Config{Node: node, Secret: secret, Listen: o.ListenPeers, Peers: addrs,
+		Service: o.PeerService, ResolveEvery: o.PeerServiceEvery, Log: log}, nil
 }
 
 // peers is the running peer node of a serving process.
@@ -93,7 +94,7 @@ func (p *peers) start(srv *server.Server) error {
 	}
 	srv.SetPeers(p.report)
 	srv.SetPull(p.pull)
-	cfg.Log.Info("peers", "node", cfg.Node, "listen", cfg.Listen, "peers", cfg.Peers)
+	cfg.Log.Info("peers", "node", cfg.Node, "listen", cfg.Listen, "peers", cfg.Peers, "service", cfg.Service)
 	return nil
 }
 
@@ -143,7 +144,7 @@ func (p *peers) serve(ctx context.Context, from, op string, req json.RawMessage)
 func (p *peers) report(ctx context.Context, pulling string) *wire.PeersReport {
 	p.mu.Lock()
 	n := p.node
-	r := &wire.PeersReport{Node: p.cfg.Node, Listen: p.cfg.Listen, Peers: []wire.PeerNode{}}
+	r := &wire.PeersReport{Node: p.cfg.Node, Listen: p.cfg.Listen, Service: p.cfg.Service, Peers: []wire.PeerNode{}}
 	for name, pl := range p.pulling {
 		if pulling != "" && name != pulling {
 			continue
@@ -160,6 +161,9 @@ func (p *peers) report(ctx context.Context, pulling string) *wire.PeersReport {
 	}
 	if a := n.Addr(); a != nil {
 		r.Listen = a.String()
+	}
+	if err := n.ServiceErr(); err != nil {
+		r.ServiceError = err.Error()
 	}
 	infos := n.Peers()
 	r.Peers = make([]wire.PeerNode, len(infos))

@@ -24,6 +24,11 @@
 // it refuses, so that both logs say why. A peer named as this node is
 // refused: a connection reflected back to its sender.
 //
+// Where to dial comes from the configuration or from DNS
+// (Config.Service): an answer, forged or not, can make a node dial an
+// address, and nothing more, since what answers there must pass the
+// handshake.
+//
 // After the handshake, each direction has its own key,
 // HMAC(HMAC(secret, "session" | T), direction), and every message is
 //
@@ -43,10 +48,12 @@
 // serves at most 64 calls at once (more are answered CodeBusy). An idle
 // connection is pinged every Config.KeepAlive; one silent for three
 // intervals is closed, and a dialed peer is dialed again, with backoff.
+// Of a service's answer, the first 1024 addresses are dialed.
 //
 // # Lifetimes
 //
-// Start's goroutines (the listener, one redialer per configured peer, a
+// Start's goroutines (the listener, one redialer per configured peer and
+// per address of the service's last answer, the service's resolver, a
 // reader and a pinger per connection, a goroutine per call served) all end
 // when Close returns or Start's ctx is done; a handler's ctx ends when its
 // caller gives up, its connection ends or the node closes. Each net.Conn

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 )
@@ -26,6 +27,15 @@ type Config struct {
 	// Peers are the addresses, HOST:PORT, this node dials and keeps
 	// connections to ('gpushm daemon --peers').
 	Peers []string
+	// Service is HOST:PORT, a name whose every address is a peer, such as
+	// a Kubernetes headless Service's ('gpushm daemon --peer-service'):
+	// each address of its answer but this node's own is dialed as those
+	// of Peers are (service.go). "" for none.
+	Service string
+	// ResolveEvery is how often Service is resolved again (default 30s).
+	ResolveEvery time.Duration
+	// Resolver resolves Service (default net.DefaultResolver).
+	Resolver Resolver
 	// Handler serves the peers' calls; from is the peer's node name, req
 	// the call's JSON. Its result is sent as JSON; an *Error keeps its
 	// code, any other error is sent as CodeFailed. ctx ends when the
@@ -55,6 +65,7 @@ const (
 	DefaultHandshakeTimeout   = 5 * time.Second
 	DefaultKeepAlive          = 5 * time.Second
 	DefaultMaxUnauthenticated = 32
+	DefaultResolveEvery       = 30 * time.Second
 )
 
 // Redial backoff, doubled from min to max, with jitter.
@@ -68,7 +79,7 @@ const (
 type PeerInfo struct {
 	Name      string    `json:"name,omitempty"` // its node name, once a handshake told it
 	Addr      string    `json:"addr"`
-	Outbound  bool      `json:"outbound"` // an address of Config.Peers
+	Outbound  bool      `json:"outbound"` // an address of Config.Peers, or of Config.Service's answer
 	Connected bool      `json:"connected"`
 	LastError string    `json:"last_error,omitempty"`
 	Since     time.Time `json:"since"` // of the state: connected, or failing
@@ -85,14 +96,15 @@ type Node struct {
 	wg     sync.WaitGroup
 	unauth chan struct{} // a token per connection in its handshake
 
-	mu    sync.Mutex
-	conns []*conn     // authenticated, oldest first
-	dials []*PeerInfo // one per Config.Peers, in order
+	mu     sync.Mutex
+	conns  []*conn     // authenticated, oldest first
+	dials  []*PeerInfo // one per Config.Peers, in order, then Config.Service's
+	svcErr error       // why the last resolution of Config.Service failed
 }
 
-// Start checks c, listens on c.Listen and dials c.Peers. It returns once
-// listening; connections to peers come up in the background (Peers says
-// which are up).
+// Start checks c, listens on c.Listen and dials c.Peers and the addresses
+// of c.Service. It returns once listening; connections to peers come up in
+// the background (Peers says which are up).
 func Start(ctx context.Context, c Config) (*Node, error) {
 	if err := c.fill(); err != nil {
 		return nil, err
@@ -115,15 +127,38 @@ func Start(ctx context.Context, c Config) (*Node, error) {
 		context.AfterFunc(ctx, func() { n.ln.Close() })
 	}
 	for _, addr := range c.Peers {
-		d := &PeerInfo{Addr: addr, Outbound: true, Since: time.Now()}
-		n.dials = append(n.dials, d)
+		n.dialer(ctx, addr)
+	}
+	if c.Service != "" {
 		n.wg.Add(1)
 		go func() {
 			defer n.wg.Done()
-			n.redial(ctx, d)
+			n.watch(ctx)
 		}()
 	}
 	return n, nil
+}
+
+// dialer lists addr among the dialed peers and keeps a connection to it
+// until ctx is done or stop is called, which also takes it off the list
+// and closes its connection.
+func (n *Node) dialer(ctx context.Context, addr string) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	d := &PeerInfo{Addr: addr, Outbound: true, Since: time.Now()}
+	n.mu.Lock()
+	n.dials = append(n.dials, d)
+	n.mu.Unlock()
+	n.wg.Add(1)
+	go func() {
+		defer n.wg.Done()
+		n.redial(ctx, d)
+	}()
+	return func() {
+		cancel()
+		n.mu.Lock()
+		n.dials = slices.DeleteFunc(n.dials, func(x *PeerInfo) bool { return x == d })
+		n.mu.Unlock()
+	}
 }
 
 // fill checks the configuration and fills in its defaults.
@@ -146,14 +181,26 @@ func (c *Config) fill() error {
 			return fmt.Errorf("peers: %q: want HOST:PORT: %w", a, err)
 		}
 	}
+	if c.Service != "" {
+		// The port is a number: this node's own listener is told from
+		// the other addresses of the answer by it (service.go).
+		host, port, err := net.SplitHostPort(c.Service)
+		if n, perr := strconv.ParseUint(port, 10, 16); err != nil || perr != nil || host == "" || n == 0 {
+			return fmt.Errorf("peers: service %q: want HOST:PORT, PORT a number", c.Service)
+		}
+	}
 	if c.Log == nil {
 		c.Log = slog.Default()
+	}
+	if c.Resolver == nil {
+		c.Resolver = net.DefaultResolver
 	}
 	c.Log = c.Log.With("node", c.Node)
 	c.CallTimeout = cmp(c.CallTimeout, DefaultCallTimeout)
 	c.HandshakeTimeout = cmp(c.HandshakeTimeout, DefaultHandshakeTimeout)
 	c.KeepAlive = cmp(c.KeepAlive, DefaultKeepAlive)
 	c.MaxUnauthenticated = cmp(c.MaxUnauthenticated, DefaultMaxUnauthenticated)
+	c.ResolveEvery = cmp(c.ResolveEvery, DefaultResolveEvery)
 	return nil
 }
 
@@ -186,17 +233,23 @@ func (n *Node) Close() error {
 	return nil
 }
 
-// Peers lists the configured peers, then the connections other nodes made
-// to this one.
+// Peers lists the dialed peers, then the connections other nodes made to
+// this one, but those of a node this one is connected to by a dialed
+// address too: where nodes dial each other, as through a service, each
+// is listed once.
 func (n *Node) Peers() []PeerInfo {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	var ps []PeerInfo
+	dialed := map[string]bool{}
 	for _, d := range n.dials {
 		ps = append(ps, *d)
+		if d.Connected {
+			dialed[d.Name] = true
+		}
 	}
 	for _, c := range n.conns {
-		if !c.outbound {
+		if !c.outbound && !dialed[c.s.peer] {
 			ps = append(ps, PeerInfo{Name: c.s.peer, Addr: c.addr, Connected: true, Since: c.since})
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
@@ -87,6 +88,53 @@ func (w *Net) Cut(i int) { w.ip("-n", w.prefix+"hub", "link", "set", w.port(i), 
 
 // Mend brings the i-th namespace's link back up.
 func (w *Net) Mend(i int) { w.ip("-n", w.prefix+"hub", "link", "set", w.port(i), "up") }
+
+// Hosts makes lines the i-th namespace's /etc/hosts, as its Commands see
+// it: ip netns exec mounts each file of /etc/netns/NAME/ over /etc's, so
+// that one name may resolve to several addresses there, as a Kubernetes
+// headless Service's does. The file is written in place, so a Command
+// already running reads the new lines (Go's resolver within 5 s). Its
+// nsswitch.conf is the host's with host names from the file alone: no DNS
+// server is asked, and Go resolves by itself rather than through the C
+// library (whose answer from /etc/hosts is one address unless host.conf
+// says "multi on"). Removed at the test's end.
+func (w *Net) Hosts(i int, lines ...string) {
+	w.t.Helper()
+	for _, f := range []string{"/etc/hosts", "/etc/nsswitch.conf"} {
+		if _, err := os.Stat(f); err != nil {
+			w.t.Skipf("a namespace's %s: ip netns exec mounts one only over the host's: %v", f, err)
+		}
+	}
+	dir := filepath.Join("/etc/netns", w.Name(i))
+	if _, err := os.Stat(dir); err != nil {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			w.t.Fatal(err)
+		}
+		w.t.Cleanup(func() {
+			os.RemoveAll(dir)
+			os.Remove("/etc/netns") // unless another's are there
+		})
+		ns, err := os.ReadFile("/etc/nsswitch.conf")
+		if err != nil {
+			w.t.Fatal(err)
+		}
+		var b strings.Builder
+		for line := range strings.Lines(string(ns)) {
+			if !strings.HasPrefix(strings.TrimSpace(line), "hosts:") {
+				b.WriteString(line)
+			}
+		}
+		b.WriteString("hosts: files\n")
+		if err := os.WriteFile(filepath.Join(dir, "nsswitch.conf"), []byte(b.String()), 0o644); err != nil {
+			w.t.Fatal(err)
+		}
+	}
+	// Not renamed into place: a running Command's mount holds the inode.
+	hosts := "127.0.0.1 localhost\n" + strings.Join(lines, "\n") + "\n"
+	if err := os.WriteFile(filepath.Join(dir, "hosts"), []byte(hosts), 0o644); err != nil {
+		w.t.Fatal(err)
+	}
+}
 
 func (w *Net) ip(args ...string) {
 	w.t.Helper()

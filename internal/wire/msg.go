@@ -726,12 +726,16 @@ func AppendEncode(dst []byte, v any) ([]byte, error) {
 }
 
 // PeersReport is what the peers operation says: this node's name, the
-// address it listens on for peers (empty: none), and each peer.
+// address it listens on for peers (empty: none), the name whose addresses
+// are its peers (--peer-service) and why its last resolution failed, and
+// each peer.
 type PeersReport struct {
-	Node   string     `json:"node"`
-	Listen string     `json:"listen,omitempty"`
-	Peers  []PeerNode `json:"peers"`
-	Pulls  []PeerPull `json:"pulls,omitempty"`
+	Node         string     `json:"node"`
+	Listen       string     `json:"listen,omitempty"`
+	Service      string     `json:"service,omitempty"`
+	ServiceError string     `json:"service_error,omitempty"`
+	Peers        []PeerNode `json:"peers"`
+	Pulls        []PeerPull `json:"pulls,omitempty"`
 }
 
 // PeerPull is a pull in progress here: the name, the peer that lends it,
