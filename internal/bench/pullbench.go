@@ -167,6 +167,7 @@ func runBenchPull(ctx context.Context, backend string, size, chunk int64, counts
 	}
 	fmt.Printf("pull of %s, %s, UCX %s (UCX_TLS=%s), over loopback\n", bytesize.Format(size), where, ucxVersion(), os.Getenv("UCX_TLS"))
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	defer w.Flush() // the rows so far, should a later one fail
 	fmt.Fprintln(w, "what\treceivers\ttime\tGB/s (each)\tvs engine alone\t")
 	engine, err := engineAlone(ctx, backend, src.d.socket, name, size, chunk, devAt(devices, 0))
 	if err != nil {
@@ -181,7 +182,7 @@ func runBenchPull(ctx context.Context, backend string, size, chunk int64, counts
 		}
 		fmt.Fprintf(w, "gpushm pull, checked\t%d\t%s\t%s\t%.2fx\t\n", k, fmtDur(d), gbps(d), engine.Seconds()/d.Seconds())
 	}
-	return w.Flush()
+	return nil
 }
 
 func devAt(devices []int, i int) int {

@@ -66,6 +66,8 @@ type peers struct {
 	mu    sync.Mutex
 	node  *peer.Node
 	loans loans
+	// device is where a pulled segment is made: the backend's default.
+	device int
 	// pulling are the pulls in progress here, by name (pull.go).
 	pulling map[string]*pulling
 }

@@ -591,8 +591,8 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	}
 	// Offered here too: its owner offered it to the cluster, and the
 	// next node pulls it from the nearest copy.
-	s, _, err := p.reg.Create(owner, segment.CreateOptions{Name: name, Size: r.Grant.Size, Open: true, Uncommitted: true,
-		Mode: mode, UseMode: true, Meta: r.Meta, Offer: true})
+	s, _, err := p.reg.Create(owner, segment.CreateOptions{Name: name, Size: r.Grant.Size, Device: p.device, Open: true,
+		Uncommitted: true, Mode: mode, UseMode: true, Meta: r.Meta, Offer: true})
 	if err != nil {
 		end(nil, root, false)
 		return segment.Info{}, via, err
