@@ -52,6 +52,9 @@ type Options struct {
 	// of the secret they share, Node this node's name (default: the
 	// host's).
 	ListenPeers, Peers, PeerSecret, Node string
+	// PullMissing lets an open that waits for a name missing here have
+	// the daemon pull it from a peer that offers it (pullmissing.go).
+	PullMissing bool
 	// Count limits: a number, "auto" or "0" (limits.go).
 	UserSegments, UserConnections string
 	MaxSegments, MaxConnections   string

@@ -24,8 +24,9 @@ import (
 // tell each other what they offer; the data path (internal/ucx) is not
 // wired yet.
 
-// peerConfig reads --listen-peers, --peers, --peer-secret and --node;
-// nil when no peer is configured.
+// peerConfig reads --listen-peers, --peers, --peer-secret and --node
+// (and checks that --pull-missing has peers); nil when no peer is
+// configured.
 func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 	var addrs []string
 	for _, a := range strings.Split(o.Peers, ",") {
@@ -34,8 +35,11 @@ func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 		}
 	}
 	if o.ListenPeers == "" && len(addrs) == 0 {
-		if o.PeerSecret != "" {
+		switch {
+		case o.PeerSecret != "":
 			return nil, errors.New("--peer-secret needs --listen-peers or --peers")
+		case o.PullMissing:
+			return nil, errors.New("--pull-missing needs peers to pull from: --listen-peers or --peers")
 		}
 		return nil, nil
 	}
@@ -57,11 +61,15 @@ func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 
 // peers is the running peer node of a serving process.
 type peers struct {
-	cfg   peer.Config
-	reg   *segment.Registry
-	mu    sync.Mutex
-	node  *peer.Node
-	loans loans
+	cfg peer.Config
+	reg *segment.Registry
+	// pullMissing: opens that wait for a name missing here may have it
+	// pulled from a peer (--pull-missing; pullmissing.go).
+	pullMissing bool
+	missing     missingPulls
+	mu          sync.Mutex
+	node        *peer.Node
+	loans       loans
 }
 
 // start starts the node, waiting up to a second for a predecessor in an
@@ -87,14 +95,19 @@ func (p *peers) start(srv *server.Server) error {
 		return fmt.Errorf("--listen-peers %s: %w", cfg.Listen, err)
 	}
 	srv.SetPeers(p.report)
-	srv.SetPull(p.pull)
-	cfg.Log.Info("peers", "node", cfg.Node, "listen", cfg.Listen, "peers", cfg.Peers)
+	srv.SetPull(p.pullSettled)
+	if p.pullMissing {
+		p.missing.start()
+		srv.SetPullMissing(p.wantMissing)
+	}
+	cfg.Log.Info("peers", "node", cfg.Node, "listen", cfg.Listen, "peers", cfg.Peers, "pull_missing", p.pullMissing)
 	return nil
 }
 
 func (p *peers) stop() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.missing.stop()
 	if p.node != nil {
 		p.node.Close()
 		p.node = nil
@@ -106,7 +119,13 @@ func (p *peers) stop() {
 func (p *peers) serve(ctx context.Context, from, op string, req json.RawMessage) (any, error) {
 	switch op {
 	case opPull:
-		return p.lend(from, req)
+		v, err := p.lend(from, req)
+		if err == nil {
+			var r pullRequest
+			json.Unmarshal(req, &r)
+			p.log().Info("lending a segment to a peer", "name", r.Name, "peer", from)
+		}
+		return v, err
 	case opPullDone:
 		var r struct {
 			Token string `json:"token"`

@@ -19,6 +19,7 @@ import (
 	"github.com/gpushm/gpushm/internal/peer"
 	"github.com/gpushm/gpushm/internal/pull"
 	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/server"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -327,8 +328,10 @@ func (p *peers) pullFrom(ctx context.Context, n *peer.Node, c segment.Cred, name
 	if len(r.Meta) > wire.MaxMeta {
 		return segment.Info{}, fmt.Errorf("pull %q: %w: %s sent meta of %d bytes, limit %d", name, syscall.EINVAL, who, len(r.Meta), wire.MaxMeta)
 	}
+	// Made by this process: a serving process killed mid-pull leaves no
+	// uncommitted segment to its successor, which ends it at its start.
 	s, _, err := p.reg.Create(owner, segment.CreateOptions{Name: name, Size: r.Grant.Size, Open: true, Uncommitted: true,
-		Mode: mode, UseMode: true, Meta: r.Meta})
+		Mode: mode, UseMode: true, Meta: r.Meta, Creator: server.Self()})
 	if err != nil {
 		return segment.Info{}, err
 	}
@@ -342,6 +345,9 @@ func (p *peers) pullFrom(ctx context.Context, n *peer.Node, c segment.Cred, name
 		return fail(err)
 	}
 	if err := pull.Fetch(ctx, fd, r.Grant.Size, r.Grant); err != nil {
+		return fail(err)
+	}
+	if err := p.pullGate(ctx, name); err != nil {
 		return fail(err)
 	}
 	if err := p.reg.Commit(owner, s, "", nil); err != nil {
