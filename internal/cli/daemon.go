@@ -104,6 +104,7 @@ func daemonCmd() *cobra.Command {
 	f.StringVar(&o.PeerSecret, "peer-secret", "", "the file (mode 0600, at least 32 bytes) of the secret this node's peers share; needed with --listen-peers, --peers or --peer-service")
 	f.StringVar(&o.Node, "node", "", "this node's name to its peers (default: the host's name)")
 	f.DurationVar(&o.PullStall, "pull-stall", pull.DefaultStall, "how long a pull waits for a peer that sends nothing (a partition, a peer stopped) before it fails, naming the peer, and tries the next that offers the name")
+	f.BoolVar(&o.PullMissing, "pull-missing", false, "let an open that waits for a name missing here (open with a wait, get --wait) have the daemon pull it from a peer that offers it: one pull a name, shared by every waiter, as 'gpushm pull' would make it (docs/peers.md)")
 	f.StringVar(&o.Metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")
 	f.StringVar(&o.Mount, "mount", "", "also serve the segments as files in this directory (FUSE; see docs/fuse.md)")
 	f.StringVar(&o.RDMA, "rdma", "auto", "make GPU memory that RDMA engines (NIXL, UCX, Mooncake) can register: auto (on devices that allow it with VMM allocations) or off")

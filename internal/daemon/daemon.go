@@ -57,6 +57,9 @@ type Options struct {
 	// PullStall is how long a pull waits for a peer that sends nothing
 	// (0: pull.DefaultStall).
 	PullStall time.Duration
+	// PullMissing lets an open that waits for a name missing here have
+	// the daemon pull it from a peer that offers it (pullmissing.go).
+	PullMissing bool
 	// Count limits: a number, "auto" or "0" (limits.go).
 	UserSegments, UserConnections string
 	MaxSegments, MaxConnections   string

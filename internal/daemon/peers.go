@@ -25,7 +25,8 @@ import (
 // wired yet.
 
 // peerConfig reads --listen-peers, --peers, --peer-service, --peer-secret
-// and --node; nil when no peer is configured.
+// and --node (and checks that --pull-missing has peers); nil when no peer
+// is configured.
 func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 	var addrs []string
 	for _, a := range strings.Split(o.Peers, ",") {
@@ -34,8 +35,11 @@ func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 		}
 	}
 	if o.ListenPeers == "" && len(addrs) == 0 && o.PeerService == "" {
-		if o.PeerSecret != "" {
+		switch {
+		case o.PeerSecret != "":
 			return nil, errors.New("--peer-secret needs --listen-peers, --peers or --peer-service")
+		case o.PullMissing:
+			return nil, errors.New("--pull-missing needs peers to pull from: --listen-peers, --peers or --peer-service")
 		}
 		return nil, nil
 	}
@@ -61,11 +65,15 @@ func (o Options) peerConfig(log *slog.Logger) (*peer.Config, error) {
 
 // peers is the running peer node of a serving process.
 type peers struct {
-	cfg   peer.Config
-	reg   *segment.Registry
-	mu    sync.Mutex
-	node  *peer.Node
-	loans loans
+	cfg peer.Config
+	reg *segment.Registry
+	// pullMissing: opens that wait for a name missing here may have it
+	// pulled from a peer (--pull-missing; pullmissing.go).
+	pullMissing bool
+	missing     missingPulls
+	mu          sync.Mutex
+	node        *peer.Node
+	loans       loans
 	// device is where a pulled segment is made: the backend's default.
 	device int
 	// pulling are the pulls in progress here, by name (pull.go).
@@ -95,14 +103,19 @@ func (p *peers) start(srv *server.Server) error {
 		return fmt.Errorf("--listen-peers %s: %w", cfg.Listen, err)
 	}
 	srv.SetPeers(p.report)
-	srv.SetPull(p.pull)
-	cfg.Log.Info("peers", "node", cfg.Node, "listen", cfg.Listen, "peers", cfg.Peers, "service", cfg.Service)
+	srv.SetPull(p.pullSettled)
+	if p.pullMissing {
+		p.missing.start()
+		srv.SetPullMissing(p.wantMissing)
+	}
+	cfg.Log.Info("peers", "node", cfg.Node, "listen", cfg.Listen, "peers", cfg.Peers, "service", cfg.Service, "pull_missing", p.pullMissing)
 	return nil
 }
 
 func (p *peers) stop() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.missing.stop()
 	if p.node != nil {
 		p.node.Close()
 		p.node = nil
@@ -114,7 +127,13 @@ func (p *peers) stop() {
 func (p *peers) serve(ctx context.Context, from, op string, req json.RawMessage) (any, error) {
 	switch op {
 	case opPull:
-		return p.lend(from, req)
+		v, err := p.lend(from, req)
+		if err == nil {
+			var r pullRequest
+			json.Unmarshal(req, &r)
+			p.log().Info("lending a segment to a peer", "name", r.Name, "peer", from)
+		}
+		return v, err
 	case opPullDone:
 		var r struct {
 			Token string `json:"token"`

@@ -22,6 +22,7 @@ import (
 	"github.com/gpushm/gpushm/internal/peer"
 	"github.com/gpushm/gpushm/internal/pull"
 	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/server"
 	"github.com/gpushm/gpushm/internal/wire"
 )
 
@@ -590,9 +591,11 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 		return segment.Info{}, via, fmt.Errorf("pull %q: %w: %s sent meta of %d bytes, limit %d", name, syscall.EINVAL, lender, len(r.Meta), wire.MaxMeta)
 	}
 	// Offered here too: its owner offered it to the cluster, and the
-	// next node pulls it from the nearest copy.
+	// next node pulls it from the nearest copy. Made by this process: a
+	// serving process killed mid-pull leaves no uncommitted segment to
+	// its successor, which ends it at its start.
 	s, _, err := p.reg.Create(owner, segment.CreateOptions{Name: name, Size: r.Grant.Size, Device: p.device, Open: true,
-		Uncommitted: true, Mode: mode, UseMode: true, Meta: r.Meta, Offer: true})
+		Uncommitted: true, Mode: mode, UseMode: true, Meta: r.Meta, Offer: true, Creator: server.Self()})
 	if err != nil {
 		end(nil, root, false)
 		return segment.Info{}, via, err
@@ -625,6 +628,9 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 		if via != "" {
 			err = fmt.Errorf("via %s: %w", via, err)
 		}
+		return fail(err)
+	}
+	if err := p.pullGate(ctx, name); err != nil {
 		return fail(err)
 	}
 	if err := p.reg.Commit(owner, s, "", nil); err != nil {

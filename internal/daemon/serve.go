@@ -99,7 +99,7 @@ func Serve(ctx context.Context, log *slog.Logger, o Options, supervised bool) er
 	}
 	ex := &extras{o: o, log: log, srv: s.srv, b: b, gpus: gpus.Report, mln: mln}
 	if s.peers != nil {
-		ex.peers = &peers{cfg: *s.peers, reg: s.srv.Registry(), device: b.DefaultDevice()}
+		ex.peers = &peers{cfg: *s.peers, reg: s.srv.Registry(), device: b.DefaultDevice(), pullMissing: o.PullMissing}
 	}
 	if err := ex.start(); err != nil {
 		ln.Close()

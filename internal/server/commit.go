@@ -22,7 +22,9 @@ import (
 // goroutine sleeps in a select), ends at its deadline, when the writer it
 // waits for goes, when its client hangs up, or when the server stops; when
 // the server parks for a successor, the request goes with the connection
-// and the successor waits out the rest of it.
+// and the successor waits out the rest of it. A daemon that pulls missing
+// names from its peers (SetPullMissing) is told of each look at a name
+// missing here, and then a writer that gives up does not end the wait.
 
 // maxWait bounds an open's wait: long enough for a writer that reads a
 // large checkpoint from slow storage, short enough that a forgotten wait
@@ -68,9 +70,20 @@ func (c *conn) acquireWait(cred segment.Cred, req *wire.Request) (*segment.Segme
 	defer tick.Stop()
 	var w segment.Watch
 	for waiting := false; ; {
+		missing := c.s.missing.Load()
 		seg, changed, err := c.s.reg.TryAcquire(cred, req.Name, req.ReadOnly, &w)
+		if errors.Is(err, segment.ErrNotFound) && missing != nil {
+			// A writer that gave up (a pull from a peer that failed, or
+			// was cut short by a restart) leaves the name missing again:
+			// a peer may still have it, so the wait goes on.
+			w = segment.Watch{}
+			continue
+		}
 		if seg != nil || err != nil {
 			return seg, err
+		}
+		if missing != nil && !w.Seen() {
+			(*missing)(cred, req.Name, req.ReadOnly)
 		}
 		if !waiting {
 			waiting = true
@@ -106,6 +119,9 @@ func (c *conn) acquireWait(cred segment.Cred, req *wire.Request) (*segment.Segme
 		// The deadline passed: one last look, so that a commit that came
 		// with it counts.
 		seg, _, err = c.s.reg.TryAcquire(cred, req.Name, req.ReadOnly, &w)
+		if errors.Is(err, segment.ErrNotFound) && missing != nil {
+			err, w = nil, segment.Watch{}
+		}
 		if seg != nil || err != nil {
 			return seg, err
 		}

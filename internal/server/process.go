@@ -56,6 +56,12 @@ func identify(pid int) segment.Process {
 	return segment.Process{PID: pid, Start: start}
 }
 
+// Self names this process, for what the daemon makes itself that must
+// not outlive it (a pull's uncommitted segment): a restarted serving
+// process ends it at once, as it ends what a client that died while the
+// daemon was down had made (StartGrace).
+func Self() segment.Process { return identify(os.Getpid()) }
+
 // peerProcess names the process that made the connection wc, whose
 // SO_PEERCRED pid is pid, as the connection is accepted: never later,
 // since a connection handed to another process (SCM_RIGHTS, a fork) after

@@ -57,6 +57,9 @@ type Server struct {
 	gpus        func(uid uint32) *wire.GPUReport
 	peers       func(ctx context.Context, pull string) *wire.PeersReport
 	pull        func(ctx context.Context, c segment.Cred, name, from string) (segment.Info, error)
+	// missing is SetPullMissing's f; atomic, since a server that resumes
+	// after a failed handover serves while its daemon sets it again.
+	missing atomic.Pointer[func(c segment.Cred, name string, readOnly bool)]
 	// uuids names each device by its GPU's UUID, which clients map by:
 	// a client in a container may number the same GPU differently.
 	uuids map[int]string
@@ -248,6 +251,21 @@ func (s *Server) SetObserver(o Observer) { s.obs = o }
 // SetPull makes the pull operation call f (nil, the default: no peers).
 func (s *Server) SetPull(f func(ctx context.Context, c segment.Cred, name, from string) (segment.Info, error)) {
 	s.pull = f
+}
+
+// SetPullMissing makes an open that waits for a name missing here call f
+// (nil, the default: it only waits), which may start a pull of the name
+// from a peer (the daemon's --pull-missing). f is called again at each
+// look while the name stays missing, so it must return at once and decide
+// for itself how often to act; with f set, an uncommitted segment that
+// goes without its commit leaves the name missing again rather than
+// ending the wait. It may be set, or unset, while the server serves.
+func (s *Server) SetPullMissing(f func(c segment.Cred, name string, readOnly bool)) {
+	if f == nil {
+		s.missing.Store(nil)
+		return
+	}
+	s.missing.Store(&f)
 }
 
 // SetPeers makes the peers operation answer with what f reports (nil,
