@@ -79,6 +79,8 @@ def _instrument(ch, steps, role):
         steps.wrap(ch, "_stream", "the framework's current stream")
         steps.wrap(ch, "_wait_value", "cuStreamWaitValue64 (ctypes)")
         steps.wrap(ch, "_write_value", "cuStreamWriteValue64 (ctypes)")
+        if hasattr(ch, "_batch"):
+            steps.wrap(ch, "_batch", "cuStreamBatchMemOp (ctypes)")
     steps.wrap(_channel, "_futex_wake", "futex wake (ctypes syscall)")
 
 
@@ -160,6 +162,11 @@ def primitives(ch, mod, gpu, n=20000):
         a = ch._ctl_dev + _channel._OFF_FILLED
         timeit("cuStreamWriteValue64 (ctypes)", lambda: ch._write_value(s, a, 0))
         timeit("cuStreamWaitValue64 (ctypes), already true", lambda: ch._wait_value(s, a, 0))
+        ops, spare = getattr(ch, "_ops", None), ch._ctl_dev + 2048  # words of the block that no one reads
+        for m in (1, 4) if ops is not None else ():
+            for i in range(m):
+                ops[6 * i], ops[6 * i + 1], ops[6 * i + 2] = _channel._OP_WRITE, spare + 8 * i, 0
+            timeit(f"cuStreamBatchMemOp, {m} cuStreamWriteValue64 (ctypes)", lambda: ch._batch(s, m))
         t = mod.zeros(SIZE // 4, device="cuda")
         timeit("t.fill_(k) (a torch kernel launch)", lambda: t.fill_(1.0))
         timeit("t[0] (a view)", lambda: t[0])

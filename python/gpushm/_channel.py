@@ -86,6 +86,16 @@ _WHO = {TX: "producer", RX: "consumer"}
 
 # A sleeping waiter looks again at least this often (ns).
 _TICK = 100_000_000
+# A cuda consumer gives slots back in groups of up to slots // _GROUP
+# messages, each group with one driver call (Channel._release); fewer than
+# 2 * _GROUP slots, one at a time.
+_GROUP = 8
+# A stream wait queued for a message the other end's GPU has not finished
+# covers at most this many messages (Channel._cover).
+_AHEAD = 8
+_OP_WAIT, _OP_WRITE = _cuda.CU_STREAM_MEM_OP_WAIT_VALUE_64, _cuda.CU_STREAM_MEM_OP_WRITE_VALUE_64
+# _End.wait_stream when waits were queued on more than one stream.
+_MIXED = object()
 # How long close() waits for this end's last GPU write to land (s).
 _CLOSE_WAIT = 10.0
 
@@ -530,7 +540,8 @@ class _End:
     """What ending a channel end needs: close() and the finalizer of a
     channel dropped without close() share it."""
 
-    __slots__ = ("client", "seg", "role", "dev", "ctl", "slots", "registered", "leased", "last", "pending_wait")
+    __slots__ = ("client", "seg", "role", "dev", "ctl", "slots", "registered", "leased", "last", "pending_wait",
+                 "wait_stream")
 
     def __init__(self, client, seg, role, dev, ctl, slots, registered):
         self.client, self.seg, self.role, self.dev, self.ctl = client, seg, role, dev, ctl
@@ -538,8 +549,20 @@ class _End:
         self.leased = False  # this end's lease (and role) is the daemon's to end
         self.last = 0  # this end's last message handed over, + 1
         # A stream wait on the block was queued that no flag write of this
-        # end follows yet (a message out, or abandoned).
+        # end follows yet, on wait_stream (_MIXED: on several).
         self.pending_wait = False
+        self.wait_stream = None
+
+    def waited(self, s):
+        """Stream waits on the block were queued on s."""
+        self.pending_wait = True
+        self.wait_stream = s if self.wait_stream in (None, s) else _MIXED
+
+    def wrote(self, s):
+        """A flag write was queued on s: once it lands, every wait queued on
+        s before it is over."""
+        if self.wait_stream == s:
+            self.pending_wait, self.wait_stream = False, None
 
 
 def _landed(st) -> bool:
@@ -602,7 +625,7 @@ class Channel:
             if m.dev is not None:
                 self._ctl_dev = m.dev.register_host(ctl, BLOCK_BYTES)
                 registered = True
-                self._write_value, self._wait_value = m.dev.stream_ops()
+                self._write_value, self._wait_value, self._batch, self._ops = m.dev.stream_ops()
         except BaseException:
             _release_block(m.dev, ctl, registered)
             raise
@@ -627,6 +650,16 @@ class Channel:
         if m.dev is not None:
             self._filled_dev = tuple(self._ctl_dev + _OFF_FILLED + 8 * i for i in range(self.slots))
             self._drained_dev = tuple(self._ctl_dev + _OFF_DRAINED + 8 * i for i in range(self.slots))
+        # Stream waits queued ahead (_cover): on stream _cover_s, every
+        # message below _cover_end is waited for (or had landed); _last_s is
+        # the stream of this end's last send or recv.
+        self._cover_s, self._cover_end, self._last_s = None, 0, None
+        # The consumer's releases not yet given back (_release): their
+        # drained writes are the first _npend operations of _ops, on stream
+        # _pend_s; _pend_k is the last one's message + 1. A group is given
+        # back when it holds _group of them, before recv waits, and at close.
+        self._group = max(1, self.slots // _GROUP) if m.dev is not None and role == RX else 1
+        self._npend, self._pend_s, self._pend_k = 0, None, 0
 
         meta = self.info.meta
         if isinstance(meta, dict) and meta.get("kind") == "channel" and "dtype" in meta and "shape" in meta:
@@ -725,22 +758,49 @@ class Channel:
             s = None
             if not self._host:
                 s = self._stream() if stream is None else stream_handle(stream)
-                if k >= slots:
-                    self._stream_wait(s, self._drained, self._drained_dev, slot, k - slots + 1)
+                if k >= slots and (s != self._cover_s or k >= self._cover_end) \
+                        and not _reached(self._drained[slot], k - slots + 1):
+                    self._cover(s, k, self._tail.value + slots, self._drained, self._drained_dev, -slots)
+                self._last_s = s
             msg = self._out = Message(self, k, slot, self._tensors[slot], s)
             return msg
 
-    def _stream_wait(self, s, flags, addrs, slot, want):
-        """Orders stream s after the other end's GPU work on slot: nothing
-        to queue when the flag its stream writes last has landed already
-        (read once, here, in the pinned block), else a stream wait for it.
-        Where the producer runs ahead (32 slots on an H100), the flag has
-        landed for 96 to 98 messages in 100, and each skipped wait is a
-        driver call less (docs/benchmarks.md, "Channels from Python")."""
-        if _reached(flags[slot], want):
-            return
-        self._st.pending_wait = True
-        self._wait_value(s, addrs[slot], want)
+    def _cover(self, s, k, limit, flags, addrs, back):
+        """Orders stream s after the other end's GPU work on message k's
+        slot, whose flag (flags, on the GPU addrs) has not landed: a stream
+        wait for it to reach k + back + 1. Where s is the stream of this
+        end's last message too, the same driver call also queues the waits
+        of the messages after k, below limit and at most _AHEAD in all,
+        whose flags have not landed either (the other end has handed them
+        over: their writes are queued), so that their sends or receives on
+        s queue none. A flag read here that has landed needs no wait: where
+        the producer runs ahead (32 slots), most have (docs/benchmarks.md,
+        "Channels from Python"). The consumer's releases waiting on the
+        same stream go first, in the same call (their tail is stored after
+        it)."""
+        slots, ops = self.slots, self._ops
+        n = 0
+        if self._npend:
+            if s == self._pend_s:
+                n = self._npend
+            else:
+                self._give_back()
+        end = min(limit, k + _AHEAD) if s == self._last_s else k + 1
+        MEM = _cuda.MEM_OP_WORDS
+        i = n * MEM
+        for j in range(k, end):
+            sl = j % slots
+            if j == k or not _reached(flags[sl], j + back + 1):
+                ops[i], ops[i + 1], ops[i + 2] = _OP_WAIT, addrs[sl], j + back + 1
+                i += MEM
+        self._st.waited(s)
+        if i == MEM:
+            self._wait_value(s, addrs[k % slots], k + back + 1)
+        else:
+            self._batch(s, i // MEM)
+        self._cover_s, self._cover_end = s, end
+        if n:
+            self._gave_back(False)  # the waits came after the writes
 
     def _wait_slot(self, timeout):
         head_w, tail_w, rx_state, removed, ev = self._head, self._tail, self._rx_state, self._removed, self._tx_ev
@@ -822,6 +882,8 @@ class Channel:
                         and self._breaks.value == self._clear:
                     skip = False
                 else:
+                    if self._npend:
+                        self._give_back()  # before this end waits: the producer may wait for them
                     k, skip = self._wait_message(timeout)
                 self._taken.value = k + 1
                 slot = k % slots
@@ -832,7 +894,9 @@ class Channel:
                     self._release(k, slot, s)  # unread, in the order of the slot's other releases
                     continue
                 if s is not None:
-                    self._stream_wait(s, self._filled, self._filled_dev, slot, k + 1)
+                    if (s != self._cover_s or k >= self._cover_end) and not _reached(self._filled[slot], k + 1):
+                        self._cover(s, k, self._head.value, self._filled, self._filled_dev, 0)
+                    self._last_s = s
                 msg = self._out = Message(self, k, slot, self._tensors[slot], s)
                 return msg
 
@@ -930,7 +994,6 @@ class Channel:
                 raise ValueError(f"gpushm: channel {self.name!r}: message {msg.seq} is not out")
             msg._ch = self._out = None
             k, slot, st = msg.seq, msg.slot, self._st
-            st.pending_wait = False
             if self.role == RX:
                 self._release(k, slot, s)
                 if self._breaks.value != self._seen:
@@ -943,19 +1006,59 @@ class Channel:
                 self._filled[slot] = k + 1
             else:
                 self._write_value(s, self._filled_dev[slot], k + 1)
+                st.wrote(s)
             self._head.value = k + 1
             st.last = k + 1
             _notify(self._rx_ev, self._rx_sleep, self._rx_ev_addr)
 
     def _release(self, k, slot, s):
         """Gives message k's slot back to the producer (the consumer; the
-        lock is held)."""
+        lock is held). On a GPU of 16 slots or more, in groups: the drained
+        write of each message, on its stream, waits in _ops until the group
+        has slots // 8 of them (or one on another stream comes, or recv is
+        about to wait, or close), then they are queued with one driver call
+        and tail is stored once for them all. A producer waits only for
+        flags below tail, which are always queued: a group not given back
+        yet holds its slots a little longer, as if the consumer were
+        slower, and one driver call stands for several (docs/protocol.md,
+        "Channels")."""
         if self._host:
             self._drained[slot] = k + 1
+        elif self._group > 1:
+            if self._npend and s != self._pend_s:
+                self._give_back()
+            ops, i = self._ops, self._npend * _cuda.MEM_OP_WORDS
+            ops[i], ops[i + 1], ops[i + 2] = _OP_WRITE, self._drained_dev[slot], k + 1
+            self._npend += 1
+            self._pend_s, self._pend_k = s, k + 1
+            if self._npend >= self._group:
+                self._give_back()
+            return
         else:
             self._write_value(s, self._drained_dev[slot], k + 1)
+            self._st.wrote(s)
         self._tail.value = k + 1
         self._st.last = k + 1
+        _notify(self._tx_ev, self._tx_sleep, self._tx_ev_addr)
+
+    def _give_back(self):
+        """Queues the group of releases in _ops (one driver call) and gives
+        their slots back."""
+        n, s = self._npend, self._pend_s
+        if n == 1:
+            self._write_value(s, self._ops[1], self._ops[2])
+        else:
+            self._batch(s, n)
+        self._gave_back()
+
+    def _gave_back(self, last=True):
+        """The group's writes are queued (last: after every wait of this
+        end's on their stream): tail moves past them."""
+        self._npend = 0
+        if last:
+            self._st.wrote(self._pend_s)
+        self._tail.value = self._pend_k
+        self._st.last = self._pend_k
         _notify(self._tx_ev, self._tx_sleep, self._tx_ev_addr)
 
     def _abandon(self, msg):
@@ -992,6 +1095,11 @@ class Channel:
             out, self._out = self._out, None
             if out is not None:
                 out._ch = None
+            if self._npend:
+                try:
+                    self._give_back()  # its last releases; the daemon would give them back anyway
+                except Exception:
+                    self._npend = 0
             st, client = self._st, self._client
             self._fin.detach()
             landed = _landed(st)

@@ -75,6 +75,18 @@ _CHANNEL_SIGNATURES = {
     "cuStreamWriteValue64": (("cuStreamWriteValue64_v2", "cuStreamWriteValue64"), (c_void_p, c_uint64, c_uint64, c_uint)),
     "cuStreamWaitValue64": (("cuStreamWaitValue64_v2", "cuStreamWaitValue64"), (c_void_p, c_uint64, c_uint64, c_uint)),
 }
+# Several of those in one call, where the driver has it (CUDA 11.7 on): a
+# channel end queues a group of them with one driver call (stream_ops).
+_BATCH_SIGNATURE = (("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp"), (c_void_p, c_uint, c_void_p, c_uint))
+# CUstreamBatchMemOpParams: a union of 48 bytes, six u64 words; an
+# operation's type is in the first (a u32, then padding), its address in the
+# second, its 64-bit value in the third, its flags in the fourth (a u32;
+# 0: a write after a fence, a wait for >= (GEQ)), the fifth is the driver's.
+CU_STREAM_MEM_OP_WAIT_VALUE_64 = 4
+CU_STREAM_MEM_OP_WRITE_VALUE_64 = 5
+MEM_OP_WORDS = 6
+# The most operations one batch may hold (the driver takes fewer than 256).
+MAX_MEM_OPS = 128
 
 
 # A GPU's UUID, looked up when a cuda segment is first mapped.
@@ -103,7 +115,7 @@ class _Driver:
             fn.argtypes, fn.restype = args, c_int
             setattr(self, name.removesuffix("_v2"), fn)
         self.check("cuInit", self.cuInit(0))
-        self._lib, self._channel_calls = lib, False
+        self._lib, self._channel_calls, self._batch = lib, False, None
 
     def channel_calls(self):
         """Loads the calls channels need, once; raises CUDAError naming the
@@ -112,6 +124,10 @@ class _Driver:
             return
         for attr, (names, args) in _CHANNEL_SIGNATURES.items():
             self._optional(attr, names, args, "channels need stream memory operations (a driver for CUDA 12 or later)")
+        try:
+            self._batch = self._optional("cuStreamBatchMemOp", *_BATCH_SIGNATURE, "")
+        except CUDAError:
+            self._batch = None  # one call per operation
         self._channel_calls = True
 
     def _optional(self, attr, names, args, why):
@@ -344,20 +360,26 @@ class Device:
             cu.check("cuMemHostUnregister", cu.cuMemHostUnregister(ptr))
 
     def stream_ops(self):
-        """(write, wait): functions of (stream, address, value) that queue
-        cuStreamWriteValue64 (v, after a fence) or cuStreamWaitValue64 (>= v)
-        on a stream of this GPU. stream is a CUstream; 0 is the legacy
-        default stream. They are on every hand-off of a channel, so they
-        take plain ints and do nothing they need not."""
+        """(write, wait, batch, ops): functions that queue on a stream of
+        this GPU cuStreamWriteValue64 (of (stream, address, value): v, after
+        a fence), cuStreamWaitValue64 ((stream, address, value): >= v), and
+        batch(stream, n), the first n operations of ops (an array of
+        MEM_OP_WORDS u64 words an operation, MAX_MEM_OPS of them, that the
+        caller fills: the type at 0, the address at 1, the value at 2; the
+        flags, 0, are left as they are) in one driver call. stream is a
+        CUstream; 0 is the legacy default stream. They are on every
+        hand-off of a channel, so they take plain ints and do nothing they
+        need not. Each channel has its own, used under its lock."""
         cu = self.cu
         cu.channel_calls()
         push, pop, ctx, popped = cu.cuCtxPushCurrent, cu.cuCtxPopCurrent, self.ctx, ctypes.byref(c_void_p())
-        write, wait = cu.cuStreamWriteValue64, cu.cuStreamWaitValue64
+        write, wait, batched = cu.cuStreamWriteValue64, cu.cuStreamWaitValue64, cu._batch
+        ops = (c_uint64 * (MEM_OP_WORDS * MAX_MEM_OPS))()
         # Where the calling thread's context is already ours (a framework
         # made the primary context current), the push and pop are two
         # ctypes calls of the three a hand-off would make: asking is one.
-        # Each channel has its own pair, used under its lock, so current
-        # is not shared between threads.
+        # current is not shared between threads: each channel has its own,
+        # used under its lock.
         get_current = getattr(cu._lib, "cuCtxGetCurrent", None)
         if get_current is not None:
             get_current.argtypes, get_current.restype = (POINTER(c_void_p),), c_int
@@ -365,9 +387,9 @@ class Device:
         pcurrent, ours = ctypes.byref(current), ctx.value
 
         def op(fn, call):
-            def run(stream, addr, value):
+            def run(stream, a, b):
                 if get_current is not None and get_current(pcurrent) == 0 and current.value == ours:
-                    r = fn(stream or CU_STREAM_LEGACY, addr, value, 0)
+                    r = fn(stream or CU_STREAM_LEGACY, a, b, 0)
                 else:
                     # The current context decides what the legacy stream
                     # is; pushing our own also makes the call work on a
@@ -376,14 +398,27 @@ class Device:
                     if r:
                         cu.check("cuCtxPushCurrent", r)
                     try:
-                        r = fn(stream or CU_STREAM_LEGACY, addr, value, 0)
+                        r = fn(stream or CU_STREAM_LEGACY, a, b, 0)
                     finally:
                         pop(popped)
                 if r:
                     cu.check(call, r)
             return run
 
-        return op(write, "cuStreamWriteValue64"), op(wait, "cuStreamWaitValue64")
+        if batched is not None:
+            batch_op = op(batched, "cuStreamBatchMemOp")
+            pops = ctypes.addressof(ops)
+
+            def batch(stream, n):
+                batch_op(stream, n, pops)
+        else:
+            # A driver without it: the same operations, one call each.
+            def batch(stream, n):
+                for i in range(0, MEM_OP_WORDS * n, MEM_OP_WORDS):
+                    (write_op if ops[i] == CU_STREAM_MEM_OP_WRITE_VALUE_64 else wait_op)(stream, ops[i + 1], ops[i + 2])
+
+        write_op, wait_op = op(write, "cuStreamWriteValue64"), op(wait, "cuStreamWaitValue64")
+        return write_op, wait_op, batch, ops
 
     def synchronize(self) -> None:
         with self as cu:

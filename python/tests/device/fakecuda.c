@@ -243,6 +243,29 @@ CUresult cuStreamWriteValue64_v2(void *stream, uint64_t addr, uint64_t v, unsign
 	calls_write++;
 	return OK;
 }
+// cuStreamBatchMemOp: the writes and waits above, in order, in one call.
+// Each operation is CUstreamBatchMemOpParams (48 bytes: the type in the
+// first u32, the address at 8, the value at 16, the flags at 24).
+typedef struct { uint32_t type, pad; uint64_t addr, value; uint32_t flags, pad2; uint64_t alias, pad3; } MemOp;
+static long calls_batch, batch_ops;
+long fake_batches(void) { return calls_batch; }
+long fake_batch_ops(void) { return batch_ops; }
+CUresult cuStreamWaitValue64_v2(void *stream, uint64_t addr, uint64_t v, unsigned flags);
+CUresult cuStreamBatchMemOp_v2(void *stream, unsigned n, const MemOp *ops, unsigned flags) {
+	NEED_CTX();
+	if (sizeof(MemOp) != 48 || !stream || !ops || n == 0 || n >= 256 || flags != 0) return INVALID_VALUE;
+	for (unsigned i = 0; i < n; i++) {
+		if ((ops[i].type != 4 && ops[i].type != 5) || ops[i].flags != 0 || !word(ops[i].addr)) return INVALID_VALUE;
+	}
+	calls_batch++;
+	for (unsigned i = 0; i < n; i++) {
+		CUresult r = ops[i].type == 5 ? cuStreamWriteValue64_v2(stream, ops[i].addr, ops[i].value, 0)
+		                              : cuStreamWaitValue64_v2(stream, ops[i].addr, ops[i].value, 0);
+		batch_ops++;
+		if (r) return r;
+	}
+	return OK;
+}
 CUresult cuStreamWaitValue64_v2(void *stream, uint64_t addr, uint64_t v, unsigned flags) {
 	NEED_CTX();
 	volatile uint64_t *w = word(addr);

@@ -5,6 +5,7 @@ handles. This checks what ctypes could get wrong (argument types, pointers
 in and out, context push and pop, every resource released), not the driver;
 test_gpu.py checks the driver on the GPU machine."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -280,6 +281,85 @@ def test_channel_cuda_path(daemon, fake_libdir, name, waits):
         assert out.strip() == "ok"
         assert producer.stdout.readline().strip() == "closed", producer.stderr.read()
         assert producer.wait(30) == 0, producer.stderr.read()
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+            producer.wait()
+
+
+GROUPS_END = """
+import json, time
+import gpushm._channel as _ch
+n, count, slots = 16, 3000, 32
+"""
+
+
+@pytest.mark.parametrize("waits", ["queued", "landed"])
+def test_channel_cuda_groups(daemon, fake_libdir, name, waits):
+    """32 slots, each end on one stream: the consumer gives slots back in
+    groups of 4 (one cuStreamBatchMemOp each, writing every message's
+    drained flag, tail stored after it), and an end whose flag has not
+    landed queues, in one call, the waits of the next messages the other
+    end has handed over too. The stand-in fails a wait queued before its
+    flag was written: so a group's tail stored before its writes, or a
+    wait for a message not handed over, fails the run. With "queued" no
+    flag is seen landed; every message is still checked, and every slot
+    comes back by the end."""
+    count, slots = 3000, 32  # as GROUPS_END says
+    env = dict(env_for(daemon.socket), LD_LIBRARY_PATH=fake_libdir + ":" + os.environ.get("LD_LIBRARY_PATH", ""))
+    force = "\n_ch._reached = lambda v, want: False\n" if waits == "queued" else ""
+    producer = subprocess.Popen([sys.executable, "-c", PRELUDE + GROUPS_END + force + textwrap.dedent("""
+        tx = c.channel(name, shape=(n,), dtype="float32", slots=slots, framework=None)
+        print("open", flush=True)
+        for k in range(count):
+            with tx.send(stream=7) as v:
+                src = np.arange(n, dtype=np.float32) + k
+                ctypes.memmove(v.ptr, src.ctypes.data, src.nbytes)
+        # One write a message, on its own or in a batch; every wait met.
+        assert fake.fake_writes() == count and fake.fake_waits_unmet() == 0, (fake.fake_writes(), fake.fake_waits_unmet())
+        print(json.dumps({"waits": fake.fake_waits(), "batches": fake.fake_batches()}), flush=True)
+        tx.close()
+        print("closed", flush=True)
+    """), name], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert producer.stdout.readline().strip() == "open", producer.stderr.read()
+        out = run(daemon, fake_libdir, name, GROUPS_END + force + textwrap.dedent("""
+            rx = c.channel(name, framework=None)
+            assert rx._group == 4
+            while rx._head.value < slots:  # the producer's window full: the first groups are whole
+                time.sleep(0.01)
+            k = 0
+            for m in iter(lambda: rx.recv(timeout=30, stream=9), None):
+                assert m.seq == k
+                with m as v:
+                    got = np.frombuffer(ctypes.string_at(v.ptr, 4 * n), dtype=np.float32)
+                    assert (got == np.arange(n, dtype=np.float32) + k).all(), (k, got)
+                assert rx._npend < 4 and rx._tail.value + rx._npend == k + 1
+                k += 1
+                if k == count:
+                    break
+            assert fake.fake_writes() == count - rx._npend and fake.fake_waits_unmet() == 0
+            writes, batches = fake.fake_writes(), fake.fake_batches()
+            rx.close()  # gives back the last group
+            assert fake.fake_writes() == count and rx._st.last == count
+            print(json.dumps({"waits": fake.fake_waits(), "batches": batches, "writes": writes}))
+        """))
+        got = json.loads(out.strip().splitlines()[-1])
+        sent = json.loads(producer.stdout.readline())
+        assert producer.stdout.readline().strip() == "closed", producer.stderr.read()
+        assert producer.wait(30) == 0, producer.stderr.read()
+        if waits == "queued":
+            # Every message waited for at each end (the first slots' sends
+            # need none), each wait once, and most of them ahead, in batches;
+            # the producer's last sends may have covered a few messages it
+            # then did not send.
+            assert got["waits"] == count and count - slots <= sent["waits"] < count - slots + 8, (got, sent)
+            assert got["batches"] >= 7, got
+        else:
+            assert got["waits"] == 0 and sent["waits"] == 0, (got, sent)
+            # At least the groups of the first 28 messages, which were
+            # all there when the consumer began, were whole.
+            assert got["batches"] >= 7, got
     finally:
         if producer.poll() is None:
             producer.kill()

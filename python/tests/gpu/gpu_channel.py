@@ -134,7 +134,7 @@ def consumer(a):
     devices = [a.consumer_device] if a.consumer_device != a.device else None
     rx = c.channel(a.name, devices=devices)
     if a.control:
-        rx._wait_value = lambda *args: None  # no stream waits: reads race the producer's writes
+        rx._cover = lambda *args: None  # no stream waits: reads race the producer's writes
     assert rx.device == a.consumer_device, (rx.device, a.consumer_device)
     print("open", flush=True)
     got, bad_seq, t0, end = 0, [], None, "eof"
