@@ -44,6 +44,7 @@ def worker(socket, name, ckdir, out):
     """from_pretrained of the pulled bundle on this node; every parameter
     compared with the checkpoint's files read from disk to the same GPU."""
     import torch
+    import transformers  # noqa: F401 (imported before the clock starts)
     from safetensors.torch import load_file
 
     import gpushm
