@@ -22,7 +22,8 @@ import (
 // processes of their own with the segment as descriptor 3 and, where
 // --board is given, a board as descriptor 4.
 func Command() *cobra.Command {
-	cmd := &cobra.Command{Use: "__pull", Hidden: true, Args: cobra.NoArgs}
+	cmd := &cobra.Command{Use: "__pull", Hidden: true, Args: cobra.NoArgs,
+		PersistentPreRunE: func(*cobra.Command, []string) error { return protocolOut() }}
 	var (
 		size     int64
 		m        Memory
@@ -58,6 +59,24 @@ func Command() *cobra.Command {
 	}
 	cmd.AddCommand(lend, fetch)
 	return cmd
+}
+
+// proto is where a helper writes to the daemon: its standard output as it
+// was started. Its descriptor 1 then is its standard error, so that what
+// a library prints on standard output (UCX's log does, by default) goes
+// to the daemon's log instead of into the protocol.
+var proto = os.Stdout
+
+func protocolOut() error {
+	fd, err := unix.FcntlInt(1, unix.F_DUPFD_CLOEXEC, 3)
+	if err != nil {
+		return fmt.Errorf("keep standard output: %w", err)
+	}
+	if err := unix.Dup2(2, 1); err != nil {
+		return fmt.Errorf("standard output to standard error: %w", err)
+	}
+	proto = os.NewFile(uintptr(fd), "protocol")
+	return nil
 }
 
 // corruptEnv, for tests, makes a lender serve one byte that is not the
@@ -166,7 +185,7 @@ func runLend(size int64, m Memory, hasBoard bool) error {
 		return err
 	}
 	g.Addr, g.Board = data.Addr(), bd.Addr()
-	if err := json.NewEncoder(os.Stdout).Encode(g); err != nil {
+	if err := json.NewEncoder(proto).Encode(g); err != nil {
 		return err
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
@@ -229,7 +248,7 @@ func stageAll(ctx context.Context, src source, out, in board, size int64) error 
 // writes {"done": bytes} lines on stdout as it goes, then {"error": ...}
 // (empty for none).
 func runFetch(m Memory, hasBoard bool, stall time.Duration, uid, gid int) error {
-	enc := json.NewEncoder(os.Stdout)
+	enc := json.NewEncoder(proto)
 	err := harden(uid, gid)
 	if err == nil {
 		err = fetch(m, hasBoard, stall, func(done int64) { enc.Encode(fetchLine{Done: done}) })

@@ -249,3 +249,20 @@ func TestFetchLenderDies(t *testing.T) {
 		t.Fatal("the fetch from a killed lender did not end")
 	}
 }
+
+// TestHelpersLogAside: what UCX logs goes to standard output by default;
+// in a helper it must not land in the protocol the daemon reads there.
+func TestHelpersLogAside(t *testing.T) {
+	requireUCX(t)
+	t.Setenv("UCX_LOG_LEVEL", "debug")
+	size := int64(Chunk + 1)
+	want := random(t, size)
+	l := lend(t, memfd(t, size, want), size, -1)
+	dst := memfd(t, size, nil)
+	if err := Fetch(context.Background(), dst, size, l.Grant, FetchOptions{Board: -1}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(contents(t, dst, size), want) {
+		t.Fatal("the fetched bytes differ from the lent ones")
+	}
+}

@@ -47,6 +47,7 @@ const pollInterval = 5 * time.Millisecond
 // usable.
 func Load() error {
 	loadOnce.Do(func() {
+		tcpDefaults()
 		loadErr = openLibrary(library, true)
 		loaded.Store(loadErr == nil)
 	})
