@@ -74,8 +74,10 @@ type peers struct {
 	mu          sync.Mutex
 	node        *peer.Node
 	loans       loans
-	// device is where a pulled segment is made: the backend's default.
+	// device is where a pulled segment is made: the backend's default;
+	// cuda, whether the backend's memory is a GPU's.
 	device int
+	cuda   bool
 	// pulling are the pulls in progress here, by name (pull.go).
 	pulling map[string]*pulling
 }

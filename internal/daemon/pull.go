@@ -559,6 +559,15 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 		}
 	}
 
+	// The fetcher starts while the peer starts its lender: each makes a
+	// device's context and UCX's worker, which would take their time in
+	// turn.
+	fr, err := pull.StartFetcher(pull.Memory{CUDA: p.cuda, Device: p.device}, pullStall)
+	if err != nil {
+		end(nil, root, false)
+		return segment.Info{}, "", err
+	}
+	defer fr.Close()
 	r, lender, err := p.borrow(ctx, n, name, who, direct)
 	if err != nil {
 		end(nil, root, false)
@@ -606,6 +615,9 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	}
 	info := p.reg.Info(s)
 	m, err := memoryOf(info)
+	if err == nil && (m.CUDA != p.cuda || m.CUDA && m.Device != p.device) {
+		err = fmt.Errorf("pull: the segment was made on device %d of kind %q, not where its fetcher started", info.Device, info.HandleType)
+	}
 	if err != nil {
 		return fail(err)
 	}
@@ -622,7 +634,7 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	started = true
 	close(pl.ready)
 	pl.mu.Unlock()
-	err = pull.Fetch(ctx, fd, r.Grant.Size, r.Grant, pull.FetchOptions{Memory: m, Board: board, Stall: pullStall,
+	err = fr.Fetch(ctx, fd, r.Grant.Size, r.Grant, pull.FetchOptions{Memory: m, Board: board, Stall: pullStall,
 		Progress: func(d int64) { pl.done.Store(d) }})
 	if err != nil {
 		if via != "" {

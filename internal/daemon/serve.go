@@ -99,7 +99,8 @@ func Serve(ctx context.Context, log *slog.Logger, o Options, supervised bool) er
 	}
 	ex := &extras{o: o, log: log, srv: s.srv, b: b, gpus: gpus.Report, mln: mln}
 	if s.peers != nil {
-		ex.peers = &peers{cfg: *s.peers, reg: s.srv.Registry(), device: b.DefaultDevice(), pullMissing: o.PullMissing}
+		ex.peers = &peers{cfg: *s.peers, reg: s.srv.Registry(), device: b.DefaultDevice(), cuda: b.Name() == "cuda",
+			pullMissing: o.PullMissing}
 	}
 	if err := ex.start(); err != nil {
 		ln.Close()

@@ -46,7 +46,7 @@ func Command() *cobra.Command {
 		Use: "fetch", Args: cobra.NoArgs, SilenceUsage: true,
 		RunE: func(*cobra.Command, []string) error {
 			m.CUDA = m.Device >= 0
-			return runFetch(m, hasBoard, stall, uid, gid)
+			return runFetch(m, stall, uid, gid)
 		},
 	}
 	fetch.Flags().DurationVar(&stall, "stall", DefaultStall, "how long the lender may send nothing")
@@ -112,12 +112,12 @@ func harden(uid, gid int) error {
 }
 
 // mapBoard maps descriptor 4, a board of size bytes' chunks.
-func mapBoard(size int64, writable bool) (board, error) {
+func mapBoard(fd int, size int64, writable bool) (board, error) {
 	prot := unix.PROT_READ
 	if writable {
 		prot |= unix.PROT_WRITE
 	}
-	b, err := unix.Mmap(4, 0, int(BoardSize(size)), prot, unix.MAP_SHARED)
+	b, err := unix.Mmap(fd, 0, int(BoardSize(size)), prot, unix.MAP_SHARED)
 	if err != nil {
 		return nil, fmt.Errorf("map the board: %w", err)
 	}
@@ -136,7 +136,7 @@ func runLend(size int64, m Memory, hasBoard bool) error {
 	var in board // the fetch's board, in a chain
 	if hasBoard {
 		var err error
-		if in, err = mapBoard(size, false); err != nil {
+		if in, err = mapBoard(4, size, false); err != nil {
 			return err
 		}
 		defer unix.Munmap(in)
@@ -144,9 +144,9 @@ func runLend(size int64, m Memory, hasBoard bool) error {
 	var src source
 	var err error
 	if !m.CUDA {
-		src, err = newHostSource(size)
+		src, err = newHostSource(3, size)
 	} else {
-		src, err = newGPUSource(m)
+		src, err = newGPUSource(3, m)
 	}
 	if err != nil {
 		return err
@@ -243,15 +243,26 @@ func stageAll(ctx context.Context, src source, out, in board, size int64) error 
 	return nil
 }
 
-// runFetch reads a Grant on stdin, gets every chunk into descriptor 3,
-// checks each, publishes them on the board (descriptor 4) if any, and
-// writes {"done": bytes} lines on stdout as it goes, then {"error": ...}
-// (empty for none).
-func runFetch(m Memory, hasBoard bool, stall time.Duration, uid, gid int) error {
+// A fetchJob is what the daemon sends a fetcher over its control socket
+// (descriptor 3), with the segment's descriptor and, for a chain, the
+// board's, once the peer has answered: the lender's grant, and the
+// allocation's size on a device.
+type fetchJob struct {
+	Grant Grant `json:"grant"`
+	Alloc int64 `json:"alloc,omitempty"`
+	Board bool  `json:"board,omitempty"`
+}
+
+// runFetch makes what a fetch needs before it knows what to fetch (the
+// device's context, UCX's worker), then reads a fetchJob on its control
+// socket, gets every chunk into the segment, checks each, publishes them
+// on the board if any, and writes {"done": bytes} lines as it goes, then
+// {"error": ...} (empty for none).
+func runFetch(m Memory, stall time.Duration, uid, gid int) error {
 	enc := json.NewEncoder(proto)
 	err := harden(uid, gid)
 	if err == nil {
-		err = fetch(m, hasBoard, stall, func(done int64) { enc.Encode(fetchLine{Done: done}) })
+		err = fetch(m, stall, func(done int64) { enc.Encode(fetchLine{Done: done}) })
 	}
 	msg := ""
 	if err != nil {
@@ -260,39 +271,77 @@ func runFetch(m Memory, hasBoard bool, stall time.Duration, uid, gid int) error 
 	return enc.Encode(fetchLine{Error: &msg})
 }
 
-func fetch(m Memory, hasBoard bool, stall time.Duration, progress func(int64)) error {
-	var g Grant
-	if err := json.NewDecoder(os.Stdin).Decode(&g); err != nil {
-		return fmt.Errorf("fetch: the grant: %w", err)
-	}
-	if err := g.check(g.Size); err != nil {
-		return fmt.Errorf("fetch: %w", err)
-	}
-	var pub board // for the next lender of a chain
-	if hasBoard {
-		var err error
-		if pub, err = mapBoard(g.Size, true); err != nil {
-			return err
-		}
-		defer unix.Munmap(pub)
-	}
-	var dst sink
-	var err error
-	if !m.CUDA {
-		dst, err = newHostSink(g.Size)
-	} else {
-		dst, err = newGPUSink(m)
-	}
+// readJob reads the job and its descriptors from the control socket.
+func readJob() (fetchJob, []int, error) {
+	var j fetchJob
+	buf, oob := make([]byte, 1<<20), make([]byte, unix.CmsgSpace(2*4))
+	n, oobn, _, _, err := unix.Recvmsg(3, buf, oob, unix.MSG_CMSG_CLOEXEC)
 	if err != nil {
-		return err
+		return j, nil, fmt.Errorf("fetch: the job: %w", err)
 	}
-	defer dst.close()
+	var fds []int
+	if msgs, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil {
+		for _, m := range msgs {
+			if r, err := unix.ParseUnixRights(&m); err == nil {
+				fds = append(fds, r...)
+			}
+		}
+	}
+	if err := json.Unmarshal(buf[:n], &j); err != nil {
+		return j, fds, fmt.Errorf("fetch: the job: %w", err)
+	}
+	want := 1
+	if j.Board {
+		want = 2
+	}
+	if len(fds) != want {
+		return j, fds, fmt.Errorf("fetch: the job came with %d descriptors, want %d", len(fds), want)
+	}
+	return j, fds, nil
+}
+
+func fetch(m Memory, stall time.Duration, progress func(int64)) error {
+	// What can be made before the job, is: a fetch started with its
+	// peer's answer still on the way starts the wire when that arrives.
+	if m.CUDA {
+		if err := warmGPU(m.Device); err != nil {
+			return fmt.Errorf("fetch: %w", err)
+		}
+	}
 	c, w, err := worker()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
 	defer w.Close()
+	job, fds, err := readJob()
+	for _, fd := range fds {
+		defer unix.Close(fd)
+	}
+	if err != nil {
+		return err
+	}
+	g, m := job.Grant, Memory{CUDA: m.CUDA, Device: m.Device, Alloc: job.Alloc}
+	if err := g.check(g.Size); err != nil {
+		return fmt.Errorf("fetch: %w", err)
+	}
+	var pub board // for the next lender of a chain
+	if job.Board {
+		if pub, err = mapBoard(fds[1], g.Size, true); err != nil {
+			return err
+		}
+		defer unix.Munmap(pub)
+	}
+	var dst sink
+	if !m.CUDA {
+		dst, err = newHostSink(fds[0], g.Size)
+	} else {
+		dst, err = newGPUSink(fds[0], m)
+	}
+	if err != nil {
+		return err
+	}
+	defer dst.close()
 	ep, err := w.Connect(g.Worker)
 	if err != nil {
 		return err

@@ -32,8 +32,8 @@ type sink interface {
 // what it registers, and a peer's put lands in this process's copy alone.
 type hostSource struct{ b []byte }
 
-func newHostSource(size int64) (*hostSource, error) {
-	b, err := unix.Mmap(3, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE)
+func newHostSource(fd int, size int64) (*hostSource, error) {
+	b, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE)
 	if err != nil {
 		return nil, fmt.Errorf("lend: map the segment: %w", err)
 	}
@@ -48,8 +48,8 @@ func (h *hostSource) close()                                  { unix.Munmap(h.b)
 // hostSink fills a memfd in place.
 type hostSink struct{ b []byte }
 
-func newHostSink(size int64) (*hostSink, error) {
-	b, err := unix.Mmap(3, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+func newHostSink(fd int, size int64) (*hostSink, error) {
+	b, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		return nil, fmt.Errorf("fetch: map the segment: %w", err)
 	}
@@ -69,7 +69,7 @@ type gpuMemory struct {
 	alloc int64
 }
 
-func openGPU(m Memory, readOnly bool) (*gpuMemory, error) {
+func openGPU(fd int, m Memory, readOnly bool) (*gpuMemory, error) {
 	if err := cuda.Init(); err != nil {
 		return nil, err
 	}
@@ -77,7 +77,7 @@ func openGPU(m Memory, readOnly bool) (*gpuMemory, error) {
 	if err != nil {
 		return nil, err
 	}
-	h, err := dev.ImportFD(3)
+	h, err := dev.ImportFD(fd)
 	if err != nil {
 		return nil, err
 	}
@@ -87,6 +87,19 @@ func openGPU(m Memory, readOnly bool) (*gpuMemory, error) {
 		return nil, err
 	}
 	return &gpuMemory{dev: dev, h: h, ptr: ptr, alloc: m.Alloc}, nil
+}
+
+// warmGPU makes device's context ahead of the memory it will map.
+func warmGPU(device int) error {
+	if err := cuda.Init(); err != nil {
+		return err
+	}
+	dev, err := cuda.GetDevice(device)
+	if err != nil {
+		return err
+	}
+	_, _, err = dev.MemInfo()
+	return err
 }
 
 func (g *gpuMemory) close() {
@@ -102,8 +115,8 @@ type gpuSource struct {
 	pinned []byte
 }
 
-func newGPUSource(m Memory) (*gpuSource, error) {
-	g, err := openGPU(m, true)
+func newGPUSource(fd int, m Memory) (*gpuSource, error) {
+	g, err := openGPU(fd, m, true)
 	if err != nil {
 		return nil, fmt.Errorf("lend: %w", err)
 	}
@@ -148,8 +161,8 @@ type gpuSink struct {
 // sinkSlots: one chunk on the wire, one being checked, one copying up.
 const sinkSlots = 3
 
-func newGPUSink(m Memory) (*gpuSink, error) {
-	g, err := openGPU(m, false)
+func newGPUSink(fd int, m Memory) (*gpuSink, error) {
+	g, err := openGPU(fd, m, false)
 	if err != nil {
 		return nil, fmt.Errorf("fetch: %w", err)
 	}

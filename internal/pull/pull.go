@@ -31,6 +31,8 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Chunk is the unit of checksums, of gets and of a ring's slots.
@@ -236,45 +238,112 @@ type fetchLine struct {
 	Error *string `json:"error,omitempty"`
 }
 
-// Fetch fills size bytes of the memory fd from a lender's grant, in a
-// fetcher helper, every chunk checked; ctx ends it (the helper is killed).
-func Fetch(ctx context.Context, fd int, size int64, g Grant, o FetchOptions) error {
+// A Fetcher is a fetcher helper started before it is told what to fetch,
+// so that its start (the exec, a device's context, UCX's worker) overlaps
+// the peer's answer to the pull. Fetch, then Close; or Close alone.
+type Fetcher struct {
+	cmd  *exec.Cmd
+	ctl  int // the daemon's end of the helper's control socket
+	out  *bufio.Reader
+	m    Memory
+	done bool
+}
+
+// StartFetcher starts a fetcher of memory like m (its kind and device:
+// the allocation's size comes with the job) that fails a fetch after
+// stall with nothing from its lender (0: DefaultStall).
+func StartFetcher(m Memory, stall time.Duration) (*Fetcher, error) {
+	if stall <= 0 {
+		stall = DefaultStall
+	}
+	sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("fetch: a control socket: %w", err)
+	}
+	defer unix.Close(sp[1])
+	args := []string{"--stall", stall.String()}
+	if m.CUDA {
+		args = append(args, "--device", strconv.Itoa(m.Device))
+	}
+	cmd, in, out, err := helper("fetch", []int{sp[1]}, args...)
+	if err != nil {
+		unix.Close(sp[0])
+		return nil, err
+	}
+	in.Close()
+	return &Fetcher{cmd: cmd, ctl: sp[0], out: out, m: m}, nil
+}
+
+// Fetch fills size bytes of the memory fd from a lender's grant, every
+// chunk checked; ctx ends it (the helper is killed). o.Memory gives the
+// allocation's size; its kind and device are the Fetcher's.
+func (f *Fetcher) Fetch(ctx context.Context, fd int, size int64, g Grant, o FetchOptions) error {
+	defer f.Close()
 	if err := g.check(size); err != nil {
 		return fmt.Errorf("fetch: %w", err)
 	}
-	if o.Stall <= 0 {
-		o.Stall = DefaultStall
-	}
-	fds, args := []int{fd}, append([]string{"--stall", o.Stall.String()}, o.Memory.args()...)
-	if o.Board >= 0 {
-		fds, args = append(fds, o.Board), append(args, "--board")
-	}
-	cmd, in, out, err := helper("fetch", fds, args...)
+	job, err := json.Marshal(fetchJob{Grant: g, Alloc: o.Memory.Alloc, Board: o.Board >= 0})
 	if err != nil {
 		return err
 	}
-	stop := context.AfterFunc(ctx, func() { cmd.Process.Kill() })
+	fds := []int{fd}
+	if o.Board >= 0 {
+		fds = append(fds, o.Board)
+	}
+	stop := context.AfterFunc(ctx, func() { f.cmd.Process.Kill() })
 	defer stop()
-	err = json.NewEncoder(in).Encode(g)
-	in.Close()
+	// A helper that failed before it read the job says why on its way out.
+	sendErr := unix.Sendmsg(f.ctl, job, unix.UnixRights(fds...), nil, 0)
 	var res fetchLine
 	for err == nil && res.Error == nil {
 		var line []byte
-		if line, err = out.ReadBytes('\n'); err == nil {
+		if line, err = f.out.ReadBytes('\n'); err == nil {
 			res = fetchLine{}
 			if err = json.Unmarshal(line, &res); err == nil && res.Error == nil && o.Progress != nil {
 				o.Progress(res.Done)
 			}
 		}
 	}
-	werr := cmd.Wait()
+	werr := f.wait()
 	switch {
 	case ctx.Err() != nil:
 		return fmt.Errorf("fetch: %w", context.Cause(ctx))
 	case res.Error != nil && *res.Error != "":
 		return errors.New(*res.Error)
+	case sendErr != nil:
+		return fmt.Errorf("fetch: the job to the helper: %w (%v)", sendErr, werr)
 	case err != nil:
 		return fmt.Errorf("fetch: the helper failed: %v (%v)", err, werr)
 	}
 	return werr
+}
+
+func (f *Fetcher) wait() error {
+	if f.done {
+		return nil
+	}
+	f.done = true
+	unix.Close(f.ctl)
+	return f.cmd.Wait()
+}
+
+// Close ends a fetcher that was not given a job, or is done.
+func (f *Fetcher) Close() {
+	if !f.done {
+		f.cmd.Process.Kill()
+		f.wait()
+	}
+}
+
+// Fetch starts a fetcher and fills size bytes of the memory fd from a
+// lender's grant, every chunk checked; ctx ends it.
+func Fetch(ctx context.Context, fd int, size int64, g Grant, o FetchOptions) error {
+	if err := g.check(size); err != nil {
+		return fmt.Errorf("fetch: %w", err)
+	}
+	f, err := StartFetcher(o.Memory, o.Stall)
+	if err != nil {
+		return err
+	}
+	return f.Fetch(ctx, fd, size, g, o)
 }
