@@ -562,6 +562,7 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	// The fetcher starts while the peer starts its lender: each makes a
 	// device's context and UCX's worker, which would take their time in
 	// turn.
+	start := time.Now()
 	fr, err := pull.StartFetcher(pull.Memory{CUDA: p.cuda, Device: p.device}, pullStall)
 	if err != nil {
 		end(nil, root, false)
@@ -629,6 +630,7 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	if err != nil {
 		return fail(err)
 	}
+	lent := time.Now()
 	pl.mu.Lock()
 	pl.seg, pl.info, pl.board, pl.reply, pl.from = s, info, board, r, lender
 	started = true
@@ -645,13 +647,15 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	if err := p.pullGate(ctx, name); err != nil {
 		return fail(err)
 	}
+	fetched := time.Now()
 	if err := p.reg.Commit(owner, s, "", nil); err != nil {
 		return fail(err)
 	}
 	end(s, owner, true)
 	inf := p.reg.Info(s)
 	p.reg.ReleaseBy(s, owner)
-	p.log().Info("pulled", "name", name, "bytes", inf.Size, "from", lender, "source", who)
+	p.log().Info("pulled", "name", name, "bytes", inf.Size, "from", lender, "source", who,
+		"lent_after", lent.Sub(start), "fetched_in", fetched.Sub(lent), "committed_in", time.Since(fetched))
 	return inf, via, nil
 }
 

@@ -141,6 +141,18 @@ func runLend(size int64, m Memory, hasBoard bool) error {
 		}
 		defer unix.Munmap(in)
 	}
+	// UCX's worker is made while the device's context is: the peer waits
+	// for both.
+	type made struct {
+		c   *ucx.Context
+		w   *ucx.Worker
+		err error
+	}
+	ready := make(chan made, 1)
+	go func() {
+		c, w, err := worker()
+		ready <- made{c, w, err}
+	}()
 	var src source
 	var err error
 	if !m.CUDA {
@@ -148,22 +160,24 @@ func runLend(size int64, m Memory, hasBoard bool) error {
 	} else {
 		src, err = newGPUSource(3, m)
 	}
+	u := <-ready
+	if u.err == nil {
+		defer u.c.Close()
+		defer u.w.Close()
+	}
 	if err != nil {
 		return err
 	}
 	defer src.close()
+	if u.err != nil {
+		return u.err
+	}
+	c, w := u.c, u.w
 	out, err := unix.Mmap(-1, 0, int(BoardSize(size)), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		return fmt.Errorf("lend: the board: %w", err)
 	}
 	defer unix.Munmap(out)
-
-	c, w, err := worker()
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	defer w.Close()
 	g := Grant{Size: size, Chunk: Chunk, Ring: src.ring()}
 	data, err := c.Map(src.region())
 	if err != nil {
@@ -260,15 +274,23 @@ type fetchJob struct {
 // {"error": ...} (empty for none).
 func runFetch(m Memory, stall time.Duration, uid, gid int) error {
 	enc := json.NewEncoder(proto)
+	reported := false
+	report := func(err error) error {
+		msg := ""
+		if err != nil {
+			msg = err.Error()
+		}
+		reported = true
+		return enc.Encode(fetchLine{Error: &msg})
+	}
 	err := harden(uid, gid)
 	if err == nil {
-		err = fetch(m, stall, func(done int64) { enc.Encode(fetchLine{Done: done}) })
+		err = fetch(m, stall, func(done int64) { enc.Encode(fetchLine{Done: done}) }, report)
 	}
-	msg := ""
-	if err != nil {
-		msg = err.Error()
+	if reported {
+		return err
 	}
-	return enc.Encode(fetchLine{Error: &msg})
+	return report(err)
 }
 
 // readJob reads the job and its descriptors from the control socket.
@@ -300,7 +322,10 @@ func readJob() (fetchJob, []int, error) {
 	return j, fds, nil
 }
 
-func fetch(m Memory, stall time.Duration, progress func(int64)) error {
+// fetch reports its success as soon as the last chunk has landed, before
+// it takes down the device's context and UCX's worker (a tenth of a second
+// and more): the daemon commits the segment meanwhile.
+func fetch(m Memory, stall time.Duration, progress func(int64), report func(error) error) error {
 	// What can be made before the job, is: a fetch started with its
 	// peer's answer still on the way starts the wire when that arrives.
 	if m.CUDA {
@@ -420,7 +445,7 @@ func fetch(m Memory, stall time.Duration, progress func(int64)) error {
 	}
 	landed(k)
 	progress(g.Size)
-	return nil
+	return report(nil)
 }
 
 // A fetcher reads a lender's board and chunks.

@@ -304,6 +304,14 @@ func (f *Fetcher) Fetch(ctx context.Context, fd int, size int64, g Grant, o Fetc
 			}
 		}
 	}
+	if err == nil && sendErr == nil && res.Error != nil && *res.Error == "" {
+		// Done: the helper takes its context and worker down on its own
+		// time, writing nothing more to the segment.
+		f.done = true
+		unix.Close(f.ctl)
+		go f.cmd.Wait()
+		return nil
+	}
 	werr := f.wait()
 	switch {
 	case ctx.Err() != nil:
