@@ -31,7 +31,13 @@ func startDaemon(ctx context.Context, backend string, extra ...string) (*private
 		return nil, err
 	}
 	d := &privateDaemon{socket: filepath.Join(dir, "gpushm.sock"), dir: dir, done: make(chan error, 1)}
-	args := []string{"daemon", "--socket", d.socket, "--backend", backend, "--log-level", "warn"}
+	// GPUSHM_BENCH_LOG shows the daemons' own account (info: a pull's
+	// phases, for one).
+	level := "warn"
+	if v := os.Getenv("GPUSHM_BENCH_LOG"); v != "" {
+		level = v
+	}
+	args := []string{"daemon", "--socket", d.socket, "--backend", backend, "--log-level", level}
 	if v := os.Getenv("GPUSHM_DAEMON_SPIN"); v != "" {
 		args = append(args, "--spin", v)
 	}
