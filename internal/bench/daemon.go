@@ -44,6 +44,9 @@ func startDaemon(ctx context.Context, backend string, extra ...string) (*private
 	args = append(args, extra...)
 	d.cmd = exec.Command(self, args...)
 	d.cmd.Stderr = os.Stderr
+	if level != "warn" {
+		d.cmd.Stdout = os.Stderr
+	}
 	if err := d.cmd.Start(); err != nil {
 		os.RemoveAll(dir)
 		return nil, fmt.Errorf("start daemon: %w", err)
