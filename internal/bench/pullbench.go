@@ -368,18 +368,11 @@ func ucxServeChildCmd() *cobra.Command {
 					return err
 				}
 			}
-			if err := ucx.Load(); err != nil {
-				return err
-			}
-			uc, err := ucx.NewContext()
+			uc, w, err := ucx.Open()
 			if err != nil {
 				return err
 			}
 			defer uc.Close()
-			w, err := uc.NewWorker()
-			if err != nil {
-				return err
-			}
 			defer w.Close()
 			r, err := uc.Map(buf)
 			if err != nil {
@@ -471,18 +464,11 @@ func ucxGetChildCmd() *cobra.Command {
 				}
 				defer unix.Munmap(host)
 			}
-			if err := ucx.Load(); err != nil {
-				return err
-			}
-			uc, err := ucx.NewContext()
+			uc, w, err := ucx.Open()
 			if err != nil {
 				return err
 			}
 			defer uc.Close()
-			w, err := uc.NewWorker()
-			if err != nil {
-				return err
-			}
 			defer w.Close()
 			ep, err := w.Connect(g.Worker)
 			if err != nil {

@@ -200,10 +200,7 @@ func (p *peers) report(ctx context.Context, pulling string) *wire.PeersReport {
 		if !pi.Connected {
 			continue
 		}
-		who := pi.Name
-		if who == "" {
-			who = pi.Addr
-		}
+		who := pi.ID()
 		wg.Go(func() {
 			offers, err := n.List(ctx, who, peer.ListRequest{})
 			if err != nil {

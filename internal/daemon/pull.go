@@ -417,28 +417,16 @@ func (p *peers) current() *peer.Node {
 }
 
 // offering are the peers to pull name from: from alone, or every
-// connected peer that lists it.
+// connected peer that lists it, in the order the node lists its peers.
 func (p *peers) offering(ctx context.Context, n *peer.Node, name, from string) []string {
 	if from != "" {
 		return []string{from}
 	}
+	have := p.offers(ctx, n, name)
 	var out []string
 	for _, pi := range n.Peers() {
-		if !pi.Connected {
-			continue
-		}
-		who := pi.Name
-		if who == "" {
-			who = pi.Addr
-		}
-		offers, err := n.List(ctx, who, peer.ListRequest{Prefix: name})
-		if err != nil {
-			continue
-		}
-		for _, o := range offers {
-			if o.Name == name && !slices.Contains(out, who) {
-				out = append(out, who)
-			}
+		if _, ok := have[pi.ID()]; ok && !slices.Contains(out, pi.ID()) {
+			out = append(out, pi.ID())
 		}
 	}
 	return out

@@ -211,10 +211,7 @@ func (p *peers) offers(ctx context.Context, n *peer.Node, name string) map[strin
 		if !pi.Connected {
 			continue
 		}
-		who := pi.Name
-		if who == "" {
-			who = pi.Addr
-		}
+		who := pi.ID()
 		list, err := n.List(ctx, who, peer.ListRequest{Prefix: name})
 		if err != nil {
 			continue

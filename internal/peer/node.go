@@ -85,6 +85,15 @@ type PeerInfo struct {
 	Since     time.Time `json:"since"` // of the state: connected, or failing
 }
 
+// ID is what Call and List take to reach the peer: its node name, or its
+// address before a handshake told the name.
+func (pi PeerInfo) ID() string {
+	if pi.Name != "" {
+		return pi.Name
+	}
+	return pi.Addr
+}
+
 // Node keeps this node's connections to its peers: it listens, dials,
 // redials with backoff, and serves and makes calls. Its goroutines end
 // with Close, or when Start's ctx is done.

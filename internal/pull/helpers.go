@@ -150,7 +150,7 @@ func runLend(size int64, m Memory, hasBoard bool) error {
 	}
 	ready := make(chan made, 1)
 	go func() {
-		c, w, err := worker()
+		c, w, err := ucx.Open()
 		ready <- made{c, w, err}
 	}()
 	var src source
@@ -333,7 +333,7 @@ func fetch(m Memory, stall time.Duration, progress func(int64), report func(erro
 			return fmt.Errorf("fetch: %w", err)
 		}
 	}
-	c, w, err := worker()
+	c, w, err := ucx.Open()
 	if err != nil {
 		return err
 	}
@@ -540,22 +540,4 @@ func (f *fetcher) check(b []byte, i, off, end int64) error {
 		return fmt.Errorf("fetch: chunk %d (bytes %d to %d) fails its checksum (crc32c %08x, the lender's %08x): the peer sent wrong bytes", i, off, end, got, f.crcs[i])
 	}
 	return nil
-}
-
-// worker loads UCX and makes a context and its worker; the caller closes
-// both, the worker first.
-func worker() (*ucx.Context, *ucx.Worker, error) {
-	if err := ucx.Load(); err != nil {
-		return nil, nil, err
-	}
-	c, err := ucx.NewContext()
-	if err != nil {
-		return nil, nil, err
-	}
-	w, err := c.NewWorker()
-	if err != nil {
-		c.Close()
-		return nil, nil, err
-	}
-	return c, w, nil
 }

@@ -68,3 +68,21 @@ func tcpDefaults() {
 		}
 	}
 }
+
+// Open loads UCX and makes a context and its worker; the caller closes
+// both, the worker first.
+func Open() (*Context, *Worker, error) {
+	if err := Load(); err != nil {
+		return nil, nil, err
+	}
+	c, err := NewContext()
+	if err != nil {
+		return nil, nil, err
+	}
+	w, err := c.NewWorker()
+	if err != nil {
+		c.Close()
+		return nil, nil, err
+	}
+	return c, w, nil
+}
