@@ -440,15 +440,16 @@ var pullStall = pull.DefaultStall
 // board its fetch publishes (for a chain's next node), what the peer said
 // of the segment, and the bytes checked so far.
 type pulling struct {
-	ready chan struct{} // closed once the fields below are set, or the pull ended
-	mu    sync.Mutex    // held while a chain's lender starts, and while the pull ends
-	gone  bool
-	seg   *segment.Segment
-	info  segment.Info
-	board int
-	reply pullReply
-	from  string
-	done  atomic.Int64
+	ready   chan struct{} // closed once the fields below are set, or the pull ended
+	mu      sync.Mutex    // held while a chain's lender starts, and while the pull ends
+	started bool          // ready is closed
+	gone    bool
+	seg     *segment.Segment
+	info    segment.Info
+	board   int
+	reply   pullReply
+	from    string
+	done    atomic.Int64
 }
 
 // pullFrom pulls name from the peer who: from the peer who redirects it
@@ -510,42 +511,11 @@ func (p *peers) borrow(ctx context.Context, n *peer.Node, name, who string, dire
 // if not who. The pull is listed here from the ask on, so that a chain's
 // next node that asks before this one has its grant waits for it.
 func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name, who string, direct bool) (_ segment.Info, via string, _ error) {
-	pl := &pulling{board: -1, ready: make(chan struct{})}
-	p.mu.Lock()
-	if p.pulling[name] != nil {
-		p.mu.Unlock()
-		return segment.Info{}, "", fmt.Errorf("pull %q: %w: it is being pulled here already", name, syscall.EEXIST)
+	pl, err := p.listPull(name)
+	if err != nil {
+		return segment.Info{}, "", err
 	}
-	if p.pulling == nil {
-		p.pulling = map[string]*pulling{}
-	}
-	p.pulling[name] = pl
-	p.mu.Unlock()
-	started := false
-	// end takes the pull off the list; chain loans of it go on only if
-	// it succeeded. pl.mu keeps a chain's lender from starting on a
-	// segment discarded or a board closed meanwhile.
-	end := func(s *segment.Segment, owner segment.Cred, ok bool) {
-		p.mu.Lock()
-		delete(p.pulling, name)
-		p.mu.Unlock()
-		pl.mu.Lock()
-		pl.gone = true
-		if !started {
-			close(pl.ready)
-		}
-		if pl.board >= 0 {
-			syscall.Close(pl.board)
-		}
-		if s != nil && !ok {
-			p.reg.ReleaseBy(s, owner)
-			p.reg.Discard(s)
-		}
-		pl.mu.Unlock()
-		if !ok {
-			p.endChainLoans(name)
-		}
-	}
+	end := func(s *segment.Segment, owner segment.Cred, ok bool) { p.endPull(name, pl, s, owner, ok) }
 
 	// The fetcher starts while the peer starts its lender: each makes a
 	// device's context and UCX's worker, which would take their time in
@@ -621,7 +591,7 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	lent := time.Now()
 	pl.mu.Lock()
 	pl.seg, pl.info, pl.board, pl.reply, pl.from = s, info, board, r, lender
-	started = true
+	pl.started = true
 	close(pl.ready)
 	pl.mu.Unlock()
 	err = fr.Fetch(ctx, fd, r.Grant.Size, r.Grant, pull.FetchOptions{Memory: m, Board: board, Stall: pullStall,
@@ -645,6 +615,47 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	p.log().Info("pulled", "name", name, "bytes", inf.Size, "from", lender, "source", who,
 		"lent_after", lent.Sub(start), "fetched_in", fetched.Sub(lent), "committed_in", time.Since(fetched))
 	return inf, via, nil
+}
+
+// listPull lists a pull of name here, from its ask on, or says why not.
+func (p *peers) listPull(name string) (*pulling, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.pulling[name] != nil {
+		return nil, fmt.Errorf("pull %q: %w: it is being pulled here already", name, syscall.EEXIST)
+	}
+	if p.pulling == nil {
+		p.pulling = map[string]*pulling{}
+	}
+	pl := &pulling{board: -1, ready: make(chan struct{})}
+	p.pulling[name] = pl
+	return pl, nil
+}
+
+// endPull takes the pull of name off the list, and its segment s away
+// unless it succeeded (ok); the chain's loans of it go on only if it
+// did. pl.mu keeps a chain's lender from starting on a segment discarded
+// or a board closed meanwhile.
+func (p *peers) endPull(name string, pl *pulling, s *segment.Segment, owner segment.Cred, ok bool) {
+	p.mu.Lock()
+	delete(p.pulling, name)
+	p.mu.Unlock()
+	pl.mu.Lock()
+	pl.gone = true
+	if !pl.started {
+		close(pl.ready)
+	}
+	if pl.board >= 0 {
+		syscall.Close(pl.board)
+	}
+	if s != nil && !ok {
+		p.reg.ReleaseBy(s, owner)
+		p.reg.Discard(s)
+	}
+	pl.mu.Unlock()
+	if !ok {
+		p.endChainLoans(name)
+	}
 }
 
 // newBoard makes the memfd a fetch publishes its progress on.

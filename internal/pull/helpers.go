@@ -373,14 +373,23 @@ func fetch(m Memory, stall time.Duration, progress func(int64), report func(erro
 	}
 	defer ep.Close()
 	f := &fetcher{ep: ep, g: g, stall: stall, crcs: make([]uint32, g.chunks())}
+	if err := f.run(dst, pub, progress); err != nil {
+		return err
+	}
+	return report(nil)
+}
+
+// run gets every chunk into dst, checks it, and publishes it on pub (if
+// any), in two stages: this loop waits for each chunk on the lender's
+// board and gets it; a checker checks it, hands it to the sink and
+// publishes it, while the next is on the wire.
+func (f *fetcher) run(dst sink, pub board, progress func(int64)) error {
+	g := f.g
 	landed := func(k int64) {
 		if pub != nil && k > 0 {
 			pub.setReady(k)
 		}
 	}
-	// Two stages: this loop waits for each chunk on the lender's board
-	// and gets it; a checker checks it, hands it to the sink and
-	// publishes it, while the next is on the wire.
 	type fetched struct {
 		i, off, end int64
 		b           []byte
@@ -414,7 +423,7 @@ func fetch(m Memory, stall time.Duration, progress func(int64), report func(erro
 			}
 		}
 	}()
-	err = func() error {
+	err := func() error {
 		defer close(work)
 		for i := int64(0); i < g.chunks() && checkErr.Load() == nil; i++ {
 			off, end := i*g.Chunk, min((i+1)*g.Chunk, g.Size)
@@ -445,7 +454,7 @@ func fetch(m Memory, stall time.Duration, progress func(int64), report func(erro
 	}
 	landed(k)
 	progress(g.Size)
-	return report(nil)
+	return nil
 }
 
 // A fetcher reads a lender's board and chunks.

@@ -62,6 +62,7 @@ var unsafeAllowed = map[string]string{
 	"internal/ucx/":                     "the second cgo layer (peers' data path, dlopen of libucp): C pointers, UCX's requests and structures",
 	"internal/backend/reserve_linux.go": "the host reserve's pieces populated through a mapping made by MmapPtr",
 	"internal/channel/block.go":         "a channel's control block: atomic words and futexes in shared memory",
+	"internal/pull/board.go":            "a pull's board: atomic words in memory shared with another process and written by UCX",
 	"internal/epoch/epoch.go":           "the epoch page: an atomic word in shared memory",
 	"internal/supervisor/table.go":      "the record table: words in shared memory",
 	"internal/wire/conn_linux.go":       "recvmsg without the sender's address, which unix.Recvmsg makes anew on every call",
