@@ -483,9 +483,9 @@ func (c *Client) exchangeLocked(ctx context.Context, req *wire.Request, sendFD i
 		stop := context.AfterFunc(ctx, func() { conn.Shutdown() })
 		defer stop()
 	}
-	if req.Wait > 0 && c.timeout > 0 {
+	if c.timeout > 0 && c.limit(req) != c.timeout {
 		// The daemon answers an open that waits for a commit when the wait
-		// ends: the timeout starts after it.
+		// ends, a pull when the bytes are here: the timeout starts after.
 		if err := c.conn.SetTimeout(c.limit(req)); err != nil {
 			return nil, -1, c.fail(ctx, err)
 		}
@@ -572,7 +572,11 @@ func (c *Client) timedOut(req *wire.Request, err error) error {
 
 // limit is how long the client waits for req's reply.
 func (c *Client) limit(req *wire.Request) time.Duration {
-	return c.timeout + time.Duration(req.Wait*float64(time.Second))
+	d := c.timeout + time.Duration(req.Wait*float64(time.Second))
+	if req.Op == wire.OpPull {
+		d += wire.PullTime
+	}
+	return d
 }
 
 // isHangup tells a connection the daemon ended from other failures.

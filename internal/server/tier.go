@@ -125,7 +125,7 @@ func (c *conn) opPull(cred segment.Cred, req *wire.Request) (*wire.Reply, int) {
 		return fail(fmt.Errorf("pull: %w: the daemon has no peers (--listen-peers, --peers)", syscall.EOPNOTSUPP))
 	}
 	c.s.setAside(c.w)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), wire.PullTime)
 	defer cancel()
 	inf, err := c.s.pull(ctx, cred, req.Name, req.From)
 	if err != nil {

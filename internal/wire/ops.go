@@ -1,5 +1,7 @@
 package wire
 
+import "time"
+
 // The protocol's operations, as Request.Op names them. Operations says
 // what each does and which fields it reads.
 const (
@@ -102,6 +104,11 @@ var Operations = []Operation{
 	{Name: OpPull, Doc: "copies a segment a peer offers into a new one of the same name here, committed once every chunk checked",
 		fields: fTrace | fName | fFrom},
 }
+
+// PullTime bounds a pull on the daemon's side; a client waits that much
+// longer than its timeout for a pull's reply, which comes when the bytes
+// are here.
+const PullTime = 30 * time.Minute
 
 // operations indexes Operations by name, for the decoder and CarriesFD.
 var operations = func() map[string]*Operation {

@@ -161,6 +161,10 @@ def _reconnect_default() -> float:
     return _seconds_env("GPUSHM_RECONNECT", 30.0)
 
 
+# How long the daemon may take over a pull (wire.PullTime).
+PULL_TIME = 1800.0
+
+
 def _timeout_default() -> float:
     """$GPUSHM_TIMEOUT ("0" waits for ever), else 60 seconds, as the Go
     client."""
@@ -609,8 +613,10 @@ class Core:
         b = _encode(req).encode()
         if len(b) > MAX_MESSAGE:
             raise ValueError(f"gpushm: {op} request is {len(b)} bytes, over the protocol's {MAX_MESSAGE} (meta too large?)")
-        waits = fields.get("wait") and self._timeout > 0
-        limit = self._timeout + (fields.get("wait") or 0)
+        # The daemon answers a waiting open when the wait is over, a pull
+        # when the bytes are here (within PULL_TIME).
+        limit = self._timeout + (fields.get("wait") or 0) + (PULL_TIME if op == "pull" else 0)
+        waits = self._timeout > 0 and limit != self._timeout
         try:
             if waits:
                 # The daemon answers a waiting open when the wait is over.
