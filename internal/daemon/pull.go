@@ -643,13 +643,24 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	return inf, via, nil
 }
 
-// newBoard makes the memfd a fetch publishes its progress on.
+// newBoard makes the memfd a fetch publishes its progress on. A chain's
+// lenders get a read-only descriptor of it; a memfd is made with mode
+// 0777, and whoever holds any descriptor of it may open it again through
+// /proc/self/fd/N with the access those bits allow, so the board is made
+// the daemon's alone (0600), as segments are: a lender taken over through
+// UCX, as the helpers' user, could otherwise write the board that the
+// chain's other lenders trust, and have them serve chunks not yet fetched
+// with checksums of its choosing.
 func newBoard(name string, size int64) (int, error) {
 	fd, err := unix.MemfdCreate("gpushm-board:"+name, unix.MFD_CLOEXEC)
 	if err != nil {
 		return -1, fmt.Errorf("pull: a board: %w", err)
 	}
-	if err := unix.Ftruncate(fd, pull.BoardSize(size)); err != nil {
+	err = unix.Fchmod(fd, 0o600)
+	if err == nil {
+		err = unix.Ftruncate(fd, pull.BoardSize(size))
+	}
+	if err != nil {
 		unix.Close(fd)
 		return -1, fmt.Errorf("pull: a board: %w", err)
 	}

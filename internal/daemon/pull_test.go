@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/memfd"
 	"github.com/gpushm/gpushm/internal/peer"
 	"github.com/gpushm/gpushm/internal/pull"
 	"github.com/gpushm/gpushm/internal/segment"
@@ -365,5 +366,47 @@ func TestHostilePeer(t *testing.T) {
 	defer h.mu.Unlock()
 	if h.pulls != 0 {
 		t.Errorf("pull over a name taken here asked the peer to lend %d times", h.pulls)
+	}
+}
+
+// TestChainBoardOthersCannotWrite: a chain's lender holds a read-only
+// descriptor of the board of the fetch it lends from, as lendPulling gives
+// it. Taken over through UCX (it runs as the helpers' user), it must not
+// be able to open the board again for writing through /proc/self/fd: the
+// chain's other lenders would trust what it wrote there (chunks counted
+// ready before they are fetched, and their checksums).
+func TestChainBoardOthersCannotWrite(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the attacker runs as the helpers' user")
+	}
+	helper, err := user.Lookup(pull.HelperUser)
+	if err != nil {
+		t.Skipf("no user %s", pull.HelperUser)
+	}
+	uid, _ := strconv.ParseUint(helper.Uid, 10, 32)
+	gid, _ := strconv.ParseUint(helper.Gid, 10, 32)
+	board, err := newBoard("m", 4*pull.Chunk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(board)
+	ro, err := memfd.ReadOnly(board)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(ro), "board")
+	defer f.Close()
+	// The attacker: the lender's descriptor 3, opened again read-write,
+	// and the board's count of chunks ready made 255.
+	cmd := exec.Command("/bin/sh", "-c", `printf '\377' 1<>/proc/self/fd/3`)
+	cmd.ExtraFiles = []*os.File{f}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
+	out, err := cmd.CombinedOutput()
+	b := make([]byte, 8)
+	if _, err := syscall.Pread(board, b, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err == nil || b[0] != 0 {
+		t.Fatalf("uid %d, holding the board read-only, wrote it (%v, %s): its first byte is %#x", uid, err, out, b[0])
 	}
 }
