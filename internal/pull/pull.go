@@ -66,8 +66,11 @@ func (g *Grant) check(size int64) error {
 		return fmt.Errorf("the lender offers %d bytes, the segment has %d", g.Size, size)
 	case g.Size <= 0:
 		return fmt.Errorf("the lender offers %d bytes", g.Size)
-	case g.Chunk <= 0 || g.Chunk > 1<<30:
-		return fmt.Errorf("a chunk of %d bytes", g.Chunk)
+	case g.Chunk != Chunk:
+		// The sinks put chunk i at i*Chunk and the boards have room for
+		// the checksums of Chunk-sized chunks: a lender's other chunk
+		// would land its checked bytes elsewhere in the segment.
+		return fmt.Errorf("a chunk of %d bytes, not %d", g.Chunk, Chunk)
 	case g.Ring < 0 || g.Ring > 64:
 		return fmt.Errorf("a ring of %d slots", g.Ring)
 	case len(g.Worker) == 0 || len(g.RKey) == 0 || len(g.BoardKey) == 0:
