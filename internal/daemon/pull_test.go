@@ -23,6 +23,7 @@ import (
 	"github.com/gpushm/gpushm/internal/pull"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/testutil"
+	"github.com/gpushm/gpushm/internal/wire"
 )
 
 // TestMain runs the pull helpers when the test binary is started as one
@@ -408,5 +409,128 @@ func TestChainBoardOthersCannotWrite(t *testing.T) {
 	}
 	if err == nil || b[0] != 0 {
 		t.Fatalf("uid %d, holding the board read-only, wrote it (%v, %s): its first byte is %#x", uid, err, out, b[0])
+	}
+}
+
+// TestStoppedChainLender: the helpers run as the helpers' user, whose
+// other processes (any process of that user, a helper taken over through
+// UCX among them) may stop them. One that stops a chain's lender before
+// it answers holds neither the peer's call, nor its loan, nor every local
+// user's 'peers' for longer than pull.StartTime: the lender is killed and
+// the loan given back.
+func TestStoppedChainLender(t *testing.T) {
+	needUCX(t)
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the helpers drop to their user only from root")
+	}
+	helper, err := user.Lookup(pull.HelperUser)
+	if err != nil {
+		t.Skipf("no user %s", pull.HelperUser)
+	}
+	uid, _ := strconv.ParseUint(helper.Uid, 10, 32)
+	gid, _ := strconv.ParseUint(helper.Gid, 10, 32)
+	defer func(d time.Duration) { pull.StartTime = d }(pull.StartTime)
+	pull.StartTime = 2 * time.Second
+
+	// A pull of m in progress here, as pullOnce lists it once it has its
+	// peer's grant.
+	const size = 64 << 10
+	reg := newRegistry(t)
+	s, _, err := reg.Create(segment.Root, segment.CreateOptions{Name: "m", Size: size, Open: true, Uncommitted: true, Offer: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	board, err := newBoard("m", size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(board)
+	pl := &pulling{ready: make(chan struct{}), seg: s, info: reg.Info(s), board: board, reply: pullReply{Owner: "root", Mode: 0o600}, from: "source"}
+	close(pl.ready)
+	p := &peers{reg: reg, pulling: map[string]*pulling{"m": pl}}
+	defer p.endLoans()
+
+	// stop is the attacker: a process of the helpers' user that stops
+	// the lender as soon as it may (once the helper has dropped to that
+	// user), until the call ends.
+	stop := func(done <-chan error) (int, error, bool) {
+		for {
+			for _, pid := range testutil.ChildrenNamed("gpushm-lend") {
+				kill := exec.Command("/bin/kill", "-STOP", strconv.Itoa(pid))
+				kill.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
+				if kill.Run() == nil {
+					return pid, nil, false
+				}
+			}
+			select {
+			case err := <-done:
+				return 0, err, true
+			case <-time.After(100 * time.Microsecond):
+			}
+		}
+	}
+	for try := 1; ; try++ {
+		done := make(chan error, 1)
+		go func() {
+			_, err := p.serve(context.Background(), "y", opPull, json.RawMessage(`{"name":"m","chain":true}`))
+			done <- err
+		}()
+		pid, err, ended := stop(done)
+		if !ended {
+			select {
+			case err, ended = <-done:
+			case <-time.After(300 * time.Millisecond):
+			}
+		}
+		if ended {
+			// The lender answered before it was stopped: again.
+			if err != nil {
+				t.Fatalf("a chain's loan: %v", err)
+			}
+			if pid > 0 {
+				syscall.Kill(pid, syscall.SIGCONT)
+			}
+			p.endLoans()
+			if try == 20 {
+				t.Skip("the lender answered before it could be stopped, 20 times")
+			}
+			continue
+		}
+		t.Logf("try %d: lender %d stopped before it answered", try, pid)
+		// Whatever happens below, the stopped helper goes at the end.
+		defer func() {
+			if slices.Contains(testutil.ChildrenNamed("gpushm-lend"), pid) {
+				syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}()
+
+		reported := make(chan *wire.PeersReport, 1)
+		go func() { reported <- p.report(context.Background(), "") }()
+		select {
+		case r := <-reported:
+			if len(r.Pulls) != 1 || r.Pulls[0].Name != "m" {
+				t.Errorf("peers while a chain's lender is stopped: pulls %+v, want m's", r.Pulls)
+			}
+		case <-time.After(time.Second):
+			t.Errorf("peers, asked by any local user, still waits 1s after a chain's lender was stopped")
+		}
+		select {
+		case err := <-done:
+			if err == nil {
+				t.Fatal("a chain's loan through a stopped lender succeeded")
+			}
+			t.Logf("the chain's loan: %v", err)
+		case <-time.After(pull.StartTime + 10*time.Second):
+			t.Fatalf("a peer's call still waits for a stopped lender %v after pull.StartTime", 10*time.Second)
+		}
+		break
+	}
+	for deadline := time.Now().Add(10 * time.Second); len(testutil.ChildrenNamed("gpushm-lend")) > 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("lenders left after a stopped one was given up: %v", testutil.ChildrenNamed("gpushm-lend"))
+		}
+	}
+	if p.loans.n != 0 || len(p.loans.byPeer) != 0 {
+		t.Fatalf("loans counted after a stopped lender was given up: %d, %v", p.loans.n, p.loans.byPeer)
 	}
 }

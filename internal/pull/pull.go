@@ -175,12 +175,18 @@ type Lender struct {
 	Grant Grant
 }
 
+// StartTime bounds the wait for a lender's grant: past it the helper is
+// killed and Lend fails. A helper runs as HelperUser, whose other
+// processes may stop it (SIGSTOP) before it answers, and the caller may
+// hold locks meanwhile. A variable for tests.
+var StartTime = time.Minute
+
 // Lend starts a lender of size bytes of the memory fd (the helper gets a
 // descriptor of its own; a read-only one is the caller's to give), and
-// returns once it serves, with its Grant. board, when not -1, is the board
-// of a fetch still filling fd (a chain): the lender serves each chunk once
-// that board says it is there, with the CRC-32C found there; otherwise the
-// lender computes them as it goes.
+// returns once it serves, with its Grant, or fails after StartTime. board,
+// when not -1, is the board of a fetch still filling fd (a chain): the
+// lender serves each chunk once that board says it is there, with the
+// CRC-32C found there; otherwise the lender computes them as it goes.
 func Lend(fd int, size int64, m Memory, board int) (*Lender, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("lend: %d bytes: nothing to lend", size)
@@ -194,7 +200,11 @@ func Lend(fd int, size int64, m Memory, board int) (*Lender, error) {
 		return nil, err
 	}
 	l := &Lender{cmd: cmd, stdin: in}
+	late := time.AfterFunc(StartTime, func() { cmd.Process.Kill() })
 	line, err := out.ReadBytes('\n')
+	if !late.Stop() {
+		err = fmt.Errorf("no grant in %v: killed", StartTime)
+	}
 	if err == nil {
 		err = json.Unmarshal(line, &l.Grant)
 	}
