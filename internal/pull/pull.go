@@ -28,7 +28,9 @@ import (
 	"os"
 	"os/exec"
 	"os/user"
+	"runtime"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 )
@@ -130,12 +132,39 @@ func helperIDs() ([]string, error) {
 	return []string{"--uid", u.Uid, "--gid", u.Gid}, nil
 }
 
+// starts runs the helpers' starts on one thread, locked to its goroutine,
+// which never ends: PR_SET_PDEATHSIG fires when the thread that started a
+// helper ends, not the process, and the daemon ends threads of its own
+// (the server's reapers, after a burst of connections any local user can
+// make, return locked to whatever thread they ran on).
+var (
+	startOnce sync.Once
+	starts    chan func()
+)
+
+func startLocked(cmd *exec.Cmd) error {
+	startOnce.Do(func() {
+		starts = make(chan func())
+		go func() {
+			runtime.LockOSThread()
+			for f := range starts {
+				f()
+			}
+		}()
+	})
+	done := make(chan error, 1)
+	starts <- func() { done <- cmd.Start() }
+	return <-done
+}
+
 // helper starts 'gpushm __pull VERB' with fds as its descriptors 3, 4, ...;
-// the helper dies with the thread that started it (PR_SET_PDEATHSIG), so a
-// daemon killed leaves none behind. It starts as the daemon's user and
-// drops to HelperUser first thing (harden): a binary root may run need not
-// be one nobody may, and a process that was root until it dropped cannot
-// be traced by the user it drops to.
+// the helper dies with the daemon (PR_SET_PDEATHSIG, from a thread that
+// lasts as long as the process: startLocked; a helper that drops to
+// HelperUser sets it again, since the kernel clears it as the helper's
+// user changes), so a daemon killed leaves none behind. It starts as the
+// daemon's user and drops to HelperUser first thing (harden): a binary
+// root may run need not be one nobody may, and a process that was root
+// until it dropped cannot be traced by the user it drops to.
 func helper(verb string, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, *bufio.Reader, error) {
 	ids, err := helperIDs()
 	if err != nil {
@@ -162,7 +191,7 @@ func helper(verb string, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, 
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	if err := cmd.Start(); err != nil {
+	if err := startLocked(cmd); err != nil {
 		return nil, nil, nil, fmt.Errorf("start the %s helper: %w", verb, err)
 	}
 	return cmd, in, bufio.NewReader(out), nil
