@@ -371,6 +371,9 @@ func (p *peers) endLoans() {
 
 // localOwner is who a pulled segment belongs to here: the user of the
 // owner's name, with its mode, where that user exists; else root, 0600.
+// Its group is the group of the group's name where that group exists;
+// else the user's own, with no group bits: the owner gave them to a group
+// that is not here, not to whoever shares the user's group here.
 func localOwner(r *pullReply) (c segment.Cred, mode uint32) {
 	u, err := user.Lookup(r.Owner)
 	if r.Owner == "" || err != nil {
@@ -378,10 +381,13 @@ func localOwner(r *pullReply) (c segment.Cred, mode uint32) {
 	}
 	uid, _ := strconv.ParseUint(u.Uid, 10, 32)
 	gid, _ := strconv.ParseUint(u.Gid, 10, 32)
+	mode = r.Mode & 0o777
 	if g, err := user.LookupGroup(r.Group); r.Group != "" && err == nil {
 		gid, _ = strconv.ParseUint(g.Gid, 10, 32)
+	} else {
+		mode &^= 0o070
 	}
-	return segment.Cred{UID: uint32(uid), GID: uint32(gid)}, r.Mode & 0o777
+	return segment.Cred{UID: uint32(uid), GID: uint32(gid)}, mode
 }
 
 // pull copies name from a peer that offers it (from, if given) into a new

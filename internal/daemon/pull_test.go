@@ -534,3 +534,38 @@ func TestStoppedChainLender(t *testing.T) {
 		t.Fatalf("loans counted after a stopped lender was given up: %d, %v", p.loans.n, p.loans.byPeer)
 	}
 }
+
+// TestPulledGroupNotHere: a peer's segment whose group has no such name
+// here. Its group bits were given to that group: they must not go to the
+// group of the owner's name here (users, say), whose members the owner
+// never chose; a group of that name here keeps them, and an owner unknown
+// here makes it root's, 0600.
+func TestPulledGroupNotHere(t *testing.T) {
+	nobody, err := user.Lookup("nobody")
+	if err != nil {
+		t.Skip("no user nobody")
+	}
+	uid, _ := strconv.ParseUint(nobody.Uid, 10, 32)
+	own, _ := strconv.ParseUint(nobody.Gid, 10, 32)
+	group, err := user.LookupGroupId(nobody.Gid)
+	if err != nil {
+		t.Skipf("nobody's group %s has no name", nobody.Gid)
+	}
+	for _, tc := range []struct {
+		group      string
+		mode, want uint32
+	}{
+		{"no-such-group-here", 0o664, 0o604},
+		{"", 0o660, 0o600},
+		{group.Name, 0o660, 0o660},
+	} {
+		c, mode := localOwner(&pullReply{Owner: "nobody", Group: tc.group, Mode: tc.mode})
+		if c.UID != uint32(uid) || c.GID != uint32(own) || mode != tc.want {
+			t.Errorf("nobody's, group %q, mode %#o: uid %d, gid %d, mode %#o; want uid %d, gid %d, mode %#o",
+				tc.group, tc.mode, c.UID, c.GID, mode, uid, own, tc.want)
+		}
+	}
+	if c, mode := localOwner(&pullReply{Owner: "no-such-user-here", Group: group.Name, Mode: 0o666}); c != root || mode != 0o600 {
+		t.Errorf("an owner unknown here: %+v, %#o; want root's, 0600", c, mode)
+	}
+}
