@@ -397,3 +397,72 @@ func named(pid int, name string) bool {
 	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
 	return err == nil && strings.HasPrefix(string(cmdline), name+"\x00")
 }
+
+// TestStoppedFetcher: another process of the helpers' user stops a
+// fetcher (it may: same user); the fetch fails once the fetcher has said
+// nothing for longer than its stall times allow, instead of holding the
+// pull, and its name, for ever.
+func TestStoppedFetcher(t *testing.T) {
+	requireUCX(t)
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the helpers drop to their user only from root")
+	}
+	ids, err := helperIDs()
+	if err != nil || len(ids) < 4 {
+		t.Skipf("no helpers' user: %v", err)
+	}
+	uid, _ := strconv.ParseUint(ids[1], 10, 32)
+	gid, _ := strconv.ParseUint(ids[3], 10, 32)
+	defer func(d time.Duration) { StartTime = d }(StartTime)
+	StartTime = 2 * time.Second
+	const stall = time.Second
+
+	size := int64(8 * Chunk)
+	l := lend(t, memfd(t, size, random(t, size)), size, -1)
+	for try := 1; ; try++ {
+		done := make(chan error, 1)
+		start := time.Now()
+		go func() {
+			done <- Fetch(context.Background(), memfd(t, size, nil), size, l.Grant, FetchOptions{Board: -1, Stall: stall})
+		}()
+		// The attacker: the fetcher stopped as soon as it is of its user.
+		stopped := 0
+		for stopped == 0 && len(done) == 0 {
+			if pid := childNamed(os.Getpid(), "gpushm-fetch"); pid > 0 {
+				kill := exec.Command("/bin/kill", "-STOP", strconv.Itoa(pid))
+				kill.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
+				if kill.Run() == nil {
+					stopped = pid
+				}
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+		if stopped == 0 {
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			if try == 20 {
+				t.Skip("the fetch ended before its fetcher could be stopped, 20 times")
+			}
+			continue
+		}
+		select {
+		case err := <-done:
+			if err == nil {
+				t.Log("the fetch ended before its fetcher was stopped")
+				continue
+			}
+			if !strings.Contains(err.Error(), "said nothing") {
+				t.Fatalf("a fetch whose fetcher was stopped: %v, want it killed as silent", err)
+			}
+			t.Logf("try %d, after %v: %v", try, time.Since(start).Round(time.Millisecond), err)
+		case <-time.After(4*stall + StartTime + 10*time.Second):
+			if named(stopped, "gpushm-fetch") {
+				syscall.Kill(stopped, syscall.SIGKILL)
+			}
+			<-done
+			t.Fatalf("a fetch whose fetcher was stopped still ran %v later", time.Since(start).Round(time.Second))
+		}
+		return
+	}
+}

@@ -31,6 +31,7 @@ import (
 	"runtime"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -205,9 +206,10 @@ type Lender struct {
 }
 
 // StartTime bounds the wait for a lender's grant: past it the helper is
-// killed and Lend fails. A helper runs as HelperUser, whose other
-// processes may stop it (SIGSTOP) before it answers, and the caller may
-// hold locks meanwhile. A variable for tests.
+// killed and Lend fails; a fetcher is given as long to start, beside its
+// stall times (Fetch). A helper runs as HelperUser, whose other processes
+// may stop it (SIGSTOP), and the caller may hold locks meanwhile. A
+// variable for tests.
 var StartTime = time.Minute
 
 // Lend starts a lender of size bytes of the memory fd (the helper gets a
@@ -297,12 +299,21 @@ func Fetch(ctx context.Context, fd int, size int64, g Grant, o FetchOptions) err
 	}
 	stop := context.AfterFunc(ctx, func() { cmd.Process.Kill() })
 	defer stop()
+	// A fetcher says how far it got at least once a chunk, each bounded
+	// by the stall time: one silent for much longer is stopped (by
+	// another process of HelperUser, say) and would hold the pull, and
+	// its name, for ever.
+	quiet := 4*o.Stall + StartTime
+	var silent atomic.Bool
+	watch := time.AfterFunc(quiet, func() { silent.Store(true); cmd.Process.Kill() })
+	defer watch.Stop()
 	err = json.NewEncoder(in).Encode(g)
 	in.Close()
 	var res fetchLine
 	for err == nil && res.Error == nil {
 		var line []byte
 		if line, err = out.ReadBytes('\n'); err == nil {
+			watch.Reset(quiet)
 			res = fetchLine{}
 			if err = json.Unmarshal(line, &res); err == nil && res.Error == nil && o.Progress != nil {
 				o.Progress(res.Done)
@@ -313,6 +324,8 @@ func Fetch(ctx context.Context, fd int, size int64, g Grant, o FetchOptions) err
 	switch {
 	case ctx.Err() != nil:
 		return fmt.Errorf("fetch: %w", context.Cause(ctx))
+	case silent.Load():
+		return fmt.Errorf("fetch: the fetcher said nothing for %v: killed", quiet)
 	case res.Error != nil && *res.Error != "":
 		return errors.New(*res.Error)
 	case err != nil:
