@@ -172,11 +172,16 @@ func (p *peers) report(ctx context.Context, pulling string) *wire.PeersReport {
 		if pulling != "" && name != pulling {
 			continue
 		}
-		pl.mu.Lock()
+		// Set once before ready closes; pl.mu is not taken: a chain's
+		// lender may be starting under it, and every user may ask.
+		select {
+		case <-pl.ready:
+		default:
+			continue
+		}
 		if pl.seg != nil {
 			r.Pulls = append(r.Pulls, wire.PeerPull{Name: name, From: pl.from, Size: pl.info.Size, Done: pl.done.Load()})
 		}
-		pl.mu.Unlock()
 	}
 	p.mu.Unlock()
 	if n == nil || pulling != "" {

@@ -371,6 +371,9 @@ func (p *peers) endLoans() {
 
 // localOwner is who a pulled segment belongs to here: the user of the
 // owner's name, with its mode, where that user exists; else root, 0600.
+// Its group is the group of the group's name where that group exists;
+// else the user's own, with no group bits: the owner gave them to a group
+// that is not here, not to whoever shares the user's group here.
 func localOwner(r *pullReply) (c segment.Cred, mode uint32) {
 	u, err := user.Lookup(r.Owner)
 	if r.Owner == "" || err != nil {
@@ -378,10 +381,13 @@ func localOwner(r *pullReply) (c segment.Cred, mode uint32) {
 	}
 	uid, _ := strconv.ParseUint(u.Uid, 10, 32)
 	gid, _ := strconv.ParseUint(u.Gid, 10, 32)
+	mode = r.Mode & 0o777
 	if g, err := user.LookupGroup(r.Group); r.Group != "" && err == nil {
 		gid, _ = strconv.ParseUint(g.Gid, 10, 32)
+	} else {
+		mode &^= 0o070
 	}
-	return segment.Cred{UID: uint32(uid), GID: uint32(gid)}, r.Mode & 0o777
+	return segment.Cred{UID: uint32(uid), GID: uint32(gid)}, mode
 }
 
 // pull copies name from a peer that offers it (from, if given) into a new
@@ -658,13 +664,24 @@ func (p *peers) endPull(name string, pl *pulling, s *segment.Segment, owner segm
 	}
 }
 
-// newBoard makes the memfd a fetch publishes its progress on.
+// newBoard makes the memfd a fetch publishes its progress on. A chain's
+// lenders get a read-only descriptor of it; a memfd is made with mode
+// 0777, and whoever holds any descriptor of it may open it again through
+// /proc/self/fd/N with the access those bits allow, so the board is made
+// the daemon's alone (0600), as segments are: a lender taken over through
+// UCX, as the helpers' user, could otherwise write the board that the
+// chain's other lenders trust, and have them serve chunks not yet fetched
+// with checksums of its choosing.
 func newBoard(name string, size int64) (int, error) {
 	fd, err := unix.MemfdCreate("gpushm-board:"+name, unix.MFD_CLOEXEC)
 	if err != nil {
 		return -1, fmt.Errorf("pull: a board: %w", err)
 	}
-	if err := unix.Ftruncate(fd, pull.BoardSize(size)); err != nil {
+	err = unix.Fchmod(fd, 0o600)
+	if err == nil {
+		err = unix.Ftruncate(fd, pull.BoardSize(size))
+	}
+	if err != nil {
 		unix.Close(fd)
 		return -1, fmt.Errorf("pull: a board: %w", err)
 	}

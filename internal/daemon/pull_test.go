@@ -18,10 +18,12 @@ import (
 	"time"
 
 	"github.com/gpushm/gpushm/internal/backend"
+	"github.com/gpushm/gpushm/internal/memfd"
 	"github.com/gpushm/gpushm/internal/peer"
 	"github.com/gpushm/gpushm/internal/pull"
 	"github.com/gpushm/gpushm/internal/segment"
 	"github.com/gpushm/gpushm/internal/testutil"
+	"github.com/gpushm/gpushm/internal/wire"
 )
 
 // TestMain runs the pull helpers when the test binary is started as one
@@ -375,5 +377,205 @@ func TestHostilePeer(t *testing.T) {
 	defer h.mu.Unlock()
 	if h.pulls != 0 {
 		t.Errorf("pull over a name taken here asked the peer to lend %d times", h.pulls)
+	}
+}
+
+// TestChainBoardOthersCannotWrite: a chain's lender holds a read-only
+// descriptor of the board of the fetch it lends from, as lendPulling gives
+// it. Taken over through UCX (it runs as the helpers' user), it must not
+// be able to open the board again for writing through /proc/self/fd: the
+// chain's other lenders would trust what it wrote there (chunks counted
+// ready before they are fetched, and their checksums).
+func TestChainBoardOthersCannotWrite(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the attacker runs as the helpers' user")
+	}
+	helper, err := user.Lookup(pull.HelperUser)
+	if err != nil {
+		t.Skipf("no user %s", pull.HelperUser)
+	}
+	uid, _ := strconv.ParseUint(helper.Uid, 10, 32)
+	gid, _ := strconv.ParseUint(helper.Gid, 10, 32)
+	board, err := newBoard("m", 4*pull.Chunk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(board)
+	ro, err := memfd.ReadOnly(board)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(ro), "board")
+	defer f.Close()
+	// The attacker: the lender's descriptor 3, opened again read-write,
+	// and the board's count of chunks ready made 255.
+	cmd := exec.Command("/bin/sh", "-c", `printf '\377' 1<>/proc/self/fd/3`)
+	cmd.ExtraFiles = []*os.File{f}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
+	out, err := cmd.CombinedOutput()
+	b := make([]byte, 8)
+	if _, err := syscall.Pread(board, b, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err == nil || b[0] != 0 {
+		t.Fatalf("uid %d, holding the board read-only, wrote it (%v, %s): its first byte is %#x", uid, err, out, b[0])
+	}
+}
+
+// TestStoppedChainLender: the helpers run as the helpers' user, whose
+// other processes (any process of that user, a helper taken over through
+// UCX among them) may stop them. One that stops a chain's lender before
+// it answers holds neither the peer's call, nor its loan, nor every local
+// user's 'peers' for longer than pull.StartTime: the lender is killed and
+// the loan given back.
+func TestStoppedChainLender(t *testing.T) {
+	needUCX(t)
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the helpers drop to their user only from root")
+	}
+	helper, err := user.Lookup(pull.HelperUser)
+	if err != nil {
+		t.Skipf("no user %s", pull.HelperUser)
+	}
+	uid, _ := strconv.ParseUint(helper.Uid, 10, 32)
+	gid, _ := strconv.ParseUint(helper.Gid, 10, 32)
+	defer func(d time.Duration) { pull.StartTime = d }(pull.StartTime)
+	pull.StartTime = 2 * time.Second
+
+	// A pull of m in progress here, as pullOnce lists it once it has its
+	// peer's grant.
+	const size = 64 << 10
+	reg := newRegistry(t)
+	s, _, err := reg.Create(segment.Root, segment.CreateOptions{Name: "m", Size: size, Open: true, Uncommitted: true, Offer: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	board, err := newBoard("m", size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(board)
+	pl := &pulling{ready: make(chan struct{}), seg: s, info: reg.Info(s), board: board, reply: pullReply{Owner: "root", Mode: 0o600}, from: "source"}
+	close(pl.ready)
+	p := &peers{reg: reg, pulling: map[string]*pulling{"m": pl}}
+	defer p.endLoans()
+
+	// stop is the attacker: a process of the helpers' user that stops
+	// the lender as soon as it may (once the helper has dropped to that
+	// user), until the call ends.
+	stop := func(done <-chan error) (int, error, bool) {
+		for {
+			for _, pid := range testutil.ChildrenNamed("gpushm-lend") {
+				kill := exec.Command("/bin/kill", "-STOP", strconv.Itoa(pid))
+				kill.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
+				if kill.Run() == nil {
+					return pid, nil, false
+				}
+			}
+			select {
+			case err := <-done:
+				return 0, err, true
+			case <-time.After(100 * time.Microsecond):
+			}
+		}
+	}
+	for try := 1; ; try++ {
+		done := make(chan error, 1)
+		go func() {
+			_, err := p.serve(context.Background(), "y", opPull, json.RawMessage(`{"name":"m","chain":true}`))
+			done <- err
+		}()
+		pid, err, ended := stop(done)
+		if !ended {
+			select {
+			case err, ended = <-done:
+			case <-time.After(300 * time.Millisecond):
+			}
+		}
+		if ended {
+			// The lender answered before it was stopped: again.
+			if err != nil {
+				t.Fatalf("a chain's loan: %v", err)
+			}
+			if pid > 0 {
+				syscall.Kill(pid, syscall.SIGCONT)
+			}
+			p.endLoans()
+			if try == 20 {
+				t.Skip("the lender answered before it could be stopped, 20 times")
+			}
+			continue
+		}
+		t.Logf("try %d: lender %d stopped before it answered", try, pid)
+		// Whatever happens below, the stopped helper goes at the end.
+		defer func() {
+			if slices.Contains(testutil.ChildrenNamed("gpushm-lend"), pid) {
+				syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}()
+
+		reported := make(chan *wire.PeersReport, 1)
+		go func() { reported <- p.report(context.Background(), "") }()
+		select {
+		case r := <-reported:
+			if len(r.Pulls) != 1 || r.Pulls[0].Name != "m" {
+				t.Errorf("peers while a chain's lender is stopped: pulls %+v, want m's", r.Pulls)
+			}
+		case <-time.After(time.Second):
+			t.Errorf("peers, asked by any local user, still waits 1s after a chain's lender was stopped")
+		}
+		select {
+		case err := <-done:
+			if err == nil {
+				t.Fatal("a chain's loan through a stopped lender succeeded")
+			}
+			t.Logf("the chain's loan: %v", err)
+		case <-time.After(pull.StartTime + 10*time.Second):
+			t.Fatalf("a peer's call still waits for a stopped lender %v after pull.StartTime", 10*time.Second)
+		}
+		break
+	}
+	for deadline := time.Now().Add(10 * time.Second); len(testutil.ChildrenNamed("gpushm-lend")) > 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("lenders left after a stopped one was given up: %v", testutil.ChildrenNamed("gpushm-lend"))
+		}
+	}
+	if p.loans.n != 0 || len(p.loans.byPeer) != 0 {
+		t.Fatalf("loans counted after a stopped lender was given up: %d, %v", p.loans.n, p.loans.byPeer)
+	}
+}
+
+// TestPulledGroupNotHere: a peer's segment whose group has no such name
+// here. Its group bits were given to that group: they must not go to the
+// group of the owner's name here (users, say), whose members the owner
+// never chose; a group of that name here keeps them, and an owner unknown
+// here makes it root's, 0600.
+func TestPulledGroupNotHere(t *testing.T) {
+	nobody, err := user.Lookup("nobody")
+	if err != nil {
+		t.Skip("no user nobody")
+	}
+	uid, _ := strconv.ParseUint(nobody.Uid, 10, 32)
+	own, _ := strconv.ParseUint(nobody.Gid, 10, 32)
+	group, err := user.LookupGroupId(nobody.Gid)
+	if err != nil {
+		t.Skipf("nobody's group %s has no name", nobody.Gid)
+	}
+	for _, tc := range []struct {
+		group      string
+		mode, want uint32
+	}{
+		{"no-such-group-here", 0o664, 0o604},
+		{"", 0o660, 0o600},
+		{group.Name, 0o660, 0o660},
+	} {
+		c, mode := localOwner(&pullReply{Owner: "nobody", Group: tc.group, Mode: tc.mode})
+		if c.UID != uint32(uid) || c.GID != uint32(own) || mode != tc.want {
+			t.Errorf("nobody's, group %q, mode %#o: uid %d, gid %d, mode %#o; want uid %d, gid %d, mode %#o",
+				tc.group, tc.mode, c.UID, c.GID, mode, uid, own, tc.want)
+		}
+	}
+	if c, mode := localOwner(&pullReply{Owner: "no-such-user-here", Group: group.Name, Mode: 0o666}); c != root || mode != 0o600 {
+		t.Errorf("an owner unknown here: %+v, %#o; want root's, 0600", c, mode)
 	}
 }

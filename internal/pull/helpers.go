@@ -87,8 +87,11 @@ const corruptEnv = "GPUSHM_TEST_LEND_CORRUPT"
 // supplementary groups, and makes it a process that other processes of
 // that user cannot trace or read (/proc/PID/mem), and that gains no
 // privilege by exec: whoever takes it over through UCX gets this one
-// segment.
+// segment. The kernel clears the parent-death signal as the user changes:
+// it is set again, so that the helper still dies with the daemon, and a
+// daemon that died before it was is seen by the parent it had.
 func harden(uid, gid int) error {
+	parent := os.Getppid()
 	if gid >= 0 {
 		if err := syscall.Setgroups(nil); err != nil {
 			return fmt.Errorf("drop the groups: %w", err)
@@ -101,6 +104,12 @@ func harden(uid, gid int) error {
 		if err := syscall.Setresuid(uid, uid, uid); err != nil {
 			return fmt.Errorf("drop to uid %d: %w", uid, err)
 		}
+	}
+	if err := unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0, 0, 0); err != nil {
+		return fmt.Errorf("prctl(PR_SET_PDEATHSIG): %w", err)
+	}
+	if os.Getppid() != parent {
+		return errors.New("the daemon that started this helper is gone")
 	}
 	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
 		return fmt.Errorf("prctl(PR_SET_DUMPABLE): %w", err)

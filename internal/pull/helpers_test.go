@@ -4,9 +4,13 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -32,7 +36,31 @@ func TestMain(m *testing.M) {
 	// Two nodes talk over tcp; here, over loopback.
 	os.Setenv("UCX_TLS", "tcp")
 	os.Setenv("UCX_NET_DEVICES", "lo")
+	if g := os.Getenv(daemonEnv); g != "" {
+		os.Exit(fetchingDaemon(g))
+	}
 	os.Exit(m.Run())
+}
+
+// daemonEnv makes the test binary a daemon that fetches the grant the
+// variable holds, for TestHelpersDieWithTheDaemon, until it is killed.
+const daemonEnv = "GPUSHM_TEST_FETCHING_DAEMON"
+
+func fetchingDaemon(grant string) int {
+	var g Grant
+	if err := json.Unmarshal([]byte(grant), &g); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	dst, err := unix.MemfdCreate("pull-test", unix.MFD_CLOEXEC)
+	if err == nil {
+		err = unix.Ftruncate(dst, g.Size)
+	}
+	if err == nil {
+		err = Fetch(context.Background(), dst, g.Size, g, FetchOptions{Board: -1, Stall: time.Minute})
+	}
+	fmt.Fprintln(os.Stderr, "the fetch ended:", err)
+	return 1
 }
 
 func requireUCX(t *testing.T) {
@@ -264,5 +292,177 @@ func TestHelpersLogAside(t *testing.T) {
 	}
 	if !bytes.Equal(contents(t, dst, size), want) {
 		t.Fatal("the fetched bytes differ from the lent ones")
+	}
+}
+
+// TestHelperOutlivesItsThread: PR_SET_PDEATHSIG fires when the thread
+// that started a helper ends, not the process; and the daemon ends
+// threads (the server's reapers, after a burst of connections any local
+// user can make, lock a thread and return). A lender started on a thread
+// that then ends must go on serving, whether it dropped to HelperUser or
+// kept the daemon's user (a daemon that is not root).
+func TestHelperOutlivesItsThread(t *testing.T) {
+	requireUCX(t)
+	defer func(u string) { HelperUser = u }(HelperUser)
+	for _, HelperUser = range []string{HelperUser, ""} {
+		size := int64(Chunk + 1)
+		want := random(t, size)
+		src := memfd(t, size, want)
+		started := make(chan *Lender, 1)
+		go func() {
+			// This goroutine's thread ends with it, as a reaper's does.
+			runtime.LockOSThread()
+			l, err := Lend(src, size, Host, -1)
+			if err != nil {
+				t.Error(err)
+			}
+			started <- l
+		}()
+		l := <-started
+		if l == nil {
+			t.FailNow()
+		}
+		t.Cleanup(func() { l.Close() })
+		time.Sleep(200 * time.Millisecond)
+		dst := memfd(t, size, nil)
+		if err := Fetch(context.Background(), dst, size, l.Grant, FetchOptions{Board: -1, Stall: 5 * time.Second}); err != nil {
+			t.Fatalf("helpers' user %q: a fetch from a lender whose starting thread ended: %v", HelperUser, err)
+		}
+		if !bytes.Equal(contents(t, dst, size), want) {
+			t.Fatalf("helpers' user %q: the fetched bytes differ from the lent ones", HelperUser)
+		}
+	}
+}
+
+// TestHelpersDieWithTheDaemon: a daemon killed leaves no helper behind,
+// even one that dropped to HelperUser (the kernel clears the parent-death
+// signal as a process's user changes): a fetcher left running would go on
+// filling memory nobody accounts for, from a lender that goes on serving.
+func TestHelpersDieWithTheDaemon(t *testing.T) {
+	requireUCX(t)
+	size := int64(2 * Chunk)
+	// A chain's lender whose board never moves: the fetch waits.
+	l := lend(t, memfd(t, size, nil), size, memfd(t, BoardSize(size), nil))
+	grant, err := json.Marshal(l.Grant)
+	if err != nil {
+		t.Fatal(err)
+	}
+	daemon := exec.Command(os.Args[0])
+	daemon.Env = append(os.Environ(), daemonEnv+"="+string(grant))
+	daemon.Stderr = os.Stderr
+	if err := daemon.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer daemon.Wait()
+	defer daemon.Process.Kill()
+	fetcher := 0
+	for deadline := time.Now().Add(10 * time.Second); fetcher == 0; time.Sleep(5 * time.Millisecond) {
+		if fetcher = childNamed(daemon.Process.Pid, "gpushm-fetch"); fetcher == 0 && time.Now().After(deadline) {
+			t.Fatal("the daemon started no fetcher within 10s")
+		}
+	}
+	// Once it dropped to its user, if it does.
+	time.Sleep(300 * time.Millisecond)
+	daemon.Process.Kill()
+	daemon.Wait()
+	for deadline := time.Now().Add(5 * time.Second); named(fetcher, "gpushm-fetch"); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			syscall.Kill(fetcher, syscall.SIGKILL)
+			t.Fatalf("fetcher %d still runs 5s after its daemon was killed", fetcher)
+		}
+	}
+}
+
+// childNamed is a child of parent whose argv[0] is name, or 0.
+func childNamed(parent int, name string) int {
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || !named(pid, name) {
+			continue
+		}
+		stat, _ := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		// The fields after the command's name: the state, then the parent.
+		if i := bytes.LastIndexByte(stat, ')'); i > 0 {
+			if f := strings.Fields(string(stat[i+1:])); len(f) > 1 && f[1] == strconv.Itoa(parent) {
+				return pid
+			}
+		}
+	}
+	return 0
+}
+
+// named says whether pid runs with argv[0] name.
+func named(pid int, name string) bool {
+	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	return err == nil && strings.HasPrefix(string(cmdline), name+"\x00")
+}
+
+// TestStoppedFetcher: another process of the helpers' user stops a
+// fetcher (it may: same user); the fetch fails once the fetcher has said
+// nothing for longer than its stall times allow, instead of holding the
+// pull, and its name, for ever.
+func TestStoppedFetcher(t *testing.T) {
+	requireUCX(t)
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the helpers drop to their user only from root")
+	}
+	ids, err := helperIDs()
+	if err != nil || len(ids) < 4 {
+		t.Skipf("no helpers' user: %v", err)
+	}
+	uid, _ := strconv.ParseUint(ids[1], 10, 32)
+	gid, _ := strconv.ParseUint(ids[3], 10, 32)
+	defer func(d time.Duration) { StartTime = d }(StartTime)
+	StartTime = 2 * time.Second
+	const stall = time.Second
+
+	size := int64(8 * Chunk)
+	l := lend(t, memfd(t, size, random(t, size)), size, -1)
+	for try := 1; ; try++ {
+		done := make(chan error, 1)
+		start := time.Now()
+		go func() {
+			done <- Fetch(context.Background(), memfd(t, size, nil), size, l.Grant, FetchOptions{Board: -1, Stall: stall})
+		}()
+		// The attacker: the fetcher stopped as soon as it is of its user.
+		stopped := 0
+		for stopped == 0 && len(done) == 0 {
+			if pid := childNamed(os.Getpid(), "gpushm-fetch"); pid > 0 {
+				kill := exec.Command("/bin/kill", "-STOP", strconv.Itoa(pid))
+				kill.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
+				if kill.Run() == nil {
+					stopped = pid
+				}
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+		if stopped == 0 {
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			if try == 20 {
+				t.Skip("the fetch ended before its fetcher could be stopped, 20 times")
+			}
+			continue
+		}
+		select {
+		case err := <-done:
+			if err == nil {
+				t.Log("the fetch ended before its fetcher was stopped")
+				continue
+			}
+			if !strings.Contains(err.Error(), "said nothing") {
+				t.Fatalf("a fetch whose fetcher was stopped: %v, want it killed as silent", err)
+			}
+			t.Logf("try %d, after %v: %v", try, time.Since(start).Round(time.Millisecond), err)
+		case <-time.After(4*stall + StartTime + 10*time.Second):
+			if named(stopped, "gpushm-fetch") {
+				syscall.Kill(stopped, syscall.SIGKILL)
+			}
+			<-done
+			t.Fatalf("a fetch whose fetcher was stopped still ran %v later", time.Since(start).Round(time.Second))
+		}
+		return
 	}
 }

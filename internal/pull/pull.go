@@ -28,7 +28,10 @@ import (
 	"os"
 	"os/exec"
 	"os/user"
+	"runtime"
 	"strconv"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -68,8 +71,11 @@ func (g *Grant) check(size int64) error {
 		return fmt.Errorf("the lender offers %d bytes, the segment has %d", g.Size, size)
 	case g.Size <= 0:
 		return fmt.Errorf("the lender offers %d bytes", g.Size)
-	case g.Chunk <= 0 || g.Chunk > 1<<30:
-		return fmt.Errorf("a chunk of %d bytes", g.Chunk)
+	case g.Chunk != Chunk:
+		// The sinks put chunk i at i*Chunk and the boards have room for
+		// the checksums of Chunk-sized chunks: a lender's other chunk
+		// would land its checked bytes elsewhere in the segment.
+		return fmt.Errorf("a chunk of %d bytes, not %d", g.Chunk, Chunk)
 	case g.Ring < 0 || g.Ring > 64:
 		return fmt.Errorf("a ring of %d slots", g.Ring)
 	case len(g.Worker) == 0 || len(g.RKey) == 0 || len(g.BoardKey) == 0:
@@ -129,12 +135,39 @@ func helperIDs() ([]string, error) {
 	return []string{"--uid", u.Uid, "--gid", u.Gid}, nil
 }
 
+// starts runs the helpers' starts on one thread, locked to its goroutine,
+// which never ends: PR_SET_PDEATHSIG fires when the thread that started a
+// helper ends, not the process, and the daemon ends threads of its own
+// (the server's reapers, after a burst of connections any local user can
+// make, return locked to whatever thread they ran on).
+var (
+	startOnce sync.Once
+	starts    chan func()
+)
+
+func startLocked(cmd *exec.Cmd) error {
+	startOnce.Do(func() {
+		starts = make(chan func())
+		go func() {
+			runtime.LockOSThread()
+			for f := range starts {
+				f()
+			}
+		}()
+	})
+	done := make(chan error, 1)
+	starts <- func() { done <- cmd.Start() }
+	return <-done
+}
+
 // helper starts 'gpushm __pull VERB' with fds as its descriptors 3, 4, ...;
-// the helper dies with the thread that started it (PR_SET_PDEATHSIG), so a
-// daemon killed leaves none behind. It starts as the daemon's user and
-// drops to HelperUser first thing (harden): a binary root may run need not
-// be one nobody may, and a process that was root until it dropped cannot
-// be traced by the user it drops to.
+// the helper dies with the daemon (PR_SET_PDEATHSIG, from a thread that
+// lasts as long as the process: startLocked; a helper that drops to
+// HelperUser sets it again, since the kernel clears it as the helper's
+// user changes), so a daemon killed leaves none behind. It starts as the
+// daemon's user and drops to HelperUser first thing (harden): a binary
+// root may run need not be one nobody may, and a process that was root
+// until it dropped cannot be traced by the user it drops to.
 func helper(verb string, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, *bufio.Reader, error) {
 	ids, err := helperIDs()
 	if err != nil {
@@ -161,7 +194,7 @@ func helper(verb string, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, 
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	if err := cmd.Start(); err != nil {
+	if err := startLocked(cmd); err != nil {
 		return nil, nil, nil, fmt.Errorf("start the %s helper: %w", verb, err)
 	}
 	return cmd, in, bufio.NewReader(out), nil
@@ -174,12 +207,19 @@ type Lender struct {
 	Grant Grant
 }
 
+// StartTime bounds the wait for a lender's grant: past it the helper is
+// killed and Lend fails; a fetcher is given as long to start, beside its
+// stall times (Fetch). A helper runs as HelperUser, whose other processes
+// may stop it (SIGSTOP), and the caller may hold locks meanwhile. A
+// variable for tests.
+var StartTime = time.Minute
+
 // Lend starts a lender of size bytes of the memory fd (the helper gets a
 // descriptor of its own; a read-only one is the caller's to give), and
-// returns once it serves, with its Grant. board, when not -1, is the board
-// of a fetch still filling fd (a chain): the lender serves each chunk once
-// that board says it is there, with the CRC-32C found there; otherwise the
-// lender computes them as it goes.
+// returns once it serves, with its Grant, or fails after StartTime. board,
+// when not -1, is the board of a fetch still filling fd (a chain): the
+// lender serves each chunk once that board says it is there, with the
+// CRC-32C found there; otherwise the lender computes them as it goes.
 func Lend(fd int, size int64, m Memory, board int) (*Lender, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("lend: %d bytes: nothing to lend", size)
@@ -193,7 +233,11 @@ func Lend(fd int, size int64, m Memory, board int) (*Lender, error) {
 		return nil, err
 	}
 	l := &Lender{cmd: cmd, stdin: in}
+	late := time.AfterFunc(StartTime, func() { cmd.Process.Kill() })
 	line, err := out.ReadBytes('\n')
+	if !late.Stop() {
+		err = fmt.Errorf("no grant in %v: killed", StartTime)
+	}
 	if err == nil {
 		err = json.Unmarshal(line, &l.Grant)
 	}
@@ -242,11 +286,12 @@ type fetchLine struct {
 // so that its start (the exec, a device's context, UCX's worker) overlaps
 // the peer's answer to the pull. Fetch, then Close; or Close alone.
 type Fetcher struct {
-	cmd  *exec.Cmd
-	ctl  int // the daemon's end of the helper's control socket
-	out  *bufio.Reader
-	m    Memory
-	done bool
+	cmd   *exec.Cmd
+	ctl   int // the daemon's end of the helper's control socket
+	out   *bufio.Reader
+	m     Memory
+	stall time.Duration
+	done  bool
 }
 
 // StartFetcher starts a fetcher of memory like m (its kind and device:
@@ -271,7 +316,7 @@ func StartFetcher(m Memory, stall time.Duration) (*Fetcher, error) {
 		return nil, err
 	}
 	in.Close()
-	return &Fetcher{cmd: cmd, ctl: sp[0], out: out, m: m}, nil
+	return &Fetcher{cmd: cmd, ctl: sp[0], out: out, m: m, stall: stall}, nil
 }
 
 // Fetch fills size bytes of the memory fd from a lender's grant, every
@@ -292,12 +337,21 @@ func (f *Fetcher) Fetch(ctx context.Context, fd int, size int64, g Grant, o Fetc
 	}
 	stop := context.AfterFunc(ctx, func() { f.cmd.Process.Kill() })
 	defer stop()
+	// A fetcher says how far it got at least once a chunk, each bounded
+	// by the stall time: one silent for much longer is stopped (by
+	// another process of HelperUser, say) and would hold the pull, and
+	// its name, for ever.
+	quiet := 4*f.stall + StartTime
+	var silent atomic.Bool
+	watch := time.AfterFunc(quiet, func() { silent.Store(true); f.cmd.Process.Kill() })
+	defer watch.Stop()
 	// A helper that failed before it read the job says why on its way out.
 	sendErr := unix.Sendmsg(f.ctl, job, unix.UnixRights(fds...), nil, 0)
 	var res fetchLine
 	for err == nil && res.Error == nil {
 		var line []byte
 		if line, err = f.out.ReadBytes('\n'); err == nil {
+			watch.Reset(quiet)
 			res = fetchLine{}
 			if err = json.Unmarshal(line, &res); err == nil && res.Error == nil && o.Progress != nil {
 				o.Progress(res.Done)
@@ -316,6 +370,8 @@ func (f *Fetcher) Fetch(ctx context.Context, fd int, size int64, g Grant, o Fetc
 	switch {
 	case ctx.Err() != nil:
 		return fmt.Errorf("fetch: %w", context.Cause(ctx))
+	case silent.Load():
+		return fmt.Errorf("fetch: the fetcher said nothing for %v: killed", quiet)
 	case res.Error != nil && *res.Error != "":
 		return errors.New(*res.Error)
 	case sendErr != nil:

@@ -7,7 +7,8 @@ import (
 )
 
 // TestGrantChecked: a grant that does not describe the segment (another
-// size, a chunk or ring out of bounds, no address or key) is refused before
+// size, a chunk other than this node's, a ring out of bounds, no address
+// or key) is refused before
 // any helper starts: a peer that lies about the size is caught here, one
 // that lies about the bytes by the chunks' checksums (TestPull in
 // integration/).
@@ -27,6 +28,11 @@ func TestGrantChecked(t *testing.T) {
 		{"a negative ring", func(g *Grant) { g.Ring = -1 }, 3*Chunk + 1, "ring"},
 		{"no chunk", func(g *Grant) { g.Chunk = 0 }, 3*Chunk + 1, "chunk"},
 		{"a huge chunk", func(g *Grant) { g.Chunk = 1 << 40 }, 3*Chunk + 1, "chunk"},
+		// Chunks of another size would be checked, then put at the
+		// offsets of this node's chunks: the segment committed would not
+		// be the lender's bytes, though every chunk passed.
+		{"a larger chunk", func(g *Grant) { g.Chunk = 2 * Chunk }, 3*Chunk + 1, "chunk"},
+		{"a smaller chunk", func(g *Grant) { g.Chunk = Chunk / 2 }, 3*Chunk + 1, "chunk"},
 		{"no worker", func(g *Grant) { g.Worker = nil }, 3*Chunk + 1, "worker"},
 		{"no key", func(g *Grant) { g.RKey = nil }, 3*Chunk + 1, "key"},
 		{"no board key", func(g *Grant) { g.BoardKey = nil }, 3*Chunk + 1, "key"},
