@@ -103,6 +103,7 @@ func daemonCmd() *cobra.Command {
 	f.MarkHidden("peer-service-every")
 	f.StringVar(&o.PeerSecret, "peer-secret", "", "the file (mode 0600, at least 32 bytes) of the secret this node's peers share; needed with --listen-peers, --peers or --peer-service")
 	f.StringVar(&o.Node, "node", "", "this node's name to its peers (default: the host's name)")
+	f.StringVar(&pull.HelperUser, "pull-helper-user", pull.HelperUser, "the user the pull helpers (the processes that move bytes over UCX) run as; the daemon must be root to start them so, and refuses to otherwise; '' runs them as the daemon's own user, which a helper taken over through UCX then is (docs/peers.md, \"Trust\")")
 	f.DurationVar(&o.PullStall, "pull-stall", pull.DefaultStall, "how long a pull waits for a peer that sends nothing (a partition, a peer stopped) before it fails, naming the peer, and tries the next that offers the name")
 	f.BoolVar(&o.PullMissing, "pull-missing", false, "let an open that waits for a name missing here (open with a wait, get --wait) have the daemon pull it from a peer that offers it: one pull a name, shared by every waiter, as 'gpushm pull' would make it (docs/peers.md)")
 	f.StringVar(&o.Metrics, "metrics-listen", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464)")

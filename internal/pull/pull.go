@@ -111,17 +111,29 @@ func self() string {
 	return "/proc/self/exe"
 }
 
-// HelperUser is the user the helpers run as when the daemon is root: UCX
-// over tcp lets whoever reaches a helper's port write anywhere in its
-// memory, so a helper must be worth nothing more than the one segment it
-// was given. Empty keeps the daemon's user (as when it is not root).
+// noPIDNamespace is set once a helper could not be started in a PID
+// namespace of its own.
+var noPIDNamespace atomic.Bool
+
+// HelperUser is the user the helpers run as: UCX over tcp lets whoever
+// reaches a helper's port write anywhere in its memory, so a helper must
+// be worth nothing more than the one segment it was given. The daemon
+// must be root to start them so; one that is not refuses to, unless
+// HelperUser is empty, which keeps the daemon's user (a helper taken over
+// is then the daemon's user, with its files and its descriptors through
+// /proc: docs/peers.md).
 var HelperUser = "nobody"
 
 // helperIDs are the --uid and --gid arguments that make a helper drop to
-// HelperUser, or none where the daemon is not root.
+// HelperUser, or none where HelperUser is empty.
 func helperIDs() ([]string, error) {
-	if os.Geteuid() != 0 || HelperUser == "" {
+	if HelperUser == "" {
 		return nil, nil
+	}
+	if uid := os.Geteuid(); uid != 0 {
+		return nil, fmt.Errorf("pull: the daemon runs as uid %d, not root, so its UCX helpers cannot run as %q, a user of their own; "+
+			"run the daemon as root, or accept helpers that run as the daemon's user with --pull-helper-user '' (docs/peers.md, \"Trust\"): %w",
+			uid, HelperUser, syscall.EPERM)
 	}
 	u, err := user.Lookup(HelperUser)
 	if err != nil {
@@ -186,6 +198,11 @@ func helper(verb string, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, 
 	}
 	cmd.Stderr = os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if len(ids) > 0 && !noPIDNamespace.Load() {
+		// A process of its own PID namespace: whatever a helper taken
+		// over forks dies with it, and holds its descriptors no longer.
+		cmd.SysProcAttr.Cloneflags = syscall.CLONE_NEWPID
+	}
 	in, err := cmd.StdinPipe()
 	if err != nil {
 		return nil, nil, nil, err
@@ -194,7 +211,14 @@ func helper(verb string, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, 
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	if err := startLocked(cmd); err != nil {
+	err = startLocked(cmd)
+	if err != nil && cmd.SysProcAttr.Cloneflags != 0 && (errors.Is(err, syscall.EPERM) || errors.Is(err, syscall.EINVAL)) {
+		// No new PID namespaces here (a container without CAP_SYS_ADMIN):
+		// the helpers go without, as docs/peers.md says.
+		noPIDNamespace.Store(true)
+		return helper(verb, fds, args...)
+	}
+	if err != nil {
 		return nil, nil, nil, fmt.Errorf("start the %s helper: %w", verb, err)
 	}
 	return cmd, in, bufio.NewReader(out), nil
