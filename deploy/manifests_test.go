@@ -309,10 +309,26 @@ func TestPeersManifest(t *testing.T) {
 		}
 	}
 
-	// Nothing else: without the peers' parts, it is daemonset.yaml.
+	// Root, to start the pull helpers as a user of their own, with no
+	// capability but the two that takes.
+	if sc := c.SecurityContext; sc == nil || sc.RunAsUser == nil || *sc.RunAsUser != 0 || sc.Capabilities == nil ||
+		!slices.Contains(sc.Capabilities.Drop, "ALL") || !slices.Equal(sc.Capabilities.Add, []corev1.Capability{"SETUID", "SETGID"}) ||
+		sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+		t.Errorf("daemonset-peers.yaml: the daemon should run as root with SETUID and SETGID alone: %+v", sc)
+	}
+
+	// Nothing else: without the peers' parts, it is daemonset.yaml, but
+	// for the user the daemon runs as, and so owns the socket's
+	// directory as.
 	bare := ds.DeepCopy()
 	bs := &bare.Spec.Template.Spec
 	bc := &bs.Containers[0]
+	bc.SecurityContext = plain.Spec.Template.Spec.Containers[0].SecurityContext.DeepCopy()
+	for i := range bs.InitContainers {
+		for j := range bs.InitContainers[i].Command {
+			bs.InitContainers[i].Command[j] = strings.ReplaceAll(bs.InitContainers[i].Command[j], "chown 0:0 /run/gpushm ", "chown 65532:65532 /run/gpushm ")
+		}
+	}
 	bc.Args = slices.DeleteFunc(bc.Args, func(a string) bool {
 		f, _, _ := strings.Cut(a, "=")
 		return slices.Contains([]string{"--listen-peers", "--peer-service", "--peer-secret", "--node"}, f)
