@@ -180,7 +180,7 @@ func startLocked(cmd *exec.Cmd) error {
 // daemon's user and drops to HelperUser first thing (harden): a binary
 // root may run need not be one nobody may, and a process that was root
 // until it dropped cannot be traced by the user it drops to.
-func helper(verb string, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, *bufio.Reader, error) {
+func helper(verb string, m Memory, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, *bufio.Reader, error) {
 	ids, err := helperIDs()
 	if err != nil {
 		return nil, nil, nil, err
@@ -198,9 +198,11 @@ func helper(verb string, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, 
 	}
 	cmd.Stderr = os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if len(ids) > 0 && !noPIDNamespace.Load() {
+	if len(ids) > 0 && !m.CUDA && !noPIDNamespace.Load() {
 		// A process of its own PID namespace: whatever a helper taken
 		// over forks dies with it, and holds its descriptors no longer.
+		// Not for GPU memory: the CUDA driver does not start in one
+		// (cuInit: CUDA_ERROR_OPERATING_SYSTEM on driver 580).
 		cmd.SysProcAttr.Cloneflags = syscall.CLONE_NEWPID
 	}
 	in, err := cmd.StdinPipe()
@@ -216,7 +218,7 @@ func helper(verb string, fds []int, args ...string) (*exec.Cmd, io.WriteCloser, 
 		// No new PID namespaces here (a container without CAP_SYS_ADMIN):
 		// the helpers go without, as docs/peers.md says.
 		noPIDNamespace.Store(true)
-		return helper(verb, fds, args...)
+		return helper(verb, m, fds, args...)
 	}
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("start the %s helper: %w", verb, err)
@@ -252,7 +254,7 @@ func Lend(fd int, size int64, m Memory, board int) (*Lender, error) {
 	if board >= 0 {
 		fds, args = append(fds, board), append(args, "--board")
 	}
-	cmd, in, out, err := helper("lend", fds, args...)
+	cmd, in, out, err := helper("lend", m, fds, args...)
 	if err != nil {
 		return nil, err
 	}
@@ -334,7 +336,7 @@ func StartFetcher(m Memory, stall time.Duration) (*Fetcher, error) {
 	if m.CUDA {
 		args = append(args, "--device", strconv.Itoa(m.Device))
 	}
-	cmd, in, out, err := helper("fetch", []int{sp[1]}, args...)
+	cmd, in, out, err := helper("fetch", m, []int{sp[1]}, args...)
 	if err != nil {
 		unix.Close(sp[0])
 		return nil, err
