@@ -94,11 +94,17 @@ func Bench(ctx context.Context, dirs []string, size int64, o Options) (Rates, er
 type mem []byte
 
 func (m mem) ReadAt(p []byte, off int64) error {
+	if off < 0 || off+int64(len(p)) > int64(len(m)) {
+		return fmt.Errorf("%d bytes at %d of %d", len(p), off, len(m))
+	}
 	copy(p, m[off:])
 	return nil
 }
 
 func (m mem) WriteAt(p []byte, off int64) error {
+	if off < 0 || off+int64(len(p)) > int64(len(m)) {
+		return fmt.Errorf("%d bytes at %d of %d", len(p), off, len(m))
+	}
 	copy(m[off:], p)
 	return nil
 }
