@@ -120,11 +120,21 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	cand, conn, err := discover(socket, t, timeout)
-	if err != nil {
-		return nil, err
+	// A connection the daemon ends before its hello is answered (a
+	// serving process restarting, or handing over to its successor,
+	// as it accepted) is made again, as a request's would be.
+	deadline := time.Now().Add(clientReconnect())
+	for {
+		cand, conn, err := discover(socket, t, timeout)
+		if err != nil {
+			return nil, err
+		}
+		c, err := greet(ctx, cand, t, conn, timeout)
+		if err == nil || !errors.Is(err, errLost) || ctx.Err() != nil || time.Now().After(deadline) {
+			return c, err
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
-	return greet(ctx, cand, t, conn, timeout)
 }
 
 // greet makes the client of conn, a new connection to cand, and says
