@@ -279,7 +279,13 @@ class Core:
             self._sock = self._find()
         try:
             with self._lock:
-                self._hello()
+                try:
+                    self._hello()
+                except _Lost as lost:
+                    # Ended before its hello was answered (a serving process
+                    # restarting, or handing over as it accepted): made
+                    # again, as a request's connection would be.
+                    self._reconnect_now(lost)
         except BaseException:
             self._sock.close()
             raise
