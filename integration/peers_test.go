@@ -170,26 +170,12 @@ func TestPeersNeedASecret(t *testing.T) {
 // gets the name from a peer that still offers it and sends it whole (d),
 // whatever c does.
 func TestPull(t *testing.T) {
-	if _, err := exec.LookPath("ldconfig"); err == nil {
-		if out, _ := exec.Command("ldconfig", "-p").Output(); !strings.Contains(string(out), "libucp.so.0") {
-			t.Skip("no libucp.so.0 (the libucx0 package): pulls move bytes over UCX")
-		}
-	}
-	net := testutil.NetNamespaces(t, 4)
-	secret := writeSecret(t, strings.Repeat("s3cret-of-the-cluster-", 3))
-	start := func(i int, node string, env []string, args ...string) *Daemon {
-		sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
-		args = append([]string{"--node", node, "--peer-secret", secret, "--listen-peers", net.IP(i) + ":7946"}, args...)
-		return Start(t, Options{Socket: sock, Args: args, Wrap: func(name string, args ...string) *exec.Cmd {
-			cmd := net.Command(i, name, args...)
-			cmd.Env = append(os.Environ(), env...)
-			return cmd
-		}})
-	}
-	a := start(0, "a", nil)
-	c := start(2, "c", []string{"GPUSHM_TEST_LEND_CORRUPT=1"})
-	d := start(3, "d", nil)
-	b := start(1, "b", nil, "--peers", net.IP(0)+":7946,"+net.IP(2)+":7946,"+net.IP(3)+":7946")
+	testutil.RequireUCX(t)
+	nodes := newPeerNodes(t, 4)
+	a := nodes.start(t, 0, "a", nil)
+	c := nodes.start(t, 2, "c", []string{"GPUSHM_TEST_LEND_CORRUPT=1"})
+	d := nodes.start(t, 3, "d", nil)
+	b := nodes.start(t, 1, "b", nil, "--peers", nodes.addr(0)+","+nodes.addr(2)+","+nodes.addr(3))
 	m := tierPattern(7, 20<<20+12345) // two chunks and a bit
 	for _, x := range []*Daemon{a, c, d} {
 		putFile(t, x.Socket(), "m", m, "--offer", "--mode", "0640")
@@ -253,35 +239,20 @@ func TestPull(t *testing.T) {
 	checkBytes(t, b.Socket(), "m", m)
 }
 
-// needUCX skips a test whose daemons move bytes over UCX where
-// libucp.so.0 is missing (scripts/test installs libucx0).
-func needUCX(t *testing.T) {
-	t.Helper()
-	if out, err := exec.Command("ldconfig", "-p").Output(); err == nil && !strings.Contains(string(out), "libucp.so.0") {
-		t.Skip("no libucp.so.0 (the libucx0 package): pulls move bytes over UCX")
-	}
-}
-
 // pullNodes starts n daemons in namespaces of their own, each dialing all
 // the others, with the args given to all.
 func pullNodes(t *testing.T, n int, args ...string) ([]*Daemon, *testutil.Net) {
 	t.Helper()
-	net := testutil.NetNamespaces(t, n)
-	secret := writeSecret(t, strings.Repeat("s3cret-of-the-cluster-", 3))
+	nodes := newPeerNodes(t, n)
 	var ds []*Daemon
 	for i := range n {
 		var others []string
 		for j := range n {
 			if j != i {
-				others = append(others, net.IP(j)+":7946")
+				others = append(others, nodes.addr(j))
 			}
 		}
-		sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
-		a := append([]string{"--node", string(rune('a' + i)), "--peer-secret", secret, "--listen-peers", net.IP(i) + ":7946",
-			"--peers", strings.Join(others, ",")}, args...)
-		ds = append(ds, Start(t, Options{Socket: sock, Args: a, Wrap: func(name string, args ...string) *exec.Cmd {
-			return net.Command(i, name, args...)
-		}}))
+		ds = append(ds, nodes.start(t, i, string(rune('a'+i)), nil, append([]string{"--peers", strings.Join(others, ",")}, args...)...))
 	}
 	for i, d := range ds {
 		waitPeers(t, d.Socket(), fmt.Sprintf("node %d connected to all", i), func(r *wire.PeersReport) bool {
@@ -294,8 +265,35 @@ func pullNodes(t *testing.T, n int, args ...string) ([]*Daemon, *testutil.Net) {
 			return n >= len(ds)-1
 		})
 	}
-	return ds, net
+	return ds, nodes.net
 }
+
+// peerNodes are daemons in network namespaces of their own, sharing a
+// secret; node i listens for peers on its namespace's address, port 7946.
+type peerNodes struct {
+	net    *testutil.Net
+	secret string
+}
+
+func newPeerNodes(t *testing.T, n int) *peerNodes {
+	t.Helper()
+	return &peerNodes{net: testutil.NetNamespaces(t, n), secret: writeSecret(t, strings.Repeat("s3cret-of-the-cluster-", 3))}
+}
+
+// start starts node i, named node, with env added to its environment.
+func (p *peerNodes) start(t *testing.T, i int, node string, env []string, args ...string) *Daemon {
+	t.Helper()
+	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
+	os.Chmod(filepath.Dir(sock), 0o755) // other users are clients too
+	args = append([]string{"--node", node, "--peer-secret", p.secret, "--listen-peers", p.addr(i)}, args...)
+	return Start(t, Options{Socket: sock, Args: args, Wrap: func(name string, args ...string) *exec.Cmd {
+		cmd := p.net.Command(i, name, args...)
+		cmd.Env = append(os.Environ(), env...)
+		return cmd
+	}})
+}
+
+func (p *peerNodes) addr(i int) string { return p.net.IP(i) + ":7946" }
 
 // pullAll has each of the daemons pull name at once, and says how long
 // the last took.
@@ -327,7 +325,7 @@ func pullAll(t *testing.T, ds []*Daemon, name string) time.Duration {
 // receiver. Then a chain whose middle node dies: the node after it
 // finishes from the source.
 func TestPullFanOut(t *testing.T) {
-	needUCX(t)
+	testutil.RequireUCX(t)
 	ds, _ := pullNodes(t, 4)
 	w := tierPattern(11, 96<<20+777) // six chunks and a bit
 	putFile(t, ds[0].Socket(), "w", w, "--offer", "--mode", "0644")
@@ -387,7 +385,7 @@ func TestPullFanOut(t *testing.T) {
 // the pull fails within the stall time with an error that names the peer
 // and says it sent nothing, and nothing is left behind.
 func TestPullPartition(t *testing.T) {
-	needUCX(t)
+	testutil.RequireUCX(t)
 	ds, net := pullNodes(t, 2, "--pull-stall", "3s")
 	big := tierPattern(13, 512<<20)
 	putFile(t, ds[0].Socket(), "big", big, "--offer")

@@ -20,33 +20,6 @@ import (
 // across a crash of the receiving daemon's serving process (docs/peers.md,
 // "Opens that wait for a peer's segment" and "Faults").
 
-// peerNodes are daemons in network namespaces of their own, sharing a
-// secret; node i listens for peers on its namespace's address, port 7946.
-type peerNodes struct {
-	net    *testutil.Net
-	secret string
-}
-
-func newPeerNodes(t *testing.T, n int) *peerNodes {
-	t.Helper()
-	return &peerNodes{net: testutil.NetNamespaces(t, n), secret: writeSecret(t, strings.Repeat("s3cret-of-the-cluster-", 3))}
-}
-
-// start starts node i, named node, with env added to its environment.
-func (p *peerNodes) start(t *testing.T, i int, node string, env []string, args ...string) *Daemon {
-	t.Helper()
-	sock := filepath.Join(testutil.SocketDir(t), "gpushm.sock")
-	os.Chmod(filepath.Dir(sock), 0o755) // other users are clients too
-	args = append([]string{"--node", node, "--peer-secret", p.secret, "--listen-peers", p.addr(i)}, args...)
-	return Start(t, Options{Socket: sock, Args: args, Wrap: func(name string, args ...string) *exec.Cmd {
-		cmd := p.net.Command(i, name, args...)
-		cmd.Env = append(os.Environ(), env...)
-		return cmd
-	}})
-}
-
-func (p *peerNodes) addr(i int) string { return p.net.IP(i) + ":7946" }
-
 // logged counts the lines of d's log with the message msg about name.
 func logged(d *Daemon, msg, name string) int {
 	n := 0
@@ -152,7 +125,7 @@ func waitOffers(t *testing.T, b *Daemon, a string, names ...string) {
 // makes it (root's, the offer's mode). A name no peer offers is asked
 // for once per missingRetry, however long its open waits.
 func TestPullMissing(t *testing.T) {
-	needUCX(t)
+	testutil.RequireUCX(t)
 	nodes := newPeerNodes(t, 2)
 	gate := filepath.Join(t.TempDir(), "gate")
 	os.WriteFile(gate, nil, 0o600)
@@ -202,7 +175,7 @@ func TestHostilePullMissing(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("running clients as other users needs root")
 	}
-	needUCX(t)
+	testutil.RequireUCX(t)
 	nodes := newPeerNodes(t, 2)
 	gate := filepath.Join(t.TempDir(), "gate")
 	a := nodes.start(t, 0, "a", nil)
@@ -308,7 +281,7 @@ func segmentNamed(t *testing.T, sock, name string) *idState {
 // client sends its request again, the waiting opens theirs, and the new
 // serving process pulls each name once more; all get every byte.
 func TestPullAcrossCrash(t *testing.T) {
-	needUCX(t)
+	testutil.RequireUCX(t)
 	nodes := newPeerNodes(t, 2)
 	gate := filepath.Join(t.TempDir(), "gate")
 	os.WriteFile(gate, nil, 0o600)

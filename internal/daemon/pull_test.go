@@ -53,13 +53,6 @@ func newRegistry(t *testing.T) *segment.Registry {
 	return reg
 }
 
-func needUCX(t *testing.T) {
-	t.Helper()
-	if out, err := exec.Command("ldconfig", "-p").Output(); err == nil && !strings.Contains(string(out), "libucp.so.0") {
-		t.Skip("no libucp.so.0 (the libucx0 package): lenders serve over UCX")
-	}
-}
-
 // TestLoanCaps: a peer that asks for pulls and never says it is done gets
 // at most maxLoansPerPeer lenders, all peers together maxLoans, each
 // refused as busy before a lender starts; another peer's pull-done, even
@@ -67,7 +60,7 @@ func needUCX(t *testing.T) {
 // its descriptor 3, read-only, and no other memory of the daemon's; all
 // end with the peers, leases and processes.
 func TestLoanCaps(t *testing.T) {
-	needUCX(t)
+	testutil.RequireUCX(t)
 	defer func(a, b int) { maxLoansPerPeer, maxLoans = a, b }(maxLoansPerPeer, maxLoans)
 	maxLoansPerPeer, maxLoans = 2, 3
 
@@ -224,6 +217,19 @@ func (h *hostile) serve(ctx context.Context, from, op string, req json.RawMessag
 	return peer.ListReply{Offers: h.offers}, nil
 }
 
+// nobodyCred is the credential of the user nobody, a user who is not
+// root; the test skips where there is none.
+func nobodyCred(t *testing.T) segment.Cred {
+	t.Helper()
+	nobody, err := user.Lookup("nobody")
+	if err != nil {
+		t.Skip("no user nobody")
+	}
+	uid, _ := strconv.ParseUint(nobody.Uid, 10, 32)
+	gid, _ := strconv.ParseUint(nobody.Gid, 10, 32)
+	return segment.Cred{UID: uint32(uid), GID: uint32(gid)}
+}
+
 // hostilePeer starts a peer node whose answers h gives, and peers of a
 // registry of this test's connected to it.
 func hostilePeer(t *testing.T) (*hostile, *peers) {
@@ -282,13 +288,7 @@ func TestHostileRedirect(t *testing.T) {
 func TestHostilePeer(t *testing.T) {
 	h, p := hostilePeer(t)
 	reg := p.reg
-	nobody, err := user.Lookup("nobody")
-	if err != nil {
-		t.Skip("no user nobody")
-	}
-	uid, _ := strconv.ParseUint(nobody.Uid, 10, 32)
-	gid, _ := strconv.ParseUint(nobody.Gid, 10, 32)
-	asNobody := segment.Cred{UID: uint32(uid), GID: uint32(gid)}
+	asNobody := nobodyCred(t)
 
 	grant := func(size int64) pull.Grant {
 		return pull.Grant{Worker: []byte("w"), RKey: []byte("k"), BoardKey: []byte("b"), Addr: 4096, Size: size, Chunk: pull.Chunk}
@@ -429,7 +429,7 @@ func TestChainBoardOthersCannotWrite(t *testing.T) {
 // user's 'peers' for longer than pull.StartTime: the lender is killed and
 // the loan given back.
 func TestStoppedChainLender(t *testing.T) {
-	needUCX(t)
+	testutil.RequireUCX(t)
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: the helpers drop to their user only from root")
 	}

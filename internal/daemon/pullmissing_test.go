@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
-	"os/user"
-	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -87,13 +85,7 @@ func waitUntil(t *testing.T, what string, ok func() bool) {
 // name nobody offers is listed once within missingRetry; a name here is
 // never asked for.
 func TestPullMissingBounds(t *testing.T) {
-	nobody, err := user.Lookup("nobody")
-	if err != nil {
-		t.Skip("no user nobody")
-	}
-	uid, _ := strconv.ParseUint(nobody.Uid, 10, 32)
-	gid, _ := strconv.ParseUint(nobody.Gid, 10, 32)
-	asNobody := segment.Cred{UID: uint32(uid), GID: uint32(gid)}
+	asNobody := nobodyCred(t)
 	defer func(a, b int, d time.Duration) { maxMissingPulls, maxMissingPullsPerUser, missingRetry = a, b, d }(maxMissingPulls, maxMissingPullsPerUser, missingRetry)
 	maxMissingPulls, maxMissingPullsPerUser, missingRetry = 3, 2, time.Hour
 

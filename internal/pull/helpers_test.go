@@ -19,7 +19,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/gpushm/gpushm/internal/ucx"
+	"github.com/gpushm/gpushm/internal/testutil"
 )
 
 // TestMain runs the helpers when the test binary is started as one (the
@@ -64,13 +64,6 @@ func fetchingDaemon(grant string) int {
 	}
 	fmt.Fprintln(os.Stderr, "the fetch ended:", err)
 	return 1
-}
-
-func requireUCX(t *testing.T) {
-	t.Helper()
-	if err := ucx.Load(); err != nil {
-		t.Skipf("UCX not usable: %v", err)
-	}
 }
 
 // memfd makes a memfd of size bytes, filled with data when not nil, and
@@ -122,7 +115,7 @@ func lend(t *testing.T, fd int, size int64, board int) *Lender {
 // helper processes, every byte compared, the progress reported up to the
 // size.
 func TestLendFetch(t *testing.T) {
-	requireUCX(t)
+	testutil.RequireUCX(t)
 	size := int64(3*Chunk + 4097)
 	want := random(t, size)
 	l := lend(t, memfd(t, size, want), size, -1)
@@ -143,7 +136,7 @@ func TestLendFetch(t *testing.T) {
 // next, which gets every chunk only once its own lender's fetch has it.
 // Three fetches in a chain, started together, end equal to the source.
 func TestChain(t *testing.T) {
-	requireUCX(t)
+	testutil.RequireUCX(t)
 	size := int64(5*Chunk + 12345)
 	want := random(t, size)
 	src := lend(t, memfd(t, size, want), size, -1)
@@ -179,7 +172,7 @@ func TestChain(t *testing.T) {
 // TestFetchCatchesWrongBytes: a lender that serves one wrong byte fails
 // the fetch, naming the chunk.
 func TestFetchCatchesWrongBytes(t *testing.T) {
-	requireUCX(t)
+	testutil.RequireUCX(t)
 	t.Setenv(corruptEnv, "1")
 	size := int64(2*Chunk + 1)
 	l := lend(t, memfd(t, size, random(t, size)), size, -1)
@@ -194,7 +187,7 @@ func TestFetchCatchesWrongBytes(t *testing.T) {
 // with an error that says so; and a chain whose upstream fetch stalls
 // does too.
 func TestFetchStall(t *testing.T) {
-	requireUCX(t)
+	testutil.RequireUCX(t)
 	size := int64(4 * Chunk)
 	l := lend(t, memfd(t, size, random(t, size)), size, -1)
 	syscall.Kill(l.cmd.Process.Pid, syscall.SIGSTOP)
@@ -221,7 +214,7 @@ func TestFetchStall(t *testing.T) {
 // lets whoever reaches its port write anywhere in it (internal/ucx's
 // TestPeerPut): this is what they would take over.
 func TestHelpersDrop(t *testing.T) {
-	requireUCX(t)
+	testutil.RequireUCX(t)
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: a helper drops privileges only from root")
 	}
@@ -263,7 +256,7 @@ func TestHelpersDrop(t *testing.T) {
 // TestFetchLenderDies: a lender killed mid-fetch fails it at once, not
 // after the stall time.
 func TestFetchLenderDies(t *testing.T) {
-	requireUCX(t)
+	testutil.RequireUCX(t)
 	size := int64(16 * Chunk)
 	l := lend(t, memfd(t, size, random(t, size)), size, -1)
 	done := make(chan error, 1)
@@ -289,7 +282,7 @@ func TestFetchLenderDies(t *testing.T) {
 // TestHelpersLogAside: what UCX logs goes to standard output by default;
 // in a helper it must not land in the protocol the daemon reads there.
 func TestHelpersLogAside(t *testing.T) {
-	requireUCX(t)
+	testutil.RequireUCX(t)
 	t.Setenv("UCX_LOG_LEVEL", "debug")
 	size := int64(Chunk + 1)
 	want := random(t, size)
@@ -310,7 +303,7 @@ func TestHelpersLogAside(t *testing.T) {
 // that then ends must go on serving, whether it dropped to HelperUser or
 // kept the daemon's user (a daemon that is not root).
 func TestHelperOutlivesItsThread(t *testing.T) {
-	requireUCX(t)
+	testutil.RequireUCX(t)
 	defer func(u string) { HelperUser = u }(HelperUser)
 	for _, HelperUser = range []string{HelperUser, ""} {
 		size := int64(Chunk + 1)
@@ -347,7 +340,7 @@ func TestHelperOutlivesItsThread(t *testing.T) {
 // signal as a process's user changes): a fetcher left running would go on
 // filling memory nobody accounts for, from a lender that goes on serving.
 func TestHelpersDieWithTheDaemon(t *testing.T) {
-	requireUCX(t)
+	testutil.RequireUCX(t)
 	size := int64(2 * Chunk)
 	// A chain's lender whose board never moves: the fetch waits.
 	l := lend(t, memfd(t, size, nil), size, memfd(t, BoardSize(size), nil))
@@ -411,7 +404,7 @@ func named(pid int, name string) bool {
 // nothing for longer than its stall times allow, instead of holding the
 // pull, and its name, for ever.
 func TestStoppedFetcher(t *testing.T) {
-	requireUCX(t)
+	testutil.RequireUCX(t)
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: the helpers drop to their user only from root")
 	}

@@ -315,7 +315,6 @@ type Fetcher struct {
 	cmd   *exec.Cmd
 	ctl   int // the daemon's end of the helper's control socket
 	out   *bufio.Reader
-	m     Memory
 	stall time.Duration
 	done  bool
 }
@@ -342,7 +341,7 @@ func StartFetcher(m Memory, stall time.Duration) (*Fetcher, error) {
 		return nil, err
 	}
 	in.Close()
-	return &Fetcher{cmd: cmd, ctl: sp[0], out: out, m: m, stall: stall}, nil
+	return &Fetcher{cmd: cmd, ctl: sp[0], out: out, stall: stall}, nil
 }
 
 // Fetch fills size bytes of the memory fd from a lender's grant, every

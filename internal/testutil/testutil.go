@@ -1,6 +1,7 @@
 // Package testutil holds what the tests of several packages share, written
 // once: waiting for a condition (WaitFor), a client that speaks the
-// protocol by hand (Raw), the FUSE tests' requirement (RequireFUSE), a
+// protocol by hand (Raw), the FUSE tests' requirement (RequireFUSE) and the
+// pulls' (RequireUCX), a
 // copy of the test binary that other users can run (BinaryForOthers),
 // safetensors shards (WriteShard) and files (SafetensorsFile, SparseFile),
 // and a daemon's processes found and killed (DaemonProcs, KillDaemon), its
@@ -15,6 +16,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/gpushm/gpushm/internal/ucx"
 )
 
 // WaitFor waits until ok holds, for 20 seconds at most (a second process
@@ -38,6 +41,15 @@ func RequireFUSE(t testing.TB) {
 	}
 	if _, err := os.Stat("/dev/fuse"); err != nil {
 		t.Skipf("FUSE tests need /dev/fuse: %v", err)
+	}
+}
+
+// RequireUCX skips, saying why, where libucp.so.0 cannot be loaded: pulls
+// move bytes over UCX (scripts/test installs Debian's libucx0).
+func RequireUCX(t testing.TB) {
+	t.Helper()
+	if err := ucx.Load(); err != nil {
+		t.Skipf("UCX not usable: %v", err)
 	}
 }
 
