@@ -34,11 +34,18 @@ func Command() *cobra.Command {
 	lend := &cobra.Command{
 		Use: "lend", Args: cobra.NoArgs, SilenceUsage: true,
 		RunE: func(*cobra.Command, []string) error {
-			if err := harden(uid, gid); err != nil {
-				return err
-			}
 			m.CUDA = m.Device >= 0
-			return runLend(size, m, hasBoard)
+			granted := false
+			err := harden(uid, gid)
+			if err == nil {
+				granted, err = runLend(size, m, hasBoard)
+			}
+			if err != nil && !granted {
+				// Why it did not start goes to the daemon, as a
+				// fetcher's does, in the place of the grant.
+				json.NewEncoder(proto).Encode(lendFailure{Error: err.Error()})
+			}
+			return err
 		},
 	}
 	lend.Flags().Int64Var(&size, "size", 0, "bytes to lend")
@@ -79,6 +86,12 @@ func protocolOut() error {
 	return nil
 }
 
+// lendFailure is what a lender writes in the place of its grant when it
+// cannot start.
+type lendFailure struct {
+	Error string `json:"error"`
+}
+
 // corruptEnv, for tests, makes a lender serve one byte that is not the
 // segment's: the fetcher must catch it.
 const corruptEnv = "GPUSHM_TEST_LEND_CORRUPT"
@@ -92,17 +105,20 @@ const corruptEnv = "GPUSHM_TEST_LEND_CORRUPT"
 // daemon that died before it was is seen by the parent it had.
 func harden(uid, gid int) error {
 	parent := os.Getppid()
+	// The daemon's root may not be the host's: in a user namespace it
+	// cannot drop its groups or become a user the namespace does not map.
+	const which = "the helpers' user (--pull-helper-user; a daemon in a user namespace cannot)"
 	if gid >= 0 {
 		if err := syscall.Setgroups(nil); err != nil {
-			return fmt.Errorf("drop the groups: %w", err)
+			return fmt.Errorf("drop to %s: drop the groups: %w", which, err)
 		}
 		if err := syscall.Setresgid(gid, gid, gid); err != nil {
-			return fmt.Errorf("drop to gid %d: %w", gid, err)
+			return fmt.Errorf("drop to %s: gid %d: %w", which, gid, err)
 		}
 	}
 	if uid >= 0 {
 		if err := syscall.Setresuid(uid, uid, uid); err != nil {
-			return fmt.Errorf("drop to uid %d: %w", uid, err)
+			return fmt.Errorf("drop to %s: uid %d: %w", which, uid, err)
 		}
 	}
 	if err := unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0, 0, 0); err != nil {
@@ -141,12 +157,12 @@ const poll = 200 * time.Microsecond
 // (in place for a memfd; through the ring for GPU memory), with its CRC-32C
 // (computed here, or from the board of the fetch still filling it), then
 // counts it on the board the fetcher reads.
-func runLend(size int64, m Memory, hasBoard bool) error {
+func runLend(size int64, m Memory, hasBoard bool) (granted bool, _ error) {
 	var in board // the fetch's board, in a chain
 	if hasBoard {
 		var err error
 		if in, err = mapBoard(4, size, false); err != nil {
-			return err
+			return false, err
 		}
 		defer unix.Munmap(in)
 	}
@@ -175,41 +191,41 @@ func runLend(size int64, m Memory, hasBoard bool) error {
 		defer u.w.Close()
 	}
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer src.close()
 	if u.err != nil {
-		return u.err
+		return false, u.err
 	}
 	c, w := u.c, u.w
 	out, err := unix.Mmap(-1, 0, int(BoardSize(size)), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
-		return fmt.Errorf("lend: the board: %w", err)
+		return false, fmt.Errorf("lend: the board: %w", err)
 	}
 	defer unix.Munmap(out)
 	g := Grant{Size: size, Chunk: Chunk, Ring: src.ring()}
 	data, err := c.Map(src.region())
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer data.Free()
 	bd, err := c.Map(out)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer bd.Free()
 	if g.RKey, err = data.PackKey(); err != nil {
-		return err
+		return false, err
 	}
 	if g.BoardKey, err = bd.PackKey(); err != nil {
-		return err
+		return false, err
 	}
 	if g.Worker, err = w.Address(); err != nil {
-		return err
+		return false, err
 	}
 	g.Addr, g.Board = data.Addr(), bd.Addr()
 	if err := json.NewEncoder(proto).Encode(g); err != nil {
-		return err
+		return false, err
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
 	go func() {
@@ -229,9 +245,9 @@ func runLend(size int64, m Memory, hasBoard bool) error {
 	}()
 	err = w.Serve(ctx)
 	if ctx.Err() != nil && !errors.Is(context.Cause(ctx), context.Canceled) {
-		return context.Cause(ctx)
+		return true, context.Cause(ctx)
 	}
-	return err
+	return true, err
 }
 
 // stageAll stages every chunk in order and counts it on out: when the

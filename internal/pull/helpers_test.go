@@ -467,3 +467,35 @@ func TestStoppedFetcher(t *testing.T) {
 		return
 	}
 }
+
+// TestHelpersInAUserNamespace: a daemon whose root is a user namespace's
+// (unshare -Ur), where file owners show as 65534, cannot drop its helpers
+// to a user of their own: the lend fails, saying why, and no helper runs
+// as that root.
+func TestHelpersInAUserNamespace(t *testing.T) {
+	testutil.RequireUCX(t)
+	size := int64(Chunk)
+	if os.Getenv("GPUSHM_PULL_USERNS") != "" {
+		_, err := Lend(memfd(t, size, random(t, size)), size, Host, -1)
+		if err == nil || !strings.Contains(err.Error(), "a daemon in a user namespace cannot") {
+			t.Fatalf("Lend as a user namespace's root = %v, want a refusal naming the user namespace", err)
+		}
+		return
+	}
+	if os.Getuid() != 0 {
+		t.Skip("HelperUser is empty where the tests are not root: nothing to drop")
+	}
+	unshare, err := exec.LookPath("unshare")
+	if err != nil {
+		t.Skip("no unshare (util-linux)")
+	}
+	cmd := exec.Command(unshare, "-Ur", os.Args[0], "-test.run", "^TestHelpersInAUserNamespace$", "-test.count", "1", "-test.v")
+	cmd.Env = append(os.Environ(), "GPUSHM_PULL_USERNS=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil && strings.Contains(string(out), "unshare failed") {
+		t.Skipf("no user namespaces here: %s", out)
+	}
+	if err != nil || !strings.Contains(string(out), "--- PASS: TestHelpersInAUserNamespace") {
+		t.Fatalf("in a user namespace: %v\n%s", err, out)
+	}
+}

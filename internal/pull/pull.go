@@ -264,8 +264,13 @@ func Lend(fd int, size int64, m Memory, board int) (*Lender, error) {
 	if !late.Stop() {
 		err = fmt.Errorf("no grant in %v: killed", StartTime)
 	}
+	var failed lendFailure
 	if err == nil {
-		err = json.Unmarshal(line, &l.Grant)
+		if err = json.Unmarshal(line, &failed); err == nil && failed.Error != "" {
+			err = errors.New(failed.Error)
+		} else if err == nil {
+			err = json.Unmarshal(line, &l.Grant)
+		}
 	}
 	if err != nil {
 		l.Close()
