@@ -348,3 +348,160 @@ func meminfoLine(key string) string {
 	}
 	return "?"
 }
+
+// TestFreshPageSpeed times the first touch of new memory three ways, each
+// twice in a row (the second round gets pages the first freed): anonymous
+// memory with transparent huge pages, anonymous memory in 4 KiB pages, and
+// shmem in a memfd per thread. Which of them are slow, and whether a
+// second round is faster, tells a bound of the kernel's shmem from one of
+// a virtual machine's first touch (docs/benchmarks.md, "The first eviction
+// at the default settings"). A diagnostic, run only when GPUSHM_MOVE_SPEED
+// is set to a size in MiB; run it first on a fresh machine.
+func TestFreshPageSpeed(t *testing.T) {
+	mib, _ := strconv.Atoi(os.Getenv("GPUSHM_MOVE_SPEED"))
+	if mib <= 0 {
+		t.Skip("a diagnostic: set GPUSHM_MOVE_SPEED to a size in MiB")
+	}
+	n := int64(mib) << 20
+	threads := runtime.NumCPU()
+	const chunk = 32 << 20
+	fmt.Printf("%d MiB, %d threads, anonymous THP %s, shmem THP %v\n", mib, threads,
+		strings.TrimSpace(readFile("/sys/kernel/mm/transparent_hugepage/enabled")), shmemTHP())
+	fmt.Printf("%-24s %6s %10s %9s\n", "memory", "round", "ms", "GB/s")
+	for _, kind := range []string{"anonymous, huge pages", "anonymous, 4 KiB pages", "shmem, a memfd a thread"} {
+		for round := 1; round <= 2; round++ {
+			var region []byte
+			var fds []int
+			per := n / chunk
+			var err error
+			if kind == "shmem, a memfd a thread" {
+				each := n / int64(threads) / chunk * chunk
+				per = each / chunk * int64(threads)
+				for i := 0; i < threads; i++ {
+					fd, err := unix.MemfdCreate("fresh-speed", unix.MFD_CLOEXEC)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if err := unix.Ftruncate(fd, each); err != nil {
+						t.Fatal(err)
+					}
+					fds = append(fds, fd)
+				}
+			} else {
+				region, err = unix.Mmap(-1, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+				if err != nil {
+					t.Fatal(err)
+				}
+				advice := unix.MADV_HUGEPAGE
+				if kind == "anonymous, 4 KiB pages" {
+					advice = unix.MADV_NOHUGEPAGE
+				}
+				if err := unix.Madvise(region, advice); err != nil {
+					t.Fatal(err)
+				}
+			}
+			start := time.Now()
+			err = inChunks(int(per), threads, nil, nil, func(i int) error {
+				if fds == nil {
+					return unix.Madvise(region[int64(i)*chunk:int64(i+1)*chunk], unix.MADV_POPULATE_WRITE)
+				}
+				b, err := unix.Mmap(fds[i%threads], int64(i/threads)*chunk, chunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+				if err != nil {
+					return err
+				}
+				err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
+				unix.Munmap(b)
+				return err
+			})
+			d := time.Since(start)
+			huge := meminfoLine("AnonHugePages")
+			if region != nil {
+				unix.Munmap(region)
+			}
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			fmt.Printf("%-24s %6d %10.1f %9.2f   AnonHugePages %s\n", kind, round, d.Seconds()*1e3, float64(per*chunk)/d.Seconds()/1e9, huge)
+		}
+	}
+}
+
+func readFile(path string) string {
+	b, _ := os.ReadFile(path)
+	return string(b)
+}
+
+// TestShmemWays times making new shmem pages four ways: faults
+// (MADV_POPULATE_WRITE of a mapping, what the reserve does), fallocate,
+// pwrite of nonzero bytes, and fallocate followed by mapping every page;
+// each into a memfd a thread and into one memfd that every thread shares
+// (as a segment's one memfd would be). A diagnostic, run only when
+// GPUSHM_MOVE_SPEED is set to a size in MiB.
+func TestShmemWays(t *testing.T) {
+	mib, _ := strconv.Atoi(os.Getenv("GPUSHM_MOVE_SPEED"))
+	if mib <= 0 {
+		t.Skip("a diagnostic: set GPUSHM_MOVE_SPEED to a size in MiB")
+	}
+	threads := runtime.NumCPU()
+	const chunk = 32 << 20
+	each := (int64(mib) << 20) / int64(threads) / chunk * chunk
+	per := int(each/chunk) * threads
+	n := int64(per) * chunk
+	data := make([]byte, chunk)
+	for i := range data {
+		data[i] = byte(i) | 1
+	}
+	populate := func(fd int, off int64) error {
+		b, err := unix.Mmap(fd, off, chunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+		if err != nil {
+			return err
+		}
+		err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
+		unix.Munmap(b)
+		return err
+	}
+	ways := []struct {
+		name string
+		do   func(fd int, off int64) error
+		then func(fd int, off int64) error
+	}{
+		{"faults (populate)", populate, nil},
+		{"fallocate", func(fd int, off int64) error { return unix.Fallocate(fd, 0, off, chunk) }, nil},
+		{"pwrite", func(fd int, off int64) error { _, err := unix.Pwrite(fd, data, off); return err }, nil},
+		{"fallocate, then mapped", func(fd int, off int64) error { return unix.Fallocate(fd, 0, off, chunk) }, populate},
+	}
+	fmt.Printf("%d MiB of shmem, %d threads\n", n>>20, threads)
+	fmt.Printf("%-24s %7s %10s %9s\n", "way", "memfds", "ms", "GB/s")
+	for _, w := range ways {
+		for _, files := range []int{threads, 1} {
+			fds := make([]int, files)
+			for i := range fds {
+				fd, err := unix.MemfdCreate("shmem-ways", unix.MFD_CLOEXEC)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := unix.Ftruncate(fd, n/int64(files)); err != nil {
+					t.Fatal(err)
+				}
+				fds[i] = fd
+			}
+			where := func(i int) (int, int64) { return fds[i%files], int64(i/files) * chunk }
+			start := time.Now()
+			err := inChunks(per, threads, nil, nil, func(i int) error { return w.do(where(i)) })
+			if err == nil && w.then != nil {
+				err = inChunks(per, threads, nil, nil, func(i int) error { return w.then(where(i)) })
+			}
+			d := time.Since(start)
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			fmt.Printf("%-24s %7d %10.1f %9.2f\n", w.name, files, d.Seconds()*1e3, float64(n)/d.Seconds()/1e9)
+		}
+	}
+}

@@ -19,7 +19,10 @@ with spin_us=0 again, every step of
 each end timed with perf_counter_ns around the library's own calls (the
 wrappers cost about 0.2 us each, counted in the step they wrap). The
 table of pass 3 gives each step's mean per message on each end, and what
-the pieces cost alone (a primitive timed 20,000 times in a row). Last,
+the pieces cost alone (a primitive timed 20,000 times in a row), and
+again while the consumer's process launches kernels back to back (two
+processes' contexts on one GPU make each launch and stream operation
+dearer: docs/benchmarks.md, "Channels from Python"). Last,
 one thread holds both ends and hands each message over at once: each
 call's cost with nobody waiting or asleep, the channel's code alone.
 """
@@ -105,6 +108,19 @@ def consumer(sock, gpu, conn):
         cmd = conn.recv()
         if cmd is None:
             break
+        if cmd[0] == "busy":
+            # Kernels back to back on this process's GPU context, as a
+            # consumer's would be, while the producer times its calls.
+            x = mod.zeros(1024, **({"device": "cuda"} if gpu else {}))
+            conn.send("busy")
+            end = now() + int(cmd[1] * 1e9)
+            while now() < end:
+                for _ in range(100):
+                    x += 1
+            if gpu:
+                mod.cuda.synchronize()
+            conn.send("idle")
+            continue
         name, count, spin, profile = cmd
         rx = c.channel(name, framework=framework, spin_us=spin)
         steps = Steps()
@@ -170,7 +186,16 @@ def primitives(ch, mod, gpu, n=20000):
         t = mod.zeros(SIZE // 4, device="cuda")
         timeit("t.fill_(k) (a torch kernel launch)", lambda: t.fill_(1.0))
         timeit("t[0] (a view)", lambda: t[0])
+
+        def fill_write():
+            t.fill_(1.0)
+            ch._write_value(s, a, 0)
+
+        timeit("t.fill_(k), then cuStreamWriteValue64 (a producer's two calls)", fill_write)
         mod.cuda.synchronize()
+    else:
+        t = mod.zeros(SIZE // 4, dtype=mod.float32)
+        timeit("t.fill(k)", lambda: t.fill(1.0))
     return out
 
 
@@ -262,6 +287,12 @@ def run(a):
                               "tx": {k: [steps.ns[k], steps.n[k]] for k in steps.ns}, "rx": got["steps"]}
             if profile:
                 results["primitives"] = primitives(tx, mod, gpu)
+                # The same while the consumer's process launches kernels
+                # of its own: two processes' contexts share the GPU.
+                parent.send(("busy", a.busy))
+                assert parent.recv() == "busy"
+                results["primitives beside"] = primitives(tx, mod, gpu, n=a.busy_n)
+                assert parent.recv() == "idle"
             tx.close()
             c.unlink(name)
         results["alone"] = alone(d.socket, framework, gpu, a.count)
@@ -273,7 +304,7 @@ def run(a):
 
 
 def report(res, a):
-    ok = all(r["ok"] for k, r in res.items() if k not in ("primitives", "alone"))
+    ok = all(r["ok"] for k, r in res.items() if k not in ("primitives", "primitives beside", "alone"))
     print(f"channel messages from Python, {SIZE // 1024} KiB, {SLOTS} slots, {a.count} back to back; backend {a.backend}")
     print("\n| pass | messages/s | producer's loop per message |\n| --- | ---: | ---: |")
     for k in ("spin_us=0", "spin_us=50", "timed steps"):
@@ -284,9 +315,10 @@ def report(res, a):
         print(f"\n{title}, per message (mean over {a.count}):\n\n| step | us |\n| --- | ---: |")
         for k, (ns, n) in prof[end].items():
             print(f"| {k} | {ns / max(n, 1) / 1e3:.2f} ({n / a.count:.2f} per message) |")
-    print("\nthe pieces alone:\n\n| piece | us |\n| --- | ---: |")
+    print("\nthe pieces alone, and while the consumer's process launches kernels back to back:\n\n"
+          "| piece | alone, us | beside, us |\n| --- | ---: | ---: |")
     for k, v in res["primitives"].items():
-        print(f"| {k} | {v / 1e3:.2f} |")
+        print(f"| {k} | {v / 1e3:.2f} | {res['primitives beside'].get(k, 0) / 1e3:.2f} |")
     print(f"\none thread holding both ends, each message handed over at once (nobody waits):\n\n"
           f"| call | us |\n| --- | ---: |")
     for k, v in res["alone"].items():
@@ -301,12 +333,20 @@ def main(argv=None):
     p.add_argument("--count", type=int, help="messages back to back per pass (default 20000; smoke 200)")
     p.add_argument("--slots", type=int, default=SLOTS, help="slots of the channel (default 4, as bench_channel.py)")  # noqa
     p.add_argument("--smoke", action="store_true", help="host backend, numpy, 200 messages unless --count says")
+    p.add_argument("--busy", type=float,
+                   help="seconds the consumer's process launches kernels while the pieces are timed beside it "
+                        "(default 3; smoke 0.3)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
     globals()["SLOTS"] = a.slots
     a.backend = "host"
     if a.count is None:
         a.count = 200 if a.smoke else 20000
+    # Each piece beside the consumer's kernels: fewer times, so that every
+    # one is timed within --busy seconds.
+    a.busy_n = 200 if a.smoke else 2000
+    if a.busy is None:
+        a.busy = 0.3 if a.smoke else 3.0
     if not a.smoke:
         try:
             import torch

@@ -75,10 +75,13 @@ _CUT = 1 << 62
 _U64 = (1 << 64) - 1
 
 
+_HALF = 1 << 63
+
+
 def _reached(v, want):
     """Whether a flag holding v meets a stream's wait for want: the cyclic
     greater-or-equal of CU_STREAM_WAIT_VALUE_GEQ."""
-    return (v - want) & _U64 < 1 << 63
+    return (v - want) & _U64 < _HALF
 
 TX, RX = "tx", "rx"
 _ROLES = {"tx": TX, "producer": TX, "rx": RX, "consumer": RX}
@@ -252,7 +255,9 @@ else:
         """Sequentially consistent loads and stores order themselves."""
 
 
-if _fence is None:
+# Without a barrier, every hand-off wakes, as in version 1.
+_WAKE_ALWAYS = _fence is None
+if _WAKE_ALWAYS:
     _notify, _fence = _notify_always, lambda: None
 
 
@@ -755,15 +760,17 @@ class Channel:
             if self._removed.value or self._rx_state.value != _ATTACHED or k - self._tail.value >= slots:
                 k = self._wait_slot(timeout)
             slot = k % slots
-            s = None
-            if not self._host:
+            if self._host:
+                s = None
+            else:
                 s = self._stream() if stream is None else stream_handle(stream)
+                # (_reached, inline: this is every message's path)
                 if k >= slots and (s != self._cover_s or k >= self._cover_end) \
-                        and not _reached(self._drained[slot], k - slots + 1):
+                        and (self._drained[slot] + slots - 1 - k) & _U64 >= _HALF:
                     self._cover(s, k, self._tail.value + slots, self._drained, self._drained_dev, -slots)
                 self._last_s = s
             msg = self._out = Message(self, k, slot, self._tensors[slot], s)
-            return msg
+        return msg
 
     def _cover(self, s, k, limit, flags, addrs, back):
         """Orders stream s after the other end's GPU work on message k's
@@ -989,27 +996,38 @@ class Channel:
     # ---- hand-over --------------------------------------------------------
 
     def _done(self, msg, s):
+        if self.role == RX:
+            with self._lock:
+                if self._out is not msg:
+                    raise ValueError(f"gpushm: channel {self.name!r}: message {msg.seq} is not out")
+                msg._ch = self._out = None
+                k = msg.seq
+                self._release(k, msg.slot, s)
+                if self._breaks.value != self._seen:
+                    self._untold(k)
+            return
+        # The producer's, every message's path: what _notify does, inline.
         with self._lock:
             if self._out is not msg:
                 raise ValueError(f"gpushm: channel {self.name!r}: message {msg.seq} is not out")
             msg._ch = self._out = None
-            k, slot, st = msg.seq, msg.slot, self._st
-            if self.role == RX:
-                self._release(k, slot, s)
-                if self._breaks.value != self._seen:
-                    self._untold(k)
-                return
+            k1, st = msg.seq + 1, self._st
             if self._host:
                 # Not a stream's write: on host memory the CPU's stores are
                 # done here, and the daemon's repair of a dead producer reads
                 # filled to tell finished messages from cut ones.
-                self._filled[slot] = k + 1
+                self._filled[msg.slot] = k1
             else:
-                self._write_value(s, self._filled_dev[slot], k + 1)
-                st.wrote(s)
-            self._head.value = k + 1
-            st.last = k + 1
-            _notify(self._rx_ev, self._rx_sleep, self._rx_ev_addr)
+                self._write_value(s, self._filled_dev[msg.slot], k1)
+                if st.pending_wait:
+                    st.wrote(s)
+            self._head.value = k1
+            st.last = k1
+            ev = self._rx_ev
+            ev.value = (ev.value + 1) & 0xFFFFFFFF
+            _fence()
+            if _WAKE_ALWAYS or self._rx_sleep.value:
+                _futex_wake(self._rx_ev_addr)
 
     def _release(self, k, slot, s):
         """Gives message k's slot back to the producer (the consumer; the

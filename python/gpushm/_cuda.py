@@ -369,27 +369,42 @@ class Device:
         flags, 0, are left as they are) in one driver call. stream is a
         CUstream; 0 is the legacy default stream. They are on every
         hand-off of a channel, so they take plain ints and do nothing they
-        need not. Each channel has its own, used under its lock."""
+        need not. Each channel has its own, used under its lock: they keep
+        their arguments in ctypes objects of their own."""
         cu = self.cu
         cu.channel_calls()
         push, pop, ctx, popped = cu.cuCtxPushCurrent, cu.cuCtxPopCurrent, self.ctx, ctypes.byref(c_void_p())
-        write, wait, batched = cu.cuStreamWriteValue64, cu.cuStreamWaitValue64, cu._batch
         ops = (c_uint64 * (MEM_OP_WORDS * MAX_MEM_OPS))()
+        # The calls on every hand-off go through function pointers of their
+        # own with no argtypes, given ctypes objects made once whose values
+        # are set per call: converting plain ints through argtypes was about
+        # half of such a call's cost in Python (docs/benchmarks.md,
+        # "Channels from Python", round four).
+        lib = cu._lib
+
+        def bare(fn):
+            f = lib._FuncPtr((fn.__name__, lib))
+            f.restype = c_int
+            return f
+
         # Where the calling thread's context is already ours (a framework
         # made the primary context current), the push and pop are two
         # ctypes calls of the three a hand-off would make: asking is one.
-        # current is not shared between threads: each channel has its own,
-        # used under its lock.
-        get_current = getattr(cu._lib, "cuCtxGetCurrent", None)
+        get_current = getattr(lib, "cuCtxGetCurrent", None)
         if get_current is not None:
-            get_current.argtypes, get_current.restype = (POINTER(c_void_p),), c_int
+            get_current = lib._FuncPtr(("cuCtxGetCurrent", lib))
+            get_current.restype = c_int
         current = c_void_p()
         pcurrent, ours = ctypes.byref(current), ctx.value
 
-        def op(fn, call):
+        def op(fn, call, a_arg, b_arg):
+            s_arg = c_void_p()
+
             def run(stream, a, b):
+                s_arg.value = stream or CU_STREAM_LEGACY
+                a_arg.value, b_arg.value = a, b
                 if get_current is not None and get_current(pcurrent) == 0 and current.value == ours:
-                    r = fn(stream or CU_STREAM_LEGACY, a, b, 0)
+                    r = fn(s_arg, a_arg, b_arg, 0)
                 else:
                     # The current context decides what the legacy stream
                     # is; pushing our own also makes the call work on a
@@ -398,15 +413,15 @@ class Device:
                     if r:
                         cu.check("cuCtxPushCurrent", r)
                     try:
-                        r = fn(stream or CU_STREAM_LEGACY, a, b, 0)
+                        r = fn(s_arg, a_arg, b_arg, 0)
                     finally:
                         pop(popped)
                 if r:
                     cu.check(call, r)
             return run
 
-        if batched is not None:
-            batch_op = op(batched, "cuStreamBatchMemOp")
+        if cu._batch is not None:
+            batch_op = op(bare(cu._batch), "cuStreamBatchMemOp", c_uint(), c_void_p())
             pops = ctypes.addressof(ops)
 
             def batch(stream, n):
@@ -417,7 +432,8 @@ class Device:
                 for i in range(0, MEM_OP_WORDS * n, MEM_OP_WORDS):
                     (write_op if ops[i] == CU_STREAM_MEM_OP_WRITE_VALUE_64 else wait_op)(stream, ops[i + 1], ops[i + 2])
 
-        write_op, wait_op = op(write, "cuStreamWriteValue64"), op(wait, "cuStreamWaitValue64")
+        write_op = op(bare(cu.cuStreamWriteValue64), "cuStreamWriteValue64", c_uint64(), c_uint64())
+        wait_op = op(bare(cu.cuStreamWaitValue64), "cuStreamWaitValue64", c_uint64(), c_uint64())
         return write_op, wait_op, batch, ops
 
     def synchronize(self) -> None:
