@@ -29,14 +29,7 @@ import (
 // TestMain runs the pull helpers when the test binary is started as one
 // (pull starts os.Executable as 'gpushm __pull VERB').
 func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && os.Args[1] == "__pull" {
-		cmd := pull.Command()
-		cmd.SetArgs(os.Args[2:])
-		if err := cmd.Execute(); err != nil {
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
+	pull.RunIfHelper()
 	os.Exit(m.Run())
 }
 

@@ -18,6 +18,21 @@ import (
 	"github.com/gpushm/gpushm/internal/ucx"
 )
 
+// RunIfHelper runs the helper and exits, when this process was started as
+// one (os.Executable __pull VERB ...): for a test binary's TestMain, whose
+// package starts helpers, as the gpushm command does through Command.
+func RunIfHelper() {
+	if len(os.Args) < 2 || os.Args[1] != "__pull" {
+		return
+	}
+	cmd := Command()
+	cmd.SetArgs(os.Args[2:])
+	if err := cmd.Execute(); err != nil {
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
 // Command is the hidden __pull command: the helpers' halves, run in
 // processes of their own with the segment as descriptor 3 and, where
 // --board is given, a board as descriptor 4.

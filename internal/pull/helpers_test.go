@@ -25,14 +25,7 @@ import (
 // TestMain runs the helpers when the test binary is started as one (the
 // package's helpers exec os.Executable with __pull).
 func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && os.Args[1] == "__pull" {
-		cmd := Command()
-		cmd.SetArgs(os.Args[2:])
-		if err := cmd.Execute(); err != nil {
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
+	RunIfHelper()
 	if os.Geteuid() != 0 {
 		HelperUser = "" // only root can start them as a user of their own
 	}
