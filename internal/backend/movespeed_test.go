@@ -233,34 +233,15 @@ func TestPopulateSpeed(t *testing.T) {
 	fmt.Printf("%8s %8s %10s %9s\n", "threads", "memfds", "ms", "GB/s")
 	for _, threads := range []int{1, 2, 4, 8, 16} {
 		for _, files := range []int{1, threads} {
-			fds := make([]int, files)
 			each := n / int64(files)
-			for i := range fds {
-				fd, err := unix.MemfdCreate("populate-speed", unix.MFD_CLOEXEC)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := unix.Ftruncate(fd, each); err != nil {
-					t.Fatal(err)
-				}
-				fds[i] = fd
-			}
+			fds := newFiles(t, files, each, speedMemfd)
 			per := each / reserveChunk
 			start := time.Now()
 			err := inChunks(int(per)*files, threads, nil, nil, func(i int) error {
-				fd, off := fds[i%files], int64(i/files)*reserveChunk
-				b, err := unix.Mmap(fd, off, reserveChunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-				if err != nil {
-					return err
-				}
-				err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
-				unix.Munmap(b)
-				return err
+				return populateAt(fds[i%files], int64(i/files)*reserveChunk, reserveChunk)
 			})
 			d := time.Since(start)
-			for _, fd := range fds {
-				unix.Close(fd)
-			}
+			closeAll(fds)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -298,35 +279,19 @@ func TestHugeTmpfsSpeed(t *testing.T) {
 	fmt.Printf("%8s %8s %10s %9s\n", "threads", "files", "ms", "GB/s")
 	for _, threads := range []int{1, 2, 4, 8, 16} {
 		for _, files := range []int{1, threads} {
-			fds := make([]int, files)
 			each := n / int64(files)
-			for i := range fds {
-				fd, err := unix.Openat(root, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := unix.Ftruncate(fd, each); err != nil {
-					t.Fatal(err)
-				}
-				fds[i] = fd
-			}
+			fds := newFiles(t, files, each, func() (int, error) {
+				return unix.Openat(root, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+			})
 			const chunk = 32 << 20
 			per := each / chunk
 			start := time.Now()
 			err := inChunks(int(per)*files, threads, nil, nil, func(i int) error {
-				b, err := unix.Mmap(fds[i%files], int64(i/files)*chunk, chunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-				if err != nil {
-					return err
-				}
-				err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
-				unix.Munmap(b)
-				return err
+				return populateAt(fds[i%files], int64(i/files)*chunk, chunk)
 			})
 			d := time.Since(start)
 			huge := meminfoLine("ShmemHugePages")
-			for _, fd := range fds {
-				unix.Close(fd)
-			}
+			closeAll(fds)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -377,16 +342,7 @@ func TestFreshPageSpeed(t *testing.T) {
 			if kind == "shmem, a memfd a thread" {
 				each := n / int64(threads) / chunk * chunk
 				per = each / chunk * int64(threads)
-				for i := 0; i < threads; i++ {
-					fd, err := unix.MemfdCreate("fresh-speed", unix.MFD_CLOEXEC)
-					if err != nil {
-						t.Fatal(err)
-					}
-					if err := unix.Ftruncate(fd, each); err != nil {
-						t.Fatal(err)
-					}
-					fds = append(fds, fd)
-				}
+				fds = newFiles(t, threads, each, speedMemfd)
 			} else {
 				region, err = unix.Mmap(-1, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 				if err != nil {
@@ -405,22 +361,14 @@ func TestFreshPageSpeed(t *testing.T) {
 				if fds == nil {
 					return unix.Madvise(region[int64(i)*chunk:int64(i+1)*chunk], unix.MADV_POPULATE_WRITE)
 				}
-				b, err := unix.Mmap(fds[i%threads], int64(i/threads)*chunk, chunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-				if err != nil {
-					return err
-				}
-				err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
-				unix.Munmap(b)
-				return err
+				return populateAt(fds[i%threads], int64(i/threads)*chunk, chunk)
 			})
 			d := time.Since(start)
 			huge := meminfoLine("AnonHugePages")
 			if region != nil {
 				unix.Munmap(region)
 			}
-			for _, fd := range fds {
-				unix.Close(fd)
-			}
+			closeAll(fds)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -454,15 +402,7 @@ func TestShmemWays(t *testing.T) {
 	for i := range data {
 		data[i] = byte(i) | 1
 	}
-	populate := func(fd int, off int64) error {
-		b, err := unix.Mmap(fd, off, chunk, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-		if err != nil {
-			return err
-		}
-		err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
-		unix.Munmap(b)
-		return err
-	}
+	populate := func(fd int, off int64) error { return populateAt(fd, off, chunk) }
 	ways := []struct {
 		name string
 		do   func(fd int, off int64) error
@@ -477,17 +417,7 @@ func TestShmemWays(t *testing.T) {
 	fmt.Printf("%-24s %7s %10s %9s\n", "way", "memfds", "ms", "GB/s")
 	for _, w := range ways {
 		for _, files := range []int{threads, 1} {
-			fds := make([]int, files)
-			for i := range fds {
-				fd, err := unix.MemfdCreate("shmem-ways", unix.MFD_CLOEXEC)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := unix.Ftruncate(fd, n/int64(files)); err != nil {
-					t.Fatal(err)
-				}
-				fds[i] = fd
-			}
+			fds := newFiles(t, files, n/int64(files), speedMemfd)
 			where := func(i int) (int, int64) { return fds[i%files], int64(i/files) * chunk }
 			start := time.Now()
 			err := inChunks(per, threads, nil, nil, func(i int) error { return w.do(where(i)) })
@@ -495,13 +425,49 @@ func TestShmemWays(t *testing.T) {
 				err = inChunks(per, threads, nil, nil, func(i int) error { return w.then(where(i)) })
 			}
 			d := time.Since(start)
-			for _, fd := range fds {
-				unix.Close(fd)
-			}
+			closeAll(fds)
 			if err != nil {
 				t.Fatal(err)
 			}
 			fmt.Printf("%-24s %7d %10.1f %9.2f\n", w.name, files, d.Seconds()*1e3, float64(n)/d.Seconds()/1e9)
 		}
 	}
+}
+
+// newFiles makes n files of size bytes each with open, failing t.
+func newFiles(t *testing.T, n int, size int64, open func() (int, error)) []int {
+	t.Helper()
+	fds := make([]int, 0, n)
+	for range n {
+		fd, err := open()
+		if err == nil {
+			err = unix.Ftruncate(fd, size)
+			fds = append(fds, fd)
+		}
+		if err != nil {
+			closeAll(fds)
+			t.Fatal(err)
+		}
+	}
+	return fds
+}
+
+func speedMemfd() (int, error) { return unix.MemfdCreate("move-speed", unix.MFD_CLOEXEC) }
+
+func closeAll(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
+}
+
+// populateAt makes the pages of n bytes of fd at off by faults: a shared
+// mapping of them, MADV_POPULATE_WRITE, as the reserve makes its pieces.
+func populateAt(fd int, off, n int64) error {
+	b, err := unix.Mmap(fd, off, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return err
+	}
+	err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
+	unix.Munmap(b)
+	return err
 }

@@ -199,6 +199,29 @@ def primitives(ch, mod, gpu, n=20000):
     return out
 
 
+def handoffs(tx, rx, n):
+    """ns per call of each end, one thread holding both (tx and rx) and
+    handing each message over at once, n times after a round to warm up."""
+    ns = {}
+    for _ in range(2):
+        ns = {"send()": 0, "done() (producer)": 0, "recv()": 0, "done() (consumer)": 0}
+        for _ in range(n):
+            t0 = now()
+            m = tx.send()
+            t1 = now()
+            m.done()
+            t2 = now()
+            r = rx.recv()
+            t3 = now()
+            r.done()
+            t4 = now()
+            ns["send()"] += t1 - t0
+            ns["done() (producer)"] += t2 - t1
+            ns["recv()"] += t3 - t2
+            ns["done() (consumer)"] += t4 - t3
+    return {k: v / n for k, v in ns.items()}
+
+
 def alone(sock, framework, gpu, n):
     """The channel's own code per message, with nobody waiting or asleep:
     one thread holds both ends (two clients) and hands each message over
@@ -211,25 +234,7 @@ def alone(sock, framework, gpu, n):
     try:
         tx = c1.channel("profile-alone", shape=(SIZE // 4,), dtype="float32", slots=SLOTS, framework=framework, **kw)
         rx = c2.channel("profile-alone", framework=framework)
-        ns = {"send()": 0, "done() (producer)": 0, "recv()": 0, "done() (consumer)": 0}
-        for rnd in range(2):  # the first round warms up
-            for k in ns:
-                ns[k] = 0
-            for _ in range(n):
-                t0 = now()
-                m = tx.send()
-                t1 = now()
-                m.done()
-                t2 = now()
-                r = rx.recv()
-                t3 = now()
-                r.done()
-                t4 = now()
-                ns["send()"] += t1 - t0
-                ns["done() (producer)"] += t2 - t1
-                ns["recv()"] += t3 - t2
-                ns["done() (consumer)"] += t4 - t3
-        out = {k: v / n for k, v in ns.items()}
+        out = handoffs(tx, rx, n)
         tx.close()
         rx.close()
         c1.unlink("profile-alone")

@@ -31,6 +31,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE.parent))
+
+from profile_channel import handoffs  # noqa: E402
 
 now = time.perf_counter_ns
 
@@ -52,30 +55,14 @@ def measure(sock, count, slots):
         tx = c1.channel("profile-fakecuda", shape=(1024,), dtype="float32", slots=slots, framework=None)
         rx = c2.channel("profile-fakecuda", framework=None)
         fake.cuCtxPushCurrent_v2(tx._dev.ctx)  # current, as torch leaves it
-        ns = {}
-        for _ in range(2):  # the first round warms up
-            ns = dict.fromkeys(("producer send()", "producer done()", "consumer recv()", "consumer done()"), 0)
-            for _ in range(count):
-                t0 = now()
-                m = tx.send()
-                t1 = now()
-                m.done()
-                t2 = now()
-                r = rx.recv()
-                t3 = now()
-                r.done()
-                t4 = now()
-                ns["producer send()"] += t1 - t0
-                ns["producer done()"] += t2 - t1
-                ns["consumer recv()"] += t3 - t2
-                ns["consumer done()"] += t4 - t3
+        per = handoffs(tx, rx, count)
         t0 = now()
         for _ in range(count):
             with tx.send():
                 pass
             with rx.recv():
                 pass
-        ns["a message in with blocks, both ends"] = now() - t0
+        per["a message in with blocks, both ends"] = (now() - t0) / count
         tx.close()
         rx.close()
         c1.unlink("profile-fakecuda")
@@ -84,8 +71,8 @@ def measure(sock, count, slots):
         c2.close()
     print(f"a channel's GPU hand-off through the stand-in driver, {slots} slots, {count} messages, one thread\n")
     print("| call | us |\n| --- | ---: |")
-    for k, v in ns.items():
-        print(f"| {k} | {v / count / 1e3:.3f} |")
+    for k, v in per.items():
+        print(f"| {k} | {v / 1e3:.3f} |")
 
 
 def main(argv=None):
