@@ -96,7 +96,8 @@ def nccl(rank, size, port, out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="16G", help="the checkpoint: 2G or 16G (Llama-3-8B's shapes)")
+    ap.add_argument("--size", default="16G", choices=("2G", "16G"),
+                    help="the checkpoint: 2G or 16G (Llama-3-8B's shapes)")
     a = ap.parse_args()
 
     from bench_loaders import SIZES
