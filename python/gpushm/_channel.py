@@ -73,8 +73,6 @@ _ATTACHED, _GONE = 1, 2
 # producer never finished (docs/protocol.md, "Channels").
 _CUT = 1 << 62
 _U64 = (1 << 64) - 1
-
-
 _HALF = 1 << 63
 
 
