@@ -283,19 +283,20 @@ func TestHugeTmpfsSpeed(t *testing.T) {
 			fds := newFiles(t, files, each, func() (int, error) {
 				return unix.Openat(root, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
 			})
-			const chunk = 32 << 20
+			chunk := min(32<<20, each) // a file smaller than a chunk is one
 			per := each / chunk
 			start := time.Now()
 			err := inChunks(int(per)*files, threads, nil, nil, func(i int) error {
 				return populateAt(fds[i%files], int64(i/files)*chunk, chunk)
 			})
 			d := time.Since(start)
+			made := per * chunk * int64(files)
 			huge := meminfoLine("ShmemHugePages")
 			closeAll(fds)
 			if err != nil {
 				t.Fatal(err)
 			}
-			fmt.Printf("%8d %8d %10.1f %9.2f   ShmemHugePages %s\n", threads, files, d.Seconds()*1e3, float64(n)/d.Seconds()/1e9, huge)
+			fmt.Printf("%8d %8d %10.1f %9.2f   ShmemHugePages %s\n", threads, files, d.Seconds()*1e3, float64(made)/d.Seconds()/1e9, huge)
 			if threads == 1 {
 				break
 			}
