@@ -46,6 +46,7 @@ const (
 	msgLend    = "lending a segment to a peer"
 	msgPulling = "pulling a name that opens wait for"
 	msgGate    = "test gate: a pull waits before its commit"
+	msgReplied = "test gate: a pull waits before its reply"
 	msgWaits   = "open waits for a commit"
 	msgDenied  = "not pulling a name for an open that could not open it"
 	msgNoOffer = "an open waits for a name no connected peer offers"
@@ -344,5 +345,47 @@ func TestPullAcrossCrash(t *testing.T) {
 	}
 	if s := segmentNamed(t, b.Socket(), "big"); s == nil || s.Uncommitted || s.ID == before["big"] {
 		t.Fatalf("big after its pull: %+v", s)
+	}
+}
+
+// TestPullCommittedBeforeACrash kills the receiving serving process after a
+// pull's commit and before its reply: the client sends the pull again on
+// its new connection, and it has its first attempt's outcome (the segment,
+// whole) and not EEXIST, as other requests sent again do; the peer lends
+// the segment once.
+func TestPullCommittedBeforeACrash(t *testing.T) {
+	testutil.RequireUCX(t)
+	nodes := newPeerNodes(t, 2)
+	gate := filepath.Join(t.TempDir(), "gate")
+	os.WriteFile(gate, nil, 0o600)
+	a := nodes.start(t, 0, "a", nil)
+	b := nodes.start(t, 1, "b", []string{"GPUSHM_TEST_PULL_REPLY_GATE=" + gate}, "--peers", nodes.addr(0), "--log-level", "debug")
+	big := tierPattern(43, 30<<20+777)
+	putFile(t, a.Socket(), "big", big, "--offer")
+	waitOffers(t, b, "a", "big")
+
+	var pullOut bytes.Buffer
+	puller := exec.Command(gpushmBin, "--socket", b.Socket(), "pull", "big")
+	puller.Stdout, puller.Stderr = &pullOut, &pullOut
+	if err := puller.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { puller.Process.Kill(); puller.Wait() })
+	waitLogged(t, b, msgReplied, "big", 1)
+	if s := segmentNamed(t, b.Socket(), "big"); s == nil || s.Uncommitted {
+		t.Fatalf("big while its pull's reply is held: %+v, want it committed", s)
+	}
+
+	b.Crash(t)
+	os.Remove(gate)
+	if err := puller.Wait(); err != nil {
+		t.Fatalf("gpushm pull across a crash after its commit: %v: %s", err, pullOut.String())
+	}
+	if !strings.Contains(pullOut.String(), "pulled big") {
+		t.Fatalf("gpushm pull said %q, want what it pulled", pullOut.String())
+	}
+	checkBytes(t, b.Socket(), "big", big)
+	if l := logged(a, msgLend, "big"); l != 1 {
+		t.Fatalf("big lent %d times; want once (the pull sent again is answered, not made again)", l)
 	}
 }

@@ -393,15 +393,17 @@ func localOwner(r *pullReply) (c segment.Cred, mode uint32) {
 // pull copies name from a peer that offers it (from, if given) into a new
 // segment here, committed only once every chunk checked; on a failure it
 // tries the next peer that offers it. c, who asks, must be root or the
-// user the segment will belong to.
-func (p *peers) pull(ctx context.Context, c segment.Cred, name, from string) (segment.Info, error) {
+// user the segment will belong to. origin, the asking request's
+// (session/id, or none), is recorded as the segment's: the request sent
+// again after a crash finds it (pullSettled).
+func (p *peers) pull(ctx context.Context, c segment.Cred, name, from, origin string) (segment.Info, error) {
 	n := p.current()
 	if n == nil {
 		return segment.Info{}, fmt.Errorf("pull %q: %w: the daemon has no peers (--listen-peers, --peers)", name, syscall.EOPNOTSUPP)
 	}
 	var errs []error
 	for _, who := range p.offering(ctx, n, name, from) {
-		inf, err := p.pullFrom(ctx, n, c, name, who)
+		inf, err := p.pullFrom(ctx, n, c, name, who, origin)
 		if err == nil {
 			return inf, nil
 		}
@@ -460,7 +462,7 @@ type pulling struct {
 
 // pullFrom pulls name from the peer who: from the peer who redirects it
 // to the tail of a chain, if any, and from who itself when that fails.
-func (p *peers) pullFrom(ctx context.Context, n *peer.Node, c segment.Cred, name, who string) (segment.Info, error) {
+func (p *peers) pullFrom(ctx context.Context, n *peer.Node, c segment.Cred, name, who, origin string) (segment.Info, error) {
 	// A name taken here fails the create below whatever the peer says:
 	// the peer is not asked to start a lender for nothing.
 	if _, err := p.reg.Stat(name); err == nil {
@@ -481,10 +483,10 @@ func (p *peers) pullFrom(ctx context.Context, n *peer.Node, c segment.Cred, name
 			}
 		}
 	}
-	inf, via, err := p.pullOnce(ctx, n, c, name, who, false)
+	inf, via, err := p.pullOnce(ctx, n, c, name, who, origin, false)
 	if err != nil && via != "" && !errors.Is(err, syscall.EPERM) && !errors.Is(err, syscall.EEXIST) {
 		p.log().Info("pull through a chain failed; pulling from the source", "name", name, "via", via, "source", who, "err", err)
-		inf, _, err = p.pullOnce(ctx, n, c, name, who, true)
+		inf, _, err = p.pullOnce(ctx, n, c, name, who, origin, true)
 	}
 	return inf, err
 }
@@ -516,7 +518,7 @@ func (p *peers) borrow(ctx context.Context, n *peer.Node, name, who string, dire
 // fetches it into a new segment; via is the chain's peer it came from,
 // if not who. The pull is listed here from the ask on, so that a chain's
 // next node that asks before this one has its grant waits for it.
-func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name, who string, direct bool) (_ segment.Info, via string, _ error) {
+func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name, who, origin string, direct bool) (_ segment.Info, via string, _ error) {
 	pl, err := p.listPull(name)
 	if err != nil {
 		return segment.Info{}, "", err
@@ -569,7 +571,7 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	// serving process killed mid-pull leaves no uncommitted segment to
 	// its successor, which ends it at its start.
 	s, _, err := p.reg.Create(owner, segment.CreateOptions{Name: name, Size: r.Grant.Size, Device: p.device, Open: true,
-		Uncommitted: true, Mode: mode, UseMode: true, Meta: r.Meta, Offer: true, Creator: server.Self()})
+		Uncommitted: true, Mode: mode, UseMode: true, Meta: r.Meta, Offer: true, Creator: server.Self(), Origin: origin})
 	if err != nil {
 		end(nil, root, false)
 		return segment.Info{}, via, err
@@ -608,7 +610,7 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 		}
 		return fail(err)
 	}
-	if err := p.pullGate(ctx, name); err != nil {
+	if err := p.pullGate(ctx, pullGateEnv, "commit", name); err != nil {
 		return fail(err)
 	}
 	fetched := time.Now()
@@ -618,6 +620,7 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	end(s, owner, true)
 	inf := p.reg.Info(s)
 	p.reg.ReleaseBy(s, owner)
+	p.pullGate(ctx, pullReplyGateEnv, "reply", name)
 	p.log().Info("pulled", "name", name, "bytes", inf.Size, "from", lender, "source", who,
 		"lent_after", lent.Sub(start), "fetched_in", fetched.Sub(lent), "committed_in", time.Since(fetched))
 	return inf, via, nil

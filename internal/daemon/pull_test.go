@@ -258,7 +258,7 @@ func TestHostileRedirect(t *testing.T) {
 	h.mu.Lock()
 	h.reply = func(context.Context) (any, error) { return pullReply{Via: "evil"}, nil }
 	h.mu.Unlock()
-	if _, err := p.pull(context.Background(), segment.Root, "x", "evil"); err == nil {
+	if _, err := p.pull(context.Background(), segment.Root, "x", "evil", ""); err == nil {
 		t.Error("a peer that only redirects: the pull succeeded")
 	}
 	if _, err := p.reg.Stat("x"); err == nil {
@@ -305,7 +305,7 @@ func TestHostilePeer(t *testing.T) {
 		h.reply = func(context.Context) (any, error) { return tc.reply, nil }
 		h.done = nil
 		h.mu.Unlock()
-		_, err := p.pull(context.Background(), tc.cred, "x", "evil")
+		_, err := p.pull(context.Background(), tc.cred, "x", "evil", "")
 		if !errors.Is(err, tc.want) {
 			t.Errorf("%s: %v, want %v", tc.what, err, tc.want)
 		}
@@ -332,7 +332,7 @@ func TestHostilePeer(t *testing.T) {
 	h.mu.Lock()
 	h.offers, h.pulls = []peer.Offer{{Name: "x", Size: 4096, Owner: "root", Mode: 0o666}}, 0
 	h.mu.Unlock()
-	if _, err := p.pull(context.Background(), asNobody, "x", "evil"); !errors.Is(err, syscall.EPERM) {
+	if _, err := p.pull(context.Background(), asNobody, "x", "evil", ""); !errors.Is(err, syscall.EPERM) {
 		t.Errorf("nobody's pull of what the peer lists as root's: %v", err)
 	}
 	h.mu.Lock()
@@ -349,7 +349,7 @@ func TestHostilePeer(t *testing.T) {
 	h.reply = func(ctx context.Context) (any, error) { <-ctx.Done(); return nil, ctx.Err() }
 	h.mu.Unlock()
 	start := time.Now()
-	if _, err := p.pull(context.Background(), segment.Root, "x", "evil"); !errors.Is(err, peer.ErrTimeout) {
+	if _, err := p.pull(context.Background(), segment.Root, "x", "evil", ""); !errors.Is(err, peer.ErrTimeout) {
 		t.Errorf("a peer that never answers: %v", err)
 	}
 	if d := time.Since(start); d > 5*time.Second {
@@ -363,7 +363,7 @@ func TestHostilePeer(t *testing.T) {
 	h.mu.Lock()
 	h.pulls = 0
 	h.mu.Unlock()
-	if _, err := p.pull(context.Background(), segment.Root, "taken", "evil"); !errors.Is(err, syscall.EEXIST) {
+	if _, err := p.pull(context.Background(), segment.Root, "taken", "evil", ""); !errors.Is(err, syscall.EEXIST) {
 		t.Errorf("pull over a name taken here: %v", err)
 	}
 	h.mu.Lock()

@@ -47,24 +47,35 @@ func (p *peers) settle(ctx context.Context, n *peer.Node) {
 }
 
 // pullSettled is pull once the peers settled: the pull operation's.
-func (p *peers) pullSettled(ctx context.Context, c segment.Cred, name, from string) (segment.Info, error) {
+func (p *peers) pullSettled(ctx context.Context, c segment.Cred, name, from, origin string) (segment.Info, error) {
+	// A pull sent again after a crash that its first attempt committed
+	// (the serving process killed between its commit and its reply) has
+	// that attempt's outcome, as other requests sent again do.
+	if inf, ok := p.reg.MadeBy(c, name, origin); ok {
+		return inf, nil
+	}
 	if n := p.current(); n != nil {
 		p.settle(ctx, n)
 	}
-	return p.pull(ctx, c, name, from)
+	return p.pull(ctx, c, name, from, origin)
 }
 
 // pullGateEnv, for tests, names a file: while it exists, a pull whose
 // bytes all checked waits before its commit, so that a test can kill the
 // serving process with a pull under way, or have opens wait for one, and
-// know it did (integration/peers_wait_test.go). The daemon's environment
-// is its starter's: no client sets it.
-const pullGateEnv = "GPUSHM_TEST_PULL_GATE"
+// know it did (integration/peers_wait_test.go). pullReplyGateEnv does the
+// same after the commit, before the reply. The daemon's environment is
+// its starter's: no client sets them.
+const (
+	pullGateEnv      = "GPUSHM_TEST_PULL_GATE"
+	pullReplyGateEnv = "GPUSHM_TEST_PULL_REPLY_GATE"
+)
 
-// pullGate waits while the file $GPUSHM_TEST_PULL_GATE exists, saying so
-// once in the log; without the variable it returns at once.
-func (p *peers) pullGate(ctx context.Context, name string) error {
-	gate := os.Getenv(pullGateEnv)
+// pullGate waits while the file $env exists, saying so once in the log
+// (what: before what the pull waits); without the variable it returns at
+// once.
+func (p *peers) pullGate(ctx context.Context, env, what, name string) error {
+	gate := os.Getenv(env)
 	if gate == "" {
 		return nil
 	}
@@ -73,7 +84,7 @@ func (p *peers) pullGate(ctx context.Context, name string) error {
 			return nil
 		}
 		if !logged {
-			p.log().Info("test gate: a pull waits before its commit", "name", name)
+			p.log().Info("test gate: a pull waits before its "+what, "name", name)
 		}
 		select {
 		case <-ctx.Done():

@@ -189,7 +189,7 @@ func (p *peers) pullForWaiters(ctx context.Context, c segment.Cred, name string,
 	log.Info("pulling a name that opens wait for", "name", name, "uid", c.UID, "from", from)
 	var errs []error
 	for _, who := range from {
-		inf, err := p.pullFrom(ctx, n, root, name, who)
+		inf, err := p.pullFrom(ctx, n, root, name, who, "")
 		switch {
 		case err == nil:
 			log.Info("pulled a name that opens wait for", "name", name, "from", who, "bytes", inf.Size)

@@ -86,6 +86,23 @@ func (r *Registry) Stat(name string) (Info, error) {
 	return inf, nil
 }
 
+// MadeBy describes the committed segment name if the request origin
+// (session/id) made it and c may have asked for it (root, or its owner):
+// a request sent again after a crash finds what its first attempt made
+// and committed, as a retried create does (CreateOptions.Origin).
+func (r *Registry) MadeBy(c Cred, name, origin string) (Info, bool) {
+	if origin == "" {
+		return Info{}, false
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s, err := r.find(name)
+	if err != nil || s.origin != origin || s.uncommitted || c.UID != 0 && c.UID != s.uid {
+		return Info{}, false
+	}
+	return r.infoLocked(s), true
+}
+
 // Info describes s, named or not.
 func (r *Registry) Info(s *Segment) Info {
 	r.mu.Lock()

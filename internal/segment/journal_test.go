@@ -581,3 +581,39 @@ func TestLeasesJournaledBounded(t *testing.T) {
 		t.Fatalf("after a restart: doubt %v, opens %d; want in doubt, %d leases held", inf.Doubt, inf.Opens, maxHolders)
 	}
 }
+
+// TestRetriedPullFindsItsSegment: MadeBy answers a request sent again
+// with the committed segment its first attempt made, and no one else:
+// another user replaying the same session and id, another request, or
+// the same one before its commit learns nothing.
+func TestRetriedPullFindsItsSegment(t *testing.T) {
+	f := newFake()
+	r := New(f, nil)
+	s, _, err := r.Create(alice, CreateOptions{Name: "x", Size: 10, Open: true, Uncommitted: true, Origin: "sess/7"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := r.MadeBy(alice, "x", "sess/7"); ok {
+		t.Fatal("an uncommitted segment was taken for its request's outcome")
+	}
+	if err := r.Commit(alice, s, "", nil); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		who          Cred
+		name, origin string
+		want         bool
+	}{
+		{alice, "x", "sess/7", true},
+		{Root, "x", "sess/7", true},
+		{eve, "x", "sess/7", false},
+		{alice, "x", "sess/8", false},
+		{alice, "x", "", false},
+		{alice, "y", "sess/7", false},
+	} {
+		inf, ok := r.MadeBy(tc.who, tc.name, tc.origin)
+		if ok != tc.want || ok && inf.ID != s.ID() {
+			t.Errorf("MadeBy(uid %d, %q, %q) = %+v, %v; want %v", tc.who.UID, tc.name, tc.origin, inf.ID, ok, tc.want)
+		}
+	}
+}

@@ -56,7 +56,7 @@ type Server struct {
 	obs         Observer
 	gpus        func(uid uint32) *wire.GPUReport
 	peers       func(ctx context.Context, pull string) *wire.PeersReport
-	pull        func(ctx context.Context, c segment.Cred, name, from string) (segment.Info, error)
+	pull        func(ctx context.Context, c segment.Cred, name, from, origin string) (segment.Info, error)
 	// missing is SetPullMissing's f; atomic, since a server that resumes
 	// after a failed handover serves while its daemon sets it again.
 	missing atomic.Pointer[func(c segment.Cred, name string, readOnly bool)]
@@ -248,8 +248,10 @@ func (nopObserver) Connected(int)                         {}
 // SetObserver installs o; call before Serve.
 func (s *Server) SetObserver(o Observer) { s.obs = o }
 
-// SetPull makes the pull operation call f (nil, the default: no peers).
-func (s *Server) SetPull(f func(ctx context.Context, c segment.Cred, name, from string) (segment.Info, error)) {
+// SetPull makes the pull operation call f (nil, the default: no peers);
+// origin names the request (session/id), for a pull sent again after a
+// crash to find what its first attempt committed.
+func (s *Server) SetPull(f func(ctx context.Context, c segment.Cred, name, from, origin string) (segment.Info, error)) {
 	s.pull = f
 }
 

@@ -127,7 +127,7 @@ func (c *conn) opPull(cred segment.Cred, req *wire.Request) (*wire.Reply, int) {
 	c.s.setAside(c.w)
 	ctx, cancel := context.WithTimeout(context.Background(), wire.PullTime)
 	defer cancel()
-	inf, err := c.s.pull(ctx, cred, req.Name, req.From)
+	inf, err := c.s.pull(ctx, cred, req.Name, req.From, c.origin(req))
 	if err != nil {
 		return fail(err)
 	}
