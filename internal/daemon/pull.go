@@ -571,7 +571,7 @@ func (p *peers) pullOnce(ctx context.Context, n *peer.Node, c segment.Cred, name
 	// serving process killed mid-pull leaves no uncommitted segment to
 	// its successor, which ends it at its start.
 	s, _, err := p.reg.Create(owner, segment.CreateOptions{Name: name, Size: r.Grant.Size, Device: p.device, Open: true,
-		Uncommitted: true, Mode: mode, UseMode: true, Meta: r.Meta, Offer: true, Creator: server.Self(), Origin: origin})
+		Uncommitted: true, Mode: mode, UseMode: true, Meta: r.Meta, Offer: true, Creator: server.Self(), PulledBy: segment.PullOrigin(c, origin)})
 	if err != nil {
 		end(nil, root, false)
 		return segment.Info{}, via, err

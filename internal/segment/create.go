@@ -50,6 +50,9 @@ type CreateOptions struct {
 	// create with the same Origin finds the segment it made, as created,
 	// so that a retried request has the outcome of the first.
 	Origin string
+	// PulledBy, for a segment a pull makes, names the pull's request as
+	// PullOrigin gives it: what MadeBy matches, and nothing else does.
+	PulledBy string
 	// Slots > 0 makes a channel (slots.go): Slots buffers of SlotBytes
 	// each, and a control block that Control initializes.
 	Slots     int
@@ -333,6 +336,7 @@ func (r *Registry) addCreatingLocked(owner Cred, o CreateOptions, mode uint32) *
 		session:   o.Session,
 		creator:   o.Creator,
 		origin:    o.Origin,
+		pulledBy:  o.PulledBy,
 		slots:     o.Slots,
 		slotBytes: o.SlotBytes,
 		lastOpen:  now,

@@ -3,6 +3,7 @@ package segment
 import (
 	"encoding/json"
 	"sort"
+	"strconv"
 	"time"
 )
 
@@ -86,18 +87,29 @@ func (r *Registry) Stat(name string) (Info, error) {
 	return inf, nil
 }
 
-// MadeBy describes the committed segment name if the request origin
-// (session/id) made it and c may have asked for it (root, or its owner):
-// a request sent again after a crash finds what its first attempt made
-// and committed, as a retried create does (CreateOptions.Origin).
-func (r *Registry) MadeBy(c Cred, name, origin string) (Info, bool) {
+// PullOrigin is what a pull asked for by c with the request origin
+// (session/id) records of the segment it makes (CreateOptions.PulledBy);
+// "" for none. The asker's uid is part of it: a session is a name any
+// client may say, and a segment's owner is not who asked for the pull.
+func PullOrigin(c Cred, origin string) string {
 	if origin == "" {
+		return ""
+	}
+	return strconv.FormatUint(uint64(c.UID), 10) + ":" + origin
+}
+
+// MadeBy describes the committed segment name if c's pull request origin
+// made it (PullOrigin): a pull sent again after a crash has what its first
+// attempt made and committed, as a retried create does (CreateOptions.Origin).
+func (r *Registry) MadeBy(c Cred, name, origin string) (Info, bool) {
+	by := PullOrigin(c, origin)
+	if by == "" {
 		return Info{}, false
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	s, err := r.find(name)
-	if err != nil || s.origin != origin || s.uncommitted || c.UID != 0 && c.UID != s.uid {
+	if err != nil || s.pulledBy != by || s.uncommitted {
 		return Info{}, false
 	}
 	return r.infoLocked(s), true

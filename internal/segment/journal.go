@@ -41,6 +41,11 @@ type Record struct {
 	// Origin names the request that created the segment (session/id), so
 	// that a client retrying a create whose reply it lost gets this one.
 	Origin string `json:"origin,omitempty"`
+	// PulledBy names the pull request that made it (uid:session/id), so
+	// that the asker sending it again after a crash gets this one
+	// (Registry.MadeBy). A field of its own: a create's Origin must never
+	// match a pull's segment.
+	PulledBy string `json:"pulled_by,omitempty"`
 	// Orphan says why the daemon cannot serve the segment, if it cannot.
 	Orphan string `json:"orphan,omitempty"`
 	// Slots and SlotBytes describe a channel; its memory comes with a
@@ -191,7 +196,7 @@ func (s *Segment) recordLocked() Record {
 		ID: s.id, Name: s.name, Linked: s.linked, Size: s.size, Device: s.device,
 		UID: s.uid, GID: s.gid, Mode: s.mode, Meta: s.meta,
 		Created: s.created.UnixNano(), Modified: s.modified.UnixNano(),
-		TTL: int64(s.ttl), Bound: s.bound, Session: s.session, Origin: s.origin, Orphan: s.orphan,
+		TTL: int64(s.ttl), Bound: s.bound, Session: s.session, Origin: s.origin, PulledBy: s.pulledBy, Orphan: s.orphan,
 		Slots: s.slots, SlotBytes: s.slotBytes,
 		Uncommitted: s.uncommitted, CommitOrigin: s.commitOrigin,
 		Version: s.version, Next: s.next,
@@ -395,7 +400,7 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			linked: rec.Linked, mem: it.Memory, ready: closedChan,
 			ttl: time.Duration(rec.TTL), idle: time.Unix(0, rec.Idle), bound: rec.Bound,
 			session: rec.Session, creator: Process{PID: rec.CreatorPID, Start: rec.CreatorStart},
-			origin: rec.Origin, saved: true,
+			origin: rec.Origin, pulledBy: rec.PulledBy, saved: true,
 			slots: rec.Slots, slotBytes: rec.SlotBytes,
 			doubt: !rec.Leases || rec.Anon > 0, wasInUse: rec.InUse && rec.TTL > 0 && (!rec.Leases || rec.Anon > 0),
 			uncommitted: rec.Uncommitted, commitOrigin: rec.CommitOrigin,

@@ -582,21 +582,35 @@ func TestLeasesJournaledBounded(t *testing.T) {
 	}
 }
 
-// TestRetriedPullFindsItsSegment: MadeBy answers a request sent again
-// with the committed segment its first attempt made, and no one else:
-// another user replaying the same session and id, another request, or
-// the same one before its commit learns nothing.
+// TestRetriedPullFindsItsSegment: MadeBy answers a pull sent again with
+// the committed segment its first attempt made, and no one else: another
+// user (root too) saying the same session and id, another request, or the
+// same one before its commit learns nothing; a create with the pull's
+// session and id does not get the pull's segment; a segment a create made
+// is not taken for a pull's, whoever says its origin.
 func TestRetriedPullFindsItsSegment(t *testing.T) {
 	f := newFake()
 	r := New(f, nil)
-	s, _, err := r.Create(alice, CreateOptions{Name: "x", Size: 10, Open: true, Uncommitted: true, Origin: "sess/7"})
+	s, _, err := r.Create(alice, CreateOptions{Name: "x", Size: 10, Open: true, Uncommitted: true, PulledBy: PullOrigin(alice, "sess/7")})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, ok := r.MadeBy(alice, "x", "sess/7"); ok {
 		t.Fatal("an uncommitted segment was taken for its request's outcome")
 	}
+	// The pull's own client, on a connection of the same session, asks to
+	// create the name with the pull's request id: the segment is not its.
+	if got, _, err := r.Create(alice, CreateOptions{Name: "x", Size: 10, Open: true, Uncommitted: true, Origin: "sess/7"}); !errors.Is(err, ErrExist) {
+		t.Fatalf("a create with the pull's origin = %v, %v; want ErrExist", got, err)
+	}
 	if err := r.Commit(alice, s, "", nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, _, err := r.Create(alice, CreateOptions{Name: "x", Size: 10, Open: true, Origin: "sess/7"}); !errors.Is(err, ErrExist) {
+		t.Fatalf("a create with the pull's origin, committed = %v, %v; want ErrExist", got, err)
+	}
+	// Another user's create, saying root's session and id.
+	if _, _, err := r.Create(eve, CreateOptions{Name: "y", Size: 10, Mode: 0o666, UseMode: true, Origin: "root-sess/3"}); err != nil {
 		t.Fatal(err)
 	}
 	for _, tc := range []struct {
@@ -605,11 +619,12 @@ func TestRetriedPullFindsItsSegment(t *testing.T) {
 		want         bool
 	}{
 		{alice, "x", "sess/7", true},
-		{Root, "x", "sess/7", true},
+		{Root, "x", "sess/7", false},
 		{eve, "x", "sess/7", false},
 		{alice, "x", "sess/8", false},
 		{alice, "x", "", false},
-		{alice, "y", "sess/7", false},
+		{alice, "z", "sess/7", false},
+		{Root, "y", "root-sess/3", false},
 	} {
 		inf, ok := r.MadeBy(tc.who, tc.name, tc.origin)
 		if ok != tc.want || ok && inf.ID != s.ID() {

@@ -63,6 +63,9 @@ func (rec *Record) AppendJSON(b []byte) []byte {
 	if rec.Origin != "" {
 		b = appendStringMember(b, "origin", rec.Origin)
 	}
+	if rec.PulledBy != "" {
+		b = appendStringMember(b, "pulled_by", rec.PulledBy)
+	}
 	if rec.Orphan != "" {
 		b = appendStringMember(b, "orphan", rec.Orphan)
 	}

@@ -28,7 +28,7 @@ func randomRecord(r *rand.Rand, strs []string) Record {
 		ID: r.Uint64(), Name: str(), Linked: flag(), Size: num(), Alloc: num(), Device: int(num() % 8),
 		UID: r.Uint32(), GID: r.Uint32(), Mode: r.Uint32N(0o7777), Created: num(), Modified: num(),
 		TTL: num(), Idle: num(), InUse: flag(), Bound: flag(), Session: str(), CreatorPID: int(num() % (1 << 22)),
-		CreatorStart: uint64(num() & (1<<40 - 1)), Origin: str(), Orphan: str(), Slots: int(num() % 64), SlotBytes: num(),
+		CreatorStart: uint64(num() & (1<<40 - 1)), Origin: str(), PulledBy: str(), Orphan: str(), Slots: int(num() % 64), SlotBytes: num(),
 		Uncommitted: flag(), CommitOrigin: str(), Version: uint64(num() & (1<<20 - 1)), Next: flag(), Tier: str(),
 		Pin: flag(), Published: flag(), LastOpen: num(), Leases: flag(), Anon: int(num() % 100),
 	}

@@ -114,6 +114,7 @@ type Segment struct {
 	session  string
 	creator  Process
 	origin   string
+	pulledBy string // the pull request that made it (Registry.MadeBy)
 	saved    bool
 	doubt    bool
 	wasInUse bool
