@@ -394,8 +394,9 @@ func localOwner(r *pullReply) (c segment.Cred, mode uint32) {
 // segment here, committed only once every chunk checked; on a failure it
 // tries the next peer that offers it. c, who asks, must be root or the
 // user the segment will belong to. origin, the asking request's
-// (session/id, or none), is recorded as the segment's: the request sent
-// again after a crash finds it (pullSettled).
+// (session/id, or none), is recorded with c's uid as the segment's
+// pulled_by (segment.PullOrigin): the request sent again after a crash
+// finds it (pullSettled).
 func (p *peers) pull(ctx context.Context, c segment.Cred, name, from, origin string) (segment.Info, error) {
 	n := p.current()
 	if n == nil {
