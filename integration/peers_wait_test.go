@@ -126,12 +126,7 @@ func waitOffers(t *testing.T, b *Daemon, a string, names ...string) {
 // makes it (root's, the offer's mode). A name no peer offers is asked
 // for once per missingRetry, however long its open waits.
 func TestPullMissing(t *testing.T) {
-	testutil.RequireUCX(t)
-	nodes := newPeerNodes(t, 2)
-	gate := filepath.Join(t.TempDir(), "gate")
-	os.WriteFile(gate, nil, 0o600)
-	a := nodes.start(t, 0, "a", nil)
-	b := nodes.start(t, 1, "b", []string{"GPUSHM_TEST_PULL_GATE=" + gate}, "--peers", nodes.addr(0), "--pull-missing", "--log-level", "debug")
+	a, b, gate := gatedPeers(t, "GPUSHM_TEST_PULL_GATE", true, "--pull-missing")
 	m := tierPattern(11, 20<<20+777) // two chunks and a bit
 	putFile(t, a.Socket(), "m", m, "--offer", "--mode", "0644")
 	waitOffers(t, b, "a", "m")
@@ -176,11 +171,7 @@ func TestHostilePullMissing(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("running clients as other users needs root")
 	}
-	testutil.RequireUCX(t)
-	nodes := newPeerNodes(t, 2)
-	gate := filepath.Join(t.TempDir(), "gate")
-	a := nodes.start(t, 0, "a", nil)
-	b := nodes.start(t, 1, "b", []string{"GPUSHM_TEST_PULL_GATE=" + gate}, "--peers", nodes.addr(0), "--pull-missing", "--log-level", "debug")
+	a, b, gate := gatedPeers(t, "GPUSHM_TEST_PULL_GATE", false, "--pull-missing")
 	bin := binaryForOthers(t)
 	nobody := &syscall.Credential{Uid: 65534, Gid: 65534}
 	secret := tierPattern(21, 1<<20)
@@ -282,24 +273,13 @@ func segmentNamed(t *testing.T, sock, name string) *idState {
 // client sends its request again, the waiting opens theirs, and the new
 // serving process pulls each name once more; all get every byte.
 func TestPullAcrossCrash(t *testing.T) {
-	testutil.RequireUCX(t)
-	nodes := newPeerNodes(t, 2)
-	gate := filepath.Join(t.TempDir(), "gate")
-	os.WriteFile(gate, nil, 0o600)
-	a := nodes.start(t, 0, "a", nil)
-	b := nodes.start(t, 1, "b", []string{"GPUSHM_TEST_PULL_GATE=" + gate}, "--peers", nodes.addr(0), "--pull-missing", "--log-level", "debug")
+	a, b, gate := gatedPeers(t, "GPUSHM_TEST_PULL_GATE", true, "--pull-missing")
 	big, w := tierPattern(41, 40<<20+4321), tierPattern(42, 20<<20+99)
 	putFile(t, a.Socket(), "big", big, "--offer")
 	putFile(t, a.Socket(), "w", w, "--offer")
 	waitOffers(t, b, "a", "big", "w")
 
-	var pullOut bytes.Buffer
-	puller := exec.Command(gpushmBin, "--socket", b.Socket(), "pull", "big")
-	puller.Stdout, puller.Stderr = &pullOut, &pullOut
-	if err := puller.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { puller.Process.Kill(); puller.Wait() })
+	puller, pullOut := startPull(t, b.Socket(), "big")
 	var gets []*getter
 	for range 3 {
 		gets = append(gets, startGet(t, gpushmBin, nil, b.Socket(), "w", "2m"))
@@ -354,23 +334,12 @@ func TestPullAcrossCrash(t *testing.T) {
 // whole) and not EEXIST, as other requests sent again do; the peer lends
 // the segment once.
 func TestPullCommittedBeforeACrash(t *testing.T) {
-	testutil.RequireUCX(t)
-	nodes := newPeerNodes(t, 2)
-	gate := filepath.Join(t.TempDir(), "gate")
-	os.WriteFile(gate, nil, 0o600)
-	a := nodes.start(t, 0, "a", nil)
-	b := nodes.start(t, 1, "b", []string{"GPUSHM_TEST_PULL_REPLY_GATE=" + gate}, "--peers", nodes.addr(0), "--log-level", "debug")
+	a, b, gate := gatedPeers(t, "GPUSHM_TEST_PULL_REPLY_GATE", true)
 	big := tierPattern(43, 30<<20+777)
 	putFile(t, a.Socket(), "big", big, "--offer")
 	waitOffers(t, b, "a", "big")
 
-	var pullOut bytes.Buffer
-	puller := exec.Command(gpushmBin, "--socket", b.Socket(), "pull", "big")
-	puller.Stdout, puller.Stderr = &pullOut, &pullOut
-	if err := puller.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { puller.Process.Kill(); puller.Wait() })
+	puller, pullOut := startPull(t, b.Socket(), "big")
 	waitLogged(t, b, msgReplied, "big", 1)
 	if s := segmentNamed(t, b.Socket(), "big"); s == nil || s.Uncommitted {
 		t.Fatalf("big while its pull's reply is held: %+v, want it committed", s)
@@ -388,4 +357,37 @@ func TestPullCommittedBeforeACrash(t *testing.T) {
 	if l := logged(a, msgLend, "big"); l != 1 {
 		t.Fatalf("big lent %d times; want once (the pull sent again is answered, not made again)", l)
 	}
+}
+
+// startPull starts 'gpushm pull name' against socket in a process of its
+// own, its output gathered; it is killed at the test's end if still there.
+func startPull(t *testing.T, socket, name string) (*exec.Cmd, *bytes.Buffer) {
+	t.Helper()
+	out := new(bytes.Buffer)
+	puller := exec.Command(gpushmBin, "--socket", socket, "pull", name)
+	puller.Stdout, puller.Stderr = out, out
+	if err := puller.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { puller.Process.Kill(); puller.Wait() })
+	return puller, out
+}
+
+// gatedPeers starts two peer nodes, a and b (which dials a, with flags and
+// --log-level debug), b's pulls held by the test gate env names (a file:
+// GPUSHM_TEST_PULL_GATE before their commits, GPUSHM_TEST_PULL_REPLY_GATE
+// before their replies) while the file gate exists; held makes it now.
+func gatedPeers(t *testing.T, env string, held bool, flags ...string) (a, b *Daemon, gate string) {
+	t.Helper()
+	testutil.RequireUCX(t)
+	nodes := newPeerNodes(t, 2)
+	gate = filepath.Join(t.TempDir(), "gate")
+	if held {
+		if err := os.WriteFile(gate, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a = nodes.start(t, 0, "a", nil)
+	b = nodes.start(t, 1, "b", []string{env + "=" + gate}, append([]string{"--peers", nodes.addr(0), "--log-level", "debug"}, flags...)...)
+	return a, b, gate
 }
