@@ -197,6 +197,7 @@ func (p *peers) lend(from string, req json.RawMessage) (any, error) {
 			return pullReply{Via: via}, nil
 		}
 	}
+	p.endStale(from, r.Name)
 	if err := p.loans.reserve(from); err != nil {
 		p.loans.untail(r.Name, from)
 		return nil, err
@@ -299,6 +300,7 @@ func (p *peers) lendPulling(from, name string) (any, error) {
 	if pl.gone || pl.seg == nil {
 		return nil, peer.Errorf(peer.CodeNotFound, "pull: %q is not being pulled here any more", name)
 	}
+	p.endStale(from, name)
 	if err := p.loans.reserve(from); err != nil {
 		return nil, err
 	}
@@ -337,6 +339,25 @@ func (p *peers) endLoan(token, from string) {
 		p.reg.Release(ln.seg)
 	}
 	p.loans.unreserve(from)
+}
+
+// endStale ends from's loans of name: a node pulls a name once at a time,
+// so a peer that asks for a name it borrows has given up its older loan
+// without ending it (its serving process was killed mid-pull, and its
+// successor pulls the name anew), and that loan's lender and lease would
+// otherwise stay until loanTime.
+func (p *peers) endStale(from, name string) {
+	p.loans.mu.Lock()
+	var stale []string
+	for t, ln := range p.loans.m {
+		if ln.from == from && ln.name == name {
+			stale = append(stale, t)
+		}
+	}
+	p.loans.mu.Unlock()
+	for _, t := range stale {
+		p.endLoan(t, from)
+	}
 }
 
 // endChainLoans ends the chain's loans of name, made while this node

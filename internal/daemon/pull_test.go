@@ -58,8 +58,12 @@ func TestLoanCaps(t *testing.T) {
 	maxLoansPerPeer, maxLoans = 2, 3
 
 	reg := newRegistry(t)
-	if _, _, err := reg.Create(segment.Root, segment.CreateOptions{Name: "m", Size: 64 << 10, Offer: true}); err != nil {
-		t.Fatal(err)
+	// A peer borrows a name once at a time (TestLoanOfANameAgain): its
+	// loans here are of three names.
+	for _, name := range []string{"m", "m2", "m3"} {
+		if _, _, err := reg.Create(segment.Root, segment.CreateOptions{Name: name, Size: 64 << 10, Offer: true}); err != nil {
+			t.Fatal(err)
+		}
 	}
 	// A decoy the lenders must not hold: another segment of the daemon's.
 	if _, _, err := reg.Create(segment.Root, segment.CreateOptions{Name: "private", Size: 64 << 10}); err != nil {
@@ -68,15 +72,15 @@ func TestLoanCaps(t *testing.T) {
 	p := &peers{reg: reg}
 	defer p.endLoans()
 	ctx := context.Background()
-	lend := func(from string) (pullReply, error) {
-		v, err := p.serve(ctx, from, opPull, json.RawMessage(`{"name":"m","direct":true}`))
+	lend := func(from, name string) (pullReply, error) {
+		v, err := p.serve(ctx, from, opPull, json.RawMessage(fmt.Sprintf(`{"name":%q,"direct":true}`, name)))
 		if err != nil {
 			return pullReply{}, err
 		}
 		return v.(pullReply), nil
 	}
 	busy := &peer.Error{Code: peer.CodeBusy}
-	x1, err := lend("x")
+	x1, err := lend("x", "m")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,16 +92,16 @@ func TestLoanCaps(t *testing.T) {
 			t.Fatalf("%s's pull while x borrows: %+v, %v; want a redirect to %s", c[0], v, err, c[1])
 		}
 	}
-	if _, err := lend("x"); err != nil {
+	if _, err := lend("x", "m2"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := lend("x"); !errors.Is(err, busy) {
+	if _, err := lend("x", "m3"); !errors.Is(err, busy) {
 		t.Fatalf("a third loan to x, over maxLoansPerPeer 2: %v", err)
 	}
-	if _, err := lend("y"); err != nil {
+	if _, err := lend("y", "m"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := lend("z"); !errors.Is(err, busy) {
+	if _, err := lend("z", "m"); !errors.Is(err, busy) {
 		t.Fatalf("a fourth loan, over maxLoans 3: %v", err)
 	}
 	if _, err := p.serve(ctx, "x", opPull, json.RawMessage(`{"name":"private"}`)); !errors.Is(err, &peer.Error{Code: peer.CodeNotFound}) {
@@ -113,11 +117,11 @@ func TestLoanCaps(t *testing.T) {
 
 	// y's word ends none of x's loans, even with x's token.
 	p.serve(ctx, "y", opPullDone, json.RawMessage(fmt.Sprintf(`{"token":%q}`, x1.Token)))
-	if _, err := lend("x"); !errors.Is(err, busy) {
+	if _, err := lend("x", "m3"); !errors.Is(err, busy) {
 		t.Fatalf("after y ended x's loan: %v", err)
 	}
 	p.serve(ctx, "x", opPullDone, json.RawMessage(fmt.Sprintf(`{"token":%q}`, x1.Token)))
-	if _, err := lend("x"); err != nil {
+	if _, err := lend("x", "m3"); err != nil {
 		t.Fatalf("after x ended its loan: %v", err)
 	}
 
@@ -127,11 +131,65 @@ func TestLoanCaps(t *testing.T) {
 			t.Fatalf("lenders left after the loans ended: %v", testutil.ChildrenNamed("gpushm-lend"))
 		}
 	}
-	if inf, _ := reg.Stat("m"); inf.Opens != 0 {
-		t.Fatalf("leases left after the loans ended: %d", inf.Opens)
+	for _, name := range []string{"m", "m2", "m3"} {
+		if inf, _ := reg.Stat(name); inf.Opens != 0 {
+			t.Fatalf("leases of %s left after the loans ended: %d", name, inf.Opens)
+		}
 	}
 	if p.loans.n != 0 || len(p.loans.byPeer) != 0 {
 		t.Fatalf("loans counted after they ended: %d, %v", p.loans.n, p.loans.byPeer)
+	}
+}
+
+// TestLoanOfANameAgain: a peer that asks again for a name it borrows
+// (its serving process was killed mid-pull, and its successor pulls the
+// name anew) ends its older loan of it at once, lender and lease, rather
+// than after loanTime: a node pulls a name once at a time. Another peer's
+// loan of the name, and the peer's loans of other names, stay.
+func TestLoanOfANameAgain(t *testing.T) {
+	testutil.RequireUCX(t)
+	reg := newRegistry(t)
+	for _, name := range []string{"m", "n"} {
+		if _, _, err := reg.Create(segment.Root, segment.CreateOptions{Name: name, Size: 64 << 10, Offer: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p := &peers{reg: reg}
+	defer p.endLoans()
+	ctx := context.Background()
+	lend := func(from, name string) pullReply {
+		t.Helper()
+		v, err := p.serve(ctx, from, opPull, json.RawMessage(fmt.Sprintf(`{"name":%q,"direct":true}`, name)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v.(pullReply)
+	}
+	first, yours, other := lend("x", "m"), lend("y", "m"), lend("x", "n")
+	again := lend("x", "m")
+	p.loans.mu.Lock()
+	_, stale := p.loans.m[first.Token]
+	var tokens []string
+	for tok := range p.loans.m {
+		tokens = append(tokens, tok)
+	}
+	byX := p.loans.byPeer["x"]
+	p.loans.mu.Unlock()
+	if stale || len(tokens) != 3 || byX != 2 {
+		t.Fatalf("after x asked for m again: the first loan left %v, loans %d (want 3), x's %d (want 2)", stale, len(tokens), byX)
+	}
+	for _, tok := range []string{yours.Token, other.Token, again.Token} {
+		if !slices.Contains(tokens, tok) {
+			t.Fatalf("loan %s ended; only x's first loan of m was to", tok)
+		}
+	}
+	if inf, _ := reg.Stat("m"); inf.Opens != 2 {
+		t.Fatalf("m held by %d leases, want 2 (y's loan and x's new one)", inf.Opens)
+	}
+	for deadline := time.Now().Add(10 * time.Second); len(testutil.ChildrenNamed("gpushm-lend")) != 3; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d lenders, want 3: the first loan's lender was not ended", len(testutil.ChildrenNamed("gpushm-lend")))
+		}
 	}
 }
 
