@@ -270,14 +270,18 @@ func (h *hostile) serve(ctx context.Context, from, op string, req json.RawMessag
 
 // nobodyCred is the credential of the user nobody, a user who is not
 // root; the test skips where there is none.
-func nobodyCred(t *testing.T) segment.Cred {
+func nobodyCred(t *testing.T) segment.Cred { return userCred(t, "nobody") }
+
+// userCred is the credential of the user name (its own group); the test
+// skips where there is none.
+func userCred(t *testing.T, name string) segment.Cred {
 	t.Helper()
-	nobody, err := user.Lookup("nobody")
+	u, err := user.Lookup(name)
 	if err != nil {
-		t.Skip("no user nobody")
+		t.Skipf("no user %s", name)
 	}
-	uid, _ := strconv.ParseUint(nobody.Uid, 10, 32)
-	gid, _ := strconv.ParseUint(nobody.Gid, 10, 32)
+	uid, _ := strconv.ParseUint(u.Uid, 10, 32)
+	gid, _ := strconv.ParseUint(u.Gid, 10, 32)
 	return segment.Cred{UID: uint32(uid), GID: uint32(gid)}
 }
 
@@ -441,12 +445,7 @@ func TestChainBoardOthersCannotWrite(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: the attacker runs as the helpers' user")
 	}
-	helper, err := user.Lookup(pull.HelperUser)
-	if err != nil {
-		t.Skipf("no user %s", pull.HelperUser)
-	}
-	uid, _ := strconv.ParseUint(helper.Uid, 10, 32)
-	gid, _ := strconv.ParseUint(helper.Gid, 10, 32)
+	helper := userCred(t, pull.HelperUser)
 	board, err := newBoard("m", 4*pull.Chunk)
 	if err != nil {
 		t.Fatal(err)
@@ -462,14 +461,14 @@ func TestChainBoardOthersCannotWrite(t *testing.T) {
 	// and the board's count of chunks ready made 255.
 	cmd := exec.Command("/bin/sh", "-c", `printf '\377' 1<>/proc/self/fd/3`)
 	cmd.ExtraFiles = []*os.File{f}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: helper.UID, Gid: helper.GID}}
 	out, err := cmd.CombinedOutput()
 	b := make([]byte, 8)
 	if _, err := syscall.Pread(board, b, 0); err != nil {
 		t.Fatal(err)
 	}
 	if err == nil || b[0] != 0 {
-		t.Fatalf("uid %d, holding the board read-only, wrote it (%v, %s): its first byte is %#x", uid, err, out, b[0])
+		t.Fatalf("uid %d, holding the board read-only, wrote it (%v, %s): its first byte is %#x", helper.UID, err, out, b[0])
 	}
 }
 
@@ -484,12 +483,7 @@ func TestStoppedChainLender(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: the helpers drop to their user only from root")
 	}
-	helper, err := user.Lookup(pull.HelperUser)
-	if err != nil {
-		t.Skipf("no user %s", pull.HelperUser)
-	}
-	uid, _ := strconv.ParseUint(helper.Uid, 10, 32)
-	gid, _ := strconv.ParseUint(helper.Gid, 10, 32)
+	helper := userCred(t, pull.HelperUser)
 	defer func(d time.Duration) { pull.StartTime = d }(pull.StartTime)
 	pull.StartTime = 2 * time.Second
 
@@ -518,7 +512,7 @@ func TestStoppedChainLender(t *testing.T) {
 		for {
 			for _, pid := range testutil.ChildrenNamed("gpushm-lend") {
 				kill := exec.Command("/bin/kill", "-STOP", strconv.Itoa(pid))
-				kill.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
+				kill.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: helper.UID, Gid: helper.GID}}
 				if kill.Run() == nil {
 					return pid, nil, false
 				}
@@ -602,15 +596,11 @@ func TestStoppedChainLender(t *testing.T) {
 // never chose; a group of that name here keeps them, and an owner unknown
 // here makes it root's, 0600.
 func TestPulledGroupNotHere(t *testing.T) {
-	nobody, err := user.Lookup("nobody")
+	nobody := nobodyCred(t)
+	uid, own := nobody.UID, nobody.GID
+	group, err := user.LookupGroupId(strconv.FormatUint(uint64(own), 10))
 	if err != nil {
-		t.Skip("no user nobody")
-	}
-	uid, _ := strconv.ParseUint(nobody.Uid, 10, 32)
-	own, _ := strconv.ParseUint(nobody.Gid, 10, 32)
-	group, err := user.LookupGroupId(nobody.Gid)
-	if err != nil {
-		t.Skipf("nobody's group %s has no name", nobody.Gid)
+		t.Skipf("nobody's group %d has no name", own)
 	}
 	for _, tc := range []struct {
 		group      string
@@ -621,7 +611,7 @@ func TestPulledGroupNotHere(t *testing.T) {
 		{group.Name, 0o660, 0o660},
 	} {
 		c, mode := localOwner(&pullReply{Owner: "nobody", Group: tc.group, Mode: tc.mode})
-		if c.UID != uint32(uid) || c.GID != uint32(own) || mode != tc.want {
+		if c.UID != uid || c.GID != own || mode != tc.want {
 			t.Errorf("nobody's, group %q, mode %#o: uid %d, gid %d, mode %#o; want uid %d, gid %d, mode %#o",
 				tc.group, tc.mode, c.UID, c.GID, mode, uid, own, tc.want)
 		}
