@@ -347,42 +347,30 @@ func (p *peers) endLoan(token, from string) {
 // successor pulls the name anew), and that loan's lender and lease would
 // otherwise stay until loanTime.
 func (p *peers) endStale(from, name string) {
-	p.loans.mu.Lock()
-	var stale []string
-	for t, ln := range p.loans.m {
-		if ln.from == from && ln.name == name {
-			stale = append(stale, t)
-		}
-	}
-	p.loans.mu.Unlock()
-	for _, t := range stale {
-		p.endLoan(t, from)
-	}
+	p.endLoansWhere(func(ln *loan) bool { return ln.from == from && ln.name == name })
 }
 
 // endChainLoans ends the chain's loans of name, made while this node
 // pulled it: the pull failed, and the peers that borrow from it must fail
 // now, not after their stall time.
 func (p *peers) endChainLoans(name string) {
-	p.loans.mu.Lock()
-	lent := map[string]string{}
-	for t, ln := range p.loans.m {
-		if ln.name == name && ln.seg == nil {
-			lent[t] = ln.from
-		}
-	}
-	p.loans.mu.Unlock()
-	for t, from := range lent {
-		p.endLoan(t, from)
-	}
+	p.endLoansWhere(func(ln *loan) bool { return ln.name == name && ln.seg == nil })
 }
 
 // endLoans ends every loan (the peers stop).
 func (p *peers) endLoans() {
+	p.endLoansWhere(func(*loan) bool { return true })
+}
+
+// endLoansWhere ends the loans that match, each as its peer's pull-done
+// would.
+func (p *peers) endLoansWhere(match func(*loan) bool) {
 	p.loans.mu.Lock()
 	lent := map[string]string{}
 	for t, ln := range p.loans.m {
-		lent[t] = ln.from
+		if match(ln) {
+			lent[t] = ln.from
+		}
 	}
 	p.loans.mu.Unlock()
 	for t, from := range lent {
