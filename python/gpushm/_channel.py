@@ -994,21 +994,18 @@ class Channel:
     # ---- hand-over --------------------------------------------------------
 
     def _done(self, msg, s):
-        if self.role == RX:
-            with self._lock:
-                if self._out is not msg:
-                    raise ValueError(f"gpushm: channel {self.name!r}: message {msg.seq} is not out")
-                msg._ch = self._out = None
-                k = msg.seq
-                self._release(k, msg.slot, s)
-                if self._breaks.value != self._seen:
-                    self._untold(k)
-            return
-        # The producer's, every message's path: what _notify does, inline.
         with self._lock:
             if self._out is not msg:
                 raise ValueError(f"gpushm: channel {self.name!r}: message {msg.seq} is not out")
             msg._ch = self._out = None
+            if self.role == RX:
+                k = msg.seq
+                self._release(k, msg.slot, s)
+                if self._breaks.value != self._seen:
+                    self._untold(k)
+                return
+            # The producer's, every message's path: what _notify does,
+            # inline.
             k1, st = msg.seq + 1, self._st
             if self._host:
                 # Not a stream's write: on host memory the CPU's stores are
