@@ -123,6 +123,13 @@ func (m *hostMemory) Zero(off, n int64) error {
 
 // CopyFrom implements segment.Data.
 func (m *hostMemory) CopyFrom(src segment.Memory, n int64) error {
+	if p, ok := src.(*partsMemory); ok {
+		to, err := m.span(0, n)
+		if err != nil {
+			return err
+		}
+		return p.ReadAt(to, 0)
+	}
 	s, ok := src.(*hostMemory)
 	if !ok {
 		return fmt.Errorf("copy from %T to host memory", src)

@@ -91,7 +91,7 @@ func (s *Spill) Capacity(device int) (int64, error) { return s.host.Capacity(dev
 func (s *Spill) Allocate(device int, size int64) (segment.Memory, error) {
 	g := s.host.Granularity()
 	size = (size + g - 1) / g * g
-	if m := s.fromReserve(size); m != nil {
+	if m := s.fromReserve(size, s.waitRate); m != nil {
 		return m, nil
 	}
 	return s.allocate(size)
@@ -129,7 +129,7 @@ func (s *Spill) allocate(size int64) (segment.Memory, error) {
 // size bytes (rounded to a page) whose bytes are whatever an earlier
 // segment left there, for a caller that overwrites every one of them (an
 // eviction's copy) before anyone reads them.
-func (s *Spill) AllocateScratch(device int, size int64) (segment.Memory, error) {
+func (s *Spill) AllocateScratch(device int, size int64, parts int) (segment.Memory, error) {
 	g := s.host.Granularity()
 	size = (size + g - 1) / g * g
 	s.mu.Lock()
@@ -141,10 +141,28 @@ func (s *Spill) AllocateScratch(device int, size int64) (segment.Memory, error) 
 		return r.m, nil
 	}
 	s.mu.Unlock()
-	if m := s.fromReserve(size); m != nil {
+	n := min(partsFor(size), parts)
+	if n <= 1 {
+		if m := s.fromReserve(size, s.waitRate); m != nil {
+			return m, nil
+		}
+		return s.allocate(size)
+	}
+	// New memory in parts comes at tens of GB/s, as fast as a piece of
+	// the reserve being made would be ready: one made already, or none.
+	if m := s.fromReserve(size, 0); m != nil {
 		return m, nil
 	}
-	return s.allocate(size)
+	m, err := makeParts(size, n)
+	if err != nil {
+		return nil, err
+	}
+	// Its pages are made by the copy that fills it, which the reserve
+	// leaves alone as it does an allocation making them.
+	s.making.Add(1)
+	var once sync.Once
+	m.settle = func() { once.Do(func() { s.making.Add(-1) }) }
+	return m, nil
 }
 
 // Kept reports the spill memory kept for reuse: how many memfds, how many
@@ -285,10 +303,25 @@ func inChunks(n, workers int, start func(), more func() bool, do func(i int) err
 }
 
 // Move implements segment.Mover: both memories are memfds, copied on
-// several threads.
+// several threads; spill memory in parts is written and read by pwrite
+// and pread, a thread a part (parts_linux.go).
 func (h *Host) Move(dst, src segment.Memory, n int64) error {
 	d, ok1 := dst.(*hostMemory)
 	s, ok2 := src.(*hostMemory)
+	if p, ok := dst.(*partsMemory); ok && ok2 {
+		from, err := s.span(0, n)
+		if err != nil {
+			return err
+		}
+		return moveParts(xfer.Target{Host: from, Size: n}, p, n, false)
+	}
+	if p, ok := src.(*partsMemory); ok && ok1 {
+		to, err := d.span(0, n)
+		if err != nil {
+			return err
+		}
+		return moveParts(xfer.Target{Host: to, Size: n}, p, n, true)
+	}
 	if !ok1 || !ok2 {
 		return fmt.Errorf("move from %T to %T: not host memory", src, dst)
 	}
@@ -307,13 +340,15 @@ func (h *Host) Move(dst, src segment.Memory, n int64) error {
 // Move implements segment.Mover: between a GPU allocation and host
 // memory, through the daemon's pinned buffers.
 func (c *CUDA) Move(dst, src segment.Memory, n int64) error {
-	gpu, in := dst.(*cudaMemory)
-	h, ok := src.(*hostMemory)
-	if !in {
+	in := true // into the GPU
+	gpu, _ := dst.(*cudaMemory)
+	host := src
+	if gpu == nil {
+		in = false
 		gpu, _ = src.(*cudaMemory)
-		h, ok = dst.(*hostMemory)
+		host = dst
 	}
-	if gpu == nil || !ok {
+	if gpu == nil {
 		return fmt.Errorf("move from %T to %T: want cuda and host memory", src, dst)
 	}
 	t, err := gpu.XferTarget()
@@ -324,10 +359,16 @@ func (c *CUDA) Move(dst, src segment.Memory, n int64) error {
 		return fmt.Errorf("move of %d bytes into %d bytes of GPU memory", n, t.Size)
 	}
 	t.Size = n
-	b, err := h.span(0, n)
-	if err != nil {
+	switch h := host.(type) {
+	case *partsMemory:
+		return moveParts(t, h, n, in)
+	case *hostMemory:
+		b, err := h.span(0, n)
+		if err != nil {
+			return err
+		}
+		_, err = xfer.Move(t, b, in, nil)
 		return err
 	}
-	_, err = xfer.Move(t, b, in, nil)
-	return err
+	return fmt.Errorf("move from %T to %T: want cuda and host memory", src, dst)
 }

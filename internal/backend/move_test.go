@@ -101,13 +101,13 @@ func TestSpillRecycles(t *testing.T) {
 	if f, _ := fresh.FD(); f == fd || string(got) != "\x00\x00\x00\x00\x00\x00\x00\x00\x00" {
 		t.Fatalf("Allocate gave recycled memory: fd %d (was %d), %q", f, fd, got)
 	}
-	if other, _ := s.AllocateScratch(0, 1<<20); other != nil {
+	if other, _ := s.AllocateScratch(0, 1<<20, maxParts); other != nil {
 		if f, _ := other.FD(); f == fd {
 			t.Fatal("memory of another size was recycled")
 		}
 		other.Free()
 	}
-	b, err := s.AllocateScratch(0, 2<<20)
+	b, err := s.AllocateScratch(0, 2<<20, maxParts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -110,7 +110,7 @@ func TestMoveSpeed(t *testing.T) {
 	s.Free()
 	line("free spill (kept for reuse)", time.Since(start))
 	start = time.Now()
-	r, err := sp.AllocateScratch(0, n)
+	r, err := sp.AllocateScratch(0, n, maxParts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -159,7 +159,7 @@ func TestEvictSpeed(t *testing.T) {
 	// Into new memory: the kernel makes its pages on the way.
 	sp := NewSpill(host, 0)
 	start := time.Now()
-	m, err := sp.AllocateScratch(0, n)
+	m, err := sp.AllocateScratch(0, n, maxParts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,7 +190,7 @@ func TestEvictSpeed(t *testing.T) {
 	}
 	row(fmt.Sprintf("reserve of %d MiB made (background, nice 19)", 2*mib), time.Since(start), 2*n)
 	start = time.Now()
-	m, err = sp.AllocateScratch(0, n)
+	m, err = sp.AllocateScratch(0, n, maxParts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -311,7 +311,12 @@ func (s *Spill) grow(r *reserve, log *slog.Logger) {
 // where the layout's largest piece serves it.
 func (s *Spill) demanded(r *reserve) int64 {
 	want := (s.demand() + r.align - 1) / r.align * r.align
-	if want <= r.sizes[0] {
+	if want <= r.sizes[0] || partsFor(want) > 1 {
+		// Or spill memory in parts serves it (AllocateScratch), which
+		// the kernel makes as fast as a piece made ahead is copied into
+		// (24 GiB at 23.8 GB/s on an H200 machine), with nothing held
+		// while the node idles; a piece made beside such an eviction
+		// slowed it to 8.7 GB/s at 60 GiB.
 		return 0
 	}
 	return want
@@ -567,19 +572,21 @@ func (r *reserve) close() {
 }
 
 // fromReserve is size bytes (a multiple of the page size) of the reserve,
-// or nil.
-func (s *Spill) fromReserve(size int64) *hostMemory {
+// or nil. rate is how fast the caller would make new memory otherwise,
+// in bytes a second: it waits for a piece being made no longer than that
+// would take; 0 takes only a piece made already.
+func (s *Spill) fromReserve(size, rate int64) *hostMemory {
 	r := s.res.Load()
 	if r == nil {
 		return nil
 	}
-	p, tail, made := r.take(size, true)
+	p, tail, made := r.take(size, rate > 0)
 	if made != nil {
 		// A piece that would serve is being made: waiting for it beats
 		// making memory beside it, which halves the speed of both (an
 		// eviction of 24 GiB took 11.3 s so, instead of 6.3 s alone), up to
-		// what new memory would take at waitRate.
-		t := time.NewTimer(time.Duration(float64(size) / float64(s.waitRate) * float64(time.Second)))
+		// what new memory would take.
+		t := time.NewTimer(time.Duration(float64(size) / float64(rate) * float64(time.Second)))
 		select {
 		case <-made:
 		case <-t.C:

@@ -223,7 +223,7 @@ func TestReserve(t *testing.T) {
 
 	// 7 MiB and a page: the 50 MiB piece (the 6 MiB one is too small).
 	const size = 7*mib + 4096
-	m, err := f.s.AllocateScratch(0, size)
+	m, err := f.s.AllocateScratch(0, size, maxParts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -293,7 +293,7 @@ func TestReserve(t *testing.T) {
 	// Too large for any piece (50 MiB at most), too small for any (a
 	// piece at most 8 times its size): new memory.
 	for _, n := range []int64{51 * mib, 64 << 10} {
-		m, err := f.s.AllocateScratch(0, n)
+		m, err := f.s.AllocateScratch(0, n, maxParts)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -350,7 +350,7 @@ func TestReserveOnDemand(t *testing.T) {
 		r := f.s.Reserved()
 		return r.Target == 166*mib && r.Bytes == r.Target && r.Memfds == 6
 	})
-	m, err := f.s.AllocateScratch(0, big)
+	m, err := f.s.AllocateScratch(0, big, maxParts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -380,7 +380,7 @@ func TestReserveOnDemand(t *testing.T) {
 	// it, rather than make memory beside it; and the piece is made while
 	// it waits, though another eviction makes new memory (which pauses
 	// the reserve's makers otherwise).
-	const huge = 512 * mib
+	const huge = 2*partMin - 2*mib // one memfd: an eviction in parts waits for no piece
 	f.s.making.Add(1)
 	defer f.s.making.Add(-1)
 	want.Store(huge)
@@ -392,12 +392,12 @@ func TestReserveOnDemand(t *testing.T) {
 		return r.making == len(r.sizes)-1 && r.sizes[r.making] == huge
 	})
 	taken := f.s.Reserved().TakenBytes
-	m, err = f.s.AllocateScratch(0, huge)
+	m, err = f.s.AllocateScratch(0, huge, maxParts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if r := f.s.Reserved(); r.Takes != 2 || r.TakenBytes-taken != huge {
-		t.Fatalf("an eviction of 512 MiB while its piece was being made: %+v, want it served by that piece", r)
+		t.Fatalf("an eviction of %d bytes while its piece was being made: %+v, want it served by that piece", int64(huge), r)
 	}
 	m.Free()
 	f.stop()
@@ -559,7 +559,7 @@ func TestReserveHugetlb(t *testing.T) {
 	}
 	s.res.Load().mu.Unlock()
 	const size = 3<<20 + 4096
-	m, err := s.AllocateScratch(0, size)
+	m, err := s.AllocateScratch(0, size, maxParts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -717,7 +717,7 @@ func TestReserveKeeper(t *testing.T) {
 	if held, ever := k.count(); held != 5 || ever != 5 {
 		t.Fatalf("full reserve of 5 pieces: %d held, %d ever; want 5, 5", held, ever)
 	}
-	m, err := f.s.AllocateScratch(0, 7*mib)
+	m, err := f.s.AllocateScratch(0, 7*mib, maxParts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"slices"
 	"syscall"
 	"time"
 
@@ -42,6 +43,9 @@ func restore(srv *server.Server, b backend.Backend, host *backend.Host, disk *di
 			if alloc == 0 {
 				alloc = 1 // an orphan: anything mappable will do to hold it
 			}
+			if ps := it.Record.Parts; len(ps) > 1 && ps[0].Size > 0 {
+				alloc = ps[0].Size // the first part's (joinParts)
+			}
 			var (
 				mem segment.Memory
 				err error
@@ -73,6 +77,7 @@ func restore(srv *server.Server, b backend.Backend, host *backend.Host, disk *di
 		}
 		items = append(items, it)
 	}
+	items = joinParts(items)
 	reg := srv.Registry()
 	if disk != nil && start.Reason == "start" {
 		// Nothing before this process served these directories in this
@@ -112,6 +117,79 @@ func restore(srv *server.Server, b backend.Backend, host *backend.Host, disk *di
 	}
 	log.Info("restored", "reason", start.Reason, "segments", len(start.Segments), "connections", len(start.Conns), "orphans", len(orphans))
 	return nil
+}
+
+// joinParts puts together the memory of each segment whose host memory
+// is in parts (segment.Parted): the segment's own descriptor is the first
+// part, and each other is a record of its own naming the segment. A part
+// missing, or not as the segment's record lists it, makes the segment an
+// orphan; parts that no segment takes stay in the list, for the registry
+// to free (Registry.Restore).
+func joinParts(items []segment.Restored) []segment.Restored {
+	byID := make(map[uint64]int, len(items))
+	for i, it := range items {
+		if it.Record.PartOf != 0 {
+			byID[it.Record.ID] = i
+		}
+	}
+	taken := map[int]bool{}
+	for i := range items {
+		it := &items[i]
+		ps := it.Record.Parts
+		if len(ps) < 2 || it.Record.PartOf != 0 || it.Problem != "" || it.Memory == nil {
+			continue
+		}
+		mems := []segment.Memory{it.Memory}
+		var take []int
+		problem := ""
+		if ps[0].ID != it.Record.ID || it.Memory.Size() != ps[0].Size {
+			problem = "its record lists the parts of its host memory wrongly"
+		}
+		for k, p := range ps[1:] {
+			if problem != "" {
+				break
+			}
+			j, ok := byID[p.ID]
+			switch {
+			case !ok || taken[j] || slices.Contains(take, j):
+				problem = fmt.Sprintf("part %d of its host memory (record %d) is missing", k+1, p.ID)
+			case items[j].Record.PartOf != it.Record.ID || items[j].Problem != "" || items[j].Memory == nil ||
+				items[j].Memory.Size() != p.Size:
+				problem = fmt.Sprintf("part %d of its host memory (record %d) is not usable", k+1, p.ID)
+			default:
+				mems = append(mems, items[j].Memory)
+				take = append(take, j)
+			}
+		}
+		var total int64
+		for _, p := range ps {
+			total += p.Size
+		}
+		if problem == "" && total != it.Record.Alloc {
+			problem = fmt.Sprintf("its parts hold %d bytes, its record %d", total, it.Record.Alloc)
+		}
+		if problem == "" {
+			mem, err := backend.JoinParts(mems)
+			if err != nil {
+				problem = err.Error()
+			} else {
+				it.Memory = mem
+				for _, j := range take {
+					taken[j] = true
+				}
+			}
+		}
+		if problem != "" {
+			it.Problem = problem
+		}
+	}
+	out := items[:0]
+	for i, it := range items {
+		if !taken[i] {
+			out = append(out, it)
+		}
+	}
+	return out
 }
 
 // restoreChannel puts a channel's memory together again: its slots and its

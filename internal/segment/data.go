@@ -56,6 +56,17 @@ type Journaled interface {
 	JournalFD() (int, error)
 }
 
+// Parted is implemented by memory made of several descriptors (spill
+// memory made in parts, so that the kernel makes its pages on several
+// files at once): Parts are its pieces in order, each with its own
+// descriptor, the first being the memory's own (FD). The journal keeps
+// every part's descriptor, each under a record of its own that names the
+// segment (Record.PartOf), and the segment's record lists them in order
+// (Record.Parts).
+type Parted interface {
+	Parts() []Memory
+}
+
 // ErrFixed: the memory's size can no longer change in place.
 var ErrFixed = errors.New("memory size is fixed")
 

@@ -75,6 +75,13 @@ type Record struct {
 	Pin       bool   `json:"pin,omitempty"`
 	Published bool   `json:"published,omitempty"`
 	LastOpen  int64  `json:"last_open,omitempty"`
+	// Parts lists, in order, the parts of memory made of several
+	// descriptors (Parted): the first is the record's own descriptor, each
+	// other one a record's of its own, with PartOf naming this segment.
+	// Such a record is no segment: a restart joins it to the one that
+	// lists it, or frees it when none does (a crash between the two).
+	Parts  []Part `json:"parts,omitempty"`
+	PartOf uint64 `json:"part_of,omitempty"`
 	// The disk tier (disk.go): Tier is "disk" for a segment whose bytes
 	// are only on disk. Persist makes it durable; DiskCopy says a copy is
 	// on disk, Stale that the segment was opened to be written since that
@@ -120,6 +127,13 @@ type Journal interface {
 	// names): a restarted daemon sees all of it or none of it, never a
 	// state in between. No new descriptor travels in a batch.
 	Batch(changes []Change)
+}
+
+// Part is one part of a segment's memory: the record that holds its
+// descriptor, and its bytes.
+type Part struct {
+	ID   uint64 `json:"id"`
+	Size int64  `json:"size"`
 }
 
 // Change is one part of a Batch: a segment's record as it is now, as Put
@@ -186,6 +200,11 @@ func (r *Registry) Replay() uint64 {
 				fd, ctl = f, controlFD(s.mem)
 			}
 		}
+		if fd >= 0 {
+			// Its parts, under the IDs they have: an eviction that ended
+			// after the new keeper took over sent them to it already.
+			r.putPartsLocked(s)
+		}
 		r.journal.Put(s.recordLocked(), fd, ctl)
 	}
 	return r.nextID
@@ -206,6 +225,7 @@ func (s *Segment) recordLocked() Record {
 	if s.tier != OnDevice {
 		rec.Tier = s.tier.String()
 	}
+	rec.Parts = s.parts
 	rec.Persist, rec.DiskCopy, rec.Stale, rec.Offer = s.persist, s.onDisk, s.onDisk && !s.diskClean, s.offer
 	if !s.synced.IsZero() {
 		rec.Synced = s.synced.UnixNano()
@@ -245,16 +265,19 @@ func (r *Registry) journalLocked(s *Segment, fd int) {
 	}
 	if s.gone {
 		if s.saved {
-			if r.batching {
-				r.batch = append(r.batch, Change{Record: Record{ID: s.id}, Gone: true})
-			} else {
-				r.journal.Delete(s.id)
-			}
+			r.forgetLocked(s.id)
 			s.saved = false
 		}
+		r.forgetPartsLocked(s)
 		return
 	}
 	s.saved = true
+	stale := s.parts
+	if s.partsOf == s.mem && fd < 0 {
+		stale = nil // the same memory: its parts stay as journaled
+	} else {
+		s.parts, s.partsOf = nil, nil
+	}
 	if r.batching {
 		if fd >= 0 {
 			// A batch is one control message, which carries no
@@ -263,13 +286,30 @@ func (r *Registry) journalLocked(s *Segment, fd int) {
 			panic("segment: new memory in a journal batch")
 		}
 		r.batch = append(r.batch, Change{Record: s.recordLocked()})
-		return
+	} else {
+		ctl := -1
+		if fd >= 0 {
+			ctl = controlFD(s.mem)
+			r.putPartsLocked(s)
+		}
+		r.journal.Put(s.recordLocked(), fd, ctl)
 	}
-	ctl := -1
-	if fd >= 0 {
-		ctl = controlFD(s.mem)
+	// Parts of memory it no longer has go once its record no longer
+	// names them: a crash in between leaves records that name nothing,
+	// which a restart frees.
+	for _, p := range stale[min(1, len(stale)):] { // the first is its own
+		r.forgetLocked(p.ID)
 	}
-	r.journal.Put(s.recordLocked(), fd, ctl)
+}
+
+// forgetLocked journals that the record id is gone: a segment's, or a
+// part's.
+func (r *Registry) forgetLocked(id uint64) {
+	if r.batching {
+		r.batch = append(r.batch, Change{Record: Record{ID: id}, Gone: true})
+	} else {
+		r.journal.Delete(id)
+	}
 }
 
 // beginBatchLocked starts holding the journal's changes, so that an
@@ -365,6 +405,12 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 	for _, it := range items {
 		rec := it.Record
 		r.nextID = max(r.nextID, rec.ID)
+		if rec.PartOf != 0 {
+			// A part no segment took (JoinParts): of memory its segment
+			// no longer has, or of a segment whose record never named it.
+			unheld = append(unheld, freed{&Segment{id: rec.ID}, r.strayPartLocked(it)})
+			continue
+		}
 		problem, known := it.Problem, rec.Orphan != ""
 		if problem == "" && known {
 			problem = rec.Orphan
@@ -409,6 +455,9 @@ func (r *Registry) Restore(items []Restored, nextID uint64, grace time.Duration)
 			sources: slices.Clone(rec.Sources), foreign: rec.Foreign,
 		}
 		s.restoreTier(&rec)
+		if pm, ok := s.mem.(Parted); ok && len(rec.Parts) > 1 && len(pm.Parts()) == len(rec.Parts) {
+			s.parts, s.partsOf = slices.Clone(rec.Parts), s.mem
+		}
 		if rec.Replaces != nil {
 			s.replaces = *rec.Replaces
 		}

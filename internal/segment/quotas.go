@@ -65,7 +65,7 @@ func (s *Segment) descriptors() int {
 	if s.slots > 0 {
 		return 2
 	}
-	return 1
+	return partsOf(s.mem) + cleanParts(s) // spill memory in parts: one each
 }
 
 // usageLocked sums what each device and uid hold, in bytes and segments.
@@ -108,7 +108,7 @@ type tally struct {
 // tallyLocked sums, in one pass and without allocating, what checking an
 // allocation on device for uid needs: it runs on every create.
 func (r *Registry) tallyLocked(uid uint32, device int) tally {
-	var t tally
+	t := tally{descs: r.tiers.extraParts} // evictions under way may take them
 	r.eachHeldLocked(func(s *Segment, bytes int64, descs int) {
 		t.descs += descs
 		if s.device == device {

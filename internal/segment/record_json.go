@@ -102,6 +102,7 @@ func (rec *Record) AppendJSON(b []byte) []byte {
 	if rec.LastOpen != 0 {
 		b = appendIntMember(b, "last_open", rec.LastOpen)
 	}
+	b = rec.appendParts(b)
 	b = rec.appendDisk(b)
 	if rec.Leases {
 		b = appendBoolMember(b, "leases", true)
@@ -127,6 +128,25 @@ func (rec *Record) AppendJSON(b []byte) []byte {
 		b = appendIntMember(b, "anon", int64(rec.Anon))
 	}
 	return append(rec.appendSources(b), '}')
+}
+
+// appendParts appends Parts and PartOf.
+func (rec *Record) appendParts(b []byte) []byte {
+	if len(rec.Parts) > 0 {
+		b = append(b, `,"parts":[`...)
+		for i, p := range rec.Parts {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = strconv.AppendUint(append(b, `{"id":`...), p.ID, 10)
+			b = append(appendIntMember(b, "size", p.Size), '}')
+		}
+		b = append(b, ']')
+	}
+	if rec.PartOf != 0 {
+		b = appendUintMember(b, "part_of", rec.PartOf)
+	}
+	return b
 }
 
 // appendDisk appends Persist, DiskCopy, Stale and Synced (disk.go).

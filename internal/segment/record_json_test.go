@@ -42,6 +42,12 @@ func randomRecord(r *rand.Rand, strs []string) Record {
 	for range r.IntN(4) {
 		rec.Holders = append(rec.Holders, Holder{PID: int(num() % (1 << 22)), Start: uint64(num() & (1<<40 - 1)), Session: uint64(num() & (1<<50 - 1)), N: int(num() % 1000)})
 	}
+	for range r.IntN(3) {
+		rec.Parts = append(rec.Parts, Part{ID: uint64(num()), Size: num()})
+	}
+	if flag() {
+		rec.PartOf = uint64(num())
+	}
 	rec.Foreign = num()%2 == 0
 	for range num() % 3 {
 		rec.Sources = append(rec.Sources, Source{Dev: uint64(num()), Ino: uint64(num()), Size: num(), MtimeNS: num(),

@@ -159,6 +159,11 @@ type Segment struct {
 	// since was read-only, so that evicting it again is a swap rather
 	// than a copy (tier.go). Not journaled: a cache.
 	clean Memory
+	// parts are the journal's records of the parts of partsOf, memory
+	// made of several descriptors (Parted), as last journaled; nil for
+	// memory of one.
+	parts   []Part
+	partsOf Memory
 	// The disk tier and durability (disk.go): persist makes the segment
 	// durable; onDisk says a copy of it is on disk under DiskKey(id), and
 	// diskClean that the copy holds its bytes as they are (no writable

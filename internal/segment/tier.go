@@ -47,9 +47,11 @@ type Mover interface {
 
 // ScratchAllocator is a spill allocator that can hand out memory whose
 // bytes are left over from an earlier segment, for a caller that
-// overwrites all of them (an eviction), faster than new memory.
+// overwrites all of them (an eviction), faster than new memory. parts is
+// the most descriptors the memory may take (Parted): each is one more for
+// the daemon and its supervisor to hold.
 type ScratchAllocator interface {
-	AllocateScratch(device int, size int64) (Memory, error)
+	AllocateScratch(device int, size int64, parts int) (Memory, error)
 }
 
 // Syncer is a Journal whose keeper can say when it has applied every
@@ -141,8 +143,12 @@ type tierState struct {
 	cfg      Tiers
 	reserved map[int]int64 // device bytes of restores and growths in flight
 	spilling int64         // host bytes of evictions in flight
-	peak     map[int]int64
-	stats    TierStats
+	// extraParts counts the descriptors beyond the first that evictions
+	// in flight may take (spillPartsLocked), held back until their
+	// memory is the segment's.
+	extraParts int
+	peak       map[int]int64
+	stats      TierStats
 }
 
 // SetTiers turns on budgets and eviction; call it before the registry is
@@ -610,25 +616,18 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 	// The clean copy is this move's from here on: nothing else frees it.
 	old, clean, name := s.mem, s.clean, s.name
 	s.clean = nil
-	r.mu.Unlock()
-	var (
-		nm  Memory
-		err error
-	)
-	switch {
-	case to == OnHost && clean != nil:
-		// Nobody wrote it since it came back: its copy is current.
-		nm = clean
-	case to == OnHost:
-		if sa, ok := r.tiers.cfg.Spill.(ScratchAllocator); ok {
-			// Every byte is copied over below.
-			nm, err = sa.AllocateScratch(0, size)
-		} else {
-			nm, err = r.tiers.cfg.Spill.Allocate(0, size)
-		}
-	default:
-		nm, err = r.allocate(s.device, size)
+	parts := 1
+	if to == OnHost {
+		parts = r.spillPartsLocked()
+		r.tiers.extraParts += parts - 1
+		defer func() {
+			r.mu.Lock()
+			r.tiers.extraParts -= parts - 1
+			r.mu.Unlock()
+		}()
 	}
+	r.mu.Unlock()
+	nm, clean, err := r.moveTarget(s, to, size, clean, parts)
 	if err != nil {
 		return fmt.Errorf("allocate %s on %s: %w", fmtBytes(size), tierPlace(to, s.device), err)
 	}
@@ -663,9 +662,11 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 			r.removeDiskLater(s, DiskKey(s.id))
 		}
 	}
-	if to == OnDevice && old != nil && r.hostUseLocked()+memSize(old) <= r.tiers.cfg.HostBudget {
-		// Kept while nobody writes, and while the host budget has room
-		// for it: the next eviction is a swap.
+	if to == OnDevice && old != nil && r.hostUseLocked()+memSize(old) <= r.tiers.cfg.HostBudget &&
+		(partsOf(old) == 1 || r.descRoomLocked(partsOf(old))) {
+		// Kept while nobody writes, and while the host budget (and, for
+		// memory in parts, the limit of descriptors) has room for it: the
+		// next eviction is a swap.
 		s.clean, old = old, nil
 	}
 	r.noteLocked(s, fd)
@@ -704,6 +705,33 @@ func (r *Registry) move(s *Segment, to Tier, size int64) error {
 		observe(kind, name, size, time.Since(start))
 	}
 	return err
+}
+
+// moveTarget is the memory a move of s to tier to copies into: s's clean
+// copy (returned, or nil where it was let go of), which an eviction swaps
+// back; new spill memory of at most parts descriptors; or memory on s's
+// device. mu is not held.
+func (r *Registry) moveTarget(s *Segment, to Tier, size int64, clean Memory, parts int) (Memory, Memory, error) {
+	if clean != nil && partsOf(clean) > parts {
+		// More descriptors than the limit leaves room for now.
+		r.freeLater(clean)
+		clean = nil
+	}
+	switch {
+	case to == OnHost && clean != nil:
+		// Nobody wrote it since it came back: its copy is current.
+		return clean, clean, nil
+	case to == OnHost:
+		if sa, ok := r.tiers.cfg.Spill.(ScratchAllocator); ok {
+			// Every byte is copied over.
+			m, err := sa.AllocateScratch(0, size, parts)
+			return m, clean, err
+		}
+		m, err := r.tiers.cfg.Spill.Allocate(0, size)
+		return m, clean, err
+	}
+	m, err := r.allocate(s.device, size)
+	return m, clean, err
 }
 
 func tierPlace(t Tier, d int) string {

@@ -1,0 +1,221 @@
+package backend
+
+import (
+	"bytes"
+	"log/slog"
+	"math/rand/v2"
+	"syscall"
+	"testing"
+
+	"github.com/gpushm/gpushm/internal/cuda"
+	"github.com/gpushm/gpushm/internal/segment"
+)
+
+// TestSpillInParts: an eviction into new memory of a size worth parts gets
+// spill memory in parts (and counts among the allocations making memory
+// until it is filled); smaller ones one memfd.
+func TestSpillInParts(t *testing.T) {
+	host, err := NewHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := NewSpill(host, 0)
+	before := spillMemfds(t)
+	m, err := s.AllocateScratch(0, 2*partMin+4096, maxParts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pm, ok := m.(*partsMemory)
+	if !ok || len(pm.Parts()) != 2 || pm.Size() != 2*partMin+4096 {
+		t.Fatalf("an eviction of %d bytes got %T, want two parts", 2*partMin+4096, m)
+	}
+	if n := spillMemfds(t) - before; n != 2 {
+		t.Fatalf("%d spill memfds for two parts", n)
+	}
+	if s.making.Load() != 1 {
+		t.Fatal("new memory in parts is not counted as being made")
+	}
+	pm.settled()
+	pm.settled()
+	if s.making.Load() != 0 {
+		t.Fatalf("making %d after the copy settled twice, want 0", s.making.Load())
+	}
+	m.Free()
+	if n := spillMemfds(t) - before; n != 0 {
+		t.Fatalf("%d spill memfds left after Free", n)
+	}
+	one, err := s.AllocateScratch(0, 2*partMin-4096, maxParts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := one.(*hostMemory); !ok {
+		t.Fatalf("an eviction of less than two parts' worth got %T, want one memfd", one)
+	}
+	one.Free()
+	// Where the daemon's descriptors leave room for fewer, fewer.
+	for _, c := range []struct {
+		size         int64
+		allowed, got int
+	}{{2 * partMin, 1, 1}, {4 * partMin, 3, 3}} {
+		m, err := s.AllocateScratch(0, c.size, c.allowed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 1
+		if pm, ok := m.(*partsMemory); ok {
+			n = len(pm.parts)
+		}
+		if n != c.got {
+			t.Fatalf("an eviction of %d bytes allowed %d descriptors got %d", c.size, c.allowed, n)
+		}
+		m.Free()
+	}
+}
+
+// TestMovePartsRoundTrip moves bytes between a device's memory and spill
+// memory in parts of unequal size, both ways, on every backend this
+// machine has, and reads and writes the parts across their boundaries
+// as the FUSE view does; then joins them again from their descriptors,
+// as a restart does.
+func TestMovePartsRoundTrip(t *testing.T) {
+	names := []string{"host"}
+	if cuda.Init() == nil {
+		names = append(names, "cuda")
+	} else {
+		t.Log("cuda: skipped, no usable GPU (libcuda.so.1 absent or no device)")
+	}
+	for _, name := range names {
+		t.Run(name, func(t *testing.T) {
+			b, err := Open(name, "all", slog.Default())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			host, err := NewHost()
+			if err != nil {
+				t.Fatal(err)
+			}
+			mover := b.(segment.Mover)
+			const n = 3<<23 + 3*4096
+			want := make([]byte, n)
+			rand.NewChaCha8([32]byte{9}).Read(want)
+			dev := b.DefaultDevice()
+			src, err := b.Allocate(dev, n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer src.Free()
+			if err := src.(segment.Data).WriteAt(want, 0); err != nil {
+				t.Fatal(err)
+			}
+			spill, err := makeParts(n, 4)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(spill.parts) != 4 || spill.parts[3].size == spill.parts[0].size {
+				t.Fatalf("parts of %d bytes: %d", n, len(spill.parts))
+			}
+			if err := mover.Move(spill, src, n); err != nil {
+				t.Fatalf("out: %v", err)
+			}
+			got := make([]byte, n)
+			if err := spill.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+				t.Fatalf("spill memory after the move out: equal %v, %v", bytes.Equal(got, want), err)
+			}
+			// Across the first boundary.
+			at := spill.parts[0].size - 5
+			patch := []byte("0123456789")
+			if err := spill.WriteAt(patch, at); err != nil {
+				t.Fatal(err)
+			}
+			copy(want[at:], patch)
+			if err := spill.Zero(at+20, 3*4096); err != nil {
+				t.Fatal(err)
+			}
+			clear(want[at+20 : at+20+3*4096])
+			// Into a memfd and back, as the FUSE view's resizes copy.
+			h, err := host.Allocate(0, n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer h.Free()
+			if err := h.(segment.Data).CopyFrom(spill, n); err != nil {
+				t.Fatal(err)
+			}
+			if err := h.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+				t.Fatalf("a memfd copied from the parts differs from what was written: %v", err)
+			}
+			if err := spill.ReadAt(got[:100], at-50); err != nil || !bytes.Equal(got[:100], want[at-50:at+50]) {
+				t.Fatalf("read across a boundary: %v", err)
+			}
+			if err := spill.ReadAt(got[:10], n-5); err == nil {
+				t.Fatal("a read past the end was taken")
+			}
+			// A restart: each part's descriptor restored, then joined.
+			var parts []segment.Memory
+			for _, p := range spill.parts {
+				fd, err := syscall.Dup(p.fd)
+				if err != nil {
+					t.Fatal(err)
+				}
+				m, err := host.Restore(0, fd, p.size)
+				if err != nil {
+					t.Fatal(err)
+				}
+				parts = append(parts, m)
+			}
+			joined, err := JoinParts(parts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := spill.Free(); err != nil {
+				t.Fatal(err)
+			}
+			back, err := b.Allocate(dev, n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer back.Free()
+			if err := mover.Move(back, joined, n); err != nil {
+				t.Fatalf("back: %v", err)
+			}
+			clear(got)
+			if err := back.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+				t.Fatalf("device memory after the move back: equal %v, %v", bytes.Equal(got, want), err)
+			}
+			if err := joined.Free(); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := JoinParts([]segment.Memory{back}); name == "cuda" && err == nil {
+				t.Fatal("GPU memory was joined as a part of spill memory")
+			}
+		})
+	}
+}
+
+// The copy's ranges take the parts in turn, a chunk each, and cover every
+// byte once.
+func TestPartsRanges(t *testing.T) {
+	m := &partsMemory{size: 10}
+	for _, n := range []int64{4, 4, 2} {
+		m.parts = append(m.parts, &hostMemory{size: n})
+	}
+	fs := partFiles{nil, nil, nil}
+	rs := m.ranges(fs, 10, 2)
+	var got [][2]int64
+	for _, r := range rs {
+		got = append(got, [2]int64{r.At, r.Len})
+	}
+	want := [][2]int64{{0, 2}, {4, 2}, {8, 2}, {2, 2}, {6, 2}}
+	if len(got) != len(want) {
+		t.Fatalf("ranges %v, want %v", got, want)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("ranges %v, want %v", got, want)
+		}
+	}
+	if rs := m.ranges(fs, 5, 2); len(rs) != 3 || rs[1].At != 4 || rs[1].Len != 1 || rs[2].At != 2 {
+		t.Fatalf("the first 5 bytes: %+v", rs)
+	}
+}
