@@ -14,6 +14,74 @@ import (
 // back into a new allocation, as an eviction and a restore do, on every
 // backend this machine has: the host's always, cuda's with a GPU.
 func TestMoveRoundTrip(t *testing.T) {
+	onEachBackend(t, func(t *testing.T, name string, b Backend, host *Host) {
+		mover := b.(segment.Mover)
+		// Not a multiple of the copy engine's chunk, so the last is short.
+		const n = 3<<23 + 12345
+		dev := b.DefaultDevice()
+		src, want := filled(t, b, dev, n, 7)
+		defer src.Free()
+		spill, err := NewSpill(host, 0).Allocate(0, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer spill.Free()
+		if err := mover.Move(spill, src, n); err != nil {
+			t.Fatalf("out: %v", err)
+		}
+		got := make([]byte, n)
+		if err := spill.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("host memory after the move out: equal %v, %v", bytes.Equal(got, want), err)
+		}
+		back := movedBack(t, b, dev, spill, want)
+		defer back.Free()
+		if err := mover.Move(back, src, n); name == "cuda" && err == nil {
+			t.Fatal("a move between two GPU allocations was taken")
+		}
+	})
+}
+
+// filled is new memory of b's on dev holding n random bytes (from seed),
+// and those bytes; the caller frees it.
+func filled(t *testing.T, b Backend, dev int, n int64, seed byte) (segment.Memory, []byte) {
+	t.Helper()
+	want := make([]byte, n)
+	rand.NewChaCha8([32]byte{seed}).Read(want)
+	m, err := b.Allocate(dev, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.(segment.Data).WriteAt(want, 0); err != nil {
+		m.Free()
+		t.Fatal(err)
+	}
+	return m, want
+}
+
+// movedBack moves spill's bytes into new memory of b's on dev, as a
+// restore does, and checks that they are want; the caller frees it.
+func movedBack(t *testing.T, b Backend, dev int, spill segment.Memory, want []byte) segment.Memory {
+	t.Helper()
+	n := int64(len(want))
+	back, err := b.Allocate(dev, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.(segment.Mover).Move(back, spill, n); err != nil {
+		back.Free()
+		t.Fatalf("back: %v", err)
+	}
+	got := make([]byte, n)
+	if err := back.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+		back.Free()
+		t.Fatalf("device memory after the move back: equal %v, %v", bytes.Equal(got, want), err)
+	}
+	return back
+}
+
+// onEachBackend runs f in a subtest for every backend this machine has:
+// the host's always, cuda's with a GPU.
+func onEachBackend(t *testing.T, f func(t *testing.T, name string, b Backend, host *Host)) {
 	names := []string{"host"}
 	if cuda.Init() == nil {
 		names = append(names, "cuda")
@@ -31,47 +99,7 @@ func TestMoveRoundTrip(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			mover := b.(segment.Mover)
-			// Not a multiple of the copy engine's chunk, so the last is short.
-			const n = 3<<23 + 12345
-			want := make([]byte, n)
-			rand.NewChaCha8([32]byte{7}).Read(want)
-			dev := b.DefaultDevice()
-			src, err := b.Allocate(dev, n)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer src.Free()
-			if err := src.(segment.Data).WriteAt(want, 0); err != nil {
-				t.Fatal(err)
-			}
-			spill, err := NewSpill(host, 0).Allocate(0, n)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer spill.Free()
-			if err := mover.Move(spill, src, n); err != nil {
-				t.Fatalf("out: %v", err)
-			}
-			got := make([]byte, n)
-			if err := spill.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
-				t.Fatalf("host memory after the move out: equal %v, %v", bytes.Equal(got, want), err)
-			}
-			back, err := b.Allocate(dev, n)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer back.Free()
-			if err := mover.Move(back, spill, n); err != nil {
-				t.Fatalf("back: %v", err)
-			}
-			clear(got)
-			if err := back.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
-				t.Fatalf("device memory after the move back: equal %v, %v", bytes.Equal(got, want), err)
-			}
-			if err := mover.Move(back, src, n); name == "cuda" && err == nil {
-				t.Fatal("a move between two GPU allocations was taken")
-			}
+			f(t, name, b, host)
 		})
 	}
 }

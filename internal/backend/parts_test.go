@@ -2,12 +2,9 @@ package backend
 
 import (
 	"bytes"
-	"log/slog"
-	"math/rand/v2"
 	"syscall"
 	"testing"
 
-	"github.com/gpushm/gpushm/internal/cuda"
 	"github.com/gpushm/gpushm/internal/segment"
 )
 
@@ -78,119 +75,84 @@ func TestSpillInParts(t *testing.T) {
 // as the FUSE view does; then joins them again from their descriptors,
 // as a restart does.
 func TestMovePartsRoundTrip(t *testing.T) {
-	names := []string{"host"}
-	if cuda.Init() == nil {
-		names = append(names, "cuda")
-	} else {
-		t.Log("cuda: skipped, no usable GPU (libcuda.so.1 absent or no device)")
-	}
-	for _, name := range names {
-		t.Run(name, func(t *testing.T) {
-			b, err := Open(name, "all", slog.Default())
+	onEachBackend(t, func(t *testing.T, name string, b Backend, host *Host) {
+		mover := b.(segment.Mover)
+		const n = 3<<23 + 3*4096
+		dev := b.DefaultDevice()
+		src, want := filled(t, b, dev, n, 9)
+		defer src.Free()
+		spill, err := makeParts(n, 4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(spill.parts) != 4 || spill.parts[3].size == spill.parts[0].size {
+			t.Fatalf("parts of %d bytes: %d", n, len(spill.parts))
+		}
+		if err := mover.Move(spill, src, n); err != nil {
+			t.Fatalf("out: %v", err)
+		}
+		got := make([]byte, n)
+		if err := spill.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("spill memory after the move out: equal %v, %v", bytes.Equal(got, want), err)
+		}
+		// Across the first boundary.
+		at := spill.parts[0].size - 5
+		patch := []byte("0123456789")
+		if err := spill.WriteAt(patch, at); err != nil {
+			t.Fatal(err)
+		}
+		copy(want[at:], patch)
+		if err := spill.Zero(at+20, 3*4096); err != nil {
+			t.Fatal(err)
+		}
+		clear(want[at+20 : at+20+3*4096])
+		// Into a memfd and back, as the FUSE view's resizes copy.
+		h, err := host.Allocate(0, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer h.Free()
+		if err := h.(segment.Data).CopyFrom(spill, n); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("a memfd copied from the parts differs from what was written: %v", err)
+		}
+		if err := spill.ReadAt(got[:100], at-50); err != nil || !bytes.Equal(got[:100], want[at-50:at+50]) {
+			t.Fatalf("read across a boundary: %v", err)
+		}
+		if err := spill.ReadAt(got[:10], n-5); err == nil {
+			t.Fatal("a read past the end was taken")
+		}
+		// A restart: each part's descriptor restored, then joined.
+		var parts []segment.Memory
+		for _, p := range spill.parts {
+			fd, err := syscall.Dup(p.fd)
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer b.Close()
-			host, err := NewHost()
+			m, err := host.Restore(0, fd, p.size)
 			if err != nil {
 				t.Fatal(err)
 			}
-			mover := b.(segment.Mover)
-			const n = 3<<23 + 3*4096
-			want := make([]byte, n)
-			rand.NewChaCha8([32]byte{9}).Read(want)
-			dev := b.DefaultDevice()
-			src, err := b.Allocate(dev, n)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer src.Free()
-			if err := src.(segment.Data).WriteAt(want, 0); err != nil {
-				t.Fatal(err)
-			}
-			spill, err := makeParts(n, 4)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if len(spill.parts) != 4 || spill.parts[3].size == spill.parts[0].size {
-				t.Fatalf("parts of %d bytes: %d", n, len(spill.parts))
-			}
-			if err := mover.Move(spill, src, n); err != nil {
-				t.Fatalf("out: %v", err)
-			}
-			got := make([]byte, n)
-			if err := spill.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
-				t.Fatalf("spill memory after the move out: equal %v, %v", bytes.Equal(got, want), err)
-			}
-			// Across the first boundary.
-			at := spill.parts[0].size - 5
-			patch := []byte("0123456789")
-			if err := spill.WriteAt(patch, at); err != nil {
-				t.Fatal(err)
-			}
-			copy(want[at:], patch)
-			if err := spill.Zero(at+20, 3*4096); err != nil {
-				t.Fatal(err)
-			}
-			clear(want[at+20 : at+20+3*4096])
-			// Into a memfd and back, as the FUSE view's resizes copy.
-			h, err := host.Allocate(0, n)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer h.Free()
-			if err := h.(segment.Data).CopyFrom(spill, n); err != nil {
-				t.Fatal(err)
-			}
-			if err := h.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
-				t.Fatalf("a memfd copied from the parts differs from what was written: %v", err)
-			}
-			if err := spill.ReadAt(got[:100], at-50); err != nil || !bytes.Equal(got[:100], want[at-50:at+50]) {
-				t.Fatalf("read across a boundary: %v", err)
-			}
-			if err := spill.ReadAt(got[:10], n-5); err == nil {
-				t.Fatal("a read past the end was taken")
-			}
-			// A restart: each part's descriptor restored, then joined.
-			var parts []segment.Memory
-			for _, p := range spill.parts {
-				fd, err := syscall.Dup(p.fd)
-				if err != nil {
-					t.Fatal(err)
-				}
-				m, err := host.Restore(0, fd, p.size)
-				if err != nil {
-					t.Fatal(err)
-				}
-				parts = append(parts, m)
-			}
-			joined, err := JoinParts(parts)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := spill.Free(); err != nil {
-				t.Fatal(err)
-			}
-			back, err := b.Allocate(dev, n)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer back.Free()
-			if err := mover.Move(back, joined, n); err != nil {
-				t.Fatalf("back: %v", err)
-			}
-			clear(got)
-			if err := back.(segment.Data).ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
-				t.Fatalf("device memory after the move back: equal %v, %v", bytes.Equal(got, want), err)
-			}
-			if err := joined.Free(); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := JoinParts([]segment.Memory{back}); name == "cuda" && err == nil {
-				t.Fatal("GPU memory was joined as a part of spill memory")
-			}
-		})
-	}
+			parts = append(parts, m)
+		}
+		joined, err := JoinParts(parts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := spill.Free(); err != nil {
+			t.Fatal(err)
+		}
+		back := movedBack(t, b, dev, joined, want)
+		defer back.Free()
+		if err := joined.Free(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := JoinParts([]segment.Memory{back}); name == "cuda" && err == nil {
+			t.Fatal("GPU memory was joined as a part of spill memory")
+		}
+	})
 }
 
 // The copy's ranges take the parts in turn, a chunk each, and cover every
