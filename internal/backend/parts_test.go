@@ -2,10 +2,15 @@ package backend
 
 import (
 	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"sync/atomic"
 	"syscall"
 	"testing"
 
 	"github.com/gpushm/gpushm/internal/segment"
+	"github.com/gpushm/gpushm/internal/xfer"
 )
 
 // TestSpillInParts: an eviction into new memory of a size worth parts gets
@@ -180,4 +185,35 @@ func TestPartsRanges(t *testing.T) {
 	if rs := m.ranges(fs, 5, 2); len(rs) != 3 || rs[1].At != 4 || rs[1].Len != 1 || rs[2].At != 2 {
 		t.Fatalf("the first 5 bytes: %+v", rs)
 	}
+}
+
+// TestStoreManySteps stores a device's memory into a file in many chunks
+// on few copiers, as an eviction in parts and a dump do: every chunk must
+// land once, and the progress count each.
+func TestStoreManySteps(t *testing.T) {
+	onEachBackend(t, func(t *testing.T, name string, b Backend, host *Host) {
+		const n = 5<<20 + 12345
+		src, want := filled(t, b, b.DefaultDevice(), n, 11)
+		defer src.Free()
+		tg, err := src.(interface{ XferTarget() (xfer.Target, error) }).XferTarget()
+		if err != nil {
+			t.Fatal(err)
+		}
+		tg.Size = n
+		f, err := os.Create(filepath.Join(t.TempDir(), "dump"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		var progress atomic.Int64
+		st, err := xfer.Store(context.Background(), tg, []xfer.Range{{File: f, Len: n}},
+			&xfer.Options{Workers: 3, Chunk: 64 << 10, Progress: func(k int64) { progress.Add(k) }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := os.ReadFile(f.Name())
+		if err != nil || !bytes.Equal(got, want) || st.Bytes != n || progress.Load() != n {
+			t.Fatalf("stored %d bytes (progress %d), equal %v, %v", st.Bytes, progress.Load(), bytes.Equal(got, want), err)
+		}
+	})
 }
