@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -471,4 +472,77 @@ func populateAt(fd int, off, n int64) error {
 	err = unix.Madvise(b, unix.MADV_POPULATE_WRITE)
 	unix.Munmap(b)
 	return err
+}
+
+// TestPartsSpeed times an eviction into new spill memory in parts and
+// restores from it two ways: pread (what the daemon does), and each part
+// mapped (MADV_POPULATE_READ) then copied from the mapping; a diagnostic,
+// run only when GPUSHM_MOVE_SPEED is set to a size in MiB.
+func TestPartsSpeed(t *testing.T) {
+	_, n, b, _ := speedSetup(t)
+	line := func(what string, d time.Duration) {
+		fmt.Printf("%-44s %9.1f ms %7.1f GB/s\n", what, d.Seconds()*1e3, float64(n)/d.Seconds()/1e9)
+	}
+	g, err := b.Allocate(b.DefaultDevice(), n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Free()
+	mover := b.(segment.Mover)
+	for round := range 2 {
+		p, err := makeParts(n, partsFor(n))
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		if err := mover.Move(p, g, n); err != nil {
+			t.Fatal(err)
+		}
+		line(fmt.Sprintf("%d: evict into %d new parts (pwrite)", round, len(p.parts)), time.Since(start))
+		for i := range 2 {
+			start = time.Now()
+			if err := mover.Move(g, p, n); err != nil {
+				t.Fatal(err)
+			}
+			line(fmt.Sprintf("%d: restore (pread) %d", round, i), time.Since(start))
+		}
+		xt, ok := g.(interface{ XferTarget() (xfer.Target, error) })
+		if !ok {
+			p.Free()
+			continue
+		}
+		tg, _ := xt.XferTarget()
+		var spans [][]byte
+		start = time.Now()
+		for _, h := range p.parts {
+			b, err := unix.Mmap(h.fd, 0, int(h.size), unix.PROT_READ, unix.MAP_SHARED)
+			if err != nil {
+				t.Fatal(err)
+			}
+			spans = append(spans, b)
+		}
+		var wg sync.WaitGroup
+		for _, s := range spans {
+			wg.Go(func() { populateWith(unix.MADV_POPULATE_READ, s, reserveChunk, 1, nil, nil) })
+		}
+		wg.Wait()
+		line(fmt.Sprintf("%d: map every part (populate read)", round), time.Since(start))
+		for i := range 2 {
+			start = time.Now()
+			at := int64(0)
+			for _, s := range spans {
+				sub := tg
+				sub.Ptr, sub.Size = tg.Ptr+uint64(at), int64(len(s))
+				if _, err := xfer.Move(sub, s, true, nil); err != nil {
+					t.Fatal(err)
+				}
+				at += int64(len(s))
+			}
+			line(fmt.Sprintf("%d: restore from the mappings %d", round, i), time.Since(start))
+		}
+		for _, s := range spans {
+			unix.Munmap(s)
+		}
+		p.Free()
+	}
 }
