@@ -302,39 +302,25 @@ func inChunks(n, workers int, start func(), more func() bool, do func(i int) err
 	return nil
 }
 
-// Move implements segment.Mover: both memories are memfds, copied on
-// several threads; spill memory in parts is written and read by pwrite
-// and pread, a thread a part (parts_linux.go).
+// Move implements segment.Mover: both memories are host memory, a memfd
+// on at least one side; spill memory in parts is written and read by
+// pwrite and pread, a thread a part (parts_linux.go).
 func (h *Host) Move(dst, src segment.Memory, n int64) error {
-	d, ok1 := dst.(*hostMemory)
-	s, ok2 := src.(*hostMemory)
-	if p, ok := dst.(*partsMemory); ok && ok2 {
-		from, err := s.span(0, n)
-		if err != nil {
-			return err
-		}
-		return moveParts(xfer.Target{Host: from, Size: n}, p, n, false)
-	}
-	if p, ok := src.(*partsMemory); ok && ok1 {
+	if d, ok := dst.(*hostMemory); ok {
 		to, err := d.span(0, n)
 		if err != nil {
 			return err
 		}
-		return moveParts(xfer.Target{Host: to, Size: n}, p, n, true)
+		return moveHost(xfer.Target{Host: to, Size: n}, src, n, true)
 	}
-	if !ok1 || !ok2 {
-		return fmt.Errorf("move from %T to %T: not host memory", src, dst)
+	if s, ok := src.(*hostMemory); ok {
+		from, err := s.span(0, n)
+		if err != nil {
+			return err
+		}
+		return moveHost(xfer.Target{Host: from, Size: n}, dst, n, false)
 	}
-	to, err := d.span(0, n)
-	if err != nil {
-		return err
-	}
-	from, err := s.span(0, n)
-	if err != nil {
-		return err
-	}
-	_, err = xfer.Move(xfer.Target{Host: to, Size: n}, from, true, nil)
-	return err
+	return fmt.Errorf("move from %T to %T: not host memory", src, dst)
 }
 
 // Move implements segment.Mover: between a GPU allocation and host
@@ -359,6 +345,15 @@ func (c *CUDA) Move(dst, src segment.Memory, n int64) error {
 		return fmt.Errorf("move of %d bytes into %d bytes of GPU memory", n, t.Size)
 	}
 	t.Size = n
+	if err := moveHost(t, host, n, in); err != nil {
+		return fmt.Errorf("move from %T to %T: %w", src, dst, err)
+	}
+	return nil
+}
+
+// moveHost copies n bytes between t and host, spill memory of either
+// kind: from host into t when in is true, from t into host otherwise.
+func moveHost(t xfer.Target, host segment.Memory, n int64, in bool) error {
 	switch h := host.(type) {
 	case *partsMemory:
 		return moveParts(t, h, n, in)
@@ -370,5 +365,5 @@ func (c *CUDA) Move(dst, src segment.Memory, n int64) error {
 		_, err = xfer.Move(t, b, in, nil)
 		return err
 	}
-	return fmt.Errorf("move from %T to %T: want cuda and host memory", src, dst)
+	return fmt.Errorf("%T is not host memory", host)
 }

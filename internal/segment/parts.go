@@ -22,11 +22,7 @@ func (r *Registry) spillPartsLocked() int {
 	if l <= 0 {
 		return maxSpillParts
 	}
-	held, extra := r.tiers.extraParts, r.tiers.extraParts
-	r.eachHeldLocked(func(_ *Segment, _ int64, descs int) { held += descs })
-	for _, s := range r.byID {
-		extra += partsOf(s.mem) - 1 + cleanParts(s)
-	}
+	held, extra := r.descsLocked()
 	return 1 + min(maxSpillParts-1, max(0, (l-held)/4), max(0, l/8-extra))
 }
 
@@ -37,9 +33,21 @@ func (r *Registry) descRoomLocked(n int) bool {
 	if l <= 0 {
 		return true
 	}
-	held := r.tiers.extraParts
-	r.eachHeldLocked(func(_ *Segment, _ int64, descs int) { held += descs })
+	held, _ := r.descsLocked()
 	return held+n <= l
+}
+
+// descsLocked is what counts against the daemon's limit of descriptors:
+// held, all of them, and extra, the parts of spill memory beyond each
+// segment's first (clean copies too), both with those evictions under way
+// may take. mu is held.
+func (r *Registry) descsLocked() (held, extra int) {
+	held, extra = r.tiers.extraParts, r.tiers.extraParts
+	r.eachHeldLocked(func(s *Segment, _ int64, descs int) {
+		held += descs
+		extra += partsOf(s.mem) - 1 + cleanParts(s)
+	})
+	return held, extra
 }
 
 // cleanParts is how many descriptors s's clean copy holds, when it is in
@@ -76,12 +84,10 @@ func (r *Registry) forgetPartsLocked(s *Segment) {
 // memory (a replay to a new keeper) keep their records' IDs: a keeper
 // that has them already takes the put again as the same.
 func (r *Registry) putPartsLocked(s *Segment) {
-	pm, ok := s.mem.(Parted)
-	if !ok {
-		s.parts, s.partsOf = nil, nil
-		return
+	var ps []Memory
+	if pm, ok := s.mem.(Parted); ok {
+		ps = pm.Parts()
 	}
-	ps := pm.Parts()
 	if len(ps) < 2 {
 		s.parts, s.partsOf = nil, nil
 		return
